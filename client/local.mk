@@ -1,0 +1,1 @@
+# client/: fragment of the top Makefile.am

@@ -1,0 +1,1 @@
+# daemon/: fragment of the top Makefile.am

@@ -1,0 +1,1 @@
+# doc/: fragment of the top Makefile.am

@@ -1,0 +1,69 @@
+/* The operations one engine step needs, implemented by the CPU reference backend and the CUDA
+ * backend. A backend owns `max_batch` sequence slots, each sized for `max_context` tokens, all
+ * allocated at create time: nothing is allocated per request or per step afterwards. */
+#ifndef DSV4_ENGINE_BACKEND_H
+#define DSV4_ENGINE_BACKEND_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine/weights.h"
+
+enum dsv4_numerics {
+    DSV4_NUMERICS_EXACT,    /* caches in f32, no rounding: what transformers' deepseek_v4 computes */
+    DSV4_NUMERICS_FP8,      /* official: FP8 KV (448 non-RoPE dims, 1x64 UE8M0), Hadamard+FP4 indexer */
+};
+
+struct dsv4_backend_opts {
+    int max_batch;              /* slots */
+    int max_context;            /* tokens per slot */
+    enum dsv4_numerics numerics;
+    int threads;                /* CPU backend worker threads; 0 = one */
+};
+
+struct dsv4_backend_stats {
+    uint64_t device_allocs;     /* allocations made since create (must stay flat after boot) */
+    uint64_t graph_captures;
+    uint64_t bytes_reserved;    /* caches + workspaces */
+    char variant[128];          /* kernels in use, for stats and logs */
+};
+
+struct dsv4_backend;
+
+struct dsv4_backend_ops {
+    const char *name;           /* "cpu", "cuda" */
+    /* Append n tokens to `slot` at its current position (chunked prefill: call again with the
+     * next chunk). logits: [n, V] f32 when all_rows, else [V] for the last token only; may be NULL. */
+    int (*prefill)(struct dsv4_backend *b, int slot, const int32_t *tokens, int n,
+                   float *logits, bool all_rows);
+    /* One token for each of n slots (distinct); logits [n, V] f32, row i for slots[i]. */
+    int (*decode)(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens,
+                  float *logits);
+    /* Forget slot's sequence (position 0, caches cleared logically). */
+    void (*slot_reset)(struct dsv4_backend *b, int slot);
+    int64_t (*slot_position)(const struct dsv4_backend *b, int slot);
+    void (*get_stats)(const struct dsv4_backend *b, struct dsv4_backend_stats *ret);
+    void (*destroy)(struct dsv4_backend *b);
+};
+
+struct dsv4_backend {
+    const struct dsv4_backend_ops *ops;
+    const struct dsv4_weights *weights;
+    struct dsv4_backend_opts opts;
+    void *impl;
+};
+
+/* The CPU reference backend. */
+int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
+                            struct dsv4_backend **ret);
+/* The CUDA backend (built with --with-cuda; returns -ENODEV with a reason when no usable GPU). */
+int dsv4_backend_cuda_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
+                             struct dsv4_backend **ret);
+
+static inline void dsv4_backend_destroy(struct dsv4_backend *b)
+{
+    if (b)
+        b->ops->destroy(b);
+}
+
+#endif

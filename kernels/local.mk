@@ -1,0 +1,1 @@
+# kernels/: fragment of the top Makefile.am

@@ -1,0 +1,1 @@
+# protocol/: fragment of the top Makefile.am

@@ -1,0 +1,6 @@
+# tests/: unit tests live beside their module's fragment; this holds the shared pieces.
+check_PROGRAMS += tests/unit/test_error
+TESTS += tests/unit/test_error
+tests_unit_test_error_SOURCES = tests/unit/test_error.c
+tests_unit_test_error_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_error_LDADD = $(TEST_ENGINE_LIBS)

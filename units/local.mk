@@ -1,0 +1,1 @@
+# units/: fragment of the top Makefile.am
