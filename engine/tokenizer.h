@@ -120,7 +120,7 @@ struct dsv4_detok;
 
 int dsv4_detok_new(const struct dsv4_tokenizer *tok, unsigned decode_flags, struct dsv4_detok **ret);
 void dsv4_detok_free(struct dsv4_detok *d);
-/* Feed one id. *ret_bytes/*ret_len receive the newly complete text (possibly empty, valid UTF-8,
+/* Feed one id. *ret_bytes and *ret_len receive the newly complete text (possibly empty, valid UTF-8,
  * invalid sequences already replaced by U+FFFD); the pointer is valid until the next call on `d`.
  * Returns 0, or -ERANGE for an unknown id (the state is unchanged). */
 int dsv4_detok_feed(struct dsv4_detok *d, int32_t id, const char **ret_bytes, size_t *ret_len);
