@@ -69,9 +69,9 @@ struct dsv4_sampler;
 int dsv4_sampler_create(int vocab, struct dsv4_sampler **ret);
 void dsv4_sampler_destroy(struct dsv4_sampler *s);
 
-/* Sample one token from logits [V] (modified in place: steps 2-5 write into it). hist may be NULL
+/* Sample one token from logits [V] (read only; steps 2-9 work on a copy). hist may be NULL
  * (no penalties possible). index: the output index of this token (0 for the first generated). */
-int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, float *logits,
+int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, const float *logits,
                         const struct dsv4_sampler_history *hist, uint64_t seed, uint64_t index,
                         struct dsv4_sample *ret);
 
