@@ -67,7 +67,7 @@ int dsv4_proto_reader_space(struct dsv4_proto_reader *r, uint8_t **ptr, size_t *
 /* Record that n bytes were written into the space just offered. */
 void dsv4_proto_reader_commit(struct dsv4_proto_reader *r, size_t n);
 
-/* Take the next complete frame: returns 1 with *payload/*len pointing into the reader (valid until the
+/* Take the next complete frame: returns 1 with *payload and *len pointing into the reader (valid until the
  * next reader call), 0 when more bytes are needed, -EBADMSG (err filled: FRAME_TOO_LARGE, FRAME_EMPTY)
  * when the announced length is unacceptable. */
 int dsv4_proto_reader_next(struct dsv4_proto_reader *r, const uint8_t **payload, size_t *len,
