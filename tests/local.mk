@@ -4,3 +4,4 @@ TESTS += tests/unit/test_error
 tests_unit_test_error_SOURCES = tests/unit/test_error.c
 tests_unit_test_error_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_error_LDADD = $(TEST_ENGINE_LIBS)
+include $(srcdir)/tests/fixtures.mk
