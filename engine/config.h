@@ -9,6 +9,17 @@
 #define DSV4_MAX_LAYERS 128     /* main layers; Pro has 61 */
 #define DSV4_MAX_HC 8           /* hyper-connection streams; both releases use 4 */
 #define DSV4_MAX_TOPK 16        /* experts per token; both releases use 6 */
+/* Bounds on the other config fields, checked when config.json is read. */
+#define DSV4_MAX_VOCAB (1 << 22)
+#define DSV4_MAX_DIM (1 << 16)          /* hidden size, lora ranks (Pro: 7168) */
+#define DSV4_MAX_HEADS 1024
+#define DSV4_MAX_HEAD_DIM 4096
+#define DSV4_MAX_EXPERTS 4096
+#define DSV4_MAX_WINDOW (1 << 20)
+#define DSV4_MAX_INDEX_TOPK (1 << 20)
+#define DSV4_MAX_MTP 4                  /* MTP layers; both releases have 1 */
+#define DSV4_MAX_SINKHORN_ITERS 1000
+#define DSV4_MAX_COMPRESS_RATIO 4096
 
 enum dsv4_mlp_type { DSV4_MLP_MOE = 0, DSV4_MLP_HASH = 1 };
 
@@ -48,6 +59,7 @@ struct dsv4_config {
     struct dsv4_rope rope_compress; /* CSA/HCA layers (their window tokens too) and compressors */
     int64_t max_position;
     int bos_id, eos_id;
+    bool tie_embeddings;        /* tie_word_embeddings: head shares embed's tensor */
 };
 
 /* Parse DIR/config.json into *ret. Refuses inconsistent or unsupported fields with a message

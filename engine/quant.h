@@ -14,7 +14,7 @@ float dsv4_e4m3_to_f32(uint8_t v);          /* e4m3fn: no inf, 0x7f/0xff NaN, su
 uint8_t dsv4_f32_to_e4m3(float f);          /* round to nearest even, saturate to +-448 */
 float dsv4_e8m0_to_f32(uint8_t e);          /* 2^(e-127); 0xff is NaN */
 float dsv4_e2m1_to_f32(uint8_t nibble);     /* low 4 bits: sign, 2 exponent, 1 mantissa */
-uint8_t dsv4_f32_to_e2m1(float f);          /* round to nearest even, saturate to +-6 */
+uint8_t dsv4_f32_to_e2m1(float f);          /* round to nearest even, saturate to +-6; NaN -> +0 */
 
 /* Smallest power-of-two scale s with amax/s <= fmt_max, amax floored at 1e-4 (the official
  * activation quantizer's "round up"). Returns the UE8M0 exponent byte. */

@@ -7,6 +7,8 @@
 
 #define DSV4_ST_MAX_DIMS 4
 #define DSV4_ST_MAX_HEADER (100u << 20)   /* refuse headers over 100 MiB */
+#define DSV4_ST_MAX_SHARDS 4096u            /* files of one checkpoint */
+#define DSV4_ST_MAX_TENSORS (1u << 22)      /* tensors of one checkpoint (Pro: under 200k) */
 
 enum dsv4_dtype {
     DSV4_DT_F32, DSV4_DT_F16, DSV4_DT_BF16,
@@ -27,7 +29,7 @@ struct dsv4_st_tensor {
 
 struct dsv4_st;                 /* opaque: all shards of one checkpoint */
 
-/* Open DIR/model.safetensors.index.json's shards, or DIR/model.safetensors, or every DIR/*.safetensors.
+/* Open DIR/model.safetensors.index.json's shards, or DIR/model.safetensors, or every *.safetensors in DIR.
  * Checks each header: JSON well-formed, dtypes known, offsets inside the file, no overlaps, sizes
  * matching shape x dtype. Returns 0 or -errno with a message naming the file and tensor. */
 int dsv4_st_open(const char *dir, struct dsv4_st **ret);
@@ -37,6 +39,9 @@ void dsv4_st_close(struct dsv4_st *st);     /* accepts NULL */
 const struct dsv4_st_tensor *dsv4_st_find(const struct dsv4_st *st, const char *name);
 size_t dsv4_st_count(const struct dsv4_st *st);
 const struct dsv4_st_tensor *dsv4_st_at(const struct dsv4_st *st, size_t i);
+
+/* What was opened (the index file, model.safetensors or the directory), for messages. */
+const char *dsv4_st_source(const struct dsv4_st *st);
 
 size_t dsv4_dtype_size(enum dsv4_dtype dt);         /* bytes per element (FP4 packed: 1 per 2 values, size 1) */
 const char *dsv4_dtype_name(enum dsv4_dtype dt);    /* "F8_E4M3", ... */
