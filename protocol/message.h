@@ -91,10 +91,13 @@ struct dsv4_proto_message {
     struct dsv4_proto_unpacked *body;   /* params (request, notification) or result (response) */
 };
 
-/* Validate (protocol/validate.h), unpack, read the envelope. On failure err says why and msg keeps what
- * was read: when the code is not fatal (today only DSV4_PROTO_E_UNKNOWN_METHOD) msg->has_msgid is true
- * and the server answers that msgid with an error response; on a fatal code it sends
- * dsv4_proto_encode_error_notification() and closes. Call dsv4_proto_message_clear() in both cases. */
+/* Validate (protocol/validate.h), copy the payload, unpack it with msgpack-c, read the envelope. The
+ * message does not reference payload afterwards. On failure err says why and msg keeps what was read:
+ * when the code is not fatal (UNKNOWN_METHOD, WRONG_TYPE for a method that is not a str)
+ * msg->has_msgid is true and the server answers that msgid with an error response; on a fatal code it
+ * sends dsv4_proto_encode_error_notification() and closes. Call dsv4_proto_message_clear() in both
+ * cases. A server must also treat msg->kind != DSV4_PROTO_REQUEST as fatal UNEXPECTED_MESSAGE; a
+ * client ignores notifications whose method is DSV4_PROTO_METHOD_UNKNOWN (sent by a newer server). */
 int dsv4_proto_message_decode(const uint8_t *payload, size_t len, const struct dsv4_proto_limits *lim,
                               struct dsv4_proto_message *msg, struct dsv4_proto_error *err);
 void dsv4_proto_message_clear(struct dsv4_proto_message *msg);

@@ -1,0 +1,489 @@
+/* msgpack-c packing into frames, and typed, bounded reads of unpacked fields. */
+#include "build-config.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "protocol/wire.h"
+
+static int write_cb(void *data, const char *buf, size_t len)
+{
+    struct dsv4_wire_enc *e = data;
+    if (e->failed)
+        return -1;
+    if (dsv4_proto_buf_append(e->out, buf, len) < 0) {
+        e->failed = true;
+        return -1;
+    }
+    return 0;
+}
+
+void dsv4_wire_begin_frame(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out)
+{
+    static const uint8_t zero[DSV4_PROTO_FRAME_HEADER];
+    e->out = out;
+    e->start = out->len;
+    e->failed = dsv4_proto_buf_append(out, zero, sizeof(zero)) < 0;
+    msgpack_packer_init(&e->pk, e, write_cb);
+}
+
+void dsv4_wire_begin_request(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid,
+                             enum dsv4_proto_method method)
+{
+    dsv4_wire_begin_frame(e, out);
+    msgpack_pack_array(&e->pk, 4);
+    msgpack_pack_uint32(&e->pk, DSV4_PROTO_REQUEST);
+    msgpack_pack_uint32(&e->pk, msgid);
+    dsv4_wire_cstr(&e->pk, dsv4_proto_method_name(method));
+    msgpack_pack_array(&e->pk, 1);
+}
+
+void dsv4_wire_begin_response(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid)
+{
+    dsv4_wire_begin_frame(e, out);
+    msgpack_pack_array(&e->pk, 4);
+    msgpack_pack_uint32(&e->pk, DSV4_PROTO_RESPONSE);
+    msgpack_pack_uint32(&e->pk, msgid);
+    msgpack_pack_nil(&e->pk);
+}
+
+void dsv4_wire_begin_notification(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out,
+                                  enum dsv4_proto_method method)
+{
+    dsv4_wire_begin_frame(e, out);
+    msgpack_pack_array(&e->pk, 3);
+    msgpack_pack_uint32(&e->pk, DSV4_PROTO_NOTIFICATION);
+    dsv4_wire_cstr(&e->pk, dsv4_proto_method_name(method));
+    msgpack_pack_array(&e->pk, 1);
+}
+
+int dsv4_wire_end(struct dsv4_wire_enc *e)
+{
+    size_t payload = e->out->len - e->start - DSV4_PROTO_FRAME_HEADER;
+    int rc = e->failed ? -ENOMEM : payload > UINT32_MAX ? -EMSGSIZE : 0;
+    if (rc < 0) {
+        e->out->len = e->start;
+        return rc;
+    }
+    dsv4_proto_frame_put_header(e->out->data + e->start, (uint32_t)payload);
+    return 0;
+}
+
+void dsv4_wire_str(msgpack_packer *pk, const char *s, size_t len)
+{
+    msgpack_pack_str(pk, len);
+    msgpack_pack_str_body(pk, s, len);
+}
+
+void dsv4_wire_cstr(msgpack_packer *pk, const char *s)
+{
+    if (s)
+        dsv4_wire_str(pk, s, strlen(s));
+    else
+        msgpack_pack_nil(pk);
+}
+
+void dsv4_wire_bool(msgpack_packer *pk, bool v)
+{
+    if (v)
+        msgpack_pack_true(pk);
+    else
+        msgpack_pack_false(pk);
+}
+
+void dsv4_wire_key(msgpack_packer *pk, const char *key)
+{
+    dsv4_wire_str(pk, key, strlen(key));
+}
+
+void dsv4_wire_tokens(msgpack_packer *pk, const int32_t *ids, uint32_t n)
+{
+    uint8_t chunk[1024];
+    msgpack_pack_bin(pk, (size_t)n * 4);
+    for (uint32_t i = 0; i < n;) {
+        size_t k = 0;
+        for (; i < n && k + 4 <= sizeof(chunk); i++, k += 4) {
+            uint32_t v = (uint32_t)ids[i];
+            chunk[k] = (uint8_t)v;
+            chunk[k + 1] = (uint8_t)(v >> 8);
+            chunk[k + 2] = (uint8_t)(v >> 16);
+            chunk[k + 3] = (uint8_t)(v >> 24);
+        }
+        msgpack_pack_bin_body(pk, chunk, k);
+    }
+}
+
+int dsv4_wire_body_map(const struct dsv4_proto_message *msg, const char *ctx, const msgpack_object **ret,
+                       struct dsv4_proto_error *err)
+{
+    const msgpack_object *b = msg->body ? msg->body->body : NULL;
+    *ret = NULL;
+    if (!b)
+        return 0;
+    if (b->type != MSGPACK_OBJECT_MAP)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a map", ctx,
+                                    msg->kind == DSV4_PROTO_RESPONSE ? "result" : "params");
+    *ret = b;
+    return 0;
+}
+
+static bool key_is(const msgpack_object *k, const char *name)
+{
+    size_t n = strlen(name);
+    return k->type == MSGPACK_OBJECT_STR && k->via.str.size == n && memcmp(k->via.str.ptr, name, n) == 0;
+}
+
+int dsv4_wire_check_keys(const msgpack_object *map, const char *const *names, size_t n_names, bool strict,
+                         const char *ctx, struct dsv4_proto_error *err)
+{
+    /* one bit per known name; the tables stay below 64 names */
+    uint64_t seen = 0;
+    if (!map)
+        return 0;
+    for (uint32_t i = 0; i < map->via.map.size; i++) {
+        const msgpack_object *k = &map->via.map.ptr[i].key;
+        if (k->type != MSGPACK_OBJECT_STR)
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: map keys must be strings", ctx);
+        if (!dsv4_wire_utf8_valid(k->via.str.ptr, k->via.str.size))
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s: a key is not valid UTF-8", ctx);
+        size_t j = 0;
+        while (j < n_names && !key_is(k, names[j]))
+            j++;
+        if (j == n_names) {
+            if (strict)
+                return dsv4_proto_error_set(err, DSV4_PROTO_E_UNKNOWN_FIELD, "%s: unknown field \"%.*s\"", ctx,
+                                            (int)(k->via.str.size > 64 ? 64 : k->via.str.size), k->via.str.ptr);
+            continue;
+        }
+        if (seen & (1ull << j))
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_DUPLICATE_FIELD, "%s: field %s appears twice", ctx,
+                                        names[j]);
+        seen |= 1ull << j;
+    }
+    return 0;
+}
+
+const msgpack_object *dsv4_wire_get(const msgpack_object *map, const char *key)
+{
+    if (!map)
+        return NULL;
+    for (uint32_t i = 0; i < map->via.map.size; i++)
+        if (key_is(&map->via.map.ptr[i].key, key))
+            return &map->via.map.ptr[i].val;
+    return NULL;
+}
+
+/* RFC 3629: shortest form only, no surrogates, nothing above U+10FFFF. */
+bool dsv4_wire_utf8_valid(const char *str, size_t n)
+{
+    const unsigned char *s = (const unsigned char *)str;
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        unsigned need;
+        uint32_t cp, min;
+        if (c >= 0xc2 && c <= 0xdf) {
+            need = 1; cp = c & 0x1f; min = 0x80;
+        } else if (c >= 0xe0 && c <= 0xef) {
+            need = 2; cp = c & 0x0f; min = 0x800;
+        } else if (c >= 0xf0 && c <= 0xf4) {
+            need = 3; cp = c & 0x07; min = 0x10000;
+        } else {
+            return false;
+        }
+        if (n - i - 1 < need)
+            return false;
+        for (unsigned k = 1; k <= need; k++) {
+            unsigned cc = s[i + k];
+            if ((cc & 0xc0) != 0x80)
+                return false;
+            cp = cp << 6 | (cc & 0x3f);
+        }
+        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+            return false;
+        i += need + 1;
+    }
+    return true;
+}
+
+int dsv4_wire_read_str(const msgpack_object *o, const char *ctx, const char *field, size_t max, char **ret,
+                       size_t *ret_len, struct dsv4_proto_error *err)
+{
+    *ret = NULL;
+    if (ret_len)
+        *ret_len = 0;
+    if (o->type != MSGPACK_OBJECT_STR)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a string", ctx, field);
+    size_t n = o->via.str.size;
+    if (max && n > max)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: %s is %zu bytes, above the limit %zu", ctx,
+                                    field, n, max);
+    if (!dsv4_wire_utf8_valid(o->via.str.ptr, n))
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s: %s is not valid UTF-8", ctx, field);
+    char *s = malloc(n + 1);
+    if (!s)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "%s: no memory for %s", ctx, field);
+    if (n)
+        memcpy(s, o->via.str.ptr, n);
+    s[n] = '\0';
+    *ret = s;
+    if (ret_len)
+        *ret_len = n;
+    return 0;
+}
+
+int dsv4_wire_read_bool(const msgpack_object *o, const char *ctx, const char *field, bool *ret,
+                        struct dsv4_proto_error *err)
+{
+    if (o->type != MSGPACK_OBJECT_BOOLEAN)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a boolean", ctx, field);
+    *ret = o->via.boolean;
+    return 0;
+}
+
+int dsv4_wire_read_int(const msgpack_object *o, const char *ctx, const char *field, int64_t lo, int64_t hi,
+                       int bad_code, int64_t *ret, struct dsv4_proto_error *err)
+{
+    int64_t v;
+    if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER)
+        v = o->via.u64 > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)o->via.u64;
+    else if (o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
+        v = o->via.i64;
+    else
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be an integer", ctx, field);
+    if (v < lo || v > hi)
+        return dsv4_proto_error_set(err, bad_code, "%s: %s must be in [%lld, %lld]", ctx, field, (long long)lo,
+                                    (long long)hi);
+    *ret = v;
+    return 0;
+}
+
+int dsv4_wire_read_u64(const msgpack_object *o, const char *ctx, const char *field, int bad_code, uint64_t *ret,
+                       struct dsv4_proto_error *err)
+{
+    if (o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
+        return dsv4_proto_error_set(err, bad_code, "%s: %s must not be negative", ctx, field);
+    if (o->type != MSGPACK_OBJECT_POSITIVE_INTEGER)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be an integer", ctx, field);
+    *ret = o->via.u64;
+    return 0;
+}
+
+int dsv4_wire_read_u32(const msgpack_object *o, const char *ctx, const char *field, uint32_t *ret,
+                       struct dsv4_proto_error *err)
+{
+    int64_t v;
+    int rc = dsv4_wire_read_int(o, ctx, field, 0, UINT32_MAX, DSV4_PROTO_E_BAD_VALUE, &v, err);
+    if (rc == 0)
+        *ret = (uint32_t)v;
+    return rc;
+}
+
+int dsv4_wire_read_num(const msgpack_object *o, const char *ctx, const char *field, double lo, double hi,
+                       int bad_code, double *ret, struct dsv4_proto_error *err)
+{
+    double v;
+    switch (o->type) {
+    case MSGPACK_OBJECT_POSITIVE_INTEGER: v = (double)o->via.u64; break;
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER: v = (double)o->via.i64; break;
+    case MSGPACK_OBJECT_FLOAT32:
+    case MSGPACK_OBJECT_FLOAT64: v = o->via.f64; break;
+    default:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a number", ctx, field);
+    }
+    if (!isfinite(v) || v < lo || v > hi)
+        return dsv4_proto_error_set(err, bad_code, "%s: %s is %g, must be in [%g, %g]", ctx, field, v, lo, hi);
+    *ret = v;
+    return 0;
+}
+
+int dsv4_wire_read_tokens(const msgpack_object *o, const char *ctx, const char *field, bool allow_empty,
+                          int32_t **ret, uint32_t *ret_n, struct dsv4_proto_error *err)
+{
+    *ret = NULL;
+    *ret_n = 0;
+    if (o->type != MSGPACK_OBJECT_BIN)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE,
+                                    "%s: %s must be a bin of little-endian int32", ctx, field);
+    size_t bytes = o->via.bin.size;
+    if (bytes % 4)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_TOKENS,
+                                    "%s: %s is %zu bytes, not a multiple of 4 (little-endian int32)", ctx, field,
+                                    bytes);
+    if (bytes == 0 && !allow_empty)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_TOKENS, "%s: %s is empty", ctx, field);
+    size_t n = bytes / 4;
+    int32_t *t = malloc(n ? n * sizeof(*t) : 1);
+    if (!t)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "%s: no memory for %zu tokens", ctx, n);
+    const uint8_t *p = (const uint8_t *)o->via.bin.ptr;
+    for (size_t i = 0; i < n; i++, p += 4)
+        t[i] = (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
+    *ret = t;
+    *ret_n = (uint32_t)n;
+    return 0;
+}
+
+static const char *const message_keys[] = { "role", "content" };
+
+int dsv4_wire_read_messages(const msgpack_object *o, const char *ctx, struct dsv4_proto_chat_message **ret,
+                            uint32_t *ret_n, struct dsv4_proto_error *err)
+{
+    *ret = NULL;
+    *ret_n = 0;
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: messages must be an array of maps", ctx);
+    uint32_t n = o->via.array.size;
+    if (n == 0)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: messages is empty", ctx);
+    if (n > DSV4_PROTO_MAX_MESSAGES)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_MESSAGES, "%s: %u messages, above the limit %u",
+                                    ctx, n, DSV4_PROTO_MAX_MESSAGES);
+    struct dsv4_proto_chat_message *m = calloc(n, sizeof(*m));
+    if (!m)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "%s: no memory for %u messages", ctx, n);
+    int rc = 0;
+    for (uint32_t i = 0; i < n && rc == 0; i++) {
+        const msgpack_object *mo = &o->via.array.ptr[i];
+        char field[48];
+        snprintf(field, sizeof(field), "messages[%u]", i);
+        if (mo->type != MSGPACK_OBJECT_MAP) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a map {role, content}", ctx,
+                                      field);
+            break;
+        }
+        rc = dsv4_wire_check_keys(mo, message_keys, 2, true, ctx, err);
+        if (rc)
+            break;
+        const msgpack_object *role = dsv4_wire_get(mo, "role"), *content = dsv4_wire_get(mo, "content");
+        if (!role || !content) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_MISSING_FIELD, "%s: %s has no %s", ctx, field,
+                                      role ? "content" : "role");
+            break;
+        }
+        if (role->type != MSGPACK_OBJECT_STR) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s.role must be a string", ctx, field);
+            break;
+        }
+        int r = -1;
+        for (int k = DSV4_PROTO_ROLE_SYSTEM; k <= DSV4_PROTO_ROLE_ASSISTANT; k++) {
+            const char *name = dsv4_proto_role_name((enum dsv4_proto_role)k);
+            if (role->via.str.size == strlen(name) && memcmp(role->via.str.ptr, name, role->via.str.size) == 0)
+                r = k;
+        }
+        if (r < 0) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_ROLE,
+                                      "%s: %s.role must be system, user or assistant", ctx, field);
+            break;
+        }
+        m[i].role = (enum dsv4_proto_role)r;
+        rc = dsv4_wire_read_str(content, ctx, "content", 0, &m[i].content, &m[i].content_len, err);
+    }
+    if (rc) {
+        dsv4_wire_free_messages(m, n);
+        return rc;
+    }
+    *ret = m;
+    *ret_n = n;
+    return 0;
+}
+
+void dsv4_wire_free_messages(struct dsv4_proto_chat_message *m, uint32_t n)
+{
+    if (!m)
+        return;
+    for (uint32_t i = 0; i < n; i++)
+        free(m[i].content);
+    free(m);
+}
+
+void dsv4_wire_pack_messages(msgpack_packer *pk, const struct dsv4_proto_chat_message *m, uint32_t n)
+{
+    msgpack_pack_array(pk, n);
+    for (uint32_t i = 0; i < n; i++) {
+        msgpack_pack_map(pk, 2);
+        dsv4_wire_key(pk, "role");
+        dsv4_wire_cstr(pk, dsv4_proto_role_name(m[i].role));
+        dsv4_wire_key(pk, "content");
+        dsv4_wire_str(pk, m[i].content ? m[i].content : "", m[i].content ? m[i].content_len : 0);
+    }
+}
+
+int dsv4_wire_opt_u32(const msgpack_object *map, const char *key, const char *ctx, uint32_t *dst,
+                      struct dsv4_proto_error *err)
+{
+    const msgpack_object *o = dsv4_wire_get(map, key);
+    return o ? dsv4_wire_read_u32(o, ctx, key, dst, err) : 0;
+}
+
+int dsv4_wire_opt_u64(const msgpack_object *map, const char *key, const char *ctx, uint64_t *dst,
+                      struct dsv4_proto_error *err)
+{
+    const msgpack_object *o = dsv4_wire_get(map, key);
+    return o ? dsv4_wire_read_u64(o, ctx, key, DSV4_PROTO_E_BAD_VALUE, dst, err) : 0;
+}
+
+int dsv4_wire_opt_i32(const msgpack_object *map, const char *key, const char *ctx, int32_t *dst,
+                      struct dsv4_proto_error *err)
+{
+    const msgpack_object *o = dsv4_wire_get(map, key);
+    int64_t v;
+    if (!o)
+        return 0;
+    int rc = dsv4_wire_read_int(o, ctx, key, INT32_MIN, INT32_MAX, DSV4_PROTO_E_BAD_VALUE, &v, err);
+    if (rc == 0)
+        *dst = (int32_t)v;
+    return rc;
+}
+
+int dsv4_wire_opt_f64(const msgpack_object *map, const char *key, const char *ctx, double *dst,
+                      struct dsv4_proto_error *err)
+{
+    const msgpack_object *o = dsv4_wire_get(map, key);
+    if (!o)
+        return 0;
+    switch (o->type) {
+    case MSGPACK_OBJECT_POSITIVE_INTEGER: *dst = (double)o->via.u64; return 0;
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER: *dst = (double)o->via.i64; return 0;
+    case MSGPACK_OBJECT_FLOAT32:
+    case MSGPACK_OBJECT_FLOAT64:
+        if (isnan(o->via.f64))
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: %s is NaN", ctx, key);
+        *dst = o->via.f64;
+        return 0;
+    default:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a number", ctx, key);
+    }
+}
+
+int dsv4_wire_opt_bool(const msgpack_object *map, const char *key, const char *ctx, bool *dst,
+                       struct dsv4_proto_error *err)
+{
+    const msgpack_object *o = dsv4_wire_get(map, key);
+    return o ? dsv4_wire_read_bool(o, ctx, key, dst, err) : 0;
+}
+
+int dsv4_wire_opt_str(const msgpack_object *map, const char *key, const char *ctx, size_t max, char **dst,
+                      size_t *dst_len, struct dsv4_proto_error *err)
+{
+    const msgpack_object *o = dsv4_wire_get(map, key);
+    char *s;
+    size_t n;
+    if (!o)
+        return 0;
+    int rc = dsv4_wire_read_str(o, ctx, key, max, &s, &n, err);
+    if (rc)
+        return rc;
+    free(*dst);
+    *dst = s;
+    if (dst_len)
+        *dst_len = n;
+    return 0;
+}
