@@ -1,1 +1,11 @@
-# engine/serving.mk
+# engine/serving.mk: scheduler (continuous batching), sampler, Philox RNG, their tests and benchmark.
+libdsv4engine_la_SOURCES += \
+	engine/philox.c engine/philox.h \
+	engine/sampler.c engine/sampler.h \
+	engine/scheduler.c engine/scheduler.h
+
+check_PROGRAMS += tests/unit/test_sampler
+TESTS += tests/unit/test_sampler
+tests_unit_test_sampler_SOURCES = tests/unit/test_sampler.c
+tests_unit_test_sampler_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_sampler_LDADD = $(TEST_ENGINE_LIBS)

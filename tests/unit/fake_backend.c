@@ -1,0 +1,216 @@
+/* The fake backend: see fake_backend.h. */
+#include "build-config.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/error.h"
+#include "engine/philox.h"
+#include "tests/unit/fake_backend.h"
+
+#define FAKE_HASH_START 0x243F6A8885A308D3ull
+
+struct fake_slot {
+    int64_t pos;
+    uint64_t h;                 /* hash of the tokens appended since the last reset */
+};
+
+struct fake_impl {
+    struct fake_backend_opts fo;
+    struct dsv4_weights w;      /* only cfg is filled */
+    struct fake_slot *slots;
+    struct fake_backend_counters c;
+};
+
+static uint64_t hash_step(uint64_t h, int32_t tok)
+{
+    /* splitmix64 finalizer over the previous state and the token */
+    uint64_t z = h ^ ((uint64_t)(uint32_t)tok * 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static void row_from_hash(const struct fake_backend_opts *fo, uint64_t h, float *row)
+{
+    for (int v = 0; v < fo->vocab; v++) {
+        double u = dsv4_philox_uniform(h, (uint64_t)v, 7);
+        row[v] = fo->spread * (float)(u - 0.5);
+        if (v == fo->eos_id)
+            row[v] += fo->eos_bias;
+    }
+}
+
+void fake_backend_row(const struct fake_backend_opts *fo, const int32_t *history, int n, float *row)
+{
+    uint64_t h = FAKE_HASH_START;
+    for (int i = 0; i < n; i++)
+        h = hash_step(h, history[i]);
+    row_from_hash(fo, h, row);
+}
+
+static int fake_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, int n, float *logits,
+                        bool all_rows)
+{
+    struct fake_impl *f = b->impl;
+    if (slot < 0 || slot >= b->opts.max_batch)
+        return dsv4_error_set(-EINVAL, "fake prefill: slot %d", slot);
+    struct fake_slot *sl = &f->slots[slot];
+    if (n < 1 || sl->pos + n > b->opts.max_context)
+        return dsv4_error_set(-ENOSPC, "fake prefill: slot %d at %lld + %d tokens > max_context %d", slot,
+                              (long long)sl->pos, n, b->opts.max_context);
+    for (int i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= f->fo.vocab)
+            return dsv4_error_set(-EINVAL, "fake prefill: token %d", tokens[i]);
+        sl->h = hash_step(sl->h, tokens[i]);
+        if (logits && all_rows)
+            row_from_hash(&f->fo, sl->h, logits + (size_t)i * (size_t)f->fo.vocab);
+    }
+    sl->pos += n;
+    if (logits && !all_rows)
+        row_from_hash(&f->fo, sl->h, logits);
+    f->c.prefill_calls++;
+    f->c.tokens_in += n;
+    if (n > f->c.max_prefill_chunk)
+        f->c.max_prefill_chunk = n;
+    return 0;
+}
+
+static int fake_decode(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, float *logits)
+{
+    struct fake_impl *f = b->impl;
+    if (n < 1 || n > b->opts.max_batch)
+        return dsv4_error_set(-EINVAL, "fake decode: batch %d", n);
+    for (int i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= b->opts.max_batch)
+            return dsv4_error_set(-EINVAL, "fake decode: slot %d", slots[i]);
+        for (int j = 0; j < i; j++)
+            if (slots[j] == slots[i])
+                return dsv4_error_set(-EINVAL, "fake decode: slot %d twice", slots[i]);
+        if (f->slots[slots[i]].pos + 1 > b->opts.max_context)
+            return dsv4_error_set(-ENOSPC, "fake decode: slot %d is full", slots[i]);
+        if (f->slots[slots[i]].pos == 0)
+            return dsv4_error_set(-EINVAL, "fake decode: slot %d has no prompt", slots[i]);
+    }
+    for (int i = 0; i < n; i++) {
+        struct fake_slot *sl = &f->slots[slots[i]];
+        sl->h = hash_step(sl->h, tokens[i]);
+        sl->pos++;
+        row_from_hash(&f->fo, sl->h, logits + (size_t)i * (size_t)f->fo.vocab);
+    }
+    f->c.decode_calls++;
+    f->c.tokens_in += n;
+    if (n > f->c.max_decode_batch)
+        f->c.max_decode_batch = n;
+    return 0;
+}
+
+static void fake_slot_reset(struct dsv4_backend *b, int slot)
+{
+    struct fake_impl *f = b->impl;
+    f->slots[slot].pos = 0;
+    f->slots[slot].h = FAKE_HASH_START;
+    f->c.resets++;
+}
+
+static int64_t fake_slot_position(const struct dsv4_backend *b, int slot)
+{
+    const struct fake_impl *f = b->impl;
+    return f->slots[slot].pos;
+}
+
+static void fake_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats *ret)
+{
+    memset(ret, 0, sizeof(*ret));
+    strcpy(ret->variant, "fake");
+}
+
+static void fake_destroy(struct dsv4_backend *b)
+{
+    struct fake_impl *f = b->impl;
+    free(f->slots);
+    free(f);
+    free(b);
+}
+
+static const struct dsv4_backend_ops fake_ops = {
+    .name = "fake",
+    .prefill = fake_prefill,
+    .decode = fake_decode,
+    .slot_reset = fake_slot_reset,
+    .slot_position = fake_slot_position,
+    .get_stats = fake_get_stats,
+    .destroy = fake_destroy,
+};
+
+int fake_backend_create(const struct fake_backend_opts *fo, const struct dsv4_backend_opts *opts,
+                        struct dsv4_backend **ret)
+{
+    struct dsv4_backend *b = calloc(1, sizeof(*b));
+    struct fake_impl *f = calloc(1, sizeof(*f));
+    struct fake_slot *slots = calloc((size_t)opts->max_batch, sizeof(*slots));
+    if (!b || !f || !slots) {
+        free(b);
+        free(f);
+        free(slots);
+        return -ENOMEM;
+    }
+    f->fo = *fo;
+    f->w.cfg.vocab_size = fo->vocab;
+    f->w.cfg.eos_id = fo->eos_id;
+    f->w.cfg.bos_id = 0;
+    f->slots = slots;
+    for (int i = 0; i < opts->max_batch; i++)
+        slots[i].h = FAKE_HASH_START;
+    b->ops = &fake_ops;
+    b->weights = &f->w;
+    b->opts = *opts;
+    b->impl = f;
+    *ret = b;
+    return 0;
+}
+
+void fake_backend_counters(const struct dsv4_backend *b, struct fake_backend_counters *ret)
+{
+    const struct fake_impl *f = b->impl;
+    *ret = f->c;
+}
+
+int64_t fake_backend_position(const struct dsv4_backend *b, int slot)
+{
+    return fake_slot_position(b, slot);
+}
+
+/* ids: 0 BOS, 1 EOS (no text); 2..27 'a'..'z'; 28 ' '; 29 0xC3 and 30 0xA9 (U+00E9 in two tokens);
+ * 31 0xE2 0x82 and 32 0xAC (U+20AC split 2+1); 33 0xFF (never valid); 34 "STOP"; 35 "ST"; 36 "OP";
+ * 37 "\n"; 38 "ab"; from 39 on two letters chosen by the id. */
+int fake_token_bytes(void *ctx, int32_t id, char *buf, size_t cap)
+{
+    static const char *const fixed[] = {
+        "", "", NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, " ", "\xC3", "\xA9",
+        "\xE2\x82", "\xAC", "\xFF", "STOP", "ST", "OP", "\n", "ab",
+    };
+    char tmp[3];
+    const char *t;
+    if (id < 0)
+        return dsv4_error_set(-ERANGE, "fake vocab: id %d", id);
+    if (id >= 2 && id <= 27) {
+        tmp[0] = (char)('a' + id - 2);
+        tmp[1] = '\0';
+        t = tmp;
+    } else if (id < (int32_t)(sizeof(fixed) / sizeof(fixed[0]))) {
+        t = fixed[id];
+    } else {
+        tmp[0] = (char)('a' + id % 26);
+        tmp[1] = (char)('a' + (id / 26) % 26);
+        tmp[2] = '\0';
+        t = tmp;
+    }
+    size_t len = strlen(t);
+    if (len > cap)
+        return -E2BIG;
+    memcpy(buf, t, len);
+    return (int)len;
+}
