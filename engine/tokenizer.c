@@ -514,6 +514,80 @@ static int check_parts(const json_t *root)
     return 0;
 }
 
+struct tok_buf {
+    char *data;
+    size_t len, cap;
+};
+
+static int buf_put(struct tok_buf *b, const char *s, size_t n)
+{
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *d = realloc(b->data, cap);
+        if (!d)
+            return -ENOMEM;
+        b->data = d;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, s, n);
+    b->len += n;
+    b->data[b->len] = '\0';
+    return 0;
+}
+
+static int buf_put_ranges(struct tok_buf *b, const struct dsv4_tok_unicode_class *c)
+{
+    int r = 0;
+    for (size_t i = 0; i < c->n && !r; i++) {
+        char item[40];
+        int n = c->ranges[i][0] == c->ranges[i][1]
+                    ? snprintf(item, sizeof(item), "\\x{%x}", c->ranges[i][0])
+                    : snprintf(item, sizeof(item), "\\x{%x}-\\x{%x}", c->ranges[i][0], c->ranges[i][1]);
+        r = buf_put(b, item, (size_t)n);
+    }
+    return r;
+}
+
+/* Copy a split regex with every \p{L}, \p{N}, \p{P}, \p{S}, \p{M} replaced by the explicit
+ * ranges `tokenizers` has for them (see tok_internal.h): inside a bracket class the ranges go in
+ * place, outside they become a bracket class of their own. Other syntax is copied unchanged. */
+static int rewrite_pattern(const char *pat, size_t len, struct tok_buf *out)
+{
+    int depth = 0, r = 0;
+    for (size_t i = 0; i < len && !r;) {
+        char c = pat[i];
+        if (c == '\\' && i + 4 < len && pat[i + 1] == 'p' && pat[i + 2] == '{' && pat[i + 4] == '}') {
+            const struct dsv4_tok_unicode_class *k = dsv4_tok_unicode_classes;
+            while (k->name && (k->name[0] != pat[i + 3] || k->name[1]))
+                k++;
+            if (k->name) {
+                if (!depth)
+                    r = buf_put(out, "[", 1);
+                if (!r)
+                    r = buf_put_ranges(out, k);
+                if (!r && !depth)
+                    r = buf_put(out, "]", 1);
+                i += 5;
+                continue;
+            }
+        }
+        if (c == '\\') {
+            r = buf_put(out, pat + i, i + 1 < len ? 2 : 1);
+            i += 2;
+            continue;
+        }
+        if (c == '[')
+            depth++;
+        else if (c == ']' && depth)
+            depth--;
+        r = buf_put(out, &c, 1);
+        i++;
+    }
+    return r;
+}
+
 static int load_pre_tokenizer(struct dsv4_tokenizer *tok, const json_t *root)
 {
     const json_t *pre = json_object_get(root, "pre_tokenizer");
@@ -546,10 +620,15 @@ static int load_pre_tokenizer(struct dsv4_tokenizer *tok, const json_t *root)
             return dsv4_error_set(-ENOTSUP, "pre_tokenizer %zu: invert true is not supported", i);
         if (tok->nregex == TOK_MAX_REGEXES)
             return dsv4_error_set(-E2BIG, "pre_tokenizer: more than %d Split regexes", TOK_MAX_REGEXES);
-        const UChar *pat = (const UChar *)json_string_value(re);
+        struct tok_buf pat = {0};
+        if (rewrite_pattern(json_string_value(re), json_string_length(re), &pat) || !pat.data) {
+            free(pat.data);
+            return dsv4_error_set(-ENOMEM, "pre_tokenizer %zu: out of memory", i);
+        }
         OnigErrorInfo einfo;
-        int r = onig_new(&tok->regex[tok->nregex], pat, pat + json_string_length(re), ONIG_OPTION_NONE,
-                         ONIG_ENCODING_UTF8, ONIG_SYNTAX_RUBY, &einfo);
+        int r = onig_new(&tok->regex[tok->nregex], (const UChar *)pat.data, (const UChar *)pat.data + pat.len,
+                         ONIG_OPTION_NONE, ONIG_ENCODING_UTF8, ONIG_SYNTAX_RUBY, &einfo);
+        free(pat.data);
         if (r != ONIG_NORMAL) {
             UChar msg[ONIG_MAX_ERROR_MESSAGE_LEN];
             onig_error_code_to_str(msg, r, &einfo);
