@@ -278,7 +278,7 @@ static int hf_rope(const struct parser *p, struct dsv4_config *c, double prf, bo
         return dsv4_error_set(-EINVAL, "%s: field rope_parameters must hold both \"main\" and "
                               "\"compress\" objects, or neither", p->name);
     } else {
-        json_t *flat = json_deep_copy(rp && json_is_object(rp) ? rp : json_object());
+        json_t *flat = rp && json_is_object(rp) ? json_deep_copy(rp) : json_object();
         json_t *main_flat = json_object();
 
         if (!flat || !main_flat) {
