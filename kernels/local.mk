@@ -1,1 +1,55 @@
-# kernels/: fragment of the top Makefile.am
+# kernels/: the CUDA backend, built into libdsv4cuda.a by nvcc when configure found it.
+# Programs that link libdsv4engine.la and want the CUDA backend add $(DSV4_CUDA_LDADD) to their LDADD
+# (empty without CUDA) and $(DSV4_CUDA_CPPFLAGS) to their CFLAGS (defines nothing without CUDA).
+
+# The kernels' CPU twins are plain C and always built, so CI compiles them with the engine.
+libdsv4engine_la_SOURCES += engine/cpu_twin_cuda.c engine/cpu_twin_cuda.h
+
+DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/moe.cu kernels/norm.cu kernels/backend_cuda.cu
+DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh
+EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES)
+
+GPU_TEST_COMMON = tests/gpu/gpu_test.h
+
+if HAVE_CUDA
+noinst_LIBRARIES += libdsv4cuda.a
+libdsv4cuda_a_SOURCES = $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES)
+
+# Machine code for Hopper (sm_90a: H100/H200), Blackwell (sm_100a) and RTX PRO 6000 (sm_120a), plus
+# compute_80 PTX as the portable fallback the driver compiles at load on anything else; the boot log
+# and stats name which image runs (dsv4_cuda_dev_stats.kernel_build). Override NVCC_GENCODE to build
+# fewer targets while developing.
+NVCC_GENCODE = -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_100a,code=sm_100a \
+	-gencode=arch=compute_120a,code=sm_120a -gencode=arch=compute_80,code=compute_80
+DSV4_NVCCFLAGS = -std=c++17 -O3 $(NVCC_GENCODE) -I$(top_srcdir) -I$(top_builddir) \
+	-Xcompiler -Wall,-Wextra,-Wshadow,-Wno-unused-parameter,-fno-strict-aliasing
+SUFFIXES = .cu
+.cu.o:
+	$(AM_V_GEN)$(NVCC) $(DSV4_NVCCFLAGS) $(NVCCFLAGS) -c -o $@ $<
+$(libdsv4cuda_a_OBJECTS): $(DSV4_CUDA_HDR_FILES) engine/weights.h engine/backend.h engine/config.h engine/error.h
+
+DSV4_CUDA_LDADD = libdsv4cuda.a $(CUDA_LIBS) -lstdc++
+DSV4_CUDA_CPPFLAGS = $(CUDA_CFLAGS)
+
+GPU_TESTS += tests/gpu/test_gpu_linear tests/gpu/test_gpu_moe tests/gpu/test_gpu_norm tests/gpu/test_gpu_device
+check_PROGRAMS += $(GPU_TESTS)
+GPU_TEST_CFLAGS = $(TEST_ENGINE_CFLAGS) $(CUDA_CFLAGS)
+GPU_TEST_LIBS = $(DSV4_CUDA_LDADD) $(TEST_ENGINE_LIBS) -lm
+tests_gpu_test_gpu_linear_SOURCES = tests/gpu/test_gpu_linear.c $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_linear_CFLAGS = $(GPU_TEST_CFLAGS)
+tests_gpu_test_gpu_linear_LDADD = $(GPU_TEST_LIBS)
+tests_gpu_test_gpu_moe_SOURCES = tests/gpu/test_gpu_moe.c $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_moe_CFLAGS = $(GPU_TEST_CFLAGS)
+tests_gpu_test_gpu_moe_LDADD = $(GPU_TEST_LIBS)
+tests_gpu_test_gpu_norm_SOURCES = tests/gpu/test_gpu_norm.c $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_norm_CFLAGS = $(GPU_TEST_CFLAGS)
+tests_gpu_test_gpu_norm_LDADD = $(GPU_TEST_LIBS)
+tests_gpu_test_gpu_device_SOURCES = tests/gpu/test_gpu_device.c $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_device_CFLAGS = $(GPU_TEST_CFLAGS)
+tests_gpu_test_gpu_device_LDADD = $(GPU_TEST_LIBS)
+else
+DSV4_CUDA_LDADD =
+DSV4_CUDA_CPPFLAGS =
+EXTRA_DIST += $(GPU_TEST_COMMON) tests/gpu/test_gpu_linear.c tests/gpu/test_gpu_moe.c \
+	tests/gpu/test_gpu_norm.c tests/gpu/test_gpu_device.c
+endif

@@ -1,0 +1,139 @@
+/* Shared by the kernel files: checked CUDA calls, launch checks, number-format helpers. */
+#ifndef DSV4_KERNELS_CUDA_UTIL_CUH
+#define DSV4_KERNELS_CUDA_UTIL_CUH
+
+#include <errno.h>
+#include <stdint.h>
+
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+extern "C" {
+#include "engine/error.h"
+}
+
+#include "kernels/dsv4cuda.h"
+
+#define DSV4_CUDA_WARP 32
+#define DSV4_CUDA_FP8_BLOCK 128         /* weight scale block, both axes */
+#define DSV4_CUDA_FP4_BLOCK 32          /* FP4 scale block along K */
+#define DSV4_CUDA_E4M3_MAX 448.0f
+#define DSV4_CUDA_AMAX_FLOOR 1e-4f
+
+/* Return -EIO with the CUDA error text when `call` fails. */
+#define DSV4_CUDA_TRY(call)                                                                    \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess)                                                                 \
+            return dsv4_error_set(-EIO, "%s: %s (%s:%d)", #call, cudaGetErrorString(e_),      \
+                                  __FILE__, __LINE__);                                         \
+    } while (0)
+
+/* After a launch: configuration errors surface here; asynchronous faults at the next sync. */
+#define DSV4_CUDA_LAUNCHED(name)                                                               \
+    do {                                                                                       \
+        cudaError_t e_ = cudaGetLastError();                                                   \
+        if (e_ != cudaSuccess)                                                                 \
+            return dsv4_error_set(-EIO, "launching %s: %s", name, cudaGetErrorString(e_));    \
+    } while (0)
+
+/* Per-variant launch counters (device.cu). */
+void dsv4_cuda_count_launch(enum dsv4_cuda_variant v);
+
+static __device__ __forceinline__ float dsv4_warp_sum(float v)
+{
+    for (int o = DSV4_CUDA_WARP / 2; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ float dsv4_warp_max(float v)
+{
+    for (int o = DSV4_CUDA_WARP / 2; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* 2^(e-127) for a UE8M0 byte (0xff, NaN in the format, never appears in valid scales). */
+static __device__ __forceinline__ float dsv4_ue8m0(uint8_t e)
+{
+    return e ? __uint_as_float((uint32_t)e << 23) : 5.877471754e-39f;   /* 2^-127, subnormal */
+}
+
+/* The official activation scale: max(amax, 1e-4) / 448 rounded up to a power of two. */
+static __device__ __forceinline__ float dsv4_act_scale(float amax)
+{
+    uint32_t u = __float_as_uint(fmaxf(amax, DSV4_CUDA_AMAX_FLOOR) / DSV4_CUDA_E4M3_MAX);
+    uint32_t exp = (u >> 23) & 0xff;
+    if (u & 0x7fffff)
+        exp++;
+    return __uint_as_float(exp << 23);
+}
+
+/* Two e4m3 bytes (low byte first) to floats, exactly. */
+static __device__ __forceinline__ float2 dsv4_e4m3x2(uint16_t v)
+{
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)v, __NV_E4M3);
+    return __half22float2(*reinterpret_cast<__half2 *>(&h));
+}
+
+/* One e2m1 nibble to float by building the bits: magnitude codes 1..7 are 0.5,1,1.5,2,3,4,6. */
+static __device__ __forceinline__ float dsv4_e2m1(uint32_t nib)
+{
+    uint32_t m = nib & 7u, bits;
+    bits = m < 2 ? m * 0x3f000000u : ((((m >> 1) + 126u) << 23) | ((m & 1u) << 22));
+    return __uint_as_float(bits | ((nib & 8u) << 28));
+}
+
+/* Dot 16 weight bytes (4 f32, 8 bf16, 16 e4m3 or 32 e2m1 values, low first) with as many floats of
+ * x (16-byte aligned), unscaled. */
+static __device__ __forceinline__ float dsv4_dot_f32(const uint4 &w, const float *x)
+{
+    float4 xv = *reinterpret_cast<const float4 *>(x);
+    return __uint_as_float(w.x) * xv.x + __uint_as_float(w.y) * xv.y +
+           __uint_as_float(w.z) * xv.z + __uint_as_float(w.w) * xv.w;
+}
+
+static __device__ __forceinline__ float dsv4_dot_bf16(const uint4 &w, const float *x)
+{
+    const uint32_t u[4] = { w.x, w.y, w.z, w.w };
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 xv = *reinterpret_cast<const float2 *>(x + 2 * i);
+        acc += __uint_as_float(u[i] << 16) * xv.x + __uint_as_float(u[i] & 0xffff0000u) * xv.y;
+    }
+    return acc;
+}
+
+static __device__ __forceinline__ float dsv4_dot_fp8(const uint4 &w, const float *x)
+{
+    const uint32_t u[4] = { w.x, w.y, w.z, w.w };
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float4 xv = *reinterpret_cast<const float4 *>(x + 4 * i);
+        float2 lo = dsv4_e4m3x2((uint16_t)(u[i] & 0xffff)), hi = dsv4_e4m3x2((uint16_t)(u[i] >> 16));
+        acc += lo.x * xv.x + lo.y * xv.y + hi.x * xv.z + hi.y * xv.w;
+    }
+    return acc;
+}
+
+static __device__ __forceinline__ float dsv4_dot_fp4(const uint4 &w, const float *x)
+{
+    const uint32_t u[4] = { w.x, w.y, w.z, w.w };
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            float4 xv = *reinterpret_cast<const float4 *>(x + 8 * i + 4 * j);
+            uint32_t b = u[i] >> (16 * j);
+            acc += dsv4_e2m1(b) * xv.x + dsv4_e2m1(b >> 4) * xv.y + dsv4_e2m1(b >> 8) * xv.z +
+                   dsv4_e2m1(b >> 12) * xv.w;
+        }
+    }
+    return acc;
+}
+
+#endif

@@ -1,0 +1,608 @@
+/* Per-device state: one cudaMalloc carved into weights (checkpoint formats), per-slot caches and
+ * workspaces; the compute stream, the cuBLASLt handle and its workspace; counters that prove no
+ * allocation or capture happens after the device is sealed. Everything one GPU owns lives in
+ * struct dsv4_cuda_dev so that several devices (expert parallelism) can follow. */
+#include <atomic>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cublasLt.h>
+
+#include "kernels/cuda_util.cuh"
+
+#define DEV_WINDOW 128                  /* sliding window ring entries per layer */
+#define DEV_KV_ENTRY_FP8 584            /* 448 e4m3 + 64 bf16 + 7 UE8M0 + pad (SPEC §5) */
+#define DEV_IDX_ENTRY_FP4 68            /* 128 e2m1 + 4 UE8M0 */
+#define DEV_VARIANTS_MAX 2048           /* bytes of the variant report */
+
+static std::atomic<uint64_t> launch_counts[DSV4_CUDA_V_COUNT];
+
+void dsv4_cuda_count_launch(enum dsv4_cuda_variant v)
+{
+    launch_counts[v].fetch_add(1, std::memory_order_relaxed);
+}
+
+extern "C" uint64_t dsv4_cuda_variant_launches(enum dsv4_cuda_variant v)
+{
+    return (unsigned)v < DSV4_CUDA_V_COUNT ? launch_counts[v].load(std::memory_order_relaxed) : 0;
+}
+
+extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
+{
+    switch (v) {
+    case DSV4_CUDA_V_GEMV_F32: return "gemv_f32_warprow";
+    case DSV4_CUDA_V_GEMV_BF16: return "gemv_bf16_warprow";
+    case DSV4_CUDA_V_GEMV_FP8: return "gemv_fp8_b128_warprow";
+    case DSV4_CUDA_V_GEMV_FP4: return "gemv_fp4_b32_warprow";
+    case DSV4_CUDA_V_EXPERTS_FP4: return "experts_fp4_grouped_swiglu";
+    case DSV4_CUDA_V_COUNT: break;
+    }
+    return "?";
+}
+
+struct dev_linear {
+    const char *name;
+    const void *host;           /* the checkpoint bytes it was uploaded from */
+    struct dsv4_cuda_linear lin;
+};
+
+struct dev_vector {
+    const void *host;
+    void *dev;
+};
+
+struct dsv4_cuda_dev {
+    int ordinal;
+    cudaStream_t stream;
+    cublasLtHandle_t lt;
+    void *lt_workspace;
+    uint8_t *arena;             /* the one allocation */
+    size_t arena_size, arena_used;
+    bool sealed;
+    struct dsv4_cuda_dev_stats stats;
+    struct dev_linear *linears;
+    size_t n_linears, cap_linears;
+    struct dev_vector *vectors;
+    size_t n_vectors, cap_vectors;
+    struct dsv4_cuda_experts *experts;  /* [n_layers]; d_table NULL when not FP4 */
+    int n_layers;
+    void *caches;               /* per-slot caches, official layout (used by the decode step) */
+    char variants[DEV_VARIANTS_MAX];
+};
+
+/* ---- walking the weights: every linear and every small vector the config implies ---- */
+
+struct walker {
+    int (*linear)(struct walker *wk, const struct dsv4_linear *l);
+    int (*vector)(struct walker *wk, const void *host, size_t bytes);
+    int (*experts)(struct walker *wk, int layer, const struct dsv4_ffn *f);
+    struct dsv4_cuda_dev *dev;
+    const struct dsv4_config *cfg;
+    size_t bytes;               /* pass 1: sum of aligned sizes */
+};
+
+static size_t align_up(size_t n)
+{
+    return (n + DSV4_CUDA_ARENA_ALIGN - 1) / DSV4_CUDA_ARENA_ALIGN * DSV4_CUDA_ARENA_ALIGN;
+}
+
+#define WALK(call)                      \
+    do {                                \
+        int rc_ = (call);               \
+        if (rc_ < 0)                    \
+            return rc_;                 \
+    } while (0)
+
+static int walk_vec(struct walker *wk, const void *host, size_t n, size_t elem)
+{
+    return host ? wk->vector(wk, host, n * elem) : 0;
+}
+
+static int walk_hc(struct walker *wk, const struct dsv4_hc *h)
+{
+    const int hc = wk->cfg->hc_mult;
+    WALK(wk->linear(wk, &h->fn));
+    WALK(walk_vec(wk, h->base, (size_t)(2 + hc) * hc, sizeof(float)));
+    return walk_vec(wk, h->scale, 3, sizeof(float));
+}
+
+static int walk_comp(struct walker *wk, const struct dsv4_compressor *c)
+{
+    const int coff = c->overlap ? 2 : 1;
+    WALK(wk->linear(wk, &c->wkv));
+    WALK(wk->linear(wk, &c->wgate));
+    WALK(walk_vec(wk, c->ape, (size_t)c->ratio * coff * c->dim, sizeof(float)));
+    return walk_vec(wk, c->norm, (size_t)c->dim, sizeof(float));
+}
+
+static int walk_layer(struct walker *wk, int li, const struct dsv4_layer *L)
+{
+    const struct dsv4_config *c = wk->cfg;
+    const struct dsv4_attn *a = &L->attn;
+    const struct dsv4_ffn *f = &L->ffn;
+
+    WALK(walk_vec(wk, L->attn_norm, c->dim, sizeof(float)));
+    WALK(walk_vec(wk, L->ffn_norm, c->dim, sizeof(float)));
+    WALK(walk_hc(wk, &L->hc_attn));
+    WALK(walk_hc(wk, &L->hc_ffn));
+    WALK(wk->linear(wk, &a->wq_a));
+    WALK(walk_vec(wk, a->q_norm, c->q_lora_rank, sizeof(float)));
+    WALK(wk->linear(wk, &a->wq_b));
+    WALK(wk->linear(wk, &a->wkv));
+    WALK(walk_vec(wk, a->kv_norm, c->head_dim, sizeof(float)));
+    WALK(wk->linear(wk, &a->wo_a));
+    WALK(wk->linear(wk, &a->wo_b));
+    WALK(walk_vec(wk, a->sink, c->n_heads, sizeof(float)));
+    if (L->ratio > 0)
+        WALK(walk_comp(wk, &a->comp));
+    if (L->ratio > 0 && L->ratio == c->csa_ratio) {
+        WALK(wk->linear(wk, &a->indexer.wq_b));
+        WALK(wk->linear(wk, &a->indexer.weights_proj));
+        WALK(walk_comp(wk, &a->indexer.comp));
+    }
+    WALK(wk->linear(wk, &f->gate));
+    WALK(walk_vec(wk, f->gate_bias, c->n_experts, sizeof(float)));
+    WALK(walk_vec(wk, f->tid2eid, (size_t)c->vocab_size * c->n_experts_per_tok, sizeof(int32_t)));
+    for (int e = 0; f->w1 && f->w2 && f->w3 && e < c->n_experts; e++) {
+        WALK(wk->linear(wk, &f->w1[e]));
+        WALK(wk->linear(wk, &f->w3[e]));
+        WALK(wk->linear(wk, &f->w2[e]));
+    }
+    if (li >= 0)
+        WALK(wk->experts(wk, li, f));
+    WALK(wk->linear(wk, &f->sw1));
+    WALK(wk->linear(wk, &f->sw3));
+    return wk->linear(wk, &f->sw2);
+}
+
+static int walk_weights(struct walker *wk, const struct dsv4_weights *w)
+{
+    const struct dsv4_config *c = &w->cfg;
+    WALK(wk->linear(wk, &w->embed));
+    WALK(wk->linear(wk, &w->head));
+    WALK(walk_vec(wk, w->norm, c->dim, sizeof(float)));
+    WALK(wk->linear(wk, &w->hc_head.fn));
+    WALK(walk_vec(wk, w->hc_head.base, c->hc_mult, sizeof(float)));
+    WALK(walk_vec(wk, w->hc_head.scale, 1, sizeof(float)));
+    for (int i = 0; i < c->n_layers; i++)
+        WALK(walk_layer(wk, i, &w->layers[i]));
+    for (int i = 0; i < w->n_mtp; i++) {
+        const struct dsv4_mtp *m = &w->mtp[i];
+        WALK(walk_vec(wk, m->enorm, c->dim, sizeof(float)));
+        WALK(walk_vec(wk, m->hnorm, c->dim, sizeof(float)));
+        WALK(wk->linear(wk, &m->e_proj));
+        WALK(wk->linear(wk, &m->h_proj));
+        WALK(walk_layer(wk, -1, &m->layer));
+        WALK(wk->linear(wk, &m->hc_head.fn));
+        WALK(walk_vec(wk, m->hc_head.base, c->hc_mult, sizeof(float)));
+        WALK(walk_vec(wk, m->hc_head.scale, 1, sizeof(float)));
+        WALK(walk_vec(wk, m->norm, c->dim, sizeof(float)));
+    }
+    return 0;
+}
+
+/* Device bytes of a linear, stored contiguous (row_stride == in), and of its scales. */
+static size_t linear_elem_bytes(const struct dsv4_linear *l, int64_t vals)
+{
+    switch (l->fmt) {
+    case DSV4_W_F32: return (size_t)vals * 4;
+    case DSV4_W_BF16:
+    case DSV4_W_F16: return (size_t)vals * 2;
+    case DSV4_W_FP8: return (size_t)vals;
+    case DSV4_W_FP4: return (size_t)vals / 2;
+    }
+    return 0;
+}
+
+static size_t linear_scale_bytes(const struct dsv4_linear *l)
+{
+    if (l->fmt == DSV4_W_FP8)
+        return (size_t)((l->out + DSV4_CUDA_FP8_BLOCK - 1) / DSV4_CUDA_FP8_BLOCK) * l->scale_stride;
+    if (l->fmt == DSV4_W_FP4)
+        return (size_t)l->out * l->scale_stride;
+    return 0;
+}
+
+static bool linear_present(const struct dsv4_linear *l)
+{
+    return l->w && l->out > 0 && l->in > 0;
+}
+
+static int size_linear(struct walker *wk, const struct dsv4_linear *l)
+{
+    if (!linear_present(l))
+        return 0;
+    wk->bytes += align_up(linear_elem_bytes(l, l->out * l->in)) + align_up(linear_scale_bytes(l));
+    wk->dev->cap_linears++;
+    return 0;
+}
+
+static int size_vector(struct walker *wk, const void *host, size_t bytes)
+{
+    wk->bytes += align_up(bytes);
+    wk->dev->cap_vectors++;
+    return 0;
+}
+
+static bool experts_fp4(const struct dsv4_config *c, const struct dsv4_ffn *f)
+{
+    if (!f->w1 || !f->w2 || !f->w3)
+        return false;
+    for (int e = 0; e < c->n_experts; e++)
+        if (f->w1[e].fmt != DSV4_W_FP4 || f->w3[e].fmt != DSV4_W_FP4 || f->w2[e].fmt != DSV4_W_FP4)
+            return false;
+    return c->n_experts > 0;
+}
+
+static int size_experts(struct walker *wk, int layer, const struct dsv4_ffn *f)
+{
+    if (experts_fp4(wk->cfg, f))
+        wk->bytes += align_up(sizeof(struct dsv4_cuda_expert_ptrs) * wk->cfg->n_experts);
+    return 0;
+}
+
+static int carve(struct dsv4_cuda_dev *dev, size_t bytes, void **ret)
+{
+    bytes = align_up(bytes);
+    if (dev->sealed)
+        return dsv4_error_set(-EPERM, "cuda: workspace of %zu bytes asked for after boot", bytes);
+    if (bytes > dev->arena_size - dev->arena_used)
+        return dsv4_error_set(-ENOMEM, "cuda: arena of %zu bytes exhausted (%zu used, %zu more asked)",
+                              dev->arena_size, dev->arena_used, bytes);
+    *ret = dev->arena + dev->arena_used;
+    dev->arena_used += bytes;
+    return 0;
+}
+
+static int upload_linear(struct walker *wk, const struct dsv4_linear *l)
+{
+    struct dsv4_cuda_dev *dev = wk->dev;
+    struct dev_linear *dl;
+    void *w = NULL, *s = NULL;
+    size_t row = linear_elem_bytes(l, l->in), sb = linear_scale_bytes(l);
+
+    if (!linear_present(l))
+        return 0;
+    WALK(carve(dev, row * l->out, &w));
+    /* stacked expert views (row_stride > in) become contiguous rows */
+    DSV4_CUDA_TRY(cudaMemcpy2D(w, row, l->w, linear_elem_bytes(l, l->row_stride), row, l->out,
+                               cudaMemcpyHostToDevice));
+    if (sb) {
+        WALK(carve(dev, sb, &s));
+        DSV4_CUDA_TRY(cudaMemcpy(s, l->scale, sb, cudaMemcpyHostToDevice));
+    }
+    dl = &dev->linears[dev->n_linears++];
+    dl->name = l->name;
+    dl->host = l->w;
+    dl->lin.fmt = l->fmt;
+    dl->lin.out = l->out;
+    dl->lin.in = l->in;
+    dl->lin.row_stride = l->in;
+    dl->lin.w = w;
+    dl->lin.scale = static_cast<const uint8_t *>(s);
+    dl->lin.scale_stride = l->scale_stride;
+    dev->stats.weight_bytes += row * l->out + sb;
+    return 0;
+}
+
+static int upload_vector(struct walker *wk, const void *host, size_t bytes)
+{
+    struct dsv4_cuda_dev *dev = wk->dev;
+    struct dev_vector *v = &dev->vectors[dev->n_vectors++];
+    WALK(carve(dev, bytes, &v->dev));
+    DSV4_CUDA_TRY(cudaMemcpy(v->dev, host, bytes, cudaMemcpyHostToDevice));
+    v->host = host;
+    dev->stats.weight_bytes += bytes;
+    return 0;
+}
+
+static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f)
+{
+    struct dsv4_cuda_dev *dev = wk->dev;
+    const struct dsv4_config *c = wk->cfg;
+    struct dsv4_cuda_expert_ptrs *tab;
+    struct dsv4_cuda_experts *ex = &dev->experts[layer];
+    void *d_tab = NULL;
+
+    if (!experts_fp4(c, f))
+        return 0;
+    tab = static_cast<struct dsv4_cuda_expert_ptrs *>(calloc(c->n_experts, sizeof(*tab)));
+    if (!tab)
+        return dsv4_error_set(-ENOMEM, "cuda: expert table of layer %d", layer);
+    /* walk_layer uploads w1, w3, w2 of each expert in order just before calling here */
+    const size_t base = dev->n_linears - 3 * (size_t)c->n_experts;
+    for (int e = 0; e < c->n_experts; e++) {
+        const struct dev_linear *d1 = &dev->linears[base + 3 * e], *d3 = d1 + 1, *d2 = d1 + 2;
+        if (d1->host != f->w1[e].w || d3->host != f->w3[e].w || d2->host != f->w2[e].w) {
+            free(tab);
+            return dsv4_error_set(-ENOENT, "cuda: layer %d expert %d was not uploaded", layer, e);
+        }
+        tab[e] = { static_cast<const uint8_t *>(d1->lin.w), d1->lin.scale, static_cast<const uint8_t *>(d3->lin.w),
+                   d3->lin.scale, static_cast<const uint8_t *>(d2->lin.w), d2->lin.scale };
+    }
+    int rc = carve(dev, sizeof(*tab) * c->n_experts, &d_tab);
+    if (rc == 0 && cudaMemcpy(d_tab, tab, sizeof(*tab) * c->n_experts, cudaMemcpyHostToDevice) != cudaSuccess)
+        rc = dsv4_error_set(-EIO, "cuda: uploading the expert table of layer %d", layer);
+    free(tab);
+    if (rc < 0)
+        return rc;
+    ex->n_experts = c->n_experts;
+    ex->dim = c->dim;
+    ex->inter = c->moe_inter;
+    ex->swiglu_limit = (float)c->swiglu_limit;
+    ex->d_table = static_cast<const struct dsv4_cuda_expert_ptrs *>(d_tab);
+    return 0;
+}
+
+/* ---- caches and workspaces ---- */
+
+/* Bytes of one slot's caches: window rings, compressed entries, indexer keys, compressor state. */
+static size_t slot_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
+{
+    const bool fp8 = o->numerics == DSV4_NUMERICS_FP8;
+    const size_t entry = fp8 ? DEV_KV_ENTRY_FP8 : (size_t)c->head_dim * sizeof(float);
+    const size_t ientry = fp8 ? DEV_IDX_ENTRY_FP4 : (size_t)c->index_head_dim * sizeof(float);
+    size_t bytes = 0;
+    for (int i = 0; i < c->n_layers; i++) {
+        const int r = c->compress_ratio[i];
+        bytes += align_up(DEV_WINDOW * entry);
+        if (r > 0) {
+            const size_t n = ((size_t)o->max_context + r - 1) / r;
+            const int coff = r == c->csa_ratio ? 2 : 1;
+            bytes += align_up(n * entry);
+            /* partial block: C and Z, coff*d wide, for r tokens (overlap keeps 2r) */
+            bytes += align_up(2 * (size_t)coff * r * c->head_dim * coff * sizeof(float));
+            if (r == c->csa_ratio) {
+                bytes += align_up(n * ientry);
+                bytes += align_up(2 * (size_t)2 * r * c->index_head_dim * 2 * sizeof(float));
+            }
+        }
+    }
+    return bytes;
+}
+
+/* f32 activations per batch row for the decode step (streams, sublayer in/out, q, o, router, experts,
+ * logits), generous so that the decode step carves from this without growing the arena. */
+static size_t row_workspace_floats(const struct dsv4_config *c)
+{
+    const size_t D = c->dim, hc = c->hc_mult, HD = (size_t)c->n_heads * c->head_dim;
+    return 2 * hc * D + 6 * D + 2 * HD + 2 * (size_t)c->q_lora_rank +
+           (size_t)c->index_n_heads * c->index_head_dim + 2 * (size_t)c->n_experts +
+           (size_t)c->n_experts_per_tok * ((size_t)c->moe_inter + D) +
+           3 * (size_t)(c->n_shared_experts ? c->n_shared_experts : 1) * c->moe_inter +
+           2 * (2 + hc) * hc + (size_t)c->o_groups * c->o_lora_rank + (size_t)c->vocab_size;
+}
+
+static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), void *ctx, bool variant,
+                 const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), void *ctx, bool variant,
+                 const char *fmt, ...)
+{
+    char line[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    if (variant) {
+        size_t n = strlen(dev->variants);
+        snprintf(dev->variants + n, sizeof(dev->variants) - n, "%s\n", line);
+    }
+    if (log)
+        log(ctx, line);
+}
+
+/* Which compiled image of the kernels the device runs: written by the device itself. */
+__global__ void arch_probe_kernel(int *out)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM120_ALL)
+    *out = __CUDA_ARCH__ * 10 + 1;      /* arch-specific ("a") cubin */
+#elif defined(__CUDA_ARCH__)
+    *out = __CUDA_ARCH__ * 10;          /* portable image: the PTX fallback, JIT-compiled */
+#endif
+}
+
+static int probe_build(struct dsv4_cuda_dev *dev, int *scratch)
+{
+    int code = 0;
+    arch_probe_kernel<<<1, 1, 0, dev->stream>>>(scratch);
+    DSV4_CUDA_LAUNCHED("arch_probe");
+    DSV4_CUDA_TRY(cudaMemcpyAsync(&code, scratch, sizeof(code), cudaMemcpyDeviceToHost, dev->stream));
+    DSV4_CUDA_TRY(cudaStreamSynchronize(dev->stream));
+    if (code % 10)
+        snprintf(dev->stats.kernel_build, sizeof(dev->stats.kernel_build), "sm_%da cubin", code / 100);
+    else
+        snprintf(dev->stats.kernel_build, sizeof(dev->stats.kernel_build), "compute_%d PTX (JIT)", code / 100);
+    return 0;
+}
+
+extern "C" int dsv4_cuda_device_count(void)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        dsv4_error_set(-ENODEV, "no usable GPU: %s", cudaGetErrorString(e));
+        return 0;
+    }
+    if (n == 0)
+        dsv4_error_set(-ENODEV, "no usable GPU: the CUDA runtime sees no device");
+    return n;
+}
+
+static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, const struct dsv4_backend_opts *o,
+                    void (*log)(void *, const char *), void *log_ctx)
+{
+    const struct dsv4_config *c = &w->cfg;
+    struct walker wk = {};
+    cudaDeviceProp prop;
+    size_t free_b = 0, total_b = 0, cache, ws, lt_ws = DSV4_CUDA_LT_WORKSPACE;
+    void *p;
+
+    if (o->max_batch < 1 || o->max_batch > DSV4_CUDA_MAX_BATCH || o->max_context < 1)
+        return dsv4_error_set(-EINVAL, "cuda: max_batch %d outside 1..%d or max_context %d < 1", o->max_batch,
+                              DSV4_CUDA_MAX_BATCH, o->max_context);
+    DSV4_CUDA_TRY(cudaSetDevice(dev->ordinal));
+    DSV4_CUDA_TRY(cudaGetDeviceProperties(&prop, dev->ordinal));
+    snprintf(dev->stats.device_name, sizeof(dev->stats.device_name), "%.95s", prop.name);
+    dev->stats.cc_major = prop.major;
+    dev->stats.cc_minor = prop.minor;
+    dev->stats.sm_count = prop.multiProcessorCount;
+    DSV4_CUDA_TRY(cudaStreamCreateWithFlags(&dev->stream, cudaStreamNonBlocking));
+    if (cublasLtCreate(&dev->lt) != CUBLAS_STATUS_SUCCESS)
+        return dsv4_error_set(-EIO, "cuda: cublasLtCreate failed on device %d", dev->ordinal);
+
+    /* pass 1: sizes */
+    wk.dev = dev;
+    wk.cfg = c;
+    wk.linear = size_linear;
+    wk.vector = size_vector;
+    wk.experts = size_experts;
+    WALK(walk_weights(&wk, w));
+    cache = (size_t)o->max_batch * slot_cache_bytes(c, o);
+    ws = align_up((size_t)o->max_batch * row_workspace_floats(c) * sizeof(float)) + align_up(lt_ws) +
+         align_up(sizeof(int32_t) * (3 * (size_t)o->max_batch * DSV4_MAX_TOPK + 2)) + DSV4_CUDA_ARENA_ALIGN;
+    dev->arena_size = wk.bytes + cache + ws;
+    DSV4_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+    if (dev->arena_size > free_b)
+        return dsv4_error_set(-ENOMEM, "cuda: device %d (%s) has %.2f GiB free; the plan needs %.2f GiB "
+                              "(weights %.2f + caches %.2f for %d slots x %d tokens + workspace %.2f): lower "
+                              "max_batch or max_context", dev->ordinal, prop.name, free_b / 1073741824.0,
+                              dev->arena_size / 1073741824.0, wk.bytes / 1073741824.0, cache / 1073741824.0,
+                              o->max_batch, o->max_context, ws / 1073741824.0);
+    DSV4_CUDA_TRY(cudaMalloc(&p, dev->arena_size));
+    dev->stats.device_allocs++;
+    dev->arena = static_cast<uint8_t *>(p);
+    dev->stats.arena_bytes = dev->arena_size;
+    dev->stats.cache_bytes = cache;
+    dev->stats.workspace_bytes = ws;
+
+    /* pass 2: upload, in checkpoint formats */
+    dev->linears = static_cast<struct dev_linear *>(calloc(dev->cap_linears + 1, sizeof(*dev->linears)));
+    dev->vectors = static_cast<struct dev_vector *>(calloc(dev->cap_vectors + 1, sizeof(*dev->vectors)));
+    dev->n_layers = c->n_layers;
+    dev->experts = static_cast<struct dsv4_cuda_experts *>(calloc(c->n_layers + 1, sizeof(*dev->experts)));
+    if (!dev->linears || !dev->vectors || !dev->experts)
+        return dsv4_error_set(-ENOMEM, "cuda: weight tables for %zu linears", dev->cap_linears);
+    wk.linear = upload_linear;
+    wk.vector = upload_vector;
+    wk.experts = upload_experts;
+    WALK(walk_weights(&wk, w));
+    WALK(carve(dev, cache, &dev->caches));
+    DSV4_CUDA_TRY(cudaMemsetAsync(dev->caches, 0, cache, dev->stream));
+    WALK(carve(dev, lt_ws, &dev->lt_workspace));
+    WALK(carve(dev, sizeof(int), &p));
+    WALK(probe_build(dev, static_cast<int *>(p)));
+
+    vlog(dev, log, log_ctx, false, "cuda: device %d %s, cc %d.%d, %d SMs, kernels from %s", dev->ordinal,
+         prop.name, prop.major, prop.minor, prop.multiProcessorCount, dev->stats.kernel_build);
+    vlog(dev, log, log_ctx, false, "cuda: arena %.2f GiB in 1 allocation: weights %.2f GiB (%zu linears, %zu "
+         "vectors, checkpoint formats), caches %.2f GiB (%d slots x %d tokens, %s), workspace %.2f GiB",
+         dev->arena_size / 1073741824.0, dev->stats.weight_bytes / 1073741824.0, dev->n_linears, dev->n_vectors,
+         cache / 1073741824.0, o->max_batch, o->max_context,
+         o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV 584 B/entry, FP4 indexer keys" : "f32 entries",
+         ws / 1073741824.0);
+    vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3)",
+         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8));
+    vlog(dev, log, log_ctx, true, "op linear.bf16: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_BF16));
+    vlog(dev, log, log_ctx, true, "op linear.f32 (mHC fn): %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_F32));
+    vlog(dev, log, log_ctx, true, "op linear.fp4: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP4));
+    vlog(dev, log, log_ctx, true, "op experts: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_FP4));
+    vlog(dev, log, log_ctx, true, "op router: warp-per-token sqrtsoftplus top-k / hash table");
+    vlog(dev, log, log_ctx, true, "op rmsnorm: block-per-row");
+    vlog(dev, log, log_ctx, true, "op mhc: block-per-token, Sinkhorn in one thread");
+    DSV4_CUDA_TRY(cudaStreamSynchronize(dev->stream));
+    return 0;
+}
+
+extern "C" int dsv4_cuda_dev_create(int ordinal, const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
+                                    void (*log)(void *ctx, const char *line), void *log_ctx,
+                                    struct dsv4_cuda_dev **ret)
+{
+    struct dsv4_cuda_dev *dev;
+    int n = dsv4_cuda_device_count(), rc;
+
+    if (n == 0)
+        return -ENODEV;
+    if (ordinal < 0 || ordinal >= n)
+        return dsv4_error_set(-ENODEV, "cuda: device %d asked for, %d present", ordinal, n);
+    dev = static_cast<struct dsv4_cuda_dev *>(calloc(1, sizeof(*dev)));
+    if (!dev)
+        return dsv4_error_set(-ENOMEM, "cuda: device state");
+    dev->ordinal = ordinal;
+    rc = dev_boot(dev, w, opts, log, log_ctx);
+    if (rc < 0) {
+        dsv4_cuda_dev_destroy(dev);
+        return rc;
+    }
+    *ret = dev;
+    return 0;
+}
+
+extern "C" void dsv4_cuda_dev_destroy(struct dsv4_cuda_dev *dev)
+{
+    if (!dev)
+        return;
+    if (dev->stream)
+        cudaStreamSynchronize(dev->stream);
+    if (dev->lt)
+        cublasLtDestroy(dev->lt);
+    if (dev->stream)
+        cudaStreamDestroy(dev->stream);
+    cudaFree(dev->arena);
+    free(dev->linears);
+    free(dev->vectors);
+    free(dev->experts);
+    free(dev);
+}
+
+extern "C" void dsv4_cuda_dev_get_stats(const struct dsv4_cuda_dev *dev, struct dsv4_cuda_dev_stats *ret)
+{
+    *ret = dev->stats;
+    for (int v = 0; v < DSV4_CUDA_V_COUNT; v++)
+        ret->launches[v] = dsv4_cuda_variant_launches(static_cast<enum dsv4_cuda_variant>(v));
+}
+
+extern "C" const struct dsv4_cuda_linear *dsv4_cuda_dev_linear(const struct dsv4_cuda_dev *dev, const char *name)
+{
+    for (size_t i = 0; i < dev->n_linears; i++)
+        if (dev->linears[i].name && strcmp(dev->linears[i].name, name) == 0)
+            return &dev->linears[i].lin;
+    return NULL;
+}
+
+extern "C" const void *dsv4_cuda_dev_vector(const struct dsv4_cuda_dev *dev, const void *host)
+{
+    for (size_t i = 0; i < dev->n_vectors; i++)
+        if (dev->vectors[i].host == host)
+            return dev->vectors[i].dev;
+    return NULL;
+}
+
+extern "C" int dsv4_cuda_dev_experts(const struct dsv4_cuda_dev *dev, int layer, struct dsv4_cuda_experts *ret)
+{
+    if (layer < 0 || layer >= dev->n_layers || !dev->experts[layer].d_table)
+        return dsv4_error_set(-ENOENT, "cuda: layer %d has no FP4 routed experts on the device", layer);
+    *ret = dev->experts[layer];
+    return 0;
+}
+
+extern "C" int dsv4_cuda_dev_carve(struct dsv4_cuda_dev *dev, size_t bytes, void **ret)
+{
+    return carve(dev, bytes, ret);
+}
+
+extern "C" void dsv4_cuda_dev_seal(struct dsv4_cuda_dev *dev)
+{
+    dev->sealed = true;
+}
+
+extern "C" void *dsv4_cuda_dev_stream(const struct dsv4_cuda_dev *dev)
+{
+    return dev->stream;
+}
+
+extern "C" const char *dsv4_cuda_dev_variants(const struct dsv4_cuda_dev *dev)
+{
+    return dev->variants;
+}

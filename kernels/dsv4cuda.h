@@ -1,0 +1,161 @@
+/* The CUDA backend's C interface: the per-device state (one arena, streams, cuBLASLt, graphs) and
+ * the kernel launchers, each checked in tests/gpu against its CPU twin (engine/cpu_twin_cuda.h).
+ * Pointers named d_* are device pointers; `stream` is a cudaStream_t passed as void * so that C
+ * callers need no CUDA headers. Launchers return 0 or -errno with dsv4_error_set(). */
+#ifndef DSV4_KERNELS_DSV4CUDA_H
+#define DSV4_KERNELS_DSV4CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "engine/backend.h"
+#include "engine/weights.h"
+
+#define DSV4_CUDA_MAX_BATCH 64          /* decode rows per step: the largest graph bucket */
+#define DSV4_CUDA_ARENA_ALIGN 256       /* bytes; every arena carve-out starts on this boundary */
+#define DSV4_CUDA_LT_WORKSPACE (32u << 20)   /* cuBLASLt workspace bytes (prefill GEMMs) */
+#define DSV4_CUDA_ACT_BLOCK 128         /* official activation quantization block along K */
+
+/* A linear layer as it lives on the device: same meaning as struct dsv4_linear (engine/weights.h),
+ * with w and scale pointing into the device arena. */
+struct dsv4_cuda_linear {
+    enum dsv4_wfmt fmt;
+    int64_t out, in;
+    int64_t row_stride;         /* elements (FP4: values) between rows */
+    const void *w;
+    const uint8_t *scale;       /* FP8: [ceil(out/128), ceil(in/128)]; FP4: [out, in/32]; else NULL */
+    int64_t scale_stride;       /* bytes between scale rows */
+};
+
+/* One layer's routed experts on the device: a table of E entries, each the six device pointers of
+ * one expert's FP4 w1/w3 [I, D] and w2 [D, I] with their 1x32 UE8M0 scales. */
+struct dsv4_cuda_expert_ptrs {
+    const uint8_t *w1, *s1, *w3, *s3, *w2, *s2;
+};
+
+struct dsv4_cuda_experts {
+    int n_experts, dim, inter;  /* E, D, I */
+    float swiglu_limit;         /* 0 = no clamp */
+    const struct dsv4_cuda_expert_ptrs *d_table;    /* [E], in device memory */
+};
+
+/* Scratch the expert launcher needs, carved from the arena for up to max_pairs = batch * topk. */
+struct dsv4_cuda_moe_ws {
+    int32_t *d_groups;          /* [3 * max_pairs + 2] expert ids, group starts, pair list, count */
+    float *d_h;                 /* [max_pairs, I] SwiGLU output, FP8-rounded */
+    float *d_out;               /* [max_pairs, D] per-pair expert outputs */
+};
+
+/* ---- per-device state ---- */
+
+/* Kernel variants, counted per launch (a captured graph counts its launches once, at capture). */
+enum dsv4_cuda_variant {
+    DSV4_CUDA_V_GEMV_F32,
+    DSV4_CUDA_V_GEMV_BF16,
+    DSV4_CUDA_V_GEMV_FP8,
+    DSV4_CUDA_V_GEMV_FP4,
+    DSV4_CUDA_V_EXPERTS_FP4,
+    DSV4_CUDA_V_COUNT,
+};
+const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v);
+/* Launch counts per variant since process start (all devices). */
+uint64_t dsv4_cuda_variant_launches(enum dsv4_cuda_variant v);
+
+
+struct dsv4_cuda_dev;
+
+struct dsv4_cuda_dev_stats {
+    uint64_t device_allocs;     /* cudaMalloc calls since create (the arena: 1) */
+    uint64_t graph_captures;
+    uint64_t arena_bytes;       /* total arena */
+    uint64_t weight_bytes;      /* weights as uploaded (checkpoint formats) */
+    uint64_t cache_bytes;       /* per-slot caches */
+    uint64_t workspace_bytes;   /* activations, scratch, cuBLASLt workspace */
+    uint64_t launches[DSV4_CUDA_V_COUNT];  /* per-variant launch counters (process-wide) */
+    char device_name[96];
+    int cc_major, cc_minor;
+    int sm_count;
+    char kernel_build[48];      /* which compiled kernel image runs: "sm_90a cubin", "compute_80 PTX (JIT)" */
+};
+
+/* Count usable GPUs; 0 with a reason in dsv4_error_message() when none. */
+int dsv4_cuda_device_count(void);
+
+/* Boot one device: one cudaMalloc sized for weights + caches (opts->max_batch slots of
+ * opts->max_context tokens) + workspaces, weights uploaded in their checkpoint formats, streams and
+ * the cuBLASLt handle made, kernel variants chosen and logged through `log` (may be NULL). */
+int dsv4_cuda_dev_create(int ordinal, const struct dsv4_weights *w,
+                         const struct dsv4_backend_opts *opts,
+                         void (*log)(void *ctx, const char *line), void *log_ctx,
+                         struct dsv4_cuda_dev **ret);
+void dsv4_cuda_dev_destroy(struct dsv4_cuda_dev *dev);     /* accepts NULL */
+void dsv4_cuda_dev_get_stats(const struct dsv4_cuda_dev *dev, struct dsv4_cuda_dev_stats *ret);
+/* Device copies of the weights: the model's linears, looked up by checkpoint name; NULL if absent. */
+const struct dsv4_cuda_linear *dsv4_cuda_dev_linear(const struct dsv4_cuda_dev *dev, const char *name);
+/* Carve `bytes` of workspace from the arena's free tail (boot only: fails after dsv4_cuda_dev_seal). */
+int dsv4_cuda_dev_carve(struct dsv4_cuda_dev *dev, size_t bytes, void **ret);
+/* After this, carving and capture are refused: the READY state. */
+void dsv4_cuda_dev_seal(struct dsv4_cuda_dev *dev);
+void *dsv4_cuda_dev_stream(const struct dsv4_cuda_dev *dev);
+/* Device copy of a small host vector of the weights (norm weights, biases, hc base/scale, sinks,
+ * ape, tid2eid), found by its host address; NULL if it was not uploaded. */
+const void *dsv4_cuda_dev_vector(const struct dsv4_cuda_dev *dev, const void *host);
+/* Layer's routed experts when they are FP4 (the release format); -ENOENT otherwise. */
+int dsv4_cuda_dev_experts(const struct dsv4_cuda_dev *dev, int layer, struct dsv4_cuda_experts *ret);
+/* One line per op: the variant chosen at boot (also written to the boot log). */
+const char *dsv4_cuda_dev_variants(const struct dsv4_cuda_dev *dev);
+
+/* ---- kernels (tests/gpu/test_gpu_*.c check each against its twin) ---- */
+
+
+/* d_y[b, i] = round through e4m3 of d_x[b, i] in 1x`block` groups with a UE8M0 scale (the official
+ * activation quantizer), b < rows, i < k; k must be a multiple of block. d_y may equal d_x. */
+int dsv4_cuda_fp8_roundtrip(const float *d_x, int rows, int64_t k, int block, float *d_y, void *stream);
+
+/* d_y[b, n] = sum_k W[n, k] d_x[b, k] for b < batch (<= DSV4_CUDA_MAX_BATCH), f32 accumulation,
+ * weights dequantized on the fly. FP8/FP4 weights expect d_x already FP8-rounded (the caller runs
+ * dsv4_cuda_fp8_roundtrip, as the official code quantizes activations). Rows are ldx/ldy apart. */
+int dsv4_cuda_gemv(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch,
+                   float *d_y, int64_t ldy, void *stream);
+
+/* RMSNorm: d_y[b] = w * x / sqrt(mean(x^2) + eps) per row of n values; d_w NULL = no weight. */
+int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, int n, float eps, float *d_y,
+                      void *stream);
+
+/* Router for `batch` tokens: d_logits [batch, E] (gate output). Scored layers (d_tid2eid NULL):
+ * s = sqrt(softplus(l)), idx = top-k of s + bias (ties to the lower index), Hash layers: idx =
+ * tid2eid[token]. Weights w = s[idx] / sum(s[idx]) * route_scale (norm_topk_prob). */
+int dsv4_cuda_router(const float *d_logits, int batch, int n_experts, int topk, const float *d_bias,
+                     const int32_t *d_tid2eid, const int32_t *d_tokens, float route_scale,
+                     int32_t *d_idx, float *d_w, void *stream);
+
+/* Routed experts: d_y[b] = sum_j w[b,j] expert_{idx[b,j]}(x_b), expert(x) = w2(silu(min(w1 x, L)) *
+ * clamp(w3 x, -L, L)), grouped by expert over the batch. d_x [batch, D] must be FP8-rounded; the
+ * SwiGLU output is FP8-rounded (1x128) before w2, as the official code does. */
+int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,
+                          const int32_t *d_idx, const float *d_w, const struct dsv4_cuda_moe_ws *ws,
+                          float *d_y, void *stream);
+
+/* d_h[b, i] = silu(min(g, L)) * clamp(u, -L, L) for g = d_gate[b, i], u = d_up[b, i] (shared expert). */
+int dsv4_cuda_swiglu(const float *d_gate, const float *d_up, int rows, int64_t n, float limit,
+                     float *d_h, void *stream);
+
+/* mHC pre for `batch` tokens with hc streams: d_X [batch, hc, D], d_m [batch, (2+hc)*hc] the fn
+ * GEMV output (unnormalized). Writes d_y [batch, D] = sum_j pre_j X[j], d_post [batch, hc],
+ * d_comb [batch, hc, hc] (C after Sinkhorn). */
+int dsv4_cuda_mhc_pre(const float *d_X, const float *d_m, const float *d_base, const float *d_scale,
+                      int batch, int hc, int dim, int iters, float hc_eps, float norm_eps,
+                      float *d_y, float *d_post, float *d_comb, void *stream);
+/* mHC post: d_Xo[b, k] = post_k * f_b + sum_j comb[j, k] X[b, j]; d_Xo must not alias d_X. */
+int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const float *d_post, const float *d_comb,
+                       int batch, int hc, int dim, float *d_Xo, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,217 @@
+/* GPU: the activation quantizer and the skinny-batch linears (F32, BF16, FP8 128x128, FP4 1x32)
+ * against their CPU twins, at real V4-Flash shapes and tiny ones, batch 1, 3 and 64.
+ * Bounds: the quantizer must match bit for bit (same rounding rules); a linear sees the same FP8-
+ * rounded x on both sides, so only f32 summation order differs: 1e-5 relative, every format. */
+#include "build-config.h"
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include "tests/gpu/gpu_test.h"
+
+#define LINEAR_BOUND 1e-5
+
+struct shape {
+    const char *what;
+    enum dsv4_wfmt fmt;
+    int64_t out, in;
+    int max_batch;              /* largest batch checked (the CPU oracle's cost) */
+};
+
+static const struct shape shapes[] = {
+    { "fp8 wq_a [1024,4096]", DSV4_W_FP8, 1024, 4096, 64 },
+    { "fp8 wq_b [32768,1024]", DSV4_W_FP8, 32768, 1024, 64 },
+    { "fp8 wo_b [4096,8192]", DSV4_W_FP8, 4096, 8192, 64 },
+    { "fp8 tiny [130,256]", DSV4_W_FP8, 130, 256, 64 },
+    { "fp8 tiny [8,128]", DSV4_W_FP8, 8, 128, 64 },
+    { "bf16 wo_a [8192,4096]", DSV4_W_BF16, 8192, 4096, 64 },
+    { "bf16 gate [256,4096]", DSV4_W_BF16, 256, 4096, 64 },
+    { "bf16 head [129280,4096]", DSV4_W_BF16, 129280, 4096, 1 },
+    { "bf16 tiny [5,72]", DSV4_W_BF16, 5, 72, 64 },
+    { "f32 hc fn [24,16384]", DSV4_W_F32, 24, 16384, 64 },
+    { "f32 tiny [3,12]", DSV4_W_F32, 3, 12, 64 },
+    { "fp4 w1 [2048,4096]", DSV4_W_FP4, 2048, 4096, 64 },
+    { "fp4 w2 [4096,2048]", DSV4_W_FP4, 4096, 2048, 64 },
+    { "fp4 tiny [3,64]", DSV4_W_FP4, 3, 64, 64 },
+};
+
+static const int batches[] = { 1, 3, 64 };
+
+/* A host linear with random weights in `fmt` and its device copy. */
+struct pair {
+    struct dsv4_linear h;
+    struct dsv4_cuda_linear d;
+    void *hw, *hs;
+};
+
+static void make_linear(struct pair *p, enum dsv4_wfmt fmt, int64_t out, int64_t in)
+{
+    size_t wbytes, sbytes = 0;
+    int64_t sstride = 0;
+
+    memset(p, 0, sizeof(*p));
+    switch (fmt) {
+    case DSV4_W_F32: wbytes = (size_t)(out * in) * 4; break;
+    case DSV4_W_BF16: wbytes = (size_t)(out * in) * 2; break;
+    case DSV4_W_FP8:
+        wbytes = (size_t)(out * in);
+        sstride = (in + 127) / 128;
+        sbytes = (size_t)((out + 127) / 128 * sstride);
+        break;
+    default:
+        wbytes = (size_t)(out * in) / 2;
+        sstride = in / 32;
+        sbytes = (size_t)(out * sstride);
+        break;
+    }
+    p->hw = malloc(wbytes);
+    p->hs = sbytes ? malloc(sbytes) : NULL;
+    assert_non_null(p->hw);
+    switch (fmt) {
+    case DSV4_W_F32: gt_fill_normal(p->hw, (size_t)(out * in), 0.02f); break;
+    case DSV4_W_BF16: gt_fill_bf16(p->hw, (size_t)(out * in)); break;
+    case DSV4_W_FP8: gt_fill_fp8(p->hw, wbytes); gt_fill_scales(p->hs, sbytes, -9); break;
+    default: gt_fill_fp4(p->hw, wbytes); gt_fill_scales(p->hs, sbytes, -5); break;
+    }
+    p->h = (struct dsv4_linear){ .fmt = fmt, .out = out, .in = in, .row_stride = in, .w = p->hw,
+                                 .scale = p->hs, .scale_stride = sstride, .name = "test" };
+    p->d = (struct dsv4_cuda_linear){ .fmt = fmt, .out = out, .in = in, .row_stride = in,
+                                      .w = gt_dev_copy(p->hw, wbytes),
+                                      .scale = sbytes ? gt_dev_copy(p->hs, sbytes) : NULL,
+                                      .scale_stride = sstride };
+}
+
+static void free_linear(struct pair *p)
+{
+    cudaFree((void *)p->d.w);
+    cudaFree((void *)p->d.scale);
+    free(p->hw);
+    free(p->hs);
+}
+
+/* Activations like a real residual stream: N(0,1) with a few blocks far smaller (below the 1e-4
+ * amax floor) and a few with outliers, so every branch of the quantizer runs. */
+static void fill_activations(float *x, size_t n)
+{
+    gt_fill_normal(x, n, 1.0f);
+    for (size_t b = 0; b + 128 <= n; b += 128) {
+        uint64_t r = gt_u64() % 16;
+        if (r == 0)
+            for (size_t i = 0; i < 128; i++)
+                x[b + i] *= 1e-6f;
+        else if (r == 1)
+            x[b + gt_u64() % 128] = 300.0f * gt_normal();
+    }
+}
+
+static void test_fp8_roundtrip(void **state)
+{
+    const int64_t ks[] = { 128, 4096, 7168 };
+    for (size_t t = 0; t < sizeof(ks) / sizeof(ks[0]); t++) {
+        const int rows = 64;
+        const size_t n = (size_t)rows * ks[t];
+        float *x = malloc(n * sizeof(float)), *ref = malloc(n * sizeof(float)), *out;
+        float *dx, *dy;
+        size_t mism = 0;
+
+        fill_activations(x, n);
+        memcpy(ref, x, n * sizeof(float));
+        dsv4_twin_fp8_roundtrip(ref, n, 128);
+        dx = gt_dev_copy(x, n * sizeof(float));
+        dy = gt_dev_poisoned(n);
+        DSV4_OK(dsv4_cuda_fp8_roundtrip(dx, rows, ks[t], 128, dy, NULL));
+        out = gt_host_from(dy, n);
+        for (size_t i = 0; i < n; i++)
+            mism += memcmp(&out[i], &ref[i], sizeof(float)) != 0;
+        printf("# fp8 roundtrip [%d,%lld]: %zu of %zu values differ from the twin\n", rows,
+               (long long)ks[t], mism, n);
+        assert_int_equal(mism, 0);
+        cudaFree(dx);
+        cudaFree(dy);
+        free(x);
+        free(ref);
+        free(out);
+    }
+}
+
+static void check_shape(const struct shape *s)
+{
+    struct pair p;
+    const size_t in = (size_t)s->in, out_n = (size_t)s->out;
+    const int bmax = s->max_batch;
+    const bool quant = s->fmt == DSV4_W_FP8 || s->fmt == DSV4_W_FP4;
+    float *x = malloc((size_t)bmax * in * sizeof(float)), *xq = malloc((size_t)bmax * in * sizeof(float));
+    float *row = malloc(in * sizeof(float)), *ref = malloc((size_t)bmax * out_n * sizeof(float));
+    float *dx, *dxq, *dy;
+
+    make_linear(&p, s->fmt, s->out, s->in);
+    fill_activations(x, (size_t)bmax * in);
+    memcpy(xq, x, (size_t)bmax * in * sizeof(float));
+    if (quant)
+        for (int b = 0; b < bmax; b++)
+            dsv4_twin_fp8_roundtrip(xq + (size_t)b * in, in, 128);
+    for (size_t r = 0; r < out_n; r++) {
+        dsv4_twin_linear_row(&p.h, (int64_t)r, row);
+        for (int b = 0; b < bmax; b++) {
+            double acc = 0.0;
+            for (size_t k = 0; k < in; k++)
+                acc += (double)row[k] * xq[(size_t)b * in + k];
+            ref[(size_t)b * out_n + r] = (float)acc;
+        }
+    }
+    dx = gt_dev_copy(x, (size_t)bmax * in * sizeof(float));
+    dxq = gt_dev_poisoned((size_t)bmax * in);
+    if (quant)
+        DSV4_OK(dsv4_cuda_fp8_roundtrip(dx, bmax, s->in, 128, dxq, NULL));
+    for (size_t i = 0; i < sizeof(batches) / sizeof(batches[0]) && batches[i] <= bmax; i++) {
+        const int B = batches[i];
+        char what[96];
+        float *out;
+        dy = gt_dev_poisoned((size_t)B * out_n);
+        DSV4_OK(dsv4_cuda_gemv(&p.d, quant ? dxq : dx, s->in, B, dy, s->out, NULL));
+        out = gt_host_from(dy, (size_t)B * out_n);
+        snprintf(what, sizeof(what), "%s batch %d", s->what, B);
+        ASSERT_REL(what, out, ref, (size_t)B * out_n, LINEAR_BOUND);
+        free(out);
+        cudaFree(dy);
+    }
+    cudaFree(dx);
+    cudaFree(dxq);
+    free_linear(&p);
+    free(x);
+    free(xq);
+    free(row);
+    free(ref);
+}
+
+static void test_linears(void **state)
+{
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
+        check_shape(&shapes[i]);
+}
+
+/* A strided view (a stacked transformers expert) is refused when misaligned, never misread. */
+static void test_refuses_misaligned(void **state)
+{
+    struct dsv4_cuda_linear W = { .fmt = DSV4_W_BF16, .out = 4, .in = 12, .row_stride = 12 };
+    float *dx = gt_dev_poisoned(16), *dy = gt_dev_poisoned(4);
+    W.w = dx;
+    assert_int_equal(dsv4_cuda_gemv(&W, dx, 12, 1, dy, 4, NULL), -EINVAL);
+    W.fmt = DSV4_W_F16;
+    W.in = W.row_stride = 16;
+    assert_int_equal(dsv4_cuda_gemv(&W, dx, 16, 1, dy, 4, NULL), -ENOTSUP);
+    cudaFree(dx);
+    cudaFree(dy);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fp8_roundtrip),
+        cmocka_unit_test(test_linears),
+        cmocka_unit_test(test_refuses_misaligned),
+    };
+    return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
+}
