@@ -44,7 +44,6 @@ int dsv4_proto_finish_from_name(const char *name)
 void dsv4_proto_sampling_default(struct dsv4_proto_sampling *s)
 {
     memset(s, 0, sizeof(*s));
-    s->max_tokens = DSV4_PROTO_DEFAULT_MAX_TOKENS;
     s->temperature = DSV4_PROTO_DEFAULT_TEMPERATURE;
     s->top_p = DSV4_PROTO_DEFAULT_TOP_P;
     s->top_k = DSV4_PROTO_DEFAULT_TOP_K;
@@ -80,8 +79,9 @@ int dsv4_proto_encode_generate(struct dsv4_proto_buf *out, uint32_t msgid, const
     uint32_t n_stop = s->n_stop < DSV4_PROTO_MAX_STOP ? s->n_stop : DSV4_PROTO_MAX_STOP;
     uint32_t n_ids = s->n_stop_token_ids < DSV4_PROTO_MAX_STOP_TOKEN_IDS ? s->n_stop_token_ids
                                                                           : DSV4_PROTO_MAX_STOP_TOKEN_IDS;
-    /* prompt source + add_bos/thinking + stream + 8 sampling numbers, then the optional ones */
-    uint32_t n = 11 + (s->has_seed ? 1 : 0) + (n_stop ? 1 : 0) + (n_ids ? 1 : 0) + (s->logprobs >= 0 ? 1 : 0);
+    /* prompt source + add_bos/thinking + stream + 7 sampling numbers, then the optional ones */
+    uint32_t n = 10 + (s->max_tokens ? 1 : 0) + (s->has_seed ? 1 : 0) + (n_stop ? 1 : 0) + (n_ids ? 1 : 0) +
+                 (s->logprobs >= 0 ? 1 : 0);
 
     dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_GENERATE);
     msgpack_pack_map(pk, n);
@@ -107,8 +107,10 @@ int dsv4_proto_encode_generate(struct dsv4_proto_buf *out, uint32_t msgid, const
     }
     dsv4_wire_key(pk, "stream");
     dsv4_wire_bool(pk, req->stream);
-    dsv4_wire_key(pk, "max_tokens");
-    msgpack_pack_uint32(pk, s->max_tokens);
+    if (s->max_tokens) {
+        dsv4_wire_key(pk, "max_tokens");
+        msgpack_pack_uint32(pk, s->max_tokens);
+    }
     pack_kv_num(pk, "temperature", s->temperature);
     pack_kv_num(pk, "top_p", s->top_p);
     dsv4_wire_key(pk, "top_k");
@@ -333,6 +335,12 @@ int dsv4_proto_check_prompt_length(uint32_t n_prompt_tokens, const struct dsv4_p
                                     "prompt of %u tokens leaves no room in the context of %u tokens",
                                     n_prompt_tokens, lim->max_context);
     return 0;
+}
+
+uint32_t dsv4_proto_effective_max_tokens(const struct dsv4_proto_sampling *s, const struct dsv4_proto_model_limits *lim)
+{
+    uint32_t n = s->max_tokens ? s->max_tokens : DSV4_PROTO_DEFAULT_MAX_TOKENS;
+    return lim->max_tokens && n > lim->max_tokens ? lim->max_tokens : n;
 }
 
 int dsv4_proto_check_generate(const struct dsv4_proto_generate *req, const struct dsv4_proto_model_limits *lim,

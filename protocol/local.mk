@@ -13,3 +13,15 @@ libdsv4protocol_la_SOURCES = \
 	protocol/wire.c protocol/wire.h
 libdsv4protocol_la_CFLAGS = $(AM_CFLAGS) $(MSGPACK_CFLAGS)
 libdsv4protocol_la_LIBADD = $(MSGPACK_LIBS) -lm
+
+check_PROGRAMS += tests/unit/test_protocol
+TESTS += tests/unit/test_protocol
+tests_unit_test_protocol_SOURCES = tests/unit/test_protocol.c
+tests_unit_test_protocol_CFLAGS = $(AM_CFLAGS) $(CMOCKA_CFLAGS) $(PROTOCOL_CFLAGS)
+tests_unit_test_protocol_LDADD = $(PROTOCOL_LIBS) $(CMOCKA_LIBS) -lm
+
+check_PROGRAMS += tests/unit/test_protocol_hostile
+TESTS += tests/unit/test_protocol_hostile
+tests_unit_test_protocol_hostile_SOURCES = tests/unit/test_protocol_hostile.c
+tests_unit_test_protocol_hostile_CFLAGS = $(AM_CFLAGS) $(CMOCKA_CFLAGS) $(PROTOCOL_CFLAGS)
+tests_unit_test_protocol_hostile_LDADD = $(PROTOCOL_LIBS) $(CMOCKA_LIBS) -lm

@@ -126,11 +126,12 @@ int dsv4_proto_message_decode(const uint8_t *payload, size_t len, const struct d
         if (a[2].type != MSGPACK_OBJECT_STR)
             return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "method must be a string");
         msg->method = lookup_method(&a[2], DSV4_PROTO_METHOD_HELLO, DSV4_PROTO_METHOD_HEALTH);
-        if (msg->method == DSV4_PROTO_METHOD_UNKNOWN)
+        if (msg->method == DSV4_PROTO_METHOD_UNKNOWN) {
+            if (!dsv4_wire_utf8_valid(a[2].via.str.ptr, a[2].via.str.size))
+                return dsv4_proto_error_set(err, DSV4_PROTO_E_UNKNOWN_METHOD, "unknown method (not valid UTF-8)");
             return dsv4_proto_error_set(err, DSV4_PROTO_E_UNKNOWN_METHOD, "unknown method \"%.*s\"",
-                                        (int)(a[2].via.str.size > 64 ? 64 : a[2].via.str.size),
-                                        dsv4_wire_utf8_valid(a[2].via.str.ptr, a[2].via.str.size)
-                                            ? a[2].via.str.ptr : "(invalid UTF-8)");
+                                        (int)(a[2].via.str.size > 64 ? 64 : a[2].via.str.size), a[2].via.str.ptr);
+        }
         u->body = params_body(&a[3]);
         break;
     case DSV4_PROTO_RESPONSE:

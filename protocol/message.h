@@ -41,7 +41,7 @@
 #define DSV4_PROTO_MAX_NAME 256u               /* bytes of names: client, model, backend, kernel names */
 
 /* Sampling defaults (absent fields) and sane ranges (outside: DSV4_PROTO_E_BAD_SAMPLING). */
-#define DSV4_PROTO_DEFAULT_MAX_TOKENS 1024u
+#define DSV4_PROTO_DEFAULT_MAX_TOKENS 1024u   /* when max_tokens is absent */
 #define DSV4_PROTO_MAX_MAX_TOKENS (1u << 20)   /* [1, 2^20] */
 #define DSV4_PROTO_DEFAULT_TEMPERATURE 1.0f    /* [0, 10]; 0 means greedy */
 #define DSV4_PROTO_MAX_TEMPERATURE 10.0f
@@ -190,7 +190,7 @@ struct dsv4_proto_chat_message {
 };
 
 struct dsv4_proto_sampling {
-    uint32_t max_tokens;
+    uint32_t max_tokens;           /* 0: absent, see dsv4_proto_effective_max_tokens() */
     float temperature;
     float top_p;
     int32_t top_k;                 /* 0: disabled */
@@ -244,6 +244,10 @@ struct dsv4_proto_model_limits {
  * (TOKEN_OUT_OF_VOCAB), a token prompt's length (PROMPT_TOO_LONG), max_tokens (MAX_TOKENS_LIMIT). */
 int dsv4_proto_check_generate(const struct dsv4_proto_generate *req, const struct dsv4_proto_model_limits *lim,
                               struct dsv4_proto_error *err);
+/* The number of tokens a request may generate: its max_tokens, or DSV4_PROTO_DEFAULT_MAX_TOKENS when
+ * absent, capped by lim->max_tokens (an absent max_tokens never fails the limit check). The context
+ * bound is separate: generation also stops, with finish_reason "length", when the context is full. */
+uint32_t dsv4_proto_effective_max_tokens(const struct dsv4_proto_sampling *s, const struct dsv4_proto_model_limits *lim);
 /* Length of a tokenized prompt: above max_prompt_tokens or >= max_context is PROMPT_TOO_LONG. */
 int dsv4_proto_check_prompt_length(uint32_t n_prompt_tokens, const struct dsv4_proto_model_limits *lim,
                                    struct dsv4_proto_error *err);
