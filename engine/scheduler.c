@@ -113,6 +113,7 @@ struct dsv4_sched {
 
     struct dsv4_sched_event *events;    /* ring [n_events] */
     int n_events, ev_head, ev_count;    /* published entries */
+    int ev_tail;                    /* (ev_head + ev_count) % n_events; moved by the engine thread only */
     int ev_staged;                  /* entries written past the tail this step, not yet published */
     uint64_t kick;                  /* bumped by every call that may give the engine thread work */
     uint64_t step_generated;        /* tokens sampled this step (engine thread), added at publish */
@@ -640,7 +641,7 @@ static struct dsv4_sched_event *stage_event(struct dsv4_sched *s, enum dsv4_sche
                                             const struct sched_req *q)
 {
     /* The caller reserved room: step() refuses to start without 2 events per slot free. */
-    int at = (s->ev_head + s->ev_count + s->ev_staged) % s->n_events;
+    int at = (s->ev_tail + s->ev_staged) % s->n_events;
     s->ev_staged++;
     struct dsv4_sched_event *e = &s->events[at];
     e->type = type;
@@ -1029,6 +1030,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
     bool worked = n_running > 0 || s->ev_staged > 0;
     pthread_mutex_lock(&s->lock);
     s->ev_count += s->ev_staged;
+    s->ev_tail = (s->ev_tail + s->ev_staged) % s->n_events;
     bool any_events = s->ev_staged > 0;
     s->ev_staged = 0;
     unlink_finished(s);
