@@ -10,3 +10,9 @@ TESTS += tests/unit/test_weights
 tests_unit_test_weights_SOURCES = tests/unit/test_weights.c tests/unit/st_writer.h
 tests_unit_test_weights_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_weights_LDADD = $(TEST_ENGINE_LIBS)
+
+check_PROGRAMS += tests/unit/test_quant
+TESTS += tests/unit/test_quant
+tests_unit_test_quant_SOURCES = tests/unit/test_quant.c tests/unit/st_writer.h
+tests_unit_test_quant_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_quant_LDADD = $(TEST_ENGINE_LIBS)

@@ -146,6 +146,8 @@ uint8_t dsv4_ue8m0_scale_for(float amax, float fmt_max)
     if (!(amax >= UE8M0_AMAX_FLOOR))    /* NaN too: the floor keeps the scale finite */
         amax = UE8M0_AMAX_FLOOR;
     s = amax / fmt_max;
+    if (!isfinite(s))
+        return 254;
     /* smallest 2^k >= s: s = fr * 2^ex with fr in [0.5, 1); exact powers have fr == 0.5 */
     if (frexpf(s, &ex) == 0.5f)
         ex -= 1;
