@@ -154,7 +154,7 @@ static int parse_id_list(const char *v, bool users, uint32_t *ids, int *count, c
         return dsv4_error_set(-EINVAL, "%s: list too long", where);
     strcpy(buf, v);
     for (char *tok = strtok_r(buf, ", \t", &save); tok; tok = strtok_r(NULL, ", \t", &save)) {
-        int64_t id;
+        int64_t id = -1;
         if (n >= DSV4_SETTINGS_ALLOW_MAX)
             return dsv4_error_set(-E2BIG, "%s: more than %d entries", where, DSV4_SETTINGS_ALLOW_MAX);
         if (parse_i64(tok, &id) == (int)strlen(tok)) {

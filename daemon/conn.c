@@ -1,0 +1,345 @@
+#include "build-config.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "daemon/reqmem.h"
+#include "daemon/server.h"
+
+#define DSV4_CONN_ACCEPTS_PER_WAKEUP 64
+#define DSV4_CONN_PEER_GROUPS_MAX 256
+
+static int conn_io(sd_event_source *src, int fd, uint32_t revents, void *userdata);
+static int conn_resume(sd_event_source *src, void *userdata);
+
+static bool id_listed(const uint32_t *ids, int n, uint32_t id)
+{
+    for (int i = 0; i < n; i++)
+        if (ids[i] == id)
+            return true;
+    return false;
+}
+
+/* allow_users / allow_groups: the peer's uid, its primary gid or one of its supplementary groups. */
+static bool peer_allowed(const struct dsv4_settings *cfg, int fd, uid_t uid, gid_t gid)
+{
+    gid_t groups[DSV4_CONN_PEER_GROUPS_MAX];
+    socklen_t len = sizeof(groups);
+
+    if (cfg->n_allow_users == 0 && cfg->n_allow_groups == 0)
+        return true;
+    if (id_listed((const uint32_t *)cfg->allow_users, cfg->n_allow_users, uid))
+        return true;
+    if (id_listed((const uint32_t *)cfg->allow_groups, cfg->n_allow_groups, gid))
+        return true;
+    if (cfg->n_allow_groups && getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0)
+        for (size_t i = 0; i < len / sizeof(gid_t); i++)
+            if (id_listed((const uint32_t *)cfg->allow_groups, cfg->n_allow_groups, groups[i]))
+                return true;
+    return false;
+}
+
+/* Refuse a connection with one error notification, best effort (the socket is fresh: it fits). */
+static void refuse(int fd, int code, const char *message)
+{
+    struct dsv4_proto_buf b;
+    dsv4_proto_buf_init(&b);
+    if (dsv4_proto_encode_error_notification(&b, code, message) == 0)
+        (void)!send(fd, b.data, b.len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    dsv4_proto_buf_clear(&b);
+    close(fd);
+}
+
+static void set_accepting(struct dsv4_server *s, bool on)
+{
+    for (int i = 0; i < s->listeners.n; i++)
+        if (s->listen_src[i])
+            sd_event_source_set_enabled(s->listen_src[i], on ? SD_EVENT_ON : SD_EVENT_OFF);
+    s->accept_paused = !on;
+}
+
+int dsv4_conn_accept(struct dsv4_server *s, int listen_fd)
+{
+    for (int k = 0; k < DSV4_CONN_ACCEPTS_PER_WAKEUP; k++) {
+        struct ucred cred = { .pid = 0, .uid = (uid_t)-1, .gid = (gid_t)-1 };
+        socklen_t len = sizeof(cred);
+        struct dsv4_conn *c;
+        int fd = accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC), r;
+
+        if (fd < 0) {
+            if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED)
+                return 0;
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                dsv4_log_warning("accept: %m; not accepting until a connection closes");
+                set_accepting(s, false);
+                return 0;
+            }
+            dsv4_log_err("accept: %m");
+            return 0;
+        }
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
+            dsv4_log_warning("SO_PEERCRED: %m");
+        s->counters.connections_total++;
+        if (!peer_allowed(s->cfg, fd, cred.uid, cred.gid)) {
+            dsv4_log_warning("refused connection from pid %d uid %u gid %u: not in allow_users/allow_groups",
+                             (int)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
+            s->counters.connections_refused++;
+            close(fd);
+            continue;
+        }
+        if (s->n_conns >= s->cfg->max_connections) {
+            char msg[128];
+            snprintf(msg, sizeof(msg), "max_connections = %d reached", s->cfg->max_connections);
+            dsv4_log_warning("refused connection from pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, msg);
+            s->counters.connections_refused++;
+            refuse(fd, DSV4_PROTO_E_TOO_MANY_CONNECTIONS, msg);
+            continue;
+        }
+        c = dsv4_reqmem_calloc(1, sizeof(*c));
+        if (!c) {
+            refuse(fd, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
+            continue;
+        }
+        c->server = s;
+        c->fd = fd;
+        c->id = ++s->next_conn_id;
+        c->pid = cred.pid;
+        c->uid = cred.uid;
+        c->gid = cred.gid;
+        dsv4_proto_reader_init(&c->reader, s->cfg->max_frame);
+        dsv4_proto_buf_init(&c->out);
+        r = sd_event_add_io(s->event, &c->src, fd, EPOLLIN, conn_io, c);
+        if (r >= 0) {
+            r = sd_event_add_defer(s->event, &c->resume_src, conn_resume, c);
+            if (r >= 0)
+                sd_event_source_set_enabled(c->resume_src, SD_EVENT_OFF);
+            else
+                c->src = sd_event_source_disable_unref(c->src);
+        }
+        if (r < 0) {
+            dsv4_log_err("connection %llu: sd_event_add_io: %s", (unsigned long long)c->id, strerror(-r));
+            dsv4_proto_reader_clear(&c->reader);
+            dsv4_reqmem_free(c);
+            close(fd);
+            continue;
+        }
+        c->next = s->conns;
+        if (s->conns)
+            s->conns->prev = c;
+        s->conns = c;
+        s->n_conns++;
+        dsv4_log_info("connection %llu: pid %d uid %u gid %u", (unsigned long long)c->id, (int)c->pid,
+                      (unsigned)c->uid, (unsigned)c->gid);
+    }
+    return 0;
+}
+
+static void schedule_resume(struct dsv4_conn *c)
+{
+    sd_event_source_set_enabled(c->resume_src, SD_EVENT_ONESHOT);
+}
+
+void dsv4_conn_update_events(struct dsv4_conn *c)
+{
+    uint32_t ev = 0;
+    if (c->closed)
+        return;
+    if (!c->closing && c->out.len < DSV4_CONN_OUTPUT_HIGH_WATER) {
+        ev |= EPOLLIN;
+        /* A complete frame may already sit in the reader: the socket will not say so again. */
+        if (c->paused)
+            schedule_resume(c);
+        c->paused = false;
+    } else if (!c->closing) {
+        c->paused = true;
+    }
+    if (c->out.len)
+        ev |= EPOLLOUT;
+    sd_event_source_set_io_events(c->src, ev);
+}
+
+void dsv4_conn_close(struct dsv4_conn *c, const char *why)
+{
+    struct dsv4_server *s = c->server;
+
+    if (c->closed)
+        return;
+    c->closed = true;
+    dsv4_log_info("connection %llu (pid %d): closed: %s", (unsigned long long)c->id, (int)c->pid, why);
+    dsv4_dispatch_conn_gone(c);
+    c->src = sd_event_source_disable_unref(c->src);
+    c->resume_src = sd_event_source_disable_unref(c->resume_src);
+    close(c->fd);
+    c->fd = -1;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    s->n_conns--;
+    c->prev = NULL;
+    c->next = s->zombies;
+    s->zombies = c;
+    if (s->reap_src)
+        sd_event_source_set_enabled(s->reap_src, SD_EVENT_ONESHOT);
+    if (s->accept_paused && s->state != DSV4_SERVER_DRAINING && s->state != DSV4_SERVER_EXITING)
+        set_accepting(s, true);
+    dsv4_server_check_drained(s);
+}
+
+void dsv4_conn_reap(struct dsv4_server *s)
+{
+    while (s->zombies) {
+        struct dsv4_conn *c = s->zombies;
+        s->zombies = c->next;
+        dsv4_proto_reader_clear(&c->reader);
+        dsv4_proto_buf_clear(&c->out);
+        dsv4_reqmem_free(c);
+    }
+}
+
+void dsv4_conn_flush(struct dsv4_conn *c)
+{
+    if (c->closed)
+        return;
+    while (c->out.len) {
+        ssize_t n = send(c->fd, c->out.data, c->out.len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN)
+                break;
+            dsv4_conn_close(c, errno == EPIPE || errno == ECONNRESET ? "client went away" : "send failed");
+            return;
+        }
+        dsv4_proto_buf_consume(&c->out, (size_t)n);
+    }
+    if (c->out.len > c->server->cfg->max_output_buffer) {
+        char why[128];
+        snprintf(why, sizeof(why), "client does not read: %zu bytes queued, max_output_buffer = %llu",
+                 c->out.len, (unsigned long long)c->server->cfg->max_output_buffer);
+        dsv4_conn_close(c, why);
+        return;
+    }
+    if (c->closing && c->out.len == 0) {
+        dsv4_conn_close(c, "after a protocol error");
+        return;
+    }
+    dsv4_conn_update_events(c);
+}
+
+void dsv4_conn_send_error(struct dsv4_conn *c, uint32_t msgid, int code, const char *message)
+{
+    if (c->closed)
+        return;
+    if (dsv4_proto_encode_error(&c->out, msgid, code, message) < 0) {
+        dsv4_conn_close(c, "out of memory encoding an error");
+        return;
+    }
+    dsv4_conn_flush(c);
+}
+
+void dsv4_conn_fail(struct dsv4_conn *c, int code, const char *message)
+{
+    if (c->closed || c->closing)
+        return;
+    dsv4_log_info("connection %llu (pid %d): protocol error %d (%s): %s", (unsigned long long)c->id, (int)c->pid,
+                  code, dsv4_proto_code_name(code), message ? message : dsv4_proto_code_describe(code));
+    c->closing = true;
+    if (dsv4_proto_encode_error_notification(&c->out, code, message) < 0) {
+        dsv4_conn_close(c, "out of memory encoding an error");
+        return;
+    }
+    dsv4_conn_flush(c);
+}
+
+static void conn_read(struct dsv4_conn *c)
+{
+    struct dsv4_proto_error err = { 0 };
+    int frames = 0;
+
+    while (!c->closed && !c->closing) {
+        const uint8_t *payload;
+        uint8_t *space;
+        size_t avail, len;
+        ssize_t n;
+        int r;
+
+        if (c->out.len >= DSV4_CONN_OUTPUT_HIGH_WATER)
+            return;     /* paused; dsv4_conn_update_events() resumes it */
+        if (frames == DSV4_CONN_FRAMES_PER_WAKEUP) {
+            schedule_resume(c);     /* let the other clients in first */
+            return;
+        }
+
+        /* Frames already buffered first: the reader holds at most one frame and the next header. */
+        r = dsv4_proto_reader_next(&c->reader, &payload, &len, &err);
+        if (r < 0) {
+            dsv4_conn_fail(c, err.code, err.message);
+            return;
+        }
+        if (r == 1) {
+            frames++;
+            dsv4_dispatch_frame(c, payload, len);
+            continue;
+        }
+        r = dsv4_proto_reader_space(&c->reader, &space, &avail, &err);
+        if (r < 0) {
+            if (r == -EBADMSG)
+                dsv4_conn_fail(c, err.code, err.message);
+            else
+                dsv4_conn_close(c, "out of memory for its frame");
+            return;
+        }
+        n = recv(c->fd, space, avail, MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno != EAGAIN)
+                dsv4_conn_close(c, "read failed");
+            return;
+        }
+        if (n == 0) {
+            size_t pending = dsv4_proto_reader_pending(&c->reader);
+            if (pending) {
+                char why[96];
+                snprintf(why, sizeof(why), "end of stream inside a frame (%zu bytes pending)", pending);
+                dsv4_conn_close(c, why);
+            } else {
+                dsv4_conn_close(c, c->n_requests ? "client went away with requests in flight" : "end of stream");
+            }
+            return;
+        }
+        dsv4_proto_reader_commit(&c->reader, (size_t)n);
+    }
+}
+
+static int conn_resume(sd_event_source *src, void *userdata)
+{
+    struct dsv4_conn *c = userdata;
+    conn_read(c);
+    if (!c->closed)
+        dsv4_conn_update_events(c);
+    return 0;
+}
+
+static int conn_io(sd_event_source *src, int fd, uint32_t revents, void *userdata)
+{
+    struct dsv4_conn *c = userdata;
+
+    if (revents & EPOLLIN)
+        conn_read(c);
+    if (!c->closed && (revents & EPOLLOUT))
+        dsv4_conn_flush(c);
+    if (!c->closed && (revents & (EPOLLHUP | EPOLLERR)) && !(revents & EPOLLIN))
+        dsv4_conn_close(c, "hang-up");
+    if (!c->closed)
+        dsv4_conn_update_events(c);
+    return 0;
+}

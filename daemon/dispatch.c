@@ -1,0 +1,755 @@
+#include "build-config.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "daemon/reqmem.h"
+#include "daemon/server.h"
+#include "engine/error.h"
+#include "engine/sampler.h"
+#include "engine/scheduler.h"
+
+#define DSV4_WARMUP_PROMPT "Hello"
+
+/* ---- request bookkeeping ------------------------------------------------------------------------ */
+
+static struct dsv4_request *request_new(struct dsv4_server *s, struct dsv4_conn *c, uint32_t msgid)
+{
+    struct dsv4_request *req = dsv4_reqmem_calloc(1, sizeof(*req));
+    if (!req)
+        return NULL;
+    req->msgid = msgid;
+    req->accepted_ns = dsv4_now_ns();
+    req->all_next = s->requests;
+    if (s->requests)
+        s->requests->all_prev = req;
+    s->requests = req;
+    s->n_requests++;
+    if (c) {
+        req->conn = c;
+        req->conn_next = c->requests;
+        if (c->requests)
+            c->requests->conn_prev = req;
+        c->requests = req;
+        c->n_requests++;
+    }
+    return req;
+}
+
+static void request_detach_conn(struct dsv4_request *req)
+{
+    struct dsv4_conn *c = req->conn;
+    if (!c)
+        return;
+    if (req->conn_prev)
+        req->conn_prev->conn_next = req->conn_next;
+    else
+        c->requests = req->conn_next;
+    if (req->conn_next)
+        req->conn_next->conn_prev = req->conn_prev;
+    req->conn_prev = req->conn_next = NULL;
+    req->conn = NULL;
+    c->n_requests--;
+}
+
+static void pending_remove(struct dsv4_server *s, struct dsv4_request *req)
+{
+    struct dsv4_request **pp = &s->pending_head, *prev = NULL;
+    while (*pp && *pp != req) {
+        prev = *pp;
+        pp = &(*pp)->pending_next;
+    }
+    if (!*pp)
+        return;
+    *pp = req->pending_next;
+    if (s->pending_tail == req)
+        s->pending_tail = prev;
+    req->pending_next = NULL;
+    req->pending = false;
+    s->n_pending--;
+}
+
+static void request_free(struct dsv4_server *s, struct dsv4_request *req)
+{
+    request_detach_conn(req);
+    if (req->pending)
+        pending_remove(s, req);
+    if (req->all_prev)
+        req->all_prev->all_next = req->all_next;
+    else
+        s->requests = req->all_next;
+    if (req->all_next)
+        req->all_next->all_prev = req->all_prev;
+    s->n_requests--;
+    dsv4_proto_generate_clear(&req->gen);
+    dsv4_tok_ids_free(&req->prompt);
+    dsv4_reqmem_free(req->logprobs);
+    dsv4_reqmem_free(req);
+}
+
+void dsv4_dispatch_conn_gone(struct dsv4_conn *c)
+{
+    struct dsv4_server *s = c->server;
+    while (c->requests) {
+        struct dsv4_request *req = c->requests;
+        request_detach_conn(req);
+        if (req->submitted) {
+            /* The slot is freed at the next step; the FINISH event frees the request. */
+            dsv4_sched_cancel(s->sched, req->sched_id);
+        } else {
+            s->counters.requests_cancelled++;
+            request_free(s, req);
+        }
+    }
+}
+
+void dsv4_dispatch_free_all(struct dsv4_server *s)
+{
+    while (s->requests)
+        request_free(s, s->requests);
+}
+
+/* ---- building prompts --------------------------------------------------------------------------- */
+
+static struct dsv4_proto_model_limits model_limits(const struct dsv4_server *s)
+{
+    struct dsv4_proto_model_limits lim = {
+        .vocab_size = s->vocab_size,
+        .max_context = (uint32_t)s->cfg->max_context,
+        .max_prompt_tokens = (uint32_t)dsv4_settings_prompt_limit(s->cfg),
+        /* max_tokens past what fits ends with finish_reason "length" rather than an error. */
+        .max_tokens = 0,
+    };
+    return lim;
+}
+
+/* The ids generate and tokenize see: raw text (BOS unless add_bos is false; tags in the text are
+ * recognised, the caller owns the whole prompt) or chat messages (their text can never become a
+ * tag: a user cannot forge <｜Assistant｜>). */
+static int build_prompt(struct dsv4_server *s, enum dsv4_proto_prompt_kind kind, const char *text, size_t text_len,
+                        bool add_bos, const struct dsv4_proto_chat_message *messages, uint32_t n_messages,
+                        bool thinking, struct dsv4_tok_ids *ids, struct dsv4_proto_error *err)
+{
+    int r;
+
+    if (kind == DSV4_PROTO_PROMPT_TEXT) {
+        if (add_bos && s->bos_id >= 0 && dsv4_tok_ids_push(ids, s->bos_id) < 0)
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "prompt: out of memory");
+        r = dsv4_tokenizer_encode(s->tok, text, text_len, 0, ids);
+    } else if (kind == DSV4_PROTO_PROMPT_MESSAGES) {
+        struct dsv4_chat_message *msgs;
+        struct dsv4_chat_options opts = {
+            .mode = thinking ? DSV4_CHAT_MODE_THINKING : DSV4_CHAT_MODE_CHAT,
+            .content_flags = DSV4_TOK_ENCODE_SPECIAL_AS_TEXT,
+        };
+        if (!s->has_chat)
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE,
+                                        "messages: this model's tokenizer has no chat tags; send prompt or tokens");
+        msgs = dsv4_reqmem_calloc(n_messages ? n_messages : 1, sizeof(*msgs));
+        if (!msgs)
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "messages: out of memory");
+        for (uint32_t i = 0; i < n_messages; i++) {
+            msgs[i].role = messages[i].role == DSV4_PROTO_ROLE_SYSTEM ? DSV4_CHAT_ROLE_SYSTEM
+                         : messages[i].role == DSV4_PROTO_ROLE_USER ? DSV4_CHAT_ROLE_USER : DSV4_CHAT_ROLE_ASSISTANT;
+            msgs[i].content = messages[i].content;
+            msgs[i].content_len = messages[i].content_len;
+        }
+        r = dsv4_chat_build_ids(s->tok, msgs, n_messages, &opts, ids);
+        dsv4_reqmem_free(msgs);
+    } else {
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_MISSING_FIELD, "no prompt, messages or tokens");
+    }
+    if (r == -EILSEQ)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s", dsv4_error_message());
+    if (r == -ENOMEM)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "prompt: out of memory");
+    if (r < 0)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s", dsv4_error_message());
+    return 0;
+}
+
+/* ---- responses ---------------------------------------------------------------------------------- */
+
+static void reply_error(struct dsv4_conn *c, uint32_t msgid, const struct dsv4_proto_error *err)
+{
+    dsv4_log_debug("connection %llu: msgid %u: error %d (%s): %s", (unsigned long long)c->id, msgid, err->code,
+                   dsv4_proto_code_name(err->code), err->message);
+    dsv4_conn_send_error(c, msgid, err->code, err->message[0] ? err->message : NULL);
+}
+
+static void reply_encoded(struct dsv4_conn *c, int r)
+{
+    if (r < 0) {
+        dsv4_conn_close(c, "out of memory encoding a response");
+        return;
+    }
+    dsv4_conn_flush(c);
+}
+
+static enum dsv4_proto_finish proto_finish(enum dsv4_finish_reason f)
+{
+    switch (f) {
+    case DSV4_FINISH_STOP: return DSV4_PROTO_FINISH_STOP;
+    case DSV4_FINISH_LENGTH:
+    case DSV4_FINISH_CONTEXT: return DSV4_PROTO_FINISH_LENGTH;
+    case DSV4_FINISH_CANCELLED: return DSV4_PROTO_FINISH_CANCELLED;
+    default: return DSV4_PROTO_FINISH_ERROR;
+    }
+}
+
+/* A request that never reached the engine (cancelled while held during boot, or drained). */
+static void reply_unsubmitted(struct dsv4_server *s, struct dsv4_request *req, enum dsv4_proto_finish finish)
+{
+    struct dsv4_proto_generate_result res = { .text = (char *)"", .finish_reason = finish };
+    struct dsv4_conn *c = req->conn;
+
+    res.timings.total_ms = (double)(dsv4_now_ns() - req->accepted_ns) / 1e6;
+    res.timings.queue_ms = res.timings.total_ms;
+    if (c)
+        reply_encoded(c, dsv4_proto_encode_generate_result(&c->out, req->msgid, &res));
+}
+
+/* ---- methods ------------------------------------------------------------------------------------ */
+
+static void do_hello(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+{
+    struct dsv4_proto_hello req = { 0 };
+    struct dsv4_proto_error err = { 0 };
+    struct dsv4_proto_hello_result res = { 0 };
+    char server[64];
+    uint32_t version;
+
+    if (dsv4_proto_decode_hello(msg, &req, &err) < 0 || dsv4_proto_hello_negotiate(&req, &version, &err) < 0) {
+        reply_error(c, msg->msgid, &err);
+        dsv4_proto_hello_clear(&req);
+        return;
+    }
+    if (req.client)
+        dsv4_log_info("connection %llu: client '%s', protocol %u", (unsigned long long)c->id, req.client, version);
+    snprintf(server, sizeof(server), "dsv4d %s", PACKAGE_VERSION);
+    res.protocol = version;
+    res.server = server;
+    res.model.name = s->model.model_name;
+    res.model.vocab_size = (uint32_t)s->model.vocab_size;
+    res.model.hidden_size = (uint32_t)s->model.dim;
+    res.model.num_layers = (uint32_t)s->model.n_layers;
+    res.model.num_heads = (uint32_t)s->model.n_heads;
+    res.model.head_dim = (uint32_t)s->model.head_dim;
+    res.model.n_routed_experts = (uint32_t)s->model.n_experts;
+    res.model.experts_per_token = (uint32_t)s->model.n_experts_per_tok;
+    res.model.bos_id = s->bos_id;
+    res.model.eos_id = s->has_chat ? s->tags.eos : s->model.eos_id;
+    res.max_context = (uint32_t)s->cfg->max_context;
+    res.max_batch = (uint32_t)s->cfg->max_batch;
+    /* Before boot has picked one, the configured choice ("auto"). */
+    res.backend = (char *)(s->sched ? dsv4_host_backend_name(s->host) : dsv4_settings_backend_name(s->cfg->backend));
+    res.limits.max_frame = (uint32_t)s->cfg->max_frame;
+    res.limits.max_prompt_tokens = (uint32_t)dsv4_settings_prompt_limit(s->cfg);
+    res.limits.max_tokens = (uint32_t)s->cfg->max_context;
+    res.limits.max_connections = (uint32_t)s->cfg->max_connections;
+    res.limits.max_queue = (uint32_t)s->cfg->max_queued;
+    res.limits.max_requests_per_connection = (uint32_t)s->cfg->max_requests_per_conn;
+    reply_encoded(c, dsv4_proto_encode_hello_result(&c->out, msg->msgid, &res));
+    dsv4_proto_hello_clear(&req);
+}
+
+static int submit(struct dsv4_server *s, struct dsv4_request *req, struct dsv4_proto_error *err)
+{
+    const struct dsv4_proto_sampling *ps = &req->gen.sampling;
+    int max_out = dsv4_host_max_output_tokens(s->host);
+    struct dsv4_sched_request sr = {
+        .prompt = req->prompt.ids,
+        .n_prompt = (int)req->prompt.len,
+        .max_tokens = ps->max_tokens < (uint32_t)max_out ? (int)ps->max_tokens : max_out,
+        .stop = (const char *const *)ps->stop,
+        .n_stop = (int)ps->n_stop,
+        .stop_token_ids = ps->stop_token_ids,
+        .n_stop_token_ids = (int)ps->n_stop_token_ids,
+        .user = req,
+    };
+    int r;
+
+    dsv4_sampling_defaults(&sr.sampling);
+    sr.sampling.temperature = ps->temperature;
+    sr.sampling.top_k = ps->top_k;
+    sr.sampling.top_p = ps->top_p;
+    sr.sampling.min_p = ps->min_p;
+    sr.sampling.repetition_penalty = ps->repetition_penalty;
+    sr.sampling.presence_penalty = ps->presence_penalty;
+    sr.sampling.frequency_penalty = ps->frequency_penalty;
+    sr.sampling.has_seed = ps->has_seed;
+    sr.sampling.seed = ps->seed;
+    sr.sampling.logprobs = ps->logprobs > 0 ? ps->logprobs : 0;
+    if (dsv4_sampling_validate(&sr.sampling) < 0)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_SAMPLING, "%s", dsv4_error_message());
+
+    r = dsv4_sched_submit(s->sched, &sr, &req->sched_id);
+    switch (r) {
+    case 0:
+        req->submitted = true;
+        return 0;
+    case -ESHUTDOWN:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_DRAINING, "the server is shutting down");
+    case -EAGAIN:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_QUEUE_FULL, "%s", dsv4_error_message());
+    case -E2BIG:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_PROMPT_TOO_LONG, "%s", dsv4_error_message());
+    case -EINVAL:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s", dsv4_error_message());
+    default:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_INTERNAL, "%s", dsv4_error_message());
+    }
+}
+
+static bool duplicate_msgid(const struct dsv4_conn *c, uint32_t msgid)
+{
+    for (const struct dsv4_request *r = c->requests; r; r = r->conn_next)
+        if (r->msgid == msgid)
+            return true;
+    return false;
+}
+
+static int queued_now(struct dsv4_server *s)
+{
+    struct dsv4_sched_stats st;
+    if (!s->sched)
+        return s->n_pending;
+    dsv4_sched_get_stats(s->sched, &st);
+    return s->n_pending + st.queued;
+}
+
+/* The checks that need no tokenizing, in the order a client can act on them. */
+static int admit_generate(struct dsv4_server *s, struct dsv4_conn *c, uint32_t msgid,
+                          const struct dsv4_proto_generate *gen, struct dsv4_proto_error *err)
+{
+    struct dsv4_proto_model_limits lim = model_limits(s);
+    const struct dsv4_proto_sampling *ps = &gen->sampling;
+
+    if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_DRAINING, "the server is shutting down; retry later");
+    if (duplicate_msgid(c, msgid))
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_DUPLICATE_MSGID, "msgid %u is already in flight on this "
+                                    "connection", msgid);
+    if (c->n_requests >= s->cfg->max_requests_per_conn)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_REQUESTS, "%d requests in flight on this connection "
+                                    "(max_requests_per_conn = %d)", c->n_requests, s->cfg->max_requests_per_conn);
+    if (queued_now(s) >= s->cfg->max_queued)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_QUEUE_FULL, "%d requests are waiting for a slot "
+                                    "(max_queued = %d)", queued_now(s), s->cfg->max_queued);
+    if (ps->n_stop > DSV4_SCHED_STOP_STRINGS_MAX)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_STOP, "stop: %u strings, at most %d",
+                                    ps->n_stop, DSV4_SCHED_STOP_STRINGS_MAX);
+    for (uint32_t i = 0; i < ps->n_stop; i++) {
+        size_t len = strlen(ps->stop[i]);
+        if (len == 0 || len > DSV4_SCHED_STOP_LEN_MAX)
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_STOP, "stop[%u]: %zu bytes, must be 1..%d",
+                                        i, len, DSV4_SCHED_STOP_LEN_MAX);
+    }
+    if (ps->n_stop_token_ids > DSV4_SCHED_STOP_TOKENS_MAX)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_STOP, "stop_token_ids: %u ids, at most %d",
+                                    ps->n_stop_token_ids, DSV4_SCHED_STOP_TOKENS_MAX);
+    if (ps->logprobs > DSV4_SAMPLER_LOGPROBS_MAX)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_SAMPLING, "logprobs = %d, at most %d", ps->logprobs,
+                                    DSV4_SAMPLER_LOGPROBS_MAX);
+    return dsv4_proto_check_generate(gen, &lim, err);
+}
+
+static void do_generate(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+{
+    struct dsv4_proto_error err = { 0 };
+    struct dsv4_proto_model_limits lim = model_limits(s);
+    struct dsv4_request *req;
+    struct dsv4_proto_generate gen;
+
+    dsv4_proto_generate_init(&gen);
+    if (dsv4_proto_decode_generate(msg, &gen, &err) < 0 || admit_generate(s, c, msg->msgid, &gen, &err) < 0) {
+        s->counters.requests_rejected++;
+        reply_error(c, msg->msgid, &err);
+        dsv4_proto_generate_clear(&gen);
+        return;
+    }
+    req = request_new(s, c, msg->msgid);
+    if (!req) {
+        dsv4_proto_generate_clear(&gen);
+        dsv4_conn_send_error(c, msg->msgid, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
+        return;
+    }
+    req->gen = gen;
+    if (gen.prompt_kind == DSV4_PROTO_PROMPT_TOKENS) {
+        for (uint32_t i = 0; i < gen.n_tokens; i++)
+            if (dsv4_tok_ids_push(&req->prompt, gen.tokens[i]) < 0) {
+                dsv4_proto_error_set(&err, DSV4_PROTO_E_OUT_OF_MEMORY, "tokens: out of memory");
+                goto fail;
+            }
+    } else if (build_prompt(s, gen.prompt_kind, gen.prompt, gen.prompt_len, gen.add_bos, gen.messages,
+                            gen.n_messages, gen.thinking, &req->prompt, &err) < 0) {
+        goto fail;
+    }
+    if (req->prompt.len == 0) {
+        dsv4_proto_error_set(&err, DSV4_PROTO_E_BAD_VALUE, "the prompt is empty (no tokens)");
+        goto fail;
+    }
+    if (dsv4_proto_check_prompt_length((uint32_t)req->prompt.len, &lim, &err) < 0)
+        goto fail;
+
+    s->counters.requests_total++;
+    s->counters.prompt_tokens_total += req->prompt.len;
+    if (s->state == DSV4_SERVER_LOADING || s->state == DSV4_SERVER_WARMUP) {
+        /* Held until READY: a client that connected through socket activation just waits. */
+        req->pending = true;
+        if (s->pending_tail)
+            s->pending_tail->pending_next = req;
+        else
+            s->pending_head = req;
+        s->pending_tail = req;
+        s->n_pending++;
+        return;
+    }
+    if (submit(s, req, &err) < 0)
+        goto fail;
+    return;
+
+fail:
+    s->counters.requests_rejected++;
+    reply_error(c, msg->msgid, &err);
+    request_free(s, req);
+}
+
+void dsv4_dispatch_submit_pending(struct dsv4_server *s)
+{
+    while (s->pending_head) {
+        struct dsv4_request *req = s->pending_head;
+        struct dsv4_proto_error err = { 0 };
+        pending_remove(s, req);
+        if (submit(s, req, &err) < 0) {
+            if (req->conn)
+                reply_error(req->conn, req->msgid, &err);
+            request_free(s, req);
+        }
+    }
+}
+
+static void do_cancel(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+{
+    struct dsv4_proto_cancel req = { 0 };
+    struct dsv4_proto_error err = { 0 };
+    bool cancelled = false;
+
+    if (dsv4_proto_decode_cancel(msg, &req, &err) < 0) {
+        reply_error(c, msg->msgid, &err);
+        return;
+    }
+    for (struct dsv4_request *r = c->requests; r; r = r->conn_next) {
+        if (r->msgid != req.msgid)
+            continue;
+        if (r->submitted) {
+            cancelled = dsv4_sched_cancel(s->sched, r->sched_id) == 0;
+        } else {
+            /* Still held for boot: it ends here. */
+            s->counters.requests_cancelled++;
+            reply_unsubmitted(s, r, DSV4_PROTO_FINISH_CANCELLED);
+            request_free(s, r);
+            cancelled = true;
+        }
+        break;
+    }
+    if (!c->closed)
+        reply_encoded(c, dsv4_proto_encode_cancel_result(&c->out, msg->msgid, cancelled));
+}
+
+static void do_tokenize(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+{
+    struct dsv4_proto_tokenize req;
+    struct dsv4_proto_error err = { 0 };
+    struct dsv4_tok_ids ids = { 0 };
+
+    dsv4_proto_tokenize_init(&req);
+    if (dsv4_proto_decode_tokenize(msg, &req, &err) < 0 ||
+        build_prompt(s, req.prompt_kind, req.text, req.text_len, req.add_bos, req.messages, req.n_messages,
+                     req.thinking, &ids, &err) < 0) {
+        reply_error(c, msg->msgid, &err);
+    } else {
+        struct dsv4_proto_tokens res = { .tokens = ids.ids, .n_tokens = (uint32_t)ids.len };
+        reply_encoded(c, dsv4_proto_encode_tokenize_result(&c->out, msg->msgid, &res));
+    }
+    dsv4_tok_ids_free(&ids);
+    dsv4_proto_tokenize_clear(&req);
+}
+
+static void do_detokenize(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+{
+    struct dsv4_proto_tokens req = { 0 };
+    struct dsv4_proto_error err = { 0 };
+    char *bytes = NULL, *text = NULL;
+    size_t len = 0, text_len = 0;
+
+    if (dsv4_proto_decode_detokenize(msg, &req, &err) < 0 ||
+        dsv4_proto_check_token_ids(req.tokens, req.n_tokens, s->vocab_size, "tokens", &err) < 0) {
+        reply_error(c, msg->msgid, &err);
+        goto out;
+    }
+    if (dsv4_tokenizer_decode(s->tok, req.tokens, req.n_tokens, 0, &bytes, &len) < 0) {
+        dsv4_proto_error_set(&err, DSV4_PROTO_E_TOKEN_OUT_OF_VOCAB, "%s", dsv4_error_message());
+        reply_error(c, msg->msgid, &err);
+        goto out;
+    }
+    text = dsv4_utf8_lossy(bytes, len, &text_len);
+    if (!text) {
+        dsv4_conn_send_error(c, msg->msgid, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
+        goto out;
+    }
+    reply_encoded(c, dsv4_proto_encode_detokenize_result(&c->out, msg->msgid, text, text_len));
+out:
+    free(bytes);
+    free(text);
+    dsv4_proto_tokens_clear(&req);
+}
+
+static void do_stats(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+{
+    struct dsv4_proto_error err = { 0 };
+    struct dsv4_proto_stats st = { 0 };
+    struct dsv4_reqmem_stats mem;
+
+    if (dsv4_proto_decode_empty_params(msg, &err) < 0) {
+        reply_error(c, msg->msgid, &err);
+        return;
+    }
+    dsv4_reqmem_get_stats(&mem);
+    st.uptime_s = (double)(dsv4_now_ns() - s->start_ns) / 1e9;
+    st.backend = (char *)(s->sched ? dsv4_host_backend_name(s->host) : dsv4_settings_backend_name(s->cfg->backend));
+    st.slots_total = (uint32_t)s->cfg->max_batch;
+    st.queue_depth = (uint32_t)s->n_pending;
+    st.connections = (uint32_t)s->n_conns;
+    st.requests_total = s->counters.requests_total;
+    st.requests_failed = s->counters.requests_failed;
+    st.requests_cancelled = s->counters.requests_cancelled;
+    st.prompt_tokens_total = s->counters.prompt_tokens_total;
+    st.generated_tokens_total = s->counters.generated_tokens_total;
+    st.heap_allocated = mem.allocated;
+    st.heap_active = mem.active;
+    st.heap_resident = mem.resident;
+    st.heap_mapped = mem.mapped;
+    if (s->sched) {
+        struct dsv4_sched_stats ss;
+        dsv4_sched_get_stats(s->sched, &ss);
+        st.slots_busy = (uint32_t)ss.slots_in_use;
+        st.queue_depth += (uint32_t)ss.queued;
+        st.prefill_tokens_per_s = ss.busy_s > 0 ? (double)ss.prefill_tokens / ss.busy_s : 0;
+        st.decode_tokens_per_s = ss.tokens_per_s;
+        st.device_arena_bytes = ss.backend.bytes_reserved;
+        st.device_arena_used = ss.backend.bytes_reserved;
+        st.device_allocs_after_boot = ss.backend.device_allocs - s->boot_device_allocs;
+        st.graph_captures_after_boot = ss.backend.graph_captures - s->boot_graph_captures;
+        if (ss.backend.variant[0]) {
+            st.kernels[0] = ss.backend.variant;
+            st.n_kernels = 1;
+        }
+        reply_encoded(c, dsv4_proto_encode_stats_result(&c->out, msg->msgid, &st));
+        return;
+    }
+    reply_encoded(c, dsv4_proto_encode_stats_result(&c->out, msg->msgid, &st));
+}
+
+static void do_health(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+{
+    struct dsv4_proto_error err = { 0 };
+    struct dsv4_proto_health h = { .reason = s->reason };
+
+    if (dsv4_proto_decode_empty_params(msg, &err) < 0) {
+        reply_error(c, msg->msgid, &err);
+        return;
+    }
+    switch (s->state) {
+    case DSV4_SERVER_READY: h.status = DSV4_PROTO_HEALTH_READY; break;
+    case DSV4_SERVER_LOADING:
+    case DSV4_SERVER_WARMUP: h.status = DSV4_PROTO_HEALTH_LOADING; break;
+    default: h.status = DSV4_PROTO_HEALTH_DRAINING; break;
+    }
+    reply_encoded(c, dsv4_proto_encode_health_result(&c->out, msg->msgid, &h));
+}
+
+void dsv4_dispatch_frame(struct dsv4_conn *c, const uint8_t *payload, size_t len)
+{
+    struct dsv4_server *s = c->server;
+    struct dsv4_proto_message msg = { 0 };
+    struct dsv4_proto_error err = { 0 };
+
+    if (dsv4_proto_message_decode(payload, len, &s->proto_limits, &msg, &err) < 0) {
+        if (dsv4_proto_code_is_fatal(err.code) || !msg.has_msgid)
+            dsv4_conn_fail(c, err.code, err.message);
+        else
+            reply_error(c, msg.msgid, &err);
+        dsv4_proto_message_clear(&msg);
+        return;
+    }
+    if (msg.kind != DSV4_PROTO_REQUEST) {
+        dsv4_conn_fail(c, DSV4_PROTO_E_UNEXPECTED_MESSAGE, "the server accepts only requests [0, msgid, method, params]");
+        dsv4_proto_message_clear(&msg);
+        return;
+    }
+    switch (msg.method) {
+    case DSV4_PROTO_METHOD_HELLO: do_hello(s, c, &msg); break;
+    case DSV4_PROTO_METHOD_GENERATE: do_generate(s, c, &msg); break;
+    case DSV4_PROTO_METHOD_CANCEL: do_cancel(s, c, &msg); break;
+    case DSV4_PROTO_METHOD_TOKENIZE: do_tokenize(s, c, &msg); break;
+    case DSV4_PROTO_METHOD_DETOKENIZE: do_detokenize(s, c, &msg); break;
+    case DSV4_PROTO_METHOD_STATS: do_stats(s, c, &msg); break;
+    case DSV4_PROTO_METHOD_HEALTH: do_health(s, c, &msg); break;
+    default:
+        dsv4_proto_error_set(&err, DSV4_PROTO_E_UNKNOWN_METHOD, "'%s' is not a request method",
+                             dsv4_proto_method_name(msg.method));
+        reply_error(c, msg.msgid, &err);
+        break;
+    }
+    dsv4_proto_message_clear(&msg);
+}
+
+/* ---- engine events ------------------------------------------------------------------------------ */
+
+static void on_token(struct dsv4_server *s, struct dsv4_request *req, const struct dsv4_sched_event *ev)
+{
+    struct dsv4_conn *c = req->conn;
+    const struct dsv4_sample *smp = &ev->sample;
+
+    if (req->gen.sampling.logprobs >= 0 && !req->warmup) {
+        if (req->n_logprobs == req->cap_logprobs) {
+            uint32_t cap = req->cap_logprobs ? 2 * req->cap_logprobs : 64;
+            void *p = dsv4_reqmem_realloc(req->logprobs, cap * sizeof(*req->logprobs));
+            if (!p) {
+                dsv4_log_err("request %u: out of memory for logprobs; cancelling it", req->msgid);
+                dsv4_sched_cancel(s->sched, req->sched_id);
+                return;
+            }
+            req->logprobs = p;
+            req->cap_logprobs = cap;
+        }
+        struct dsv4_proto_logprob *lp = &req->logprobs[req->n_logprobs++];
+        lp->logprob = smp->logprob;
+        lp->n_top = (uint32_t)smp->n_top;
+        memcpy(lp->top_ids, smp->top_ids, sizeof(int32_t) * (size_t)smp->n_top);
+        memcpy(lp->top_logprobs, smp->top_logprobs, sizeof(float) * (size_t)smp->n_top);
+    }
+    if (c && req->gen.stream) {
+        struct dsv4_proto_token_event te = {
+            .msgid = req->msgid,
+            .token = smp->token,
+            .text = (char *)ev->delta,
+            .text_len = ev->delta_len,
+            .has_logprob = req->gen.sampling.logprobs >= 0,
+        };
+        char delta[DSV4_SCHED_DELTA_MAX + 1];
+        /* The encoder takes a NUL-terminated string. */
+        memcpy(delta, ev->delta, ev->delta_len);
+        delta[ev->delta_len] = '\0';
+        te.text = delta;
+        if (te.has_logprob)
+            te.logprob = req->logprobs[req->n_logprobs - 1];
+        reply_encoded(c, dsv4_proto_encode_token(&c->out, &te));
+    }
+}
+
+static void on_finish(struct dsv4_server *s, struct dsv4_request *req, const struct dsv4_sched_result *res)
+{
+    struct dsv4_conn *c = req->conn;
+    struct dsv4_proto_generate_result out = { 0 };
+
+    s->counters.generated_tokens_total += (uint64_t)res->completion_tokens;
+    if (res->finish == DSV4_FINISH_CANCELLED)
+        s->counters.requests_cancelled++;
+    else if (res->finish == DSV4_FINISH_ERROR)
+        s->counters.requests_failed++;
+    if (res->finish == DSV4_FINISH_ERROR)
+        dsv4_log_err("request %u: engine error: %s", req->msgid, res->error_message);
+
+    if (req->warmup) {
+        char what[DSV4_SCHED_ERROR_MAX + 128];
+        bool ok = res->finish != DSV4_FINISH_ERROR && res->finish != DSV4_FINISH_CANCELLED && res->n_tokens > 0;
+        if (ok)
+            snprintf(what, sizeof(what), "warm-up generated %d tokens in %.3f s", res->n_tokens,
+                     (double)(res->timings.finish_ns - res->timings.submit_ns) / 1e9);
+        else
+            snprintf(what, sizeof(what), "warm-up generation failed: %s (%s)", dsv4_finish_reason_name(res->finish),
+                     res->error_message[0] ? res->error_message : "no tokens");
+        dsv4_server_warmup_done(s, ok, what);
+        return;
+    }
+    if (!c)
+        return;
+    out.text = (char *)res->text;
+    out.text_len = res->text_len;
+    out.tokens = (int32_t *)res->tokens;
+    out.n_tokens = (uint32_t)res->n_tokens;
+    out.finish_reason = proto_finish(res->finish);
+    out.error_message = res->finish == DSV4_FINISH_ERROR ? (char *)res->error_message : NULL;
+    out.usage.prompt_tokens = (uint32_t)res->prompt_tokens;
+    out.usage.completion_tokens = (uint32_t)res->completion_tokens;
+    out.timings.queue_ms = res->timings.queue_s * 1e3;
+    out.timings.prefill_ms = res->timings.prefill_s * 1e3;
+    out.timings.decode_ms = res->timings.decode_s * 1e3;
+    out.timings.total_ms = (double)(dsv4_now_ns() - req->accepted_ns) / 1e6;
+    /* logprobs only when every token has its entry (a cancelled request may have lost none, but be exact). */
+    if (req->gen.sampling.logprobs >= 0 && req->n_logprobs == (uint32_t)res->n_tokens)
+        out.logprobs = req->logprobs;
+    reply_encoded(c, dsv4_proto_encode_generate_result(&c->out, req->msgid, &out));
+}
+
+int dsv4_dispatch_engine_events(sd_event_source *src, int fd, uint32_t revents, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    struct dsv4_sched_event event, *ev = &event;
+    uint64_t n;
+
+    if (read(fd, &n, sizeof(n)) < 0 && errno != EAGAIN)
+        dsv4_log_warning("engine eventfd: %m");
+    while (dsv4_sched_next_event(s->sched, ev) == 1) {
+        struct dsv4_request *req = ev->user;
+        if (ev->type == DSV4_SCHED_EVENT_TOKEN) {
+            on_token(s, req, ev);
+            continue;
+        }
+        on_finish(s, req, ev->result);
+        dsv4_sched_release(s->sched, ev->id);
+        request_free(s, req);
+        if (s->state == DSV4_SERVER_EXITING)
+            break;
+    }
+    dsv4_server_check_drained(s);
+    return 0;
+}
+
+int dsv4_dispatch_start_warmup(struct dsv4_server *s)
+{
+    struct dsv4_proto_error err = { 0 };
+    struct dsv4_request *req = request_new(s, NULL, 0);
+    int r;
+
+    if (!req)
+        return -ENOMEM;
+    req->warmup = true;
+    dsv4_proto_generate_init(&req->gen);
+    req->gen.sampling.temperature = 0;
+    req->gen.sampling.max_tokens = (uint32_t)s->cfg->warmup_tokens;
+    if (s->has_chat) {
+        struct dsv4_proto_chat_message m = { .role = DSV4_PROTO_ROLE_USER, .content = (char *)DSV4_WARMUP_PROMPT,
+                                             .content_len = strlen(DSV4_WARMUP_PROMPT) };
+        r = build_prompt(s, DSV4_PROTO_PROMPT_MESSAGES, NULL, 0, false, &m, 1, false, &req->prompt, &err);
+    } else {
+        r = build_prompt(s, DSV4_PROTO_PROMPT_TEXT, DSV4_WARMUP_PROMPT, strlen(DSV4_WARMUP_PROMPT), true, NULL, 0,
+                         false, &req->prompt, &err);
+    }
+    if (r == 0 && (req->prompt.len == 0 || req->prompt.len >= (size_t)s->cfg->max_context))
+        r = dsv4_proto_error_set(&err, DSV4_PROTO_E_PROMPT_TOO_LONG, "%zu prompt tokens for max_context %d",
+                                 req->prompt.len, s->cfg->max_context);
+    if (r == 0)
+        r = submit(s, req, &err);
+    if (r < 0) {
+        dsv4_error_set(-EINVAL, "warm-up request: %s", err.message);
+        request_free(s, req);
+        return -EINVAL;
+    }
+    return 0;
+}

@@ -1,0 +1,270 @@
+#include "build-config.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "daemon/host.h"
+#include "daemon/log.h"
+#include "engine/backend.h"
+#include "engine/error.h"
+#include "engine/weights.h"
+
+struct dsv4_host {
+    const struct dsv4_settings *cfg;
+    const struct dsv4_tokenizer *tok;
+    pthread_t thread;
+    int boot_fd;
+    atomic_int phase;
+    atomic_bool stop_requested;
+    char error[DSV4_ERROR_MESSAGE_MAX];
+    char backend_name[16];
+    char backend_note[DSV4_ERROR_MESSAGE_MAX + 64];
+    const char *numerics;
+    int max_output_tokens;
+    struct dsv4_weights *weights;
+    struct dsv4_backend *backend;
+    struct dsv4_sched *sched;
+};
+
+const char *dsv4_host_phase_text(enum dsv4_host_phase p)
+{
+    switch (p) {
+    case DSV4_HOST_LOADING_WEIGHTS: return "loading weights";
+    case DSV4_HOST_CREATING_BACKEND: return "creating the backend (caches, workspaces)";
+    case DSV4_HOST_CREATING_SCHEDULER: return "creating the scheduler";
+    case DSV4_HOST_RUNNING: return "running";
+    case DSV4_HOST_FAILED: return "boot failed";
+    case DSV4_HOST_STOPPED: return "stopped";
+    }
+    return "?";
+}
+
+static void set_phase(struct dsv4_host *h, enum dsv4_host_phase p)
+{
+    atomic_store(&h->phase, (int)p);
+    if (p != DSV4_HOST_RUNNING && p != DSV4_HOST_FAILED && p != DSV4_HOST_STOPPED)
+        dsv4_log_info("boot: %s", dsv4_host_phase_text(p));
+}
+
+/* --backend: cpu and cuda are what they say; auto takes the GPU when there is a usable one and says
+ * so when there is not. */
+static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *opts)
+{
+    const struct dsv4_settings *cfg = h->cfg;
+    int r;
+
+    if (cfg->backend == DSV4_BACKEND_CUDA || cfg->backend == DSV4_BACKEND_AUTO) {
+#ifdef HAVE_CUDA
+        r = dsv4_backend_cuda_create(h->weights, opts, &h->backend);
+        if (r == 0) {
+            snprintf(h->backend_name, sizeof(h->backend_name), "cuda");
+            snprintf(h->backend_note, sizeof(h->backend_note), "%s",
+                     cfg->backend == DSV4_BACKEND_AUTO ? "auto: CUDA device found" : "requested");
+            return 0;
+        }
+        if (cfg->backend == DSV4_BACKEND_CUDA || r != -ENODEV)
+            return dsv4_error_prefix(r, "CUDA backend: ");
+        snprintf(h->backend_note, sizeof(h->backend_note), "auto: no usable GPU (%s); using the CPU backend",
+                 dsv4_error_message());
+#else
+        if (cfg->backend == DSV4_BACKEND_CUDA)
+            return dsv4_error_set(-ENOTSUP, "backend = cuda, but this dsv4d was built without the CUDA backend "
+                                  "(configure --with-cuda)");
+        snprintf(h->backend_note, sizeof(h->backend_note),
+                 "auto: no usable GPU (this build has no CUDA backend: configured without --with-cuda); "
+                 "using the CPU backend");
+#endif
+        dsv4_log_warning("%s", h->backend_note);
+    } else {
+        snprintf(h->backend_note, sizeof(h->backend_note), "requested");
+    }
+    r = dsv4_backend_cpu_create(h->weights, opts, &h->backend);
+    if (r < 0)
+        return dsv4_error_prefix(r, "CPU backend: ");
+    snprintf(h->backend_name, sizeof(h->backend_name), "cpu");
+    return 0;
+}
+
+static int boot(struct dsv4_host *h)
+{
+    const struct dsv4_settings *cfg = h->cfg;
+    struct dsv4_backend_opts opts = {
+        .max_batch = cfg->max_batch,
+        .max_context = cfg->max_context,
+        .threads = cfg->threads,
+    };
+    struct dsv4_sched_limits limits = { 0 };
+    int r;
+
+    set_phase(h, DSV4_HOST_LOADING_WEIGHTS);
+    r = dsv4_weights_load(cfg->model, &h->weights);
+    if (r < 0)
+        return dsv4_error_prefix(r, "model %s: ", cfg->model);
+    dsv4_log_info("model %s: %d layers, dim %d, vocab %d, %.1f MiB of weights", h->weights->cfg.model_name,
+                  h->weights->cfg.n_layers, h->weights->cfg.dim, h->weights->cfg.vocab_size,
+                  (double)h->weights->bytes_total / (1 << 20));
+
+    switch (cfg->numerics) {
+    case DSV4_NUMERICS_CHOICE_EXACT: opts.numerics = DSV4_NUMERICS_EXACT; break;
+    case DSV4_NUMERICS_CHOICE_FP8: opts.numerics = DSV4_NUMERICS_FP8; break;
+    default:
+        /* A quantized release checkpoint was trained for the FP8 cache; BF16 test models for exact. */
+        opts.numerics = h->weights->bytes_quantized ? DSV4_NUMERICS_FP8 : DSV4_NUMERICS_EXACT;
+    }
+    h->numerics = opts.numerics == DSV4_NUMERICS_FP8 ? "fp8" : "exact";
+
+    set_phase(h, DSV4_HOST_CREATING_BACKEND);
+    r = create_backend(h, &opts);
+    if (r < 0)
+        return r;
+    struct dsv4_backend_stats bs;
+    h->backend->ops->get_stats(h->backend, &bs);
+    dsv4_log_info("backend %s (%s), numerics %s, %d slots x %d tokens, %.1f MiB reserved%s%s", h->backend_name,
+                  h->backend_note, h->numerics, cfg->max_batch, cfg->max_context,
+                  (double)bs.bytes_reserved / (1 << 20), bs.variant[0] ? ", kernels: " : "", bs.variant);
+
+    set_phase(h, DSV4_HOST_CREATING_SCHEDULER);
+    /* The scheduler holds every request from submit to release: queued, running, and the finished
+     * ones whose results the io thread is still sending. */
+    limits.max_unreleased = cfg->max_batch;
+    limits.max_requests = cfg->max_batch + cfg->max_queued + limits.max_unreleased;
+    if (limits.max_requests > DSV4_SCHED_REQUESTS_MAX)
+        limits.max_requests = DSV4_SCHED_REQUESTS_MAX;
+    limits.max_output_tokens = cfg->max_context;
+    r = dsv4_sched_create(h->backend, h->tok, &limits, &h->sched);
+    if (r < 0)
+        return dsv4_error_prefix(r, "scheduler: ");
+    h->max_output_tokens = limits.max_output_tokens;
+    return 0;
+}
+
+static void wake_io(struct dsv4_host *h)
+{
+    uint64_t one = 1;
+    if (write(h->boot_fd, &one, sizeof(one)) < 0)
+        dsv4_log_err("engine: waking the io thread: %m");
+}
+
+static void *engine_thread(void *arg)
+{
+    struct dsv4_host *h = arg;
+    int r = boot(h);
+
+    if (r < 0) {
+        snprintf(h->error, sizeof(h->error), "%s", dsv4_error_message());
+        set_phase(h, DSV4_HOST_FAILED);
+        wake_io(h);
+        return NULL;
+    }
+    set_phase(h, DSV4_HOST_RUNNING);
+    wake_io(h);
+    if (atomic_load(&h->stop_requested))
+        return NULL;
+    r = dsv4_sched_run(h->sched);
+    if (r < 0)
+        dsv4_log_err("engine: step loop failed: %s", dsv4_error_message());
+    return NULL;
+}
+
+int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_tokenizer *tok, struct dsv4_host **ret)
+{
+    struct dsv4_host *h = calloc(1, sizeof(*h));
+    int r;
+
+    if (!h)
+        return dsv4_error_set(-ENOMEM, "engine host: out of memory");
+    h->cfg = cfg;
+    h->tok = tok;
+    h->numerics = "";
+    h->boot_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (h->boot_fd < 0) {
+        r = -errno;
+        free(h);
+        return dsv4_error_set(r, "eventfd: %s", strerror(-r));
+    }
+    atomic_store(&h->phase, DSV4_HOST_LOADING_WEIGHTS);
+    r = pthread_create(&h->thread, NULL, engine_thread, h);
+    if (r) {
+        close(h->boot_fd);
+        free(h);
+        return dsv4_error_set(-r, "starting the engine thread: %s", strerror(r));
+    }
+    *ret = h;
+    return 0;
+}
+
+int dsv4_host_boot_fd(const struct dsv4_host *h)
+{
+    return h->boot_fd;
+}
+
+enum dsv4_host_phase dsv4_host_phase(const struct dsv4_host *h)
+{
+    return (enum dsv4_host_phase)atomic_load(&((struct dsv4_host *)h)->phase);
+}
+
+const char *dsv4_host_boot_error(const struct dsv4_host *h)
+{
+    return h->error;
+}
+
+struct dsv4_sched *dsv4_host_sched(const struct dsv4_host *h)
+{
+    return h->sched;
+}
+
+const char *dsv4_host_backend_name(const struct dsv4_host *h)
+{
+    return h->backend_name;
+}
+
+const char *dsv4_host_backend_note(const struct dsv4_host *h)
+{
+    return h->backend_note;
+}
+
+const char *dsv4_host_numerics_name(const struct dsv4_host *h)
+{
+    return h->numerics;
+}
+
+int dsv4_host_max_output_tokens(const struct dsv4_host *h)
+{
+    return h->max_output_tokens;
+}
+
+bool dsv4_host_stop(struct dsv4_host *h)
+{
+    enum dsv4_host_phase p;
+
+    /* Set before reading the phase: a thread that reaches RUNNING afterwards sees it and returns. */
+    atomic_store(&h->stop_requested, true);
+    p = dsv4_host_phase(h);
+    if (p != DSV4_HOST_RUNNING && p != DSV4_HOST_FAILED && p != DSV4_HOST_STOPPED) {
+        pthread_detach(h->thread);
+        return false;
+    }
+    if (p == DSV4_HOST_RUNNING)
+        dsv4_sched_stop(h->sched);
+    if (p != DSV4_HOST_STOPPED)
+        pthread_join(h->thread, NULL);
+    atomic_store(&h->phase, DSV4_HOST_STOPPED);
+    return true;
+}
+
+void dsv4_host_free(struct dsv4_host *h)
+{
+    if (!h)
+        return;
+    dsv4_sched_destroy(h->sched);
+    dsv4_backend_destroy(h->backend);
+    dsv4_weights_free(h->weights);
+    close(h->boot_fd);
+    free(h);
+}

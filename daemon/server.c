@@ -1,0 +1,403 @@
+#include "build-config.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "daemon/notify.h"
+#include "daemon/server.h"
+#include "engine/error.h"
+
+uint64_t dsv4_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void set_reason(struct dsv4_server *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_reason(struct dsv4_server *s, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->reason, sizeof(s->reason), fmt, ap);
+    va_end(ap);
+}
+
+static void server_exit(struct dsv4_server *s, int code)
+{
+    s->exit_code = code;
+    s->state = DSV4_SERVER_EXITING;
+    sd_event_exit(s->event, code);
+}
+
+static void stop_accepting(struct dsv4_server *s)
+{
+    /* The sockets stay open (systemd keeps its copy): new clients wait for the next start. */
+    for (int i = 0; i < s->listeners.n; i++)
+        if (s->listen_src[i])
+            sd_event_source_set_enabled(s->listen_src[i], SD_EVENT_OFF);
+}
+
+static int on_accept(sd_event_source *src, int fd, uint32_t revents, void *userdata)
+{
+    return dsv4_conn_accept(userdata, fd);
+}
+
+static int on_reap(sd_event_source *src, void *userdata)
+{
+    dsv4_conn_reap(userdata);
+    return 0;
+}
+
+static uint64_t timer_in(uint64_t usec)
+{
+    uint64_t now = 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    now = (uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000;
+    return now + usec;
+}
+
+/* ---- boot ---------------------------------------------------------------------------------------- */
+
+static int on_extend(sd_event_source *src, uint64_t usec, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    if (s->state != DSV4_SERVER_LOADING && s->state != DSV4_SERVER_WARMUP)
+        return 0;
+    /* A checkpoint load is one long call: as long as it runs, give it more time. */
+    dsv4_notify_extend(DSV4_SERVER_EXTEND_USEC);
+    dsv4_notify_status("%s (%.0f s)", s->reason, (double)(dsv4_now_ns() - s->start_ns) / 1e9);
+    sd_event_source_set_time(src, usec + DSV4_SERVER_EXTEND_PERIOD_USEC);
+    sd_event_source_set_enabled(src, SD_EVENT_ONESHOT);
+    return 0;
+}
+
+void dsv4_server_warmup_done(struct dsv4_server *s, bool ok, const char *what)
+{
+    if (s->state != DSV4_SERVER_WARMUP)
+        return;
+    if (!ok) {
+        dsv4_log_err("%s", what);
+        dsv4_notify_status("failed: %s", what);
+        server_exit(s, EXIT_FAILURE);
+        return;
+    }
+    dsv4_log_info("%s", what);
+    s->state = DSV4_SERVER_READY;
+    s->ready_ns = dsv4_now_ns();
+    set_reason(s, "serving %s on the %s backend (%s)", s->model.model_name, dsv4_host_backend_name(s->host),
+               dsv4_host_backend_note(s->host));
+    char status[DSV4_SERVER_REASON_MAX + 64];
+    snprintf(status, sizeof(status), "ready in %.1f s: %s", (double)(s->ready_ns - s->start_ns) / 1e9, s->reason);
+    dsv4_notify_ready(status);
+    dsv4_dispatch_submit_pending(s);
+}
+
+static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    struct dsv4_sched_stats st;
+    uint64_t n;
+    int r;
+
+    if (read(fd, &n, sizeof(n)) < 0 && errno == EAGAIN)
+        return 0;
+    sd_event_source_set_enabled(src, SD_EVENT_OFF);
+    if (dsv4_host_phase(s->host) != DSV4_HOST_RUNNING) {
+        dsv4_log_err("boot failed: %s", dsv4_host_boot_error(s->host));
+        dsv4_notify_status("failed: %s", dsv4_host_boot_error(s->host));
+        server_exit(s, EXIT_FAILURE);
+        return 0;
+    }
+    s->sched = dsv4_host_sched(s->host);
+    dsv4_sched_get_stats(s->sched, &st);
+    s->boot_device_allocs = st.backend.device_allocs;
+    s->boot_graph_captures = st.backend.graph_captures;
+    r = sd_event_add_io(s->event, &s->sched_src, dsv4_sched_event_fd(s->sched), EPOLLIN,
+                        dsv4_dispatch_engine_events, s);
+    if (r < 0) {
+        dsv4_log_err("watching the engine's events: %s", strerror(-r));
+        server_exit(s, EXIT_FAILURE);
+        return 0;
+    }
+    if (s->state != DSV4_SERVER_LOADING)
+        return 0;
+    s->state = DSV4_SERVER_WARMUP;
+    set_reason(s, "warm-up generation on the %s backend (%s)", dsv4_host_backend_name(s->host),
+               dsv4_host_backend_note(s->host));
+    dsv4_notify_status("%s", s->reason);
+    if (dsv4_dispatch_start_warmup(s) < 0) {
+        dsv4_log_err("%s", dsv4_error_message());
+        dsv4_notify_status("failed: %s", dsv4_error_message());
+        server_exit(s, EXIT_FAILURE);
+    }
+    return 0;
+}
+
+/* ---- watchdog ------------------------------------------------------------------------------------ */
+
+/* WATCHDOG=1 means "the engine makes progress": sent while booting (each boot step is bounded by the
+ * start timeout instead), while idle, and while steps complete; withheld when work waits and no step
+ * has completed since the last tick, so systemd restarts a wedged engine. */
+static int on_watchdog(sd_event_source *src, uint64_t usec, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    bool alive = true;
+
+    if (s->sched && (s->state == DSV4_SERVER_READY || s->state == DSV4_SERVER_DRAINING)) {
+        struct dsv4_sched_stats st;
+        dsv4_sched_get_stats(s->sched, &st);
+        bool busy = st.slots_in_use > 0 || st.queued > 0;
+        alive = !busy || st.steps != s->watchdog_last_steps;
+        if (!alive)
+            dsv4_log_warning("engine: no step completed in %.1f s with %d slots busy and %d queued; "
+                             "withholding the watchdog ping", (double)s->watchdog_usec / 3e6, st.slots_in_use,
+                             st.queued);
+        s->watchdog_last_steps = st.steps;
+    }
+    if (alive)
+        dsv4_notify_watchdog();
+    sd_event_source_set_time(src, usec + s->watchdog_usec / 3);
+    sd_event_source_set_enabled(src, SD_EVENT_ONESHOT);
+    return 0;
+}
+
+/* ---- stop ---------------------------------------------------------------------------------------- */
+
+void dsv4_server_check_drained(struct dsv4_server *s)
+{
+    if (s->state == DSV4_SERVER_DRAINING && s->n_requests == 0) {
+        dsv4_log_info("drained: every request has its answer; closing %d connections", s->n_conns);
+        s->state = DSV4_SERVER_EXITING;
+        /* Each connection closes once its last response is written (or at the flush deadline). */
+        for (struct dsv4_conn *c = s->conns, *next; c; c = next) {
+            next = c->next;
+            c->closing = true;
+            dsv4_conn_flush(c);
+        }
+    }
+    if (s->state == DSV4_SERVER_EXITING && s->n_conns == 0)
+        sd_event_exit(s->event, s->exit_code);
+}
+
+static int on_drain_deadline(sd_event_source *src, uint64_t usec, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    dsv4_log_warning("drain: deadline passed with %d requests and %d connections left; exiting", s->n_requests,
+                     s->n_conns);
+    server_exit(s, s->exit_code);
+    return 0;
+}
+
+static int on_term(sd_event_source *src, const struct signalfd_siginfo *si, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    const char *sig = si->ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT";
+    int r;
+
+    if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING) {
+        dsv4_log_notice("%s again: exiting now", sig);
+        server_exit(s, s->exit_code);
+        return 0;
+    }
+    stop_accepting(s);
+    if (s->state != DSV4_SERVER_READY) {
+        /* Nothing was promised yet: answer the held requests and go. */
+        dsv4_notify_stopping("stopping during boot");
+        for (struct dsv4_request *req = s->pending_head; req; req = req->pending_next)
+            if (req->conn)
+                dsv4_conn_send_error(req->conn, req->msgid, DSV4_PROTO_E_DRAINING, "the server stopped during boot");
+        server_exit(s, EXIT_SUCCESS);
+        return 0;
+    }
+    s->state = DSV4_SERVER_DRAINING;
+    set_reason(s, "%s: finishing %d requests within %.0f s", sig, s->n_requests, s->cfg->drain_grace);
+    dsv4_notify_stopping(s->reason);
+    dsv4_sched_drain(s->sched, s->cfg->drain_grace);
+    r = sd_event_add_time(s->event, &s->drain_src, CLOCK_MONOTONIC,
+                          timer_in((uint64_t)(s->cfg->drain_grace * 1e6) + DSV4_SERVER_FLUSH_USEC), 0,
+                          on_drain_deadline, s);
+    if (r < 0)
+        dsv4_log_warning("drain deadline timer: %s", strerror(-r));
+    dsv4_server_check_drained(s);
+    return 0;
+}
+
+static int on_hup(sd_event_source *src, const struct signalfd_siginfo *si, void *userdata)
+{
+    dsv4_log_notice("SIGHUP: settings are read at start only; restart dsv4d to apply changes");
+    return 0;
+}
+
+/* ---- setup --------------------------------------------------------------------------------------- */
+
+static int load_tokenizer(struct dsv4_server *s)
+{
+    char path[DSV4_SETTINGS_PATH_MAX + 32];
+    int r;
+
+    if (s->cfg->tokenizer[0])
+        snprintf(path, sizeof(path), "%s", s->cfg->tokenizer);
+    else
+        snprintf(path, sizeof(path), "%s/tokenizer.json", s->cfg->model);
+    r = dsv4_tokenizer_load(path, &s->tok);
+    if (r < 0)
+        return dsv4_error_prefix(r, "tokenizer: ");
+    if (dsv4_tokenizer_vocab_size(s->tok) > (size_t)s->model.vocab_size)
+        return dsv4_error_set(-EINVAL, "tokenizer %s has %zu ids but the model's vocab_size is %d", path,
+                              dsv4_tokenizer_vocab_size(s->tok), s->model.vocab_size);
+    s->vocab_size = (uint32_t)s->model.vocab_size;
+    s->has_chat = dsv4_chat_tags_lookup(s->tok, &s->tags) == 0;
+    if (s->has_chat)
+        s->bos_id = s->tags.bos;
+    else if (s->model.bos_id >= 0 && s->model.bos_id < s->model.vocab_size)
+        s->bos_id = s->model.bos_id;
+    else
+        s->bos_id = -1;
+    dsv4_error_clear();
+    dsv4_log_info("tokenizer %s: %zu ids, chat format %s", path, dsv4_tokenizer_vocab_size(s->tok),
+                  s->has_chat ? "available" : "unavailable (no chat tags)");
+    return 0;
+}
+
+static int open_listeners(struct dsv4_server *s)
+{
+    int r = dsv4_listen_activated(&s->listeners);
+    if (r < 0)
+        return r;
+    if (s->cfg->listen[0]) {
+        r = dsv4_listen_path(&s->listeners, s->cfg->listen);
+        if (r < 0)
+            return r;
+    }
+    if (s->listeners.n == 0)
+        return dsv4_error_set(-EINVAL, "no socket to serve: start dsv4d through dsv4d.socket (socket activation) "
+                              "or pass --listen PATH");
+    for (int i = 0; i < s->listeners.n; i++) {
+        r = sd_event_add_io(s->event, &s->listen_src[i], s->listeners.fds[i], EPOLLIN, on_accept, s);
+        if (r < 0)
+            return dsv4_error_set(r, "watching socket %s: %s", s->listeners.names[i], strerror(-r));
+        dsv4_log_info("listening on %s", s->listeners.names[i]);
+    }
+    return 0;
+}
+
+int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
+{
+    sigset_t mask;
+    int r;
+
+    memset(s, 0, sizeof(*s));
+    s->cfg = cfg;
+    s->start_ns = dsv4_now_ns();
+    s->state = DSV4_SERVER_LOADING;
+    s->bos_id = -1;
+    set_reason(s, "starting");
+
+    /* Signals arrive through the loop; threads started later inherit the blocked mask. */
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGINT);
+    sigaddset(&mask, SIGHUP);
+    pthread_sigmask(SIG_BLOCK, &mask, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    r = sd_event_new(&s->event);
+    if (r < 0)
+        return dsv4_error_set(r, "sd_event_new: %s", strerror(-r));
+    if ((r = sd_event_add_signal(s->event, NULL, SIGTERM, on_term, s)) < 0 ||
+        (r = sd_event_add_signal(s->event, NULL, SIGINT, on_term, s)) < 0 ||
+        (r = sd_event_add_signal(s->event, NULL, SIGHUP, on_hup, s)) < 0)
+        return dsv4_error_set(r, "signal handlers: %s", strerror(-r));
+    r = sd_event_add_defer(s->event, &s->reap_src, on_reap, s);
+    if (r < 0)
+        return dsv4_error_set(r, "sd_event_add_defer: %s", strerror(-r));
+    sd_event_source_set_enabled(s->reap_src, SD_EVENT_OFF);
+
+    dsv4_notify_status("reading %s/config.json", cfg->model);
+    r = dsv4_config_load(cfg->model, &s->model);
+    if (r < 0)
+        return dsv4_error_prefix(r, "model %s: ", cfg->model);
+    r = load_tokenizer(s);
+    if (r < 0)
+        return r;
+    dsv4_proto_limits_server(&s->proto_limits);
+    s->proto_limits.max_frame = cfg->max_frame;
+
+    r = open_listeners(s);
+    if (r < 0)
+        return r;
+
+    r = dsv4_host_start(cfg, s->tok, &s->host);
+    if (r < 0)
+        return r;
+    r = sd_event_add_io(s->event, &s->boot_src, dsv4_host_boot_fd(s->host), EPOLLIN, on_boot, s);
+    if (r < 0)
+        return dsv4_error_set(r, "watching the engine's boot: %s", strerror(-r));
+    set_reason(s, "loading %s (%s backend requested)", s->model.model_name, dsv4_settings_backend_name(cfg->backend));
+    dsv4_notify_status("%s", s->reason);
+    r = sd_event_add_time(s->event, &s->extend_src, CLOCK_MONOTONIC, timer_in(DSV4_SERVER_EXTEND_PERIOD_USEC), 0,
+                          on_extend, s);
+    if (r < 0)
+        return dsv4_error_set(r, "boot timer: %s", strerror(-r));
+
+    s->watchdog_usec = dsv4_notify_watchdog_usec();
+    if (s->watchdog_usec) {
+        r = sd_event_add_time(s->event, &s->watchdog_src, CLOCK_MONOTONIC, timer_in(s->watchdog_usec / 3), 0,
+                              on_watchdog, s);
+        if (r < 0)
+            return dsv4_error_set(r, "watchdog timer: %s", strerror(-r));
+        dsv4_log_info("watchdog: %.1f s, pinged while the engine makes progress", (double)s->watchdog_usec / 1e6);
+    }
+    return 0;
+}
+
+int dsv4_server_run(struct dsv4_server *s)
+{
+    int r = sd_event_loop(s->event);
+    if (r < 0 && s->exit_code == 0) {
+        dsv4_log_err("event loop: %s", strerror(-r));
+        return EXIT_FAILURE;
+    }
+    return s->exit_code;
+}
+
+void dsv4_server_done(struct dsv4_server *s)
+{
+    bool joined = true;
+
+    s->state = DSV4_SERVER_EXITING;
+    if (s->host)
+        joined = dsv4_host_stop(s->host);
+    /* The engine thread is gone (or still loading and never saw a request): requests can go. */
+    while (s->conns)
+        dsv4_conn_close(s->conns, "server exiting");
+    dsv4_conn_reap(s);
+    dsv4_dispatch_free_all(s);
+    for (int i = 0; i < s->listeners.n; i++)
+        s->listen_src[i] = sd_event_source_disable_unref(s->listen_src[i]);
+    dsv4_listen_close(&s->listeners);
+    s->boot_src = sd_event_source_disable_unref(s->boot_src);
+    s->sched_src = sd_event_source_disable_unref(s->sched_src);
+    s->watchdog_src = sd_event_source_disable_unref(s->watchdog_src);
+    s->extend_src = sd_event_source_disable_unref(s->extend_src);
+    s->drain_src = sd_event_source_disable_unref(s->drain_src);
+    s->reap_src = sd_event_source_disable_unref(s->reap_src);
+    if (joined) {
+        dsv4_host_free(s->host);
+        dsv4_tokenizer_free(s->tok);
+    }
+    s->host = NULL;
+    s->tok = NULL;
+    s->event = sd_event_unref(s->event);
+}

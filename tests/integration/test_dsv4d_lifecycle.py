@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""dsv4d's life with systemd: socket activation, READY only after the warm-up, the watchdog, the
+drain on SIGTERM with STOPPING=1; by hand with --listen: socket mode, live and stale sockets;
+--backend auto without a GPU says so; the uid allowlist."""
+
+import os
+import signal
+import stat
+import subprocess
+import tempfile
+
+from dsv4d_harness import (BOS, FIXTURE_MODEL, TIMEOUT, Client, Daemon, Tap, program, text_tokens, tokens_bin,
+                           write_tokenizer)
+
+t = Tap()
+
+
+def run_dsv4d(tmp, listen):
+    """dsv4d --listen PATH in the foreground, for the cases where it must refuse to start."""
+    return subprocess.run([program("dsv4d"), "--config", "", "--model", FIXTURE_MODEL, "--backend", "cpu",
+                           "--tokenizer", os.path.join(tmp, "tokenizer.json"), "--listen", listen],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+# ---- socket activation, readiness, watchdog, drain --------------------------------------------------
+d = Daemon(activation=True, args=["--max-context", "4096"], env={"WATCHDOG_USEC": "900000"})
+try:
+    t.ok(d.wait_socket(), "systemd-socket-activate listens", d.log_text())
+    # The first connection starts dsv4d; its request waits for READY instead of failing.
+    first = Client(d.sock_path)
+    mid = first.request("generate", {"tokens": tokens_bin([BOS] + text_tokens("hi")), "max_tokens": 3,
+                                     "temperature": 0.0})
+    err, res = first.response(mid)
+    t.ok(err is None and res["usage"]["completion_tokens"] >= 1,
+         "a request sent while dsv4d boots is answered once it is ready", (err, res, d.log_text()))
+    ready = d.notify.wait_for("READY", "1", proc=d.proc)
+    t.ok(ready >= 0, "READY=1 is sent", d.notify.messages)
+    warm = [i for i, m in enumerate(d.notify.messages) if "warm-up" in m.get("STATUS", "")]
+    t.ok(warm and warm[0] < ready, "STATUS announces the warm-up before READY=1", d.notify.messages)
+    log = d.log_text()
+    t.ok(0 <= log.find("warm-up generated") < log.find("ready in"),
+         "the warm-up generation completed before readiness", log)
+    t.ok(any("loading" in m.get("STATUS", "") for m in d.notify.messages[:ready]),
+         "STATUS reports loading progress during boot", d.notify.messages)
+    t.ok(all(line[:3] in ("<3>", "<4>", "<5>", "<6>", "<7>") for line in log.splitlines()
+             if line and not line.startswith(("Listening on", "Communication attempt", "Execing"))),
+         "every log line carries an sd-daemon priority prefix", log)
+    t.ok(d.notify.wait_for("WATCHDOG", "1", timeout=30, proc=d.proc) > ready,
+         "WATCHDOG=1 is sent when WATCHDOG_USEC is set", d.notify.messages)
+
+    err, h = first.call("health")
+    t.ok(err is None and h["status"] == "ready", "health says ready", (err, h))
+    err, hello = first.call("hello", {"protocol": 1, "client": "lifecycle test"})
+    t.ok(err is None and hello["protocol"] == 1 and hello["backend"] == "cpu" and hello["max_context"] == 4096
+         and hello["model"]["vocab_size"] == 288, "hello reports the protocol, model and backend", (err, hello))
+
+    # Drain: a long request streaming on one connection is let finish after SIGTERM; a new request
+    # on another connection meanwhile is refused with `draining`.
+    other = Client(d.sock_path)
+    err, _ = other.call("health")
+    long_id = first.request("generate", {"tokens": tokens_bin([BOS, 40, 41]), "max_tokens": 2000,
+                                         "temperature": 0.0, "stream": True})
+    note = first.recv()
+    t.ok(note[0] == 2 and note[1] == "token", "the long request streams", note)
+    d.proc.send_signal(signal.SIGTERM)
+    stopping = d.notify.wait_for("STOPPING", "1", proc=d.proc)
+    t.ok(stopping > ready, "STOPPING=1 follows SIGTERM", d.notify.messages)
+    err, _ = other.call("generate", {"tokens": tokens_bin([BOS, 7]), "max_tokens": 2})
+    t.ok(err is not None and err["code"] == 501 and err["name"] == "draining",
+         "a new request during the drain gets `draining` (501)", err)
+    err, res = first.response(long_id, on_notification=lambda m: None)
+    t.ok(err is None and res["finish_reason"] in ("length", "stop") and res["usage"]["completion_tokens"] > 1,
+         "the in-flight request finishes within the grace period", (err, res and res.get("finish_reason")))
+    t.ok(first.closed_by_peer(), "connections close after the drain")
+    rc = d.stop()
+    t.eq(rc, 0, "dsv4d exits 0 after the drain")
+    other.close()
+    first.close()
+finally:
+    d.close()
+
+# ---- a drain with no grace cancels ----------------------------------------------------------------------
+d = Daemon(activation=True, args=["--max-context", "4096", "--drain-grace", "0"])
+try:
+    t.ok(d.start(), "dsv4d (drain_grace = 0) becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    mid = c.request("generate", {"tokens": tokens_bin([BOS, 50]), "max_tokens": 3000, "temperature": 0.0,
+                                 "stream": True})
+    c.recv()
+    d.proc.send_signal(signal.SIGTERM)
+    err, res = c.response(mid, on_notification=lambda m: None)
+    t.ok(err is None and res["finish_reason"] == "cancelled", "with no grace, the drain cancels in-flight work",
+         (err, res and res.get("finish_reason")))
+    t.eq(d.stop(), 0, "and dsv4d exits 0")
+    c.close()
+finally:
+    d.close()
+
+# ---- --listen: mode 0660, refuses a live socket, replaces a stale one; --backend auto ------------------
+d = Daemon(activation=False, args=["--backend", "auto"])
+try:
+    t.ok(d.start(), "dsv4d --listen becomes ready", d.log_text())
+    mode = stat.S_IMODE(os.stat(d.sock_path).st_mode)
+    t.eq(oct(mode), oct(0o660), "the --listen socket has mode 0660")
+    c = Client(d.sock_path)
+    err, h = c.call("health")
+    t.ok(err is None and h["status"] == "ready" and "no usable GPU" in (h.get("reason") or ""),
+         "--backend auto without a GPU says so in health", h)
+    t.ok("no usable GPU" in d.log_text(), "... and in the log")
+    # A second daemon on the same path must refuse to take it over.
+    out = run_dsv4d(d.tmp, d.sock_path)
+    t.ok(out.returncode != 0 and "another server" in out.stderr, "a live socket is refused", out.stderr)
+    err, h = c.call("health")
+    t.ok(err is None and h["status"] == "ready", "the first daemon keeps serving", h)
+    c.close()
+    d.proc.kill()       # leaves its socket file behind: stale
+    d.proc.wait()
+    t.ok(os.path.exists(d.sock_path), "a killed daemon leaves a stale socket file")
+    d2 = Daemon(activation=False, tmp=d.tmp)
+    try:
+        t.ok(d2.start(), "a new daemon replaces the stale socket", d2.log_text())
+        t.ok("replaced stale socket" in d2.log_text(), "... and logs it")
+        c = Client(d2.sock_path)
+        err, h = c.call("health")
+        t.ok(err is None and h["status"] == "ready", "... and serves on it", h)
+        c.close()
+        t.eq(d2.stop(), 0, "dsv4d --listen exits 0 on SIGTERM")
+        t.ok(not os.path.exists(d2.sock_path), "and removes the socket it bound")
+    finally:
+        d2.close()
+finally:
+    d.close()
+
+# A path that is not a socket is never replaced.
+with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
+    path = os.path.join(tmp, "not-a-socket")
+    with open(path, "w") as f:
+        f.write("keep me\n")
+    write_tokenizer(os.path.join(tmp, "tokenizer.json"))
+    out = run_dsv4d(tmp, path)
+    with open(path) as f:
+        kept = f.read() == "keep me\n"
+    t.ok(out.returncode != 0 and "not a socket" in out.stderr and kept,
+         "--listen refuses a path that is not a socket and leaves it alone", out.stderr)
+
+# ---- allowlist ----------------------------------------------------------------------------------------
+other_uid = 4242 if os.getuid() != 4242 else 4243
+d = Daemon(activation=False, args=["--allow-users", str(other_uid)])
+try:
+    t.ok(d.start(), "dsv4d with allow_users becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    try:
+        c.request("health")
+        refused = c.closed_by_peer() and not c.notifications
+    except (BrokenPipeError, ConnectionResetError):
+        refused = True
+    t.ok(refused, "a peer outside allow_users is disconnected unanswered")
+    t.ok("not in allow_users" in d.log_text() and "uid %d" % os.getuid() in d.log_text(),
+         "the refusal is logged with the peer's uid", d.log_text())
+    c.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+d = Daemon(activation=False, args=["--allow-users", "%d,%d" % (other_uid, os.getuid())])
+try:
+    t.ok(d.start(), "dsv4d allowing our uid becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    err, h = c.call("health")
+    t.ok(err is None and h["status"] == "ready", "a peer in allow_users is served", (err, h))
+    t.ok("connection 1: pid %d uid %d" % (os.getpid(), os.getuid()) in d.log_text(),
+         "SO_PEERCRED pid and uid are logged per connection", d.log_text())
+    c.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+t.done()
