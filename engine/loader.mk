@@ -16,3 +16,9 @@ TESTS += tests/unit/test_quant
 tests_unit_test_quant_SOURCES = tests/unit/test_quant.c tests/unit/st_writer.h
 tests_unit_test_quant_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_quant_LDADD = $(TEST_ENGINE_LIBS)
+
+check_PROGRAMS += tests/unit/test_config
+TESTS += tests/unit/test_config
+tests_unit_test_config_SOURCES = tests/unit/test_config.c tests/unit/st_writer.h
+tests_unit_test_config_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_config_LDADD = $(TEST_ENGINE_LIBS)
