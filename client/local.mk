@@ -1,1 +1,11 @@
-# client/: fragment of the top Makefile.am
+# client/: libdsv4client (public header dsv4client.h, pkg-config dsv4client) and dsv4ctl.
+lib_LTLIBRARIES += libdsv4client.la
+libdsv4client_la_SOURCES = client/client.c client/dsv4client.h
+libdsv4client_la_CFLAGS = $(AM_CFLAGS) $(PROTOCOL_CFLAGS)
+libdsv4client_la_LIBADD = libdsv4protocol.la $(MSGPACK_LIBS)
+# current:revision:age; only dsv4_client_* is exported, the protocol code stays private
+libdsv4client_la_LDFLAGS = -version-info 0:0:0 -export-symbols-regex '^dsv4_client_'
+include_HEADERS += client/dsv4client.h
+pkgconfigdir = $(libdir)/pkgconfig
+pkgconfig_DATA = client/dsv4client.pc
+EXTRA_DIST += client/dsv4client.pc.in
