@@ -11,3 +11,25 @@ TESTS += tests/integration/test_fixtures
 tests_integration_test_fixtures_SOURCES = tests/integration/test_fixtures.c
 tests_integration_test_fixtures_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_integration_test_fixtures_LDADD = $(TEST_ENGINE_LIBS)
+
+# Unit tests of the pieces, each against SPEC's formulas computed in double.
+noinst_HEADERS += tests/unit/test_cpu_util.h
+check_PROGRAMS += tests/unit/test_cpu_rope tests/unit/test_cpu_mhc tests/unit/test_cpu_compressor \
+	tests/unit/test_cpu_moe tests/unit/test_cpu_backend
+TESTS += tests/unit/test_cpu_rope tests/unit/test_cpu_mhc tests/unit/test_cpu_compressor \
+	tests/unit/test_cpu_moe tests/unit/test_cpu_backend
+tests_unit_test_cpu_rope_SOURCES = tests/unit/test_cpu_rope.c
+tests_unit_test_cpu_rope_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_cpu_rope_LDADD = $(TEST_ENGINE_LIBS)
+tests_unit_test_cpu_mhc_SOURCES = tests/unit/test_cpu_mhc.c
+tests_unit_test_cpu_mhc_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_cpu_mhc_LDADD = $(TEST_ENGINE_LIBS)
+tests_unit_test_cpu_compressor_SOURCES = tests/unit/test_cpu_compressor.c
+tests_unit_test_cpu_compressor_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_cpu_compressor_LDADD = $(TEST_ENGINE_LIBS)
+tests_unit_test_cpu_moe_SOURCES = tests/unit/test_cpu_moe.c
+tests_unit_test_cpu_moe_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_cpu_moe_LDADD = $(TEST_ENGINE_LIBS)
+tests_unit_test_cpu_backend_SOURCES = tests/unit/test_cpu_backend.c
+tests_unit_test_cpu_backend_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_cpu_backend_LDADD = $(TEST_ENGINE_LIBS)

@@ -22,3 +22,9 @@ TESTS += tests/unit/test_config
 tests_unit_test_config_SOURCES = tests/unit/test_config.c tests/unit/st_writer.h
 tests_unit_test_config_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_config_LDADD = $(TEST_ENGINE_LIBS)
+
+check_PROGRAMS += tests/unit/test_safetensors
+TESTS += tests/unit/test_safetensors
+tests_unit_test_safetensors_SOURCES = tests/unit/test_safetensors.c tests/unit/st_writer.h
+tests_unit_test_safetensors_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_safetensors_LDADD = $(TEST_ENGINE_LIBS)
