@@ -16,7 +16,7 @@
 
 #include "engine/error.h"
 #include "engine/weights.h"
-#include "test_cpu_util.h"
+#include "cpu_test_util.h"
 
 #define CTX 64
 

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <cmocka.h>
 
-#include "test_cpu_util.h"
+#include "cpu_test_util.h"
 
 #define D 20
 #define T 45                /* tokens: several blocks and a partial one */

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <cmocka.h>
 
-#include "test_cpu_util.h"
+#include "cpu_test_util.h"
 
 #define D 24
 

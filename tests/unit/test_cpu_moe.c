@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <cmocka.h>
 
-#include "test_cpu_util.h"
+#include "cpu_test_util.h"
 
 #define D 16
 #define E 8
