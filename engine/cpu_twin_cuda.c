@@ -114,11 +114,12 @@ uint8_t dsv4_twin_ue8m0_for(float amax, float fmt_max)
 void dsv4_twin_fp8_roundtrip(float *x, size_t n, size_t block)
 {
     for (size_t b = 0; b < n; b += block) {
+        const size_t len = n - b < block ? n - b : block;   /* a short last group stands alone */
         float amax = 0.0f, s;
-        for (size_t i = 0; i < block; i++)
+        for (size_t i = 0; i < len; i++)
             amax = fmaxf(amax, fabsf(x[b + i]));
         s = ldexpf(1.0f, (int)dsv4_twin_ue8m0_for(amax, DSV4_TWIN_E4M3_MAX) - 127);
-        for (size_t i = 0; i < block; i++)
+        for (size_t i = 0; i < len; i++)
             x[b + i] = dsv4_twin_e4m3_to_f32(dsv4_twin_f32_to_e4m3(x[b + i] / s)) * s;
     }
 }

@@ -22,7 +22,8 @@ uint16_t dsv4_twin_f32_to_bf16(float f);        /* round to nearest even */
 /* UE8M0 exponent of the power of two at or above max(amax, 1e-4) / fmt_max (the official "round up"). */
 uint8_t dsv4_twin_ue8m0_for(float amax, float fmt_max);
 
-/* x <- dq(q(x)) through e4m3 in 1x`block` groups, each with its UE8M0 scale. n % block == 0. */
+/* x <- dq(q(x)) through e4m3 in 1x`block` groups, each with its UE8M0 scale (a short last group
+ * has its own). */
 void dsv4_twin_fp8_roundtrip(float *x, size_t n, size_t block);
 
 /* Row r of W dequantized into out[W->in]. */

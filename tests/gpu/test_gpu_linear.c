@@ -34,7 +34,7 @@ static const struct shape shapes[] = {
     { "f32 tiny [3,12]", DSV4_W_F32, 3, 12, 64 },
     { "fp4 w1 [2048,4096]", DSV4_W_FP4, 2048, 4096, 64 },
     { "fp4 w2 [4096,2048]", DSV4_W_FP4, 4096, 2048, 64 },
-    { "fp4 tiny [3,64]", DSV4_W_FP4, 3, 64, 64 },
+    { "fp4 tiny [3,128]", DSV4_W_FP4, 3, 128, 64 },
 };
 
 static const int batches[] = { 1, 3, 64 };
