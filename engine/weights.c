@@ -53,8 +53,8 @@ static void *own_alloc(struct loader *L, size_t size)
         o->ptrs = np;
         o->cap = cap;
     }
-    /* 64-byte alignment: f32 rows handed to SIMD code and copies of misaligned tensors */
-    p = aligned_alloc(64, (size + 63) / 64 * 64);
+    /* 64-byte alignment for rows handed to vector code; never zero bytes (empty tensors) */
+    p = aligned_alloc(64, size ? (size + 63) / 64 * 64 : 64);
     if (p)
         o->ptrs[o->n++] = p;
     return p;
@@ -153,7 +153,7 @@ static int load_f32(struct loader *L, const char *name, int ndim, const int64_t 
         return r;
     for (int i = 0; i < ndim; i++)
         n *= (size_t)shape[i];
-    out = own_alloc(L, n * sizeof(float) + 1);
+    out = own_alloc(L, n * sizeof(float));
     if (!out)
         return dsv4_error_set(-ENOMEM, "out of memory loading %s", name);
     for (size_t i = 0; i < n; i++)
@@ -324,7 +324,7 @@ static int load_ids(struct loader *L, const char *name, int64_t rows, int64_t co
                               dsv4_dtype_name(t->dtype));
     if ((r = check_shape(t, 2, shape)) < 0)
         return r;
-    out = own_alloc(L, (size_t)(rows * cols) * sizeof(int32_t) + 1);
+    out = own_alloc(L, (size_t)(rows * cols) * sizeof(int32_t));
     if (!out)
         return dsv4_error_set(-ENOMEM, "out of memory loading %s", name);
     for (int64_t i = 0; i < rows * cols; i++) {
