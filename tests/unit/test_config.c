@@ -129,6 +129,8 @@ static void test_transformers_defaults(void **state)
     assert_int_equal(c.compress_ratio[42], 128);
     for (int i = 0; i < 43; i++)
         assert_int_equal(c.mlp_type[i], i < 3 ? DSV4_MLP_HASH : DSV4_MLP_MOE);
+    assert_int_equal(c.bos_id, 0);
+    assert_int_equal(c.eos_id, 1);
     /* transformers' default compress rope has no YaRN unless rope_parameters asks for it */
     assert_true(c.rope_compress.theta == 160000.0 && !c.rope_compress.yarn);
     assert_true(c.rope_main.theta == 10000.0 && !c.rope_main.yarn);
@@ -141,7 +143,8 @@ static void test_transformers_legacy(void **state)
     struct dsv4_config c;
     const int ratios[5] = { 0, 0, 4, 64, 4 };
 
-    parse_ok("{\"model_type\": \"deepseek_v4\", \"num_hidden_layers\": 5, \"compress_ratios\": [0, 0, 4, 128, 4, 0],"
+    parse_ok("{\"model_type\": \"deepseek_v4\", \"eos_token_id\": [7, 1], \"bos_token_id\": null,"
+             " \"num_hidden_layers\": 5, \"compress_ratios\": [0, 0, 4, 128, 4, 0],"
              " \"num_hash_layers\": 1, \"qk_rope_head_dim\": 32, \"compress_rate_hca\": 64,"
              " \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 16, \"original_max_position_embeddings\": 65536}}", &c);
     for (int i = 0; i < 5; i++) {
@@ -149,6 +152,8 @@ static void test_transformers_legacy(void **state)
         assert_int_equal(c.mlp_type[i], i < 1 ? DSV4_MLP_HASH : DSV4_MLP_MOE);
     }
     assert_int_equal(c.hca_ratio, 64);
+    assert_int_equal(c.eos_id, 7);      /* a list: the first id */
+    assert_int_equal(c.bos_id, 0);      /* null: the default */
     assert_int_equal(c.rope_dim, 32);
     assert_true(c.rope_compress.yarn);
     assert_true(c.rope_compress.theta == 160000.0);
@@ -203,6 +208,7 @@ static void expect_refused(const char *json, int code, const char *field)
 static void test_transformers_refusals(void **state)
 {
     expect_refused(HF "\"num_key_value_heads\": 2}", -ENOTSUP, "num_key_value_heads");
+    expect_refused(HF "\"eos_token_id\": [\"x\"]}", -EINVAL, "eos_token_id");
     expect_refused(HF "\"scoring_func\": \"softmax\"}", -ENOTSUP, "scoring_func");
     expect_refused(HF "\"hidden_act\": \"gelu\"}", -ENOTSUP, "hidden_act");
     expect_refused(HF "\"num_hidden_layers\": 4, \"layer_types\": [\"sliding_attention\","

@@ -401,7 +401,7 @@ static void gen_model(struct gen *g)
 }
 
 /* Write g into dir: one model.safetensors, or `shards` files with an index. */
-static void gen_write(const struct gen *g, const char *dir, int shards)
+static void gen_write_config(const struct gen *g, const char *dir, int shards, const char *config)
 {
     if (shards <= 1) {
         assert_int_equal(stw_write(dir, "model.safetensors", g->t, g->n), 0);
@@ -423,7 +423,12 @@ static void gen_write(const struct gen *g, const char *dir, int shards)
         assert_int_equal(stw_write_text(dir, "model.safetensors.index.json", idx), 0);
         free(idx);
     }
-    assert_int_equal(stw_write_text(dir, "config.json", config_json), 0);
+    assert_int_equal(stw_write_text(dir, "config.json", config), 0);
+}
+
+static void gen_write(const struct gen *g, const char *dir, int shards)
+{
+    gen_write_config(g, dir, shards, config_json);
 }
 
 static struct dsv4_weights *load_ok(const char *dir)
@@ -927,6 +932,34 @@ static void check_matvec(enum dsv4_wfmt fmt, int64_t out, int64_t in, int64_t ro
     free(row);
 }
 
+/* tie_word_embeddings: no head tensor, the head is the embedding. */
+static void test_tied_head(void **state)
+{
+    struct gen g = { .sp = SP_HF, .skip = "lm_head.weight" };
+    char *dir = stw_tempdir(), *config = malloc(sizeof(config_json) + 64);
+    struct dsv4_weights *w;
+
+    /* the same config with the flag set before the closing brace */
+    snprintf(config, sizeof(config_json) + 64, "%.*s, \"tie_word_embeddings\": true}",
+             (int)(strrchr(config_json, '}') - config_json), config_json);
+    g.seed = test_seed;
+    gen_model(&g);
+    gen_write_config(&g, dir, 1, config);
+    gen_free(&g);
+    w = load_ok(dir);
+    assert_true(w->cfg.tie_embeddings);
+    assert_linear_equal(&w->head, &w->embed);
+    assert_ptr_equal(w->head.w, w->embed.w);
+    dsv4_weights_free(w);
+    /* without the flag the missing head is an error */
+    assert_int_equal(stw_write_text(dir, "config.json", config_json), 0);
+    assert_int_equal(dsv4_weights_load(dir, &w), -ENOENT);
+    assert_non_null(strstr(dsv4_error_message(), "lm_head.weight"));
+    stw_rmdir(dir);
+    free(dir);
+    free(config);
+}
+
 static void test_linear_formats(void **state)
 {
     uint64_t s = test_seed ^ 0x9e3779b97f4a7c15ull;
@@ -966,6 +999,7 @@ int main(void)
         cmocka_unit_test(test_wrong_shape),
         cmocka_unit_test(test_truncated),
         cmocka_unit_test(test_tid2eid_range),
+        cmocka_unit_test(test_tied_head),
         cmocka_unit_test(test_linear_formats),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
