@@ -31,6 +31,12 @@ $(libdsv4cuda_a_OBJECTS): $(DSV4_CUDA_HDR_FILES) engine/weights.h engine/backend
 DSV4_CUDA_LDADD = libdsv4cuda.a $(CUDA_LIBS) -lstdc++
 DSV4_CUDA_CPPFLAGS = $(CUDA_CFLAGS)
 
+# Per-kernel timings beside the bytes each must move (tools/dsv4-bench.c).
+bin_PROGRAMS += dsv4-bench
+dsv4_bench_SOURCES = tools/dsv4-bench.c
+dsv4_bench_CFLAGS = $(AM_CFLAGS) $(CUDA_CFLAGS)
+dsv4_bench_LDADD = $(DSV4_CUDA_LDADD) libdsv4engine.la -lm
+
 GPU_TESTS += tests/gpu/test_gpu_linear tests/gpu/test_gpu_moe tests/gpu/test_gpu_norm tests/gpu/test_gpu_device
 check_PROGRAMS += $(GPU_TESTS)
 GPU_TEST_CFLAGS = $(TEST_ENGINE_CFLAGS) $(CUDA_CFLAGS)
@@ -50,6 +56,6 @@ tests_gpu_test_gpu_device_LDADD = $(GPU_TEST_LIBS)
 else
 DSV4_CUDA_LDADD =
 DSV4_CUDA_CPPFLAGS =
-EXTRA_DIST += $(GPU_TEST_COMMON) tests/gpu/test_gpu_linear.c tests/gpu/test_gpu_moe.c \
+EXTRA_DIST += tools/dsv4-bench.c $(GPU_TEST_COMMON) tests/gpu/test_gpu_linear.c tests/gpu/test_gpu_moe.c \
 	tests/gpu/test_gpu_norm.c tests/gpu/test_gpu_device.c
 endif

@@ -1,0 +1,447 @@
+/* dsv4-bench: time each CUDA kernel at real V4-Flash shapes (batch 1 and 64 by default) beside the
+ * bytes it must move over the measured device copy bandwidth: the floor no version can beat.
+ *
+ *   dsv4-bench [--batch 1,64] [--reps N]
+ *
+ * Each kernel is captured REPS times into one CUDA graph (launch gaps out of the numbers), reading
+ * rotating copies of its weights that together exceed the L2 several times over, so the numbers
+ * are HBM numbers; the graph is replayed and the median replay over REPS is reported. Weights hold
+ * random values in their checkpoint formats (no NaN codes, scales near real ones), never zeros. */
+#include "build-config.h"
+
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "engine/error.h"
+#include "kernels/dsv4cuda.h"
+
+#define BENCH_ROTATE_BYTES (512u << 20)     /* rotate weight copies until they span 512 MiB */
+#define BENCH_MAX_COPIES 64
+#define BENCH_REPLAYS 7
+#define BENCH_MAX_BATCHES 8
+#define BENCH_COPY_BYTES (2ull << 30)       /* device-to-device copy for the bandwidth ceiling */
+
+#define TRY(call)                                                                              \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "dsv4-bench: %s: %s\n", #call, cudaGetErrorString(e_));            \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+#define OK(call)                                                                               \
+    do {                                                                                       \
+        if ((call) < 0) {                                                                      \
+            fprintf(stderr, "dsv4-bench: %s: %s\n", #call, dsv4_error_message());             \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+
+static uint64_t next_u64(void)
+{
+    rng ^= rng >> 12;
+    rng ^= rng << 25;
+    rng ^= rng >> 27;
+    return rng * 2685821657736338717ull;
+}
+
+enum fill { FILL_FP8, FILL_FP4, FILL_BF16, FILL_F32, FILL_SCALE, FILL_ACT };
+
+/* Device buffer of `bytes` with random contents of the given kind. */
+static void *dev_random(size_t bytes, enum fill kind)
+{
+    const size_t chunk = 16u << 20;
+    uint8_t *h = malloc(chunk);
+    void *d;
+    if (!h) {
+        fprintf(stderr, "dsv4-bench: out of host memory\n");
+        exit(1);
+    }
+    for (size_t i = 0; i < chunk; i += 4) {
+        uint32_t r = (uint32_t)next_u64(), v;
+        switch (kind) {
+        case FILL_FP8: v = r & 0x7e7e7e7eu; v |= r & 0x80808080u; break;     /* no 0x7f/0xff codes */
+        case FILL_FP4: v = r; break;
+        case FILL_BF16: v = (r & 0x807f807fu) | 0x3c003c00u; break;          /* |v| in [2^-7, 2^-6) */
+        case FILL_SCALE: v = 0x77777777u + (r & 0x03030303u); break;         /* 2^-8 .. 2^-5 */
+        default: {
+            float f = ((float)(r >> 8) / 16777216.0f - 0.5f) * (kind == FILL_F32 ? 0.05f : 4.0f);
+            memcpy(&v, &f, 4);
+            break;
+        }
+        }
+        memcpy(h + i, &v, 4);
+    }
+    TRY(cudaMalloc(&d, bytes));
+    for (size_t off = 0; off < bytes; off += chunk)
+        TRY(cudaMemcpy((uint8_t *)d + off, h, bytes - off < chunk ? bytes - off : chunk, cudaMemcpyHostToDevice));
+    free(h);
+    return d;
+}
+
+struct linear_set {
+    struct dsv4_cuda_linear l[BENCH_MAX_COPIES];
+    int n;
+    size_t bytes;               /* one copy: weights + scales */
+};
+
+static void make_linears(struct linear_set *s, enum dsv4_wfmt fmt, int64_t out, int64_t in)
+{
+    size_t wb, sb = 0;
+    int64_t ss = 0;
+    switch (fmt) {
+    case DSV4_W_F32: wb = (size_t)(out * in) * 4; break;
+    case DSV4_W_BF16: wb = (size_t)(out * in) * 2; break;
+    case DSV4_W_FP8: wb = (size_t)(out * in); ss = (in + 127) / 128; sb = (size_t)((out + 127) / 128 * ss); break;
+    default: wb = (size_t)(out * in) / 2; ss = in / 32; sb = (size_t)(out * ss); break;
+    }
+    s->bytes = wb + sb;
+    s->n = (int)(BENCH_ROTATE_BYTES / s->bytes) + 1;
+    if (s->n > BENCH_MAX_COPIES)
+        s->n = BENCH_MAX_COPIES;
+    for (int i = 0; i < s->n; i++) {
+        s->l[i] = (struct dsv4_cuda_linear){ .fmt = fmt, .out = out, .in = in, .row_stride = in, .scale_stride = ss };
+        s->l[i].w = dev_random(wb, fmt == DSV4_W_FP8 ? FILL_FP8 : fmt == DSV4_W_FP4 ? FILL_FP4 :
+                                   fmt == DSV4_W_BF16 ? FILL_BF16 : FILL_F32);
+        s->l[i].scale = sb ? dev_random(sb, FILL_SCALE) : NULL;
+    }
+}
+
+static void free_linears(struct linear_set *s)
+{
+    for (int i = 0; i < s->n; i++) {
+        cudaFree((void *)s->l[i].w);
+        cudaFree((void *)s->l[i].scale);
+    }
+}
+
+/* What one timed launch runs; rep picks the weight copy. */
+struct job {
+    int (*run)(struct job *j, int rep, cudaStream_t s);
+    struct linear_set *ls;
+    float *x, *y;
+    int batch;
+    struct dsv4_cuda_experts ex[BENCH_MAX_COPIES];
+    int n_ex;
+    int32_t *idx;
+    float *w, *aux1, *aux2, *aux3;
+    struct dsv4_cuda_moe_ws ws;
+};
+
+static double copy_gbs;         /* measured device copy bandwidth, bytes read + written */
+
+static float median(float *v, int n)
+{
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
+            float t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return v[n / 2];
+}
+
+/* Microseconds per launch: REPS launches captured in one graph, median of BENCH_REPLAYS replays. */
+static double time_job(struct job *j, int reps)
+{
+    cudaStream_t s;
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    cudaEvent_t a, b;
+    float ms[BENCH_REPLAYS];
+
+    TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    TRY(cudaEventCreate(&a));
+    TRY(cudaEventCreate(&b));
+    TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int r = 0; r < reps; r++)
+        OK(j->run(j, r, s));
+    TRY(cudaStreamEndCapture(s, &g));
+    TRY(cudaGraphInstantiate(&ge, g, 0));
+    TRY(cudaGraphLaunch(ge, s));        /* warm-up */
+    TRY(cudaStreamSynchronize(s));
+    for (int i = 0; i < BENCH_REPLAYS; i++) {
+        TRY(cudaEventRecord(a, s));
+        TRY(cudaGraphLaunch(ge, s));
+        TRY(cudaEventRecord(b, s));
+        TRY(cudaEventSynchronize(b));
+        TRY(cudaEventElapsedTime(&ms[i], a, b));
+    }
+    TRY(cudaGraphExecDestroy(ge));
+    TRY(cudaGraphDestroy(g));
+    TRY(cudaEventDestroy(a));
+    TRY(cudaEventDestroy(b));
+    TRY(cudaStreamDestroy(s));
+    return median(ms, BENCH_REPLAYS) * 1000.0 / reps;
+}
+
+static void report(const char *what, int batch, double us, double bytes)
+{
+    const double floor_us = bytes / (copy_gbs * 1e3);
+    printf("%-34s %5d %10.2f %12.3f %10.2f %7.2f %8.0f\n", what, batch, us, bytes / 1e6, floor_us, us / floor_us,
+           bytes / (us * 1e3));
+}
+
+static int run_gemv(struct job *j, int rep, cudaStream_t s)
+{
+    const struct dsv4_cuda_linear *l = &j->ls->l[rep % j->ls->n];
+    return dsv4_cuda_gemv(l, j->x, l->in, j->batch, j->y, l->out, s);
+}
+
+static int run_roundtrip(struct job *j, int rep, cudaStream_t s)
+{
+    return dsv4_cuda_fp8_roundtrip(j->x, j->batch, 4096, DSV4_CUDA_ACT_BLOCK, j->y, s);
+}
+
+static int run_rmsnorm(struct job *j, int rep, cudaStream_t s)
+{
+    return dsv4_cuda_rmsnorm(j->x, j->w, j->batch, 4096, 1e-6f, j->y, s);
+}
+
+static int run_router(struct job *j, int rep, cudaStream_t s)
+{
+    return dsv4_cuda_router(j->x, j->batch, 256, 6, j->w, NULL, NULL, 1.5f, j->idx, j->y, s);
+}
+
+static int run_mhc_pre(struct job *j, int rep, cudaStream_t s)
+{
+    return dsv4_cuda_mhc_pre(j->x, j->aux1, j->w, j->w, j->batch, 4, 4096, 20, 1e-6f, 1e-6f, j->y, j->aux2, j->aux3, s);
+}
+
+static int run_mhc_post(struct job *j, int rep, cudaStream_t s)
+{
+    return dsv4_cuda_mhc_post(j->x, j->aux1, j->aux2, j->aux3, j->batch, 4, 4096, j->y, s);
+}
+
+static int run_experts(struct job *j, int rep, cudaStream_t s)
+{
+    return dsv4_cuda_moe_experts(&j->ex[rep % j->n_ex], j->x, j->batch, 6, j->idx, j->w, &j->ws, j->y, s);
+}
+
+struct lshape {
+    const char *what;
+    enum dsv4_wfmt fmt;
+    int64_t out, in;
+};
+
+static const struct lshape lshapes[] = {
+    { "fp8 wq_a [1024,4096]", DSV4_W_FP8, 1024, 4096 },
+    { "fp8 wq_b [32768,1024]", DSV4_W_FP8, 32768, 1024 },
+    { "fp8 wkv [512,4096]", DSV4_W_FP8, 512, 4096 },
+    { "fp8 wo_b [4096,8192]", DSV4_W_FP8, 4096, 8192 },
+    { "fp8 idx wq_b [8192,1024]", DSV4_W_FP8, 8192, 1024 },
+    { "fp8 shared w1 [2048,4096]", DSV4_W_FP8, 2048, 4096 },
+    { "fp8 shared w2 [4096,2048]", DSV4_W_FP8, 4096, 2048 },
+    { "bf16 wo_a [8192,4096]", DSV4_W_BF16, 8192, 4096 },
+    { "bf16 comp wkv [1024,4096]", DSV4_W_BF16, 1024, 4096 },
+    { "bf16 gate [256,4096]", DSV4_W_BF16, 256, 4096 },
+    { "bf16 head [129280,4096]", DSV4_W_BF16, 129280, 4096 },
+    { "f32 hc fn [24,16384]", DSV4_W_F32, 24, 16384 },
+    { "fp4 expert w1 [2048,4096]", DSV4_W_FP4, 2048, 4096 },
+};
+
+static void measure_copy(void)
+{
+    void *a, *b;
+    cudaEvent_t e0, e1;
+    float ms[BENCH_REPLAYS];
+    TRY(cudaMalloc(&a, BENCH_COPY_BYTES));
+    TRY(cudaMalloc(&b, BENCH_COPY_BYTES));
+    TRY(cudaMemset(a, 0x5a, BENCH_COPY_BYTES));
+    TRY(cudaEventCreate(&e0));
+    TRY(cudaEventCreate(&e1));
+    TRY(cudaMemcpy(b, a, BENCH_COPY_BYTES, cudaMemcpyDeviceToDevice));
+    for (int i = 0; i < BENCH_REPLAYS; i++) {
+        TRY(cudaEventRecord(e0, 0));
+        TRY(cudaMemcpyAsync(b, a, BENCH_COPY_BYTES, cudaMemcpyDeviceToDevice, 0));
+        TRY(cudaEventRecord(e1, 0));
+        TRY(cudaEventSynchronize(e1));
+        TRY(cudaEventElapsedTime(&ms[i], e0, e1));
+    }
+    copy_gbs = 2.0 * BENCH_COPY_BYTES / (median(ms, BENCH_REPLAYS) * 1e6);
+    printf("# device copy bandwidth: %.0f GB/s (read + write of %.1f GiB, median of %d)\n", copy_gbs,
+           BENCH_COPY_BYTES / 1073741824.0, BENCH_REPLAYS);
+    cudaFree(a);
+    cudaFree(b);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+}
+
+static int parse_batches(const char *arg, int *out)
+{
+    int n = 0;
+    char *end;
+    while (*arg && n < BENCH_MAX_BATCHES) {
+        long v = strtol(arg, &end, 10);
+        if (end == arg || v < 1 || v > DSV4_CUDA_MAX_BATCH)
+            return -1;
+        out[n++] = (int)v;
+        arg = *end == ',' ? end + 1 : end;
+    }
+    return n;
+}
+
+int main(int argc, char **argv)
+{
+    int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20;
+    const int topk = 6, E = 256, D = 4096, I = 2048;
+    struct job j;
+    struct dsv4_cuda_expert_ptrs *tab;
+    float *x, *y, *w, *a1, *a2, *a3;
+    int32_t *idx;
+
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--batch") && i + 1 < argc) {
+            nb = parse_batches(argv[++i], batches);
+            if (nb <= 0) {
+                fprintf(stderr, "dsv4-bench: --batch takes a list like 1,64 of values 1..%d\n", DSV4_CUDA_MAX_BATCH);
+                return 2;
+            }
+        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
+            reps = atoi(argv[++i]);
+            if (reps < 1 || reps > BENCH_MAX_COPIES * 4) {
+                fprintf(stderr, "dsv4-bench: --reps 1..%d\n", BENCH_MAX_COPIES * 4);
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N]\n");
+            return 2;
+        }
+    }
+    if (dsv4_cuda_device_count() == 0) {
+        fprintf(stderr, "dsv4-bench: %s\n", dsv4_error_message());
+        return 1;
+    }
+    measure_copy();
+
+    /* activations and scratch for the largest batch */
+    x = dev_random((size_t)DSV4_CUDA_MAX_BATCH * 32768 * sizeof(float), FILL_ACT);
+    y = dev_random((size_t)DSV4_CUDA_MAX_BATCH * 129280 * sizeof(float), FILL_ACT);
+    w = dev_random(4096 * sizeof(float), FILL_ACT);
+    a1 = dev_random((size_t)DSV4_CUDA_MAX_BATCH * 4096 * sizeof(float), FILL_ACT);
+    a2 = dev_random((size_t)DSV4_CUDA_MAX_BATCH * 64 * sizeof(float), FILL_ACT);
+    a3 = dev_random((size_t)DSV4_CUDA_MAX_BATCH * 64 * sizeof(float), FILL_ACT);
+    TRY(cudaMalloc((void **)&idx, (size_t)DSV4_CUDA_MAX_BATCH * topk * sizeof(int32_t)));
+
+    printf("%-34s %5s %10s %12s %10s %7s %8s\n", "kernel", "batch", "us", "MB moved", "floor us", "x floor", "GB/s");
+    for (size_t s = 0; s < sizeof(lshapes) / sizeof(lshapes[0]); s++) {
+        struct linear_set ls;
+        make_linears(&ls, lshapes[s].fmt, lshapes[s].out, lshapes[s].in);
+        for (int b = 0; b < nb; b++) {
+            memset(&j, 0, sizeof(j));
+            j.run = run_gemv;
+            j.ls = &ls;
+            j.x = x;
+            j.y = y;
+            j.batch = batches[b];
+            report(lshapes[s].what, batches[b], time_job(&j, reps),
+                   (double)ls.bytes + (double)batches[b] * 4 * (lshapes[s].in + lshapes[s].out));
+        }
+        free_linears(&ls);
+    }
+
+    /* routed experts: E FP4 experts at the real shape, each token's top-6 drawn at random */
+    {
+        const size_t w13 = (size_t)I * D / 2, s13 = (size_t)I * (D / 32);
+        const size_t w2b = (size_t)D * I / 2, s2b = (size_t)D * (I / 32), per = 2 * (w13 + s13) + w2b + s2b;
+        uint8_t *blob = dev_random(per * E, FILL_FP4);
+        int32_t hidx[DSV4_CUDA_MAX_BATCH * 6];
+        float hw[DSV4_CUDA_MAX_BATCH * 6];
+        tab = malloc(sizeof(*tab) * E);
+        for (int e = 0; e < E; e++) {
+            uint8_t *p = blob + per * e;
+            tab[e] = (struct dsv4_cuda_expert_ptrs){ p, p + w13, p + w13 + s13, p + 2 * w13 + s13,
+                                                     p + 2 * (w13 + s13), p + 2 * (w13 + s13) + w2b };
+        }
+        /* scales of every expert set to plausible exponents */
+        for (int e = 0; e < E; e++) {
+            uint8_t *sc = malloc(s13 > s2b ? s13 : s2b);
+            for (size_t i = 0; i < (s13 > s2b ? s13 : s2b); i++)
+                sc[i] = (uint8_t)(0x7a + next_u64() % 4);
+            TRY(cudaMemcpy((void *)tab[e].s1, sc, s13, cudaMemcpyHostToDevice));
+            TRY(cudaMemcpy((void *)tab[e].s3, sc, s13, cudaMemcpyHostToDevice));
+            TRY(cudaMemcpy((void *)tab[e].s2, sc, s2b, cudaMemcpyHostToDevice));
+            free(sc);
+        }
+        memset(&j, 0, sizeof(j));
+        j.n_ex = 1;
+        j.ex[0] = (struct dsv4_cuda_experts){ .n_experts = E, .dim = D, .inter = I, .swiglu_limit = 10.0f };
+        TRY(cudaMalloc((void **)&j.ex[0].d_table, sizeof(*tab) * E));
+        TRY(cudaMemcpy((void *)j.ex[0].d_table, tab, sizeof(*tab) * E, cudaMemcpyHostToDevice));
+        TRY(cudaMalloc((void **)&j.ws.d_groups, sizeof(int32_t) * (3 * DSV4_CUDA_MAX_BATCH * 6 + 2)));
+        TRY(cudaMalloc((void **)&j.ws.d_h, sizeof(float) * DSV4_CUDA_MAX_BATCH * 6 * I));
+        TRY(cudaMalloc((void **)&j.ws.d_out, sizeof(float) * DSV4_CUDA_MAX_BATCH * 6 * D));
+        j.run = run_experts;
+        j.x = x;
+        j.y = y;
+        j.idx = idx;
+        j.w = a1;
+        for (int b = 0; b < nb; b++) {
+            bool used[256] = { false };
+            int distinct = 0;
+            for (int t = 0; t < batches[b]; t++)
+                for (int k = 0; k < topk; k++) {
+                    int e;
+                    bool dup;
+                    do {    /* distinct experts within a token */
+                        e = (int)(next_u64() % E);
+                        dup = false;
+                        for (int q = 0; q < k; q++)
+                            dup |= hidx[t * topk + q] == e;
+                    } while (dup);
+                    hidx[t * topk + k] = e;
+                    hw[t * topk + k] = 0.25f;
+                    distinct += !used[e];
+                    used[e] = true;
+                }
+            TRY(cudaMemcpy(idx, hidx, sizeof(int32_t) * batches[b] * topk, cudaMemcpyHostToDevice));
+            TRY(cudaMemcpy(a1, hw, sizeof(float) * batches[b] * topk, cudaMemcpyHostToDevice));
+            j.batch = batches[b];
+            /* one launch set re-reads the same experts: few repetitions, the L2 (60 MB) holds at most
+             * ~14 experts, so at batch 64 (about 200 distinct) this is an HBM number; at batch 1 the 6
+             * experts (25 MB) may stay in L2 between repetitions: reported as such. */
+            char what[64];
+            snprintf(what, sizeof(what), "experts fp4 top-6 (%d distinct)", distinct);
+            report(what, batches[b], time_job(&j, reps), (double)distinct * per + (double)batches[b] * 4 * D * 2);
+        }
+        cudaFree(blob);
+        cudaFree((void *)j.ex[0].d_table);
+        cudaFree(j.ws.d_groups);
+        cudaFree(j.ws.d_h);
+        cudaFree(j.ws.d_out);
+        free(tab);
+    }
+
+    for (int b = 0; b < nb; b++) {
+        const double B = batches[b];
+        memset(&j, 0, sizeof(j));
+        j.x = x;
+        j.y = y;
+        j.w = w;
+        j.idx = idx;
+        j.aux1 = a1;
+        j.aux2 = a2;
+        j.aux3 = a3;
+        j.batch = batches[b];
+        j.run = run_roundtrip;
+        report("act quant 1x128 [B,4096]", batches[b], time_job(&j, reps), B * 4096 * 8);
+        j.run = run_rmsnorm;
+        report("rmsnorm [B,4096]", batches[b], time_job(&j, reps), B * 4096 * 8 + 4096 * 4);
+        j.run = run_router;
+        report("router sqrtsoftplus top-6 [B,256]", batches[b], time_job(&j, reps), B * 256 * 4 + 256 * 4 + B * 48);
+        j.run = run_mhc_pre;
+        report("mhc pre hc=4 [B,4,4096]", batches[b], time_job(&j, reps), B * (4 * 4096 + 4096 + 24 + 24) * 4);
+        j.run = run_mhc_post;
+        report("mhc post hc=4 [B,4,4096]", batches[b], time_job(&j, reps), B * (2 * 4 * 4096 + 4096 + 20) * 4);
+    }
+    printf("# decode step of a 4-layer real-shape model: not measured (the CUDA decode step is not assembled)\n");
+    return 0;
+}
