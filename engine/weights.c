@@ -37,7 +37,13 @@ struct loader {
     struct owned *own;
     const char *prefix;         /* "model." or "" before layers.i. */
     bool hf;                    /* transformers sub-names inside a layer */
+    uint8_t *used;              /* [dsv4_st_count] tensors some part of the model took */
 };
+
+static void mark_used(struct loader *L, const struct dsv4_st_tensor *t)
+{
+    L->used[t - dsv4_st_at(L->st, 0)] = 1;
+}
 
 static void *own_alloc(struct loader *L, size_t size)
 {
@@ -75,10 +81,12 @@ static const struct dsv4_st_tensor *need(struct loader *L, const char *name, int
 {
     const struct dsv4_st_tensor *t = dsv4_st_find(L->st, name);
 
-    if (!t)
+    if (!t) {
         *r = dsv4_error_set(-ENOENT, "tensor %s: missing from %s", name, dsv4_st_source(L->st));
-    else
-        *r = 0;
+        return NULL;
+    }
+    mark_used(L, t);
+    *r = 0;
     return t;
 }
 
@@ -217,6 +225,7 @@ static int load_scale(struct loader *L, const struct dsv4_st_tensor *wt, int64_t
         return dsv4_error_set(-ENOENT, "tensor %s in %s: quantized (%s) but its scale (.scale or "
                               "_scale_inv) is missing from %s", wt->name, wt->file,
                               dsv4_dtype_name(wt->dtype), dsv4_st_source(L->st));
+    mark_used(L, s);
     if ((r = check_shape(s, 2, shape)) < 0)
         return r;
     L->w->bytes_total += s->nbytes;
@@ -662,6 +671,13 @@ static int load_all(struct loader *L)
             return r;
         w->n_mtp = k + 1;
     }
+
+    for (size_t i = 0; i < dsv4_st_count(L->st); i++)
+        if (!L->used[i]) {
+            if (!w->n_unused)
+                w->first_unused = dsv4_st_at(L->st, i)->name;
+            w->n_unused++;
+        }
     return 0;
 }
 
@@ -683,7 +699,9 @@ int dsv4_weights_load(const char *dir, struct dsv4_weights **ret)
         r = dsv4_st_open(dir, &w->st);
     if (r == 0) {
         L.st = w->st;
-        r = load_all(&L);
+        L.used = calloc(dsv4_st_count(w->st) + 1, 1);
+        r = L.used ? load_all(&L) : dsv4_error_set(-ENOMEM, "out of memory loading %s", dir);
+        free(L.used);
     }
     if (r < 0) {
         dsv4_error_prefix(r, "loading %s: ", dir);

@@ -115,6 +115,10 @@ struct dsv4_weights {
     struct dsv4_mtp *mtp;               /* [n_mtp] */
     uint64_t bytes_quantized;           /* FP8+FP4 payload and scales, for stats */
     uint64_t bytes_total;
+    /* Checkpoint tensors no part of the config uses (transformers ignores them too): non-zero
+     * usually means config.json and the weights disagree, worth a warning. */
+    uint64_t n_unused;
+    const char *first_unused;           /* its name (owned by st), NULL when n_unused is 0 */
     void *owned;                        /* f32 copies of small vectors, freed with the weights */
 };
 

@@ -599,6 +599,10 @@ static void test_spellings_agree(void **state)
 
     assert_weights_equal(off, hf);
     assert_weights_equal(off, saved);
+    assert_int_equal(off->n_unused, 0);
+    assert_int_equal(hf->n_unused, 0);
+    assert_int_equal(saved->n_unused, 0);
+    assert_null(off->first_unused);
     assert_int_equal(off->n_mtp, 1);
     assert_int_equal(hf->n_mtp, 0);
     assert_int_equal(saved->n_mtp, 0);
@@ -960,6 +964,29 @@ static void test_tied_head(void **state)
     free(config);
 }
 
+/* Tensors the config does not ask for are counted, not silently taken: here a compressor on a
+ * layer the config calls sliding-window. */
+static void test_unused_counted(void **state)
+{
+    struct gen g = { .sp = SP_HF };
+    int64_t shape[2] = { CSA, 2 * HD };
+    char *dir = stw_tempdir();
+    struct dsv4_weights *w;
+
+    g.seed = test_seed;
+    gen_model(&g);
+    emit(&g, "model.layers.1.self_attn.compressor.position_bias", "F32", 2, shape,
+         calloc(CSA * 2 * HD, sizeof(float)), sizeof(float) * CSA * 2 * HD);
+    gen_write(&g, dir, 2);
+    gen_free(&g);
+    w = load_ok(dir);
+    assert_int_equal(w->n_unused, 1);
+    assert_string_equal(w->first_unused, "model.layers.1.self_attn.compressor.position_bias");
+    dsv4_weights_free(w);
+    stw_rmdir(dir);
+    free(dir);
+}
+
 static void test_linear_formats(void **state)
 {
     uint64_t s = test_seed ^ 0x9e3779b97f4a7c15ull;
@@ -1000,6 +1027,7 @@ int main(void)
         cmocka_unit_test(test_truncated),
         cmocka_unit_test(test_tid2eid_range),
         cmocka_unit_test(test_tied_head),
+        cmocka_unit_test(test_unused_counted),
         cmocka_unit_test(test_linear_formats),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
