@@ -1,6 +1,6 @@
 /* Sampler: the order of operations is written in sampler.h; this file follows it step by step.
- * Probabilities are computed in double, always over ascending ids or a fixed sorted order, so one
- * row's result never depends on anything but its inputs. */
+ * Exponentials are taken in float and summed in double, always over ascending ids or a fixed sorted
+ * order, so one row's result never depends on anything but its inputs. */
 #include "build-config.h"
 
 #include <errno.h>
@@ -12,16 +12,20 @@
 #include "engine/philox.h"
 #include "engine/sampler.h"
 
-/* First nucleus guess for top_p: sort this many of the most probable tokens, grow by 8x when their
- * mass is short of top_p. Sorting the whole vocabulary each step would cost ~V log V per row. */
-#define SAMPLER_NUCLEUS_FIRST 256
-#define SAMPLER_NUCLEUS_GROWTH 8
+/* Logit bins for top_k and top_p (see the sampling step): 256 bins of 1/16 logit cover the top 16
+ * logits (probability ratios down to e^-16); the last bin takes the rest. */
+#define SAMPLER_BINS 256
+#define SAMPLER_BIN_WIDTH 0.0625f
+#define SAMPLER_KEPT 0xFFFF     /* bin[] mark of a token top_p keeps */
 
 struct dsv4_sampler {
     int vocab;
     float *l;           /* [V] working logits (steps 2-5) */
     int32_t *idx;       /* [V] candidate ids */
     double *p;          /* [V] unnormalized probabilities, indexed by id */
+    uint16_t *bin;      /* [V] logit bin of each id */
+    int32_t *cand;      /* [V] top_p candidates */
+    uint64_t *key_a, *key_b;    /* [V] radix sort buffers */
 };
 
 void dsv4_sampling_defaults(struct dsv4_sampling *ret)
@@ -67,7 +71,11 @@ int dsv4_sampler_create(int vocab, struct dsv4_sampler **ret)
     s->l = malloc(sizeof(*s->l) * (size_t)vocab);
     s->idx = malloc(sizeof(*s->idx) * (size_t)vocab);
     s->p = malloc(sizeof(*s->p) * (size_t)vocab);
-    if (!s->l || !s->idx || !s->p) {
+    s->bin = malloc(sizeof(*s->bin) * (size_t)vocab);
+    s->cand = malloc(sizeof(*s->cand) * (size_t)vocab);
+    s->key_a = malloc(sizeof(*s->key_a) * (size_t)vocab);
+    s->key_b = malloc(sizeof(*s->key_b) * (size_t)vocab);
+    if (!s->l || !s->idx || !s->p || !s->bin || !s->cand || !s->key_a || !s->key_b) {
         dsv4_sampler_destroy(s);
         return dsv4_error_set(-ENOMEM, "sampler: out of memory for vocab %d", vocab);
     }
@@ -82,6 +90,10 @@ void dsv4_sampler_destroy(struct dsv4_sampler *s)
     free(s->l);
     free(s->idx);
     free(s->p);
+    free(s->bin);
+    free(s->cand);
+    free(s->key_a);
+    free(s->key_b);
     free(s);
 }
 
@@ -126,36 +138,35 @@ static void select_best(const float *v, int32_t *idx, int n, int k)
     }
 }
 
-/* Insertion-free sort of idx[0..n) by ranks_before (heap sort: no recursion, no allocation). */
-static void sift_down(const float *v, int32_t *idx, int root, int n)
+/* Float -> unsigned key in the same order (negative floats reversed, sign bit flipped). */
+static inline uint32_t float_key(float f)
 {
-    for (;;) {
-        int child = 2 * root + 1;
-        if (child >= n)
-            return;
-        /* a max-heap of "worst first" so the sorted result is best first */
-        if (child + 1 < n && ranks_before(v, idx[child], idx[child + 1]))
-            child++;
-        if (!ranks_before(v, idx[root], idx[child]))
-            return;
-        int32_t t = idx[root];
-        idx[root] = idx[child];
-        idx[child] = t;
-        root = child;
-    }
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return (u & 0x80000000u) ? ~u : u | 0x80000000u;
 }
 
-static void sort_best_first(const float *v, int32_t *idx, int n)
+/* Sort ids[0..n), given in ascending id, best first by ranks_before: a stable LSD radix sort on the
+ * inverted value key (4 passes of 8 bits) keeps equal values in ascending id. a, b: [n] scratch. */
+static void sort_best_first(const float *v, int32_t *ids, int n, uint64_t *a, uint64_t *b)
 {
-    /* Heap ordered so that the root is the WORST element; popping it to the end leaves best first. */
-    for (int i = n / 2 - 1; i >= 0; i--)
-        sift_down(v, idx, i, n);
-    for (int end = n - 1; end > 0; end--) {
-        int32_t t = idx[0];
-        idx[0] = idx[end];
-        idx[end] = t;
-        sift_down(v, idx, 0, end);
+    for (int i = 0; i < n; i++)
+        a[i] = ((uint64_t)~float_key(v[ids[i]]) << 32) | (uint32_t)ids[i];
+    for (int shift = 32; shift < 64; shift += 8) {
+        int count[257] = { 0 };
+        for (int i = 0; i < n; i++)
+            count[((a[i] >> shift) & 0xFF) + 1]++;
+        for (int d = 0; d < 256; d++)
+            count[d + 1] += count[d];
+        for (int i = 0; i < n; i++)
+            b[count[(a[i] >> shift) & 0xFF]++] = a[i];
+        uint64_t *t = a;
+        a = b;
+        b = t;
     }
+    /* four passes: the sorted keys are back in the first buffer */
+    for (int i = 0; i < n; i++)
+        ids[i] = (int32_t)(uint32_t)a[i];
 }
 
 static int cmp_id(const void *a, const void *b)
@@ -175,7 +186,7 @@ static void raw_logprobs(struct dsv4_sampler *s, const float *logits, int n_top,
             m = logits[v];
     double sum = 0.0;
     for (int v = 0; v < V; v++)
-        sum += exp((double)logits[v] - m);
+        sum += expf(logits[v] - (float)m);
     *ret_lse = m + log(sum);
 
     /* top-n by a bounded insertion into the sorted output arrays */
@@ -249,59 +260,99 @@ int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, c
         for (int v = 0; v < V; v++)
             l[v] *= inv_t;
 
-        /* Step 6: top_k. Candidates idx[0..n). */
-        int32_t *idx = s->idx;
-        int n = V;
+        /* Logit bins: bin b holds the tokens with (max - l) in [b, b+1) * SAMPLER_BIN_WIDTH (the
+         * last bin everything below). Every token of a bin ranks before every token of a later
+         * bin, so top_k and top_p only need to rank the tokens of the bins up to the one where the
+         * count (or mass) crosses the limit: usually a few hundred tokens, not V. */
+        float m = -INFINITY;
         for (int v = 0; v < V; v++)
-            idx[v] = v;
-        bool sorted = false;
-        if (p->top_k > 0 && p->top_k < V) {
-            select_best(l, idx, V, p->top_k);
-            n = p->top_k;
-            qsort(idx, (size_t)n, sizeof(*idx), cmp_id);    /* sum in ascending id: a fixed order */
+            if (l[v] > m)
+                m = l[v];
+        int32_t *idx = s->idx;
+        uint16_t *bin = s->bin;
+        int bin_count[SAMPLER_BINS] = { 0 };
+        double bin_mass[SAMPLER_BINS] = { 0 };
+        bool use_bins = (p->top_k > 0 && p->top_k < V) || p->top_p < 1.0f;
+        for (int v = 0; use_bins && v < V; v++) {
+            float d = (m - l[v]) * (1.0f / SAMPLER_BIN_WIDTH);
+            int b = d < (float)(SAMPLER_BINS - 1) ? (int)d : SAMPLER_BINS - 1;    /* -inf: last */
+            bin[v] = (uint16_t)b;
+            bin_count[b]++;
         }
 
-        /* Step 7: softmax over the candidates (unnormalized p[id], total z). */
-        float m = -INFINITY;
-        for (int i = 0; i < n; i++)
-            if (l[idx[i]] > m)
-                m = l[idx[i]];
+        /* Step 6: top_k. Candidates idx[0..n), ascending id. */
+        int n = 0;
+        if (p->top_k > 0 && p->top_k < V) {
+            int last = 0, acc = 0;
+            while (acc + bin_count[last] < p->top_k)
+                acc += bin_count[last++];
+            for (int v = 0; v < V; v++)
+                if (bin[v] <= last)
+                    idx[n++] = v;
+            select_best(l, idx, n, p->top_k);
+            n = p->top_k;
+            qsort(idx, (size_t)n, sizeof(*idx), cmp_id);
+        } else {
+            for (int v = 0; v < V; v++)
+                idx[v] = v;
+            n = V;
+        }
+
+        /* Step 7: softmax over the candidates (unnormalized p[id], total z, summed by ascending id).
+         * The largest logit is among them (top_k keeps it), so its probability is exp(0) = 1. */
         double z = 0.0;
-        double pmax = 0.0;
         for (int i = 0; i < n; i++) {
-            double e = exp((double)l[idx[i]] - m);
+            double e = expf(l[idx[i]] - m);
             s->p[idx[i]] = e;
             z += e;
-            if (e > pmax)
-                pmax = e;
         }
+        if (p->top_p < 1.0f)
+            for (int i = 0; i < n; i++)
+                bin_mass[bin[idx[i]]] += s->p[idx[i]];
+        const double pmax = 1.0;
 
-        /* Step 8: top_p over the candidates sorted best first; grow the sorted head until the
-         * mass reaches top_p (the head is exactly the prefix a full sort would give). */
+        /* Step 8: top_p: rank the candidates of the bins up to the one where the mass reaches
+         * top_p, plus one bin of margin for rounding; if their ranked sum still falls short, rank
+         * all candidates. */
         if (p->top_p < 1.0f) {
             double target = (double)p->top_p * z;
-            int head = n < SAMPLER_NUCLEUS_FIRST ? n : SAMPLER_NUCLEUS_FIRST;
-            int keep = n;
-            for (;;) {
-                select_best(l, idx, n, head);
-                sort_best_first(l, idx, head);
-                double acc = 0.0;
+            int last = 0;
+            double acc = 0.0;
+            while (last < SAMPLER_BINS - 1 && acc + bin_mass[last] < target)
+                acc += bin_mass[last++];
+            if (last < SAMPLER_BINS - 1)
+                last++;
+            int32_t *cand = s->cand;
+            int nc = 0;
+            for (int i = 0; i < n; i++)
+                if (bin[idx[i]] <= last)
+                    cand[nc++] = idx[i];
+            for (int pass = 0; pass < 2; pass++) {
+                sort_best_first(l, cand, nc, s->key_a, s->key_b);
+                acc = 0.0;
                 int i;
-                for (i = 0; i < head; i++) {
-                    acc += s->p[idx[i]];
+                for (i = 0; i < nc; i++) {
+                    acc += s->p[cand[i]];
                     if (acc >= target)
                         break;
                 }
-                if (i < head) {
-                    keep = i + 1;
+                if (i < nc) {
+                    nc = i + 1;
                     break;
                 }
-                if (head == n)
+                if (nc == n)
                     break;
-                head = (int)((int64_t)head * SAMPLER_NUCLEUS_GROWTH < n ? head * SAMPLER_NUCLEUS_GROWTH : n);
+                memcpy(cand, idx, sizeof(*cand) * (size_t)n);
+                nc = n;
             }
-            n = keep;
-            sorted = true;
+            /* keep idx in ascending id: flag the kept ids in bin[] (no longer needed) and filter */
+            for (int i = 0; i < nc; i++)
+                bin[cand[i]] = SAMPLER_KEPT;
+            int w = 0;
+            for (int i = 0; i < n; i++)
+                if (bin[idx[i]] == SAMPLER_KEPT)
+                    idx[w++] = idx[i];
+            n = w;
         }
 
         /* Step 9: min_p against the largest probability (pmax is in the kept set: it ranks first). */
@@ -315,8 +366,6 @@ int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, c
         }
 
         /* Step 10: the draw, over the kept tokens in ascending id. */
-        if (sorted)
-            qsort(idx, (size_t)n, sizeof(*idx), cmp_id);
         double zk = 0.0;
         for (int i = 0; i < n; i++)
             zk += s->p[idx[i]];
