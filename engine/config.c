@@ -255,7 +255,8 @@ static int hf_rope(const struct parser *p, struct dsv4_config *c, double prf, bo
     double rope_theta, compress_theta, prf_main, prf_comp;
     int r, dim_main, dim_comp;
 
-    if (!rp || json_is_null(rp))
+    /* transformers: `rope_scaling or rope_parameters`, so an empty rope_scaling falls through */
+    if (!rp || json_is_null(rp) || (json_is_object(rp) && json_object_size(rp) == 0))
         rp = json_object_get(p->root, "rope_parameters");
     if (rp && !json_is_null(rp) && !json_is_object(rp))
         return dsv4_error_set(-EINVAL, "%s: field rope_parameters must be an object", p->name);

@@ -174,6 +174,10 @@ static void test_transformers_rope(void **state)
     assert_true(c.rope_compress.yarn && c.rope_compress.yarn_factor == 4.0);
     assert_int_equal(c.rope_compress.yarn_original_max, 4096);
     assert_true(c.rope_compress.beta_fast == 32.0 && c.rope_compress.beta_slow == 2.0);
+    /* an empty rope_scaling does not hide rope_parameters */
+    parse_ok("{\"model_type\": \"deepseek_v4\", \"rope_scaling\": {}, \"rope_parameters\": {\"rope_type\": \"yarn\","
+             " \"factor\": 8, \"original_max_position_embeddings\": 1024}}", &c);
+    assert_true(c.rope_compress.yarn && c.rope_compress.yarn_factor == 8.0);
     /* factor null: max_position / original */
     parse_ok("{\"model_type\": \"deepseek_v4\", \"max_position_embeddings\": 16384,"
              " \"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": null, \"original_max_position_embeddings\": 1024}}", &c);
