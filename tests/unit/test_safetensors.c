@@ -268,6 +268,93 @@ static void test_bad_shards(void **state)
     free(dir);
 }
 
+/* Random damage to a valid file (flipped header bytes, truncation): the reader either refuses
+ * with a message or returns tensors that satisfy every invariant it promises. ASan watches the
+ * rest. */
+static void test_mutations(void **state)
+{
+    uint8_t payload[96];
+    struct stw_tensor ts[] = {
+        { "a", "F32", 2, { 2, 3 }, payload, 24 },
+        { "b", "BF16", 1, { 8 }, payload + 24, 16 },
+        { "c", "I64", 1, { 4 }, payload + 40, 32 },
+        { "d", "U8", 2, { 4, 6 }, payload + 72, 24 },
+    };
+    uint64_t s = seed ^ 0xabcdef;
+    char *dir = stw_tempdir(), path[4200];
+    uint8_t *orig;
+    long size;
+    FILE *f;
+
+    random_bytes(payload, sizeof(payload), &s);
+    assert_int_equal(stw_write(dir, "model.safetensors", ts, 4), 0);
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    f = fopen(path, "rb");
+    fseek(f, 0, SEEK_END);
+    size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    orig = malloc((size_t)size);
+    assert_int_equal(fread(orig, 1, (size_t)size, f), (size_t)size);
+    fclose(f);
+    for (int it = 0; it < 600; it++) {
+        uint8_t *buf = malloc((size_t)size);
+        long len = size, hdr = size - (long)sizeof(payload);
+        struct dsv4_st *st = NULL;
+        int r;
+
+        memcpy(buf, orig, (size_t)size);
+        if (it % 5 == 4) {
+            len = (long)(stw_rand(&s) % (uint64_t)size);
+        } else {
+            for (int k = 0, n = 1 + (int)(stw_rand(&s) % 4); k < n; k++) {
+                static const char alphabet[] = "0123456789{}[],:\" -eE.F";
+
+                buf[stw_rand(&s) % (uint64_t)hdr] = (uint8_t)(k % 2 ? stw_rand(&s)
+                                                              : (uint64_t)alphabet[stw_rand(&s) % (sizeof(alphabet) - 1)]);
+            }
+        }
+        f = fopen(path, "wb");
+        fwrite(buf, 1, (size_t)len, f);
+        fclose(f);
+        dsv4_error_clear();
+        r = dsv4_st_open(dir, &st);
+        if (r < 0) {
+            assert_null(st);
+            assert_true(strlen(dsv4_error_message()) > 0);
+        } else {
+            const uint8_t *lo = NULL, *hi = NULL;
+
+            for (size_t i = 0; i < dsv4_st_count(st); i++) {
+                const struct dsv4_st_tensor *t = dsv4_st_at(st, i);
+                size_t n = dsv4_dtype_size(t->dtype);
+
+                for (int d = 0; d < t->ndim; d++)
+                    n *= (size_t)t->shape[d];
+                assert_int_equal(n, t->nbytes);
+                if (!lo || (const uint8_t *)t->data < lo)
+                    lo = t->data;
+                if (!hi || (const uint8_t *)t->data + t->nbytes > hi)
+                    hi = (const uint8_t *)t->data + t->nbytes;
+                for (size_t j = 0; j < i; j++) {
+                    const struct dsv4_st_tensor *u = dsv4_st_at(st, j);
+                    const uint8_t *a = t->data, *b = u->data;
+
+                    if (t->nbytes && u->nbytes)
+                        assert_true(a + t->nbytes <= b || b + u->nbytes <= a);
+                }
+            }
+            /* all data lies within one file-sized window */
+            if (lo)
+                assert_true(hi - lo <= len);
+            dsv4_st_close(st);
+        }
+        free(buf);
+    }
+    free(orig);
+    stw_rmdir(dir);
+    free(dir);
+}
+
 static int setup(void **state)
 {
     const char *env = getenv("DSV4_TEST_SEED");
@@ -287,6 +374,7 @@ int main(void)
         cmocka_unit_test(test_bad_headers),
         cmocka_unit_test(test_bad_lengths),
         cmocka_unit_test(test_bad_shards),
+        cmocka_unit_test(test_mutations),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }
