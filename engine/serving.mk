@@ -17,3 +17,10 @@ tests_unit_test_scheduler_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_scheduler_LDADD = $(TEST_ENGINE_LIBS)
 # Count allocations made inside scheduler calls (see the test's __wrap_ functions).
 tests_unit_test_scheduler_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc
+
+# The scheduler over the real CPU backend on the tiny fixture models.
+check_PROGRAMS += tests/unit/test_sched_cpu
+TESTS += tests/unit/test_sched_cpu
+tests_unit_test_sched_cpu_SOURCES = tests/unit/test_sched_cpu.c
+tests_unit_test_sched_cpu_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_sched_cpu_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
