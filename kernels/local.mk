@@ -11,6 +11,9 @@ EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES)
 
 GPU_TEST_COMMON = tests/gpu/gpu_test.h
 
+# A checkpoint at real V4 shapes with random weights, in the release's formats (Python + numpy).
+dist_noinst_SCRIPTS += tools/dsv4-mkckpt
+
 if HAVE_CUDA
 noinst_LIBRARIES += libdsv4cuda.a
 libdsv4cuda_a_SOURCES = $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES)
