@@ -194,6 +194,54 @@ static void test_transformers_rope(void **state)
     assert_int_equal(c.rope_compress.yarn_original_max, 65536);
 }
 
+/* The config.json that ships with DeepSeek-V4-Flash: model_type deepseek_v4 with the legacy
+ * fields (num_hash_layers, qk_rope_head_dim, flat rope_scaling, compress_ratios with the MTP
+ * layer's 0 after the 43 layers; a later snapshot pads it to 46). */
+#define RELEASE_HEAD \
+    "{\"architectures\": [\"DeepseekV4ForCausalLM\"], \"attention_bias\": false, \"attention_dropout\": 0.0," \
+    " \"bos_token_id\": 0, \"eos_token_id\": 1, \"expert_dtype\": \"fp4\", \"hc_eps\": 1e-06, \"hc_mult\": 4," \
+    " \"hc_sinkhorn_iters\": 20, \"head_dim\": 512, \"hidden_act\": \"silu\", \"hidden_size\": 4096," \
+    " \"index_head_dim\": 128, \"index_n_heads\": 64, \"index_topk\": 512, \"initializer_range\": 0.02," \
+    " \"max_position_embeddings\": 1048576, \"model_type\": \"deepseek_v4\", \"moe_intermediate_size\": 2048," \
+    " \"n_routed_experts\": 256, \"n_shared_experts\": 1, \"norm_topk_prob\": true, \"num_attention_heads\": 64," \
+    " \"num_experts_per_tok\": 6, \"num_hidden_layers\": 43, \"num_hash_layers\": 3, \"num_key_value_heads\": 1," \
+    " \"num_nextn_predict_layers\": 1, \"o_groups\": 8, \"o_lora_rank\": 1024, \"q_lora_rank\": 1024," \
+    " \"qk_rope_head_dim\": 64, \"quantization_config\": {\"activation_scheme\": \"dynamic\", \"fmt\": \"e4m3\"," \
+    " \"quant_method\": \"fp8\", \"scale_fmt\": \"ue8m0\", \"weight_block_size\": [128, 128]}," \
+    " \"rms_norm_eps\": 1e-06, \"rope_scaling\": {\"beta_fast\": 32, \"beta_slow\": 1, \"factor\": 16," \
+    " \"original_max_position_embeddings\": 65536, \"type\": \"yarn\"}, \"rope_theta\": 10000," \
+    " \"routed_scaling_factor\": 1.5, \"scoring_func\": \"sqrtsoftplus\", \"sliding_window\": 128," \
+    " \"swiglu_limit\": 10.0, \"tie_word_embeddings\": false, \"topk_method\": \"noaux_tc\"," \
+    " \"torch_dtype\": \"bfloat16\", \"transformers_version\": \"4.57.1\", \"use_cache\": true," \
+    " \"vocab_size\": 129280, \"compress_rope_theta\": 160000, \"compress_ratios\": [0, 0, " \
+    "4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, " \
+    "4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 0"
+
+static void test_release_config(void **state)
+{
+    static const char *variants[] = { RELEASE_HEAD "]}", RELEASE_HEAD ", 0, 0]}" };
+
+    for (int v = 0; v < 2; v++) {
+        struct dsv4_config c;
+
+        parse_ok(variants[v], &c);
+        assert_int_equal(c.n_layers, 43);
+        assert_int_equal(c.n_mtp_layers, 1);
+        assert_int_equal(c.rope_dim, 64);
+        for (int i = 0; i < 43; i++) {
+            assert_int_equal(c.compress_ratio[i], i < 2 ? 0 : i % 2 ? 128 : 4);
+            assert_int_equal(c.mlp_type[i], i < 3 ? DSV4_MLP_HASH : DSV4_MLP_MOE);
+        }
+        assert_true(c.rope_main.theta == 10000.0 && !c.rope_main.yarn);
+        assert_true(c.rope_compress.theta == 160000.0 && c.rope_compress.yarn);
+        assert_true(c.rope_compress.yarn_factor == 16.0);
+        assert_int_equal(c.rope_compress.yarn_original_max, 65536);
+        assert_true(c.rope_compress.beta_fast == 32.0 && c.rope_compress.beta_slow == 1.0);
+        assert_int_equal(c.index_topk, 512);
+        assert_true(c.routed_scaling_factor == 1.5);
+    }
+}
+
 static void expect_refused(const char *json, int code, const char *field)
 {
     struct dsv4_config c;
@@ -342,6 +390,7 @@ int main(void)
         cmocka_unit_test(test_transformers_defaults),
         cmocka_unit_test(test_transformers_legacy),
         cmocka_unit_test(test_transformers_rope),
+        cmocka_unit_test(test_release_config),
         cmocka_unit_test(test_transformers_refusals),
         cmocka_unit_test(test_official),
         cmocka_unit_test(test_load_dir),
