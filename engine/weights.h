@@ -1,6 +1,7 @@
 /* Model weights: every tensor the config implies, located in the mapped checkpoint, checked for
  * dtype and shape, and kept in its checkpoint format (FP8/FP4 stay quantized; dequantized on use).
- * Both spellings load into the same structs: DeepSeek's release names and transformers' names. */
+ * Both spellings load into the same structs: DeepSeek's release names and transformers' names
+ * (its state_dict names, and the mix its save_pretrained writes: model.layers.i.attn.wq_a...). */
 #ifndef DSV4_ENGINE_WEIGHTS_H
 #define DSV4_ENGINE_WEIGHTS_H
 
