@@ -67,6 +67,7 @@ struct sched_req {
     char stop[DSV4_SCHED_STOP_STRINGS_MAX][DSV4_SCHED_STOP_LEN_MAX + 1];
     int n_stop_ids;
     int32_t stop_ids[DSV4_SCHED_STOP_TOKENS_MAX];
+    bool ignore_eos;
 
     /* engine-thread state while running */
     int slot, out;
@@ -498,6 +499,7 @@ int dsv4_sched_submit(struct dsv4_sched *s, const struct dsv4_sched_request *req
         q->stop_len[k] = (int)strlen(req->stop[k]);
         memcpy(q->stop[k], req->stop[k], (size_t)q->stop_len[k] + 1);
     }
+    q->ignore_eos = req->ignore_eos;
     q->n_stop_ids = req->n_stop_token_ids;
     if (req->n_stop_token_ids)
         memcpy(q->stop_ids, req->stop_token_ids, sizeof(int32_t) * (size_t)req->n_stop_token_ids);
@@ -802,7 +804,7 @@ static void take_token(struct dsv4_sched *s, struct sched_req *q, const struct d
     int err = 0;
     char msg[DSV4_SCHED_ERROR_MAX] = "";
     size_t old_len = res->text_len;
-    bool stop_tok = tok == s->eos;
+    bool stop_tok = tok == s->eos && !q->ignore_eos;
     for (int k = 0; k < q->n_stop_ids && !stop_tok; k++)
         stop_tok = tok == q->stop_ids[k];
     if (stop_tok) {

@@ -102,6 +102,7 @@ struct dsv4_sched_request {
     int n_stop;
     const int32_t *stop_token_ids;  /* n_stop_token_ids ids (copied) */
     int n_stop_token_ids;
+    bool ignore_eos;                /* EOS does not stop it (benchmarks); stop_token_ids still do */
     void *user;                     /* opaque, handed back in every event */
 };
 

@@ -24,3 +24,9 @@ TESTS += tests/unit/test_sched_cpu
 tests_unit_test_sched_cpu_SOURCES = tests/unit/test_sched_cpu.c
 tests_unit_test_sched_cpu_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_sched_cpu_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
+
+# Step latency with a long prompt arriving while others decode (CPU backend); not installed.
+noinst_PROGRAMS += dsv4-sched-bench
+dsv4_sched_bench_SOURCES = tools/dsv4-sched-bench.c
+dsv4_sched_bench_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
+dsv4_sched_bench_LDADD = libdsv4engine.la
