@@ -66,11 +66,11 @@ static bool linear_view(const struct dsv4_linear *W, int64_t r0, int64_t n, stru
     case DSV4_W_FP8:
         if (r0 % 128)
             return false;
-        v->w = (const uint8_t *)W->w + (size_t)(r0 * W->in);
+        v->w = (const uint8_t *)W->w + (size_t)(r0 * W->row_stride);
         v->scale = W->scale + (size_t)(r0 / 128 * W->scale_stride);
         return true;
     case DSV4_W_FP4:
-        v->w = (const uint8_t *)W->w + (size_t)(r0 * W->in / 2);
+        v->w = (const uint8_t *)W->w + (size_t)(r0 * W->row_stride / 2);
         v->scale = W->scale + (size_t)(r0 * W->scale_stride);
         return true;
     }
