@@ -14,7 +14,7 @@ check_PROGRAMS += tests/unit/test_scheduler
 TESTS += tests/unit/test_scheduler
 tests_unit_test_scheduler_SOURCES = tests/unit/test_scheduler.c tests/unit/fake_backend.c tests/unit/fake_backend.h
 tests_unit_test_scheduler_CFLAGS = $(TEST_ENGINE_CFLAGS)
-tests_unit_test_scheduler_LDADD = $(TEST_ENGINE_LIBS)
+tests_unit_test_scheduler_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
 # Count allocations made inside scheduler calls (see the test's __wrap_ functions).
 tests_unit_test_scheduler_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc
 

@@ -16,6 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 #include <cmocka.h>
+#include <jansson.h>
 
 #include "engine/error.h"
 #include "engine/sampler.h"
@@ -833,6 +834,96 @@ static void test_reported_seed(void **state)
     env_close(&e);
 }
 
+/* With a real tokenizer (a hand-made byte-level file: ids 0-255 are bytes, 256 "<s>" special and
+ * the model's EOS, 257 "<x>" not special): the text is what the tokenizer decodes, specials
+ * skipped, made valid UTF-8 as from_utf8_lossy. */
+static void test_tokenizer_text(void **state)
+{
+    /* GPT-2 byte-level symbols: printable Latin-1 bytes stand for themselves, the rest for 256+k */
+    json_t *vocab = json_object();
+    int shifted = 0;
+    for (int b = 0; b < 256; b++) {
+        bool plain = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+        uint32_t cp = plain ? (uint32_t)b : 256u + (uint32_t)shifted++;
+        char sym[4] = { 0 };
+        if (cp < 0x80)
+            sym[0] = (char)cp;
+        else {
+            sym[0] = (char)(0xC0 | (cp >> 6));
+            sym[1] = (char)(0x80 | (cp & 0x3F));
+        }
+        json_object_set_new(vocab, sym, json_integer(b));
+    }
+    json_t *spec = json_pack(
+        "{s:s, s:[{s:i, s:s, s:b, s:b, s:b, s:b, s:b}, {s:i, s:s, s:b, s:b, s:b, s:b, s:b}],"
+        " s:n, s:{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, {s:s, s:b, s:b, s:b}]},"
+        " s:{s:s}, s:{s:s, s:o, s:[]}}",
+        "version", "1.0",
+        "added_tokens", "id", 256, "content", "<s>", "single_word", 0, "lstrip", 0, "rstrip", 0,
+        "normalized", 0, "special", 1, "id", 257, "content", "<x>", "single_word", 0, "lstrip", 0,
+        "rstrip", 0, "normalized", 0, "special", 0,
+        "normalizer",
+        "pre_tokenizer", "type", "Sequence", "pretokenizers", "type", "Split", "pattern", "Regex", "\\s+",
+        "behavior", "Isolated", "invert", 0, "type", "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1,
+        "use_regex", 0,
+        "decoder", "type", "ByteLevel",
+        "model", "type", "BPE", "vocab", vocab, "merges");
+    assert_non_null(spec);
+    char path[] = "/tmp/dsv4-test-sched-tokenizer-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(json_dump_file(spec, path, 0), 0);
+    json_decref(spec);
+    struct dsv4_tokenizer *tok;
+    int r = dsv4_tokenizer_load(path, &tok);
+    unlink(path);
+    if (r < 0)
+        fail_msg("tokenizer: %s", dsv4_error_message());
+
+    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f };
+    struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = 256 };
+    struct dsv4_backend *b;
+    assert_int_equal(fake_backend_create(&fo, &bo, &b), 0);
+    struct dsv4_sched *s;
+    if (dsv4_sched_create(b, tok, NULL, &s) < 0)
+        fail_msg("create: %s", dsv4_error_message());
+    int32_t prompt[4] = { 'a', 'b', 257, 'c' };
+    static struct outcome o[6];
+    for (int i = 0; i < 6; i++) {
+        struct dsv4_sched_request rq = make_request(prompt, 4, 60, i);
+        memset(&o[i], 0, sizeof(o[i]));
+        rq.user = &o[i];
+        assert_int_equal(dsv4_sched_submit(s, &rq, &o[i].id), 0);
+    }
+    for (int guard = 0; guard < 1000; guard++) {
+        int done = 0;
+        for (int i = 0; i < 6; i++)
+            done += o[i].finished;
+        if (done == 6)
+            break;
+        assert_true(dsv4_sched_step(s) >= 0);
+        drain_events(s);
+    }
+    for (int i = 0; i < 6; i++) {
+        assert_true(o[i].finished);
+        char *bytes;
+        size_t len, ll;
+        assert_int_equal(dsv4_tokenizer_decode(tok, o[i].res_tokens, (size_t)o[i].res.n_tokens,
+                                               DSV4_TOK_DECODE_SKIP_SPECIAL, &bytes, &len), 0);
+        char *lossy = dsv4_utf8_lossy(bytes, len, &ll);
+        assert_int_equal(o[i].res.text_len, ll);
+        assert_memory_equal(o[i].res_text, lossy, ll);
+        assert_int_equal(o[i].stream_len, ll);
+        assert_memory_equal(o[i].stream, lossy, ll);
+        free(lossy);
+        free(bytes);
+    }
+    dsv4_sched_destroy(s);
+    dsv4_backend_destroy(b);
+    dsv4_tokenizer_free(tok);
+}
+
 /* The engine thread runs dsv4_sched_run(); this thread submits, waits on the eventfd, cancels. */
 struct runner {
     struct dsv4_sched *s;
@@ -916,6 +1007,7 @@ int main(void)
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_random_workload),
         cmocka_unit_test(test_reported_seed),
+        cmocka_unit_test(test_tokenizer_text),
         cmocka_unit_test(test_engine_thread),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
