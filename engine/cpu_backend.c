@@ -1,6 +1,7 @@
 /* The CPU reference backend: engine/backend.h's operations over dsv4_cpu_forward. Every slot's
- * caches and scratch are allocated at create; steps allocate nothing. Single-threaded: each row's
- * arithmetic is the same whatever the batch holds. */
+ * caches and scratch are allocated at create; steps allocate nothing. Single-threaded (opts.threads
+ * is accepted and not used: the tiny test models run in milliseconds), and each row's arithmetic
+ * is the same whatever the batch holds. */
 #include "build-config.h"
 
 #include <errno.h>
@@ -41,6 +42,7 @@ static int cpu_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, 
                             all_rows);
 }
 
+/* A decode batch is checked whole before any slot advances: all of it runs or none. */
 static int cpu_decode(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, float *logits)
 {
     int64_t V = b->weights->cfg.vocab_size;
@@ -51,6 +53,13 @@ static int cpu_decode(struct dsv4_backend *b, int n, const int *slots, const int
         for (int j = 0; j < i; j++)
             if (slots[j] == slots[i])
                 return dsv4_error_set(-EINVAL, "slot %d appears twice in one decode batch", slots[i]);
+        const struct dsv4_cpu_seq *s = impl_of(b)->slots[slots[i]];
+        if (s->pos >= s->max_context)
+            return dsv4_error_set(-ENOSPC, "slot %d is full: %lld tokens of max_context %lld", slots[i],
+                                  (long long)s->pos, (long long)s->max_context);
+        if (tokens[i] < 0 || tokens[i] >= V)
+            return dsv4_error_set(-EINVAL, "slot %d: token %d is outside the vocabulary of %lld", slots[i],
+                                  tokens[i], (long long)V);
     }
     for (int i = 0; i < n; i++) {
         int rc = dsv4_cpu_forward(b->weights, b->opts.numerics, impl_of(b)->slots[slots[i]], &tokens[i], 1,

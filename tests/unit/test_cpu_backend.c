@@ -101,6 +101,13 @@ static void test_refusals(void **state)
     assert_int_equal(b->ops->prefill(b, 2, t, 1, NULL, false), -EINVAL);
     assert_int_equal(b->ops->decode(b, 2, (int[]){1, 1}, t, NULL), -EINVAL);
     assert_int_equal(b->ops->slot_position(b, 1), 0);
+    /* A batch with one bad member advances none of them. */
+    assert_int_equal(b->ops->decode(b, 2, (int[]){1, 0}, t, NULL), -ENOSPC);
+    assert_int_equal(b->ops->decode(b, 2, (int[]){1, 0}, (int32_t[]){3, -1}, NULL), -ENOSPC);
+    b->ops->slot_reset(b, 0);
+    assert_int_equal(b->ops->decode(b, 2, (int[]){1, 0}, (int32_t[]){3, -1}, NULL), -EINVAL);
+    assert_int_equal(b->ops->slot_position(b, 1), 0);
+    assert_int_equal(b->ops->slot_position(b, 0), 0);
     dsv4_backend_destroy(b);
 
     opts.max_batch = 0;
