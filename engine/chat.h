@@ -63,8 +63,9 @@ struct dsv4_chat_options {
     const char *system;  /* optional system prompt written right after BOS; NULL = none */
     size_t system_len;
     /* Encode flags (enum dsv4_tok_encode_flags) applied to message, system and reasoning text when
-     * building ids. DSV4_TOK_ENCODE_SPECIAL_AS_TEXT keeps a user from injecting tags such as
-     * <｜Assistant｜>; 0 gives the ids `tokenizers` gives for the built text. */
+     * building ids. DSV4_TOK_ENCODE_ADDED_AS_TEXT keeps a user from injecting tags such as
+     * <｜Assistant｜> or </think> (SPECIAL_AS_TEXT does not: V4 does not flag those "special");
+     * 0 gives the ids `tokenizers` gives for the built text. */
     unsigned content_flags;
     bool no_bos;         /* leave out <｜begin▁of▁sentence｜> (continuing an existing context) */
 };

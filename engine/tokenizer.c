@@ -32,6 +32,13 @@ struct tok_cache_slot {
     int32_t ids[TOK_CACHE_WORD_MAX];
 };
 
+/* The word cache is the only state encoding writes; it lives apart from the (read-only)
+ * tokenizer. Slot i is guarded by lock[i % TOK_CACHE_LOCKS]. */
+struct tok_cache {
+    pthread_mutex_t lock[TOK_CACHE_LOCKS];
+    struct tok_cache_slot slot[TOK_CACHE_SLOTS];
+};
+
 /* Added-token trie over bytes: edges live in one open-addressed table keyed by (node, byte). */
 struct tok_trie {
     uint32_t nnodes;
@@ -75,8 +82,7 @@ struct dsv4_tokenizer {
     struct tok_trie trie_norm;   /* normalized=true, matched in what is left */
     OnigRegex regex[TOK_MAX_REGEXES];
     size_t nregex;
-    struct tok_cache_slot *cache;
-    pthread_mutex_t cache_lock[TOK_CACHE_LOCKS];
+    struct tok_cache *cache;
 };
 
 enum {
@@ -455,9 +461,9 @@ void dsv4_tokenizer_free(struct dsv4_tokenizer *tok)
     for (size_t i = 0; i < tok->nregex; i++)
         onig_free(tok->regex[i]);
     if (tok->cache) {
-        free(tok->cache);
         for (size_t i = 0; i < TOK_CACHE_LOCKS; i++)
-            pthread_mutex_destroy(&tok->cache_lock[i]);
+            pthread_mutex_destroy(&tok->cache->lock[i]);
+        free(tok->cache);
     }
     free(tok);
 }
@@ -906,11 +912,11 @@ int dsv4_tokenizer_load(const char *path, struct dsv4_tokenizer **ret_tok)
     if (!r)
         r = load_pre_tokenizer(tok, root);
     if (!r) {
-        if (!(tok->cache = calloc(TOK_CACHE_SLOTS, sizeof(*tok->cache))))
+        if (!(tok->cache = calloc(1, sizeof(*tok->cache))))
             r = dsv4_error_set(-ENOMEM, "out of memory for the word cache");
         else
             for (size_t i = 0; i < TOK_CACHE_LOCKS; i++)
-                pthread_mutex_init(&tok->cache_lock[i], NULL);
+                pthread_mutex_init(&tok->cache->lock[i], NULL);
     }
     json_decref(root);
     if (r) {
@@ -1083,8 +1089,8 @@ static int encode_word(const struct dsv4_tokenizer *tok, const unsigned char *p,
         return bpe_word(tok, p, n, out);
     uint64_t h = dsv4_tok_hash_bytes(p, n);
     size_t slot = h & (TOK_CACHE_SLOTS - 1);
-    struct tok_cache_slot *c = &tok->cache[slot];
-    pthread_mutex_t *lock = (pthread_mutex_t *)&tok->cache_lock[slot % TOK_CACHE_LOCKS];
+    struct tok_cache_slot *c = &tok->cache->slot[slot];
+    pthread_mutex_t *lock = &tok->cache->lock[slot % TOK_CACHE_LOCKS];
     int r = ids_reserve(out, n);
     if (r)
         return r;

@@ -39,12 +39,14 @@ struct dsv4_tokenizer;
 
 /* Flags for dsv4_tokenizer_encode(). 0 is the library default: every added token is recognised. */
 enum dsv4_tok_encode_flags {
-    /* Added tokens flagged "special" (<｜User｜>, <｜end▁of▁sentence｜>, ...) are plain text and go
-     * through BPE like any other text. Same as `tokenizer.encode_special_tokens = True` in
-     * `tokenizers`. Non-special added tokens (<think>, </think> in V4) are still recognised. Use this
-     * for message content from untrusted users. */
+    /* Added tokens flagged "special" (<｜begin▁of▁sentence｜>, <｜end▁of▁sentence｜>, the place
+     * holders, ...) are plain text and go through BPE like any other text. Same as
+     * `tokenizer.encode_special_tokens = True` in `tokenizers`. Added tokens not flagged special are
+     * still recognised; in the V4 file that includes <｜User｜>, <｜Assistant｜>, <think> and
+     * </think>, so this flag alone does not stop a user from writing chat tags. */
     DSV4_TOK_ENCODE_SPECIAL_AS_TEXT = 1u << 0,
-    /* No added token at all is recognised: the text is pure BPE. */
+    /* No added token at all is recognised: the text is pure BPE. The right choice for message
+     * content from untrusted users (no tag can be injected). */
     DSV4_TOK_ENCODE_ADDED_AS_TEXT = 1u << 1,
 };
 

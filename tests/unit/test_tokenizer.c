@@ -113,7 +113,7 @@ static void test_golden_encode(void **state)
         ids_from_json(json_object_get(c, "ids"), &want);
         got.len = 0;
         assert_int_equal(dsv4_tokenizer_encode(v4, json_string_value(text), json_string_length(text), flags, &got), 0);
-        if (got.len != want.len || memcmp(got.ids, want.ids, got.len * sizeof(int32_t)))
+        if (got.len != want.len || (got.len && memcmp(got.ids, want.ids, got.len * sizeof(int32_t))))
             fail_msg("golden case %zu (flags %u, %zu bytes): %zu ids, %zu expected", i, flags,
                      json_string_length(text), got.len, want.len);
         char *back;
