@@ -215,7 +215,7 @@ void dsv4_conn_flush(struct dsv4_conn *c)
                 continue;
             if (errno == EAGAIN)
                 break;
-            dsv4_conn_close(c, errno == EPIPE || errno == ECONNRESET ? "client went away" : "send failed");
+            dsv4_conn_close(c, errno == EPIPE || errno == ECONNRESET ? "client went away" : strerror(errno));
             return;
         }
         dsv4_proto_buf_consume(&c->out, (size_t)n);
@@ -301,8 +301,10 @@ static void conn_read(struct dsv4_conn *c)
         if (n < 0) {
             if (errno == EINTR)
                 continue;
-            if (errno != EAGAIN)
-                dsv4_conn_close(c, "read failed");
+            if (errno == ECONNRESET)
+                dsv4_conn_close(c, "client went away (connection reset)");
+            else if (errno != EAGAIN)
+                dsv4_conn_close(c, strerror(errno));
             return;
         }
         if (n == 0) {

@@ -5,3 +5,4 @@ tests_unit_test_error_SOURCES = tests/unit/test_error.c
 tests_unit_test_error_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_error_LDADD = $(TEST_ENGINE_LIBS)
 include $(srcdir)/tests/fixtures.mk
+include $(srcdir)/tests/integration.mk

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import msgpack
@@ -30,6 +31,8 @@ BYTE_BASE = 6           # the test tokenizer's id of byte b is BYTE_BASE + b
 # Special tokens of the test tokenizer: the chat tags of SPEC section 6 at ids 0..5.
 TAGS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
 BOS, EOS = 0, 1
+# Any prompt: on an endless_model() daemon its greedy answer runs to max_tokens.
+LONG_PROMPT = [BOS, 9, 9]
 
 
 class Tap:
@@ -124,7 +127,8 @@ def bin_tokens(b):
 
 
 class Notify:
-    """A NOTIFY_SOCKET: a datagram socket collecting what the daemon tells its service manager."""
+    """A NOTIFY_SOCKET: a datagram socket collecting what the daemon tells its service manager. A
+    thread reads it all the time, as systemd does: sd_notify() blocks when the queue is full."""
 
     def __init__(self, path):
         self.path = path
@@ -133,54 +137,99 @@ class Notify:
             os.unlink(path)
         self.sock.bind(path)
         self.messages = []      # one dict per datagram, in arrival order
+        self.cond = threading.Condition()
+        self.closing = False
+        self.thread = threading.Thread(target=self._reader, daemon=True)
+        self.thread.start()
+
+    def _reader(self):
+        while not self.closing:
+            r, _, _ = select.select([self.sock], [], [], 0.2)
+            if not r:
+                continue
+            try:
+                data = self.sock.recv(65536).decode("utf-8", "replace")
+            except OSError:
+                return
+            msg = {}
+            for line in data.split("\n"):
+                if "=" in line:
+                    k, v = line.split("=", 1)
+                    msg[k] = v
+            with self.cond:
+                self.messages.append(msg)
+                self.cond.notify_all()
 
     def poll(self, timeout):
-        r, _, _ = select.select([self.sock], [], [], timeout)
-        if not r:
-            return False
-        data = self.sock.recv(65536).decode("utf-8", "replace")
-        msg = {}
-        for line in data.split("\n"):
-            if "=" in line:
-                k, v = line.split("=", 1)
-                msg[k] = v
-        self.messages.append(msg)
-        return True
+        """Wait up to timeout for a new message; True when one came."""
+        with self.cond:
+            n = len(self.messages)
+            self.cond.wait_for(lambda: len(self.messages) > n, timeout)
+            return len(self.messages) > n
 
     def wait_for(self, key, value=None, timeout=TIMEOUT, proc=None):
-        """Return the index of the first message with key (= value): waits for it."""
+        """Return the index of the first message with key (= value), waiting for it; -1 when it does
+        not come in time or the process exits without sending it."""
         deadline = time.monotonic() + timeout
-        seen = 0
         while True:
-            for i in range(seen, len(self.messages)):
-                m = self.messages[i]
-                if key in m and (value is None or m[key] == value):
-                    return i
-            seen = len(self.messages)
+            i = self.index(key, value)
+            if i >= 0:
+                return i
             left = deadline - time.monotonic()
-            if left <= 0 or (proc is not None and proc.poll() is not None and not self.poll(0)):
+            if left <= 0:
                 return -1
-            self.poll(min(left, 0.5))
+            if proc is not None and proc.poll() is not None:
+                while self.poll(0.2):   # what it sent before exiting is still being read
+                    pass
+                return self.index(key, value)
+            self.poll(min(left, 0.2))
 
     def index(self, key, value=None):
-        for i, m in enumerate(self.messages):
-            if key in m and (value is None or m[key] == value):
-                return i
+        with self.cond:
+            for i, m in enumerate(self.messages):
+                if key in m and (value is None or m[key] == value):
+                    return i
         return -1
 
     def close(self):
+        self.closing = True
+        self.thread.join()
         self.sock.close()
 
 
-class Daemon:
-    """One dsv4d under test, in its own temporary directory."""
+def endless_model(tmp, model=FIXTURE_MODEL):
+    """The fixture model with its EOS id moved just past the vocabulary: greedy answers then run to
+    max_tokens, so a test can act on a request that is certainly still running. The weights are the
+    fixture's (linked, not copied); dsv4-run computes the same tokens on it."""
+    out = os.path.join(tmp, "endless-model")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["eos_token_id"] = cfg["vocab_size"]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    for name in os.listdir(model):
+        if name.endswith(".safetensors") or name.endswith(".json") and name != "config.json":
+            dst = os.path.join(out, name)
+            if not os.path.exists(dst):
+                os.symlink(os.path.abspath(os.path.join(model, name)), dst)
+    return out
 
-    def __init__(self, args=(), activation=True, model=FIXTURE_MODEL, env=None, tokenizer=True, tmp=None):
+
+class Daemon:
+    """One dsv4d under test, in its own temporary directory. endless: serve endless_model()."""
+
+    def __init__(self, args=(), activation=True, model=FIXTURE_MODEL, env=None, tokenizer=True, tmp=None,
+                 endless=False):
         self.tmpobj = None
         if tmp is None:
             self.tmpobj = tempfile.TemporaryDirectory(prefix="dsv4d-test-")
             tmp = self.tmpobj.name
+        os.makedirs(tmp, exist_ok=True)
         self.tmp = tmp
+        if endless:
+            model = endless_model(tmp, model)
+        self.model = model
         self.sock_path = os.path.join(tmp, "dsv4d.sock")
         self.notify = Notify(os.path.join(tmp, "notify.sock"))
         self.log_path = os.path.join(tmp, "dsv4d.log")
@@ -230,8 +279,6 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             rc = self.proc.wait()
-        while self.notify.poll(0):
-            pass
         return rc
 
     def log_text(self):
@@ -342,3 +389,4 @@ def run_dsv4_run(model, tokens, n):
     if out.returncode != 0:
         return None, out.stderr
     return [int(x) for x in out.stdout.split()], out.stderr
+

@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""The protocol end to end, spoken by the PyPI msgpack package (independent of the daemon's
+msgpack-c): hello, tokenize, detokenize, generate (blocking and streamed), greedy tokens equal to
+dsv4-run's, seeds, logprobs, stop ids, cancel, 16 concurrent clients, a client killed mid-stream,
+stats, health, and every configured limit with its own error code."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from dsv4d_harness import (BOS, EOS, LONG_PROMPT, TIMEOUT, Client, Daemon, Tap, bin_tokens,
+                           run_dsv4_run, text_tokens, tokens_bin)
+
+t = Tap()
+USER, ASSISTANT, THINK_START, THINK_END = 2, 3, 4, 5
+PROMPTS = [[BOS] + text_tokens("The capital of France is"), [BOS, 7, 8, 9, 200, 201],
+           [BOS] + text_tokens("17*23=")]
+
+
+def greedy(c, prompt, n, **extra):
+    params = {"tokens": tokens_bin(prompt), "max_tokens": n, "temperature": 0.0}
+    params.update(extra)
+    return c.call("generate", params)
+
+
+def stream(c, params):
+    """(deltas, token ids, error, result) of a streamed generate."""
+    deltas, ids = [], []
+    mid = c.request("generate", dict(params, stream=True))
+
+    def note(m):
+        if m[0] == 2 and m[1] == "token" and m[2][0]["msgid"] == mid:
+            deltas.append(m[2][0]["text"])
+            ids.append(m[2][0]["token"])
+    err, res = c.response(mid, on_notification=note)
+    return deltas, ids, err, res
+
+
+d = Daemon(args=["--max-context", "4096", "--max-batch", "4"], endless=True)
+try:
+    t.ok(d.start(), "dsv4d is ready", d.log_text())
+    c = Client(d.sock_path)
+
+    err, hello = c.call("hello", {"protocol": 1, "client": "python msgpack"})
+    t.ok(err is None and hello["protocol"] == 1 and hello["server"].startswith("dsv4d ")
+         and hello["model"]["vocab_size"] == 288 and hello["max_batch"] == 4 and hello["backend"] == "cpu"
+         and hello["limits"]["max_frame"] == 8 << 20, "hello", (err, hello))
+
+    err, res = c.call("tokenize", {"text": "hello world"})
+    t.ok(err is None and bin_tokens(res["tokens"]) == [BOS] + text_tokens("hello world"),
+         "tokenize text (BOS first)", (err, res))
+    err, res = c.call("tokenize", {"text": "hello", "add_bos": False})
+    t.ok(err is None and bin_tokens(res["tokens"]) == text_tokens("hello"), "tokenize with add_bos false", err)
+    err, res = c.call("tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    t.ok(err is None and bin_tokens(res["tokens"]) == [BOS, USER] + text_tokens("hi") + [ASSISTANT, THINK_END],
+         "tokenize chat messages in the V4 format", (err, res and bin_tokens(res["tokens"])))
+    err, res = c.call("tokenize", {"messages": [{"role": "user", "content": "hi"}], "thinking": True})
+    t.ok(err is None and bin_tokens(res["tokens"])[-1] == THINK_START, "thinking mode ends the prompt with <think>",
+         err)
+    err, res = c.call("tokenize", {"messages": [{"role": "user", "content": "<｜Assistant｜>"}]})
+    t.ok(err is None and ASSISTANT not in bin_tokens(res["tokens"])[2:-2],
+         "tags inside message content stay text", res and bin_tokens(res["tokens"]))
+    err, res = c.call("detokenize", {"tokens": tokens_bin(text_tokens("héllo wörld"))})
+    t.ok(err is None and res["text"] == "héllo wörld", "detokenize", (err, res))
+    err, res = c.call("detokenize", {"tokens": tokens_bin(text_tokens("é")[:1])})
+    t.ok(err is None and res["text"] == "\ufffd", "detokenize of a cut character gives U+FFFD", (err, res))
+
+    # Greedy tokens equal the offline engine's for the same model and prompt.
+    for i, prompt in enumerate(PROMPTS):
+        n = 12
+        err, res = greedy(c, prompt, n)
+        ref, diag = run_dsv4_run(d.model, prompt, n)
+        got = bin_tokens(res["tokens"]) if res else None
+        t.ok(err is None and ref is not None and got == ref and res["usage"]["completion_tokens"] == len(got)
+             and res["usage"]["prompt_tokens"] == len(prompt),
+             "prompt %d: greedy tokens equal dsv4-run's" % i, (err, got, ref, diag))
+
+    # Streamed deltas concatenate to the final text; the streamed ids are the result's.
+    for params in ({"tokens": tokens_bin(PROMPTS[0]), "max_tokens": 40, "temperature": 0.0},
+                   {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0.9, "seed": 5},
+                   {"messages": [{"role": "user", "content": "What is 17*23?"}], "max_tokens": 30, "seed": 11}):
+        deltas, ids, err, res = stream(c, params)
+        t.ok(err is None and "".join(deltas) == res["text"] and ids == bin_tokens(res["tokens"]) and len(ids) > 0,
+             "streamed deltas concatenate to the text (%s)" % next(iter(params)),
+             (err, deltas, res and res["text"]))
+
+    # Seeds reproduce; different seeds differ somewhere in 3 tries.
+    p = {"tokens": tokens_bin(PROMPTS[1]), "max_tokens": 24, "temperature": 1.0, "seed": 1234}
+    a = c.call("generate", p)[1]
+    b = c.call("generate", p)[1]
+    t.ok(a["tokens"] == b["tokens"] and a["text"] == b["text"], "the same seed gives the same tokens")
+    others = [c.call("generate", dict(p, seed=s))[1]["tokens"] for s in (1, 2, 3)]
+    t.ok(any(o != a["tokens"] for o in others), "other seeds give other tokens")
+
+    # logprobs: one entry per token, top alternatives most probable first, the greedy pick on top.
+    err, res = greedy(c, PROMPTS[0], 8, logprobs=3)
+    lps = res and res.get("logprobs")
+    t.ok(err is None and lps and len(lps) == len(bin_tokens(res["tokens"]))
+         and all(len(lp["top_logprobs"]) == 3 for lp in lps),
+         "logprobs: one entry per token with 3 alternatives", (err, lps))
+    t.ok(lps and all(lp["logprob"] <= 0 for lp in lps), "logprobs are log-probabilities", lps)
+
+    # stop_token_ids end the answer at that token, finish_reason stop.
+    err, full = greedy(c, PROMPTS[2], 10)
+    ids = bin_tokens(full["tokens"])
+    stop_at = next((k for k in range(1, len(ids)) if ids[k] not in ids[:k] and ids[k] != EOS), None)
+    if stop_at is not None:
+        err, res = greedy(c, PROMPTS[2], 10, stop_token_ids=[ids[stop_at]])
+        t.ok(err is None and bin_tokens(res["tokens"]) == ids[:stop_at + 1] and res["finish_reason"] == "stop",
+             "stop_token_ids stop the answer", (err, res))
+    err, res = greedy(c, PROMPTS[2], 3)
+    t.ok(err is None and res["finish_reason"] in ("length", "stop") and res["usage"]["completion_tokens"] <= 3,
+         "max_tokens bounds the answer", res)
+
+    # Cancel mid-stream.
+    mid = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 3000, "temperature": 0.0,
+                                 "stream": True})
+    seen = 0
+    while seen < 3:
+        m = c.recv()
+        seen += m[0] == 2 and m[1] == "token"
+    cid = c.request("cancel", {"msgid": mid})
+    results = {}
+    while len(results) < 2:
+        m = c.recv()
+        if m[0] == 1:
+            results[m[1]] = m
+    t.ok(results[cid][2] is None and results[cid][3]["cancelled"] is True, "cancel answers cancelled: true",
+         results[cid])
+    r = results[mid][3]
+    t.ok(results[mid][2] is None and r["finish_reason"] == "cancelled" and 3 <= r["usage"]["completion_tokens"] < 3000,
+         "the cancelled stream ends with finish_reason cancelled", r and r["finish_reason"])
+    err, res = c.call("cancel", {"msgid": 4242})
+    t.ok(err is None and res["cancelled"] is False, "cancelling an unknown msgid answers cancelled: false", res)
+
+    # 16 concurrent clients, each answer identical to the same request alone.
+    prompts = [[BOS] + text_tokens("client %d says" % k) for k in range(16)]
+    alone = [bin_tokens(greedy(c, p, 16)[1]["tokens"]) for p in prompts]
+    together = [None] * 16
+    errors = []
+
+    def worker(k):
+        try:
+            cc = Client(d.sock_path)
+            if k % 2:
+                deltas, ids, err, res = stream(cc, {"tokens": tokens_bin(prompts[k]), "max_tokens": 16,
+                                                    "temperature": 0.0})
+                if "".join(deltas) != res["text"]:
+                    errors.append("client %d: deltas differ from text" % k)
+            else:
+                err, res = greedy(cc, prompts[k], 16)
+            if err:
+                errors.append("client %d: %r" % (k, err))
+            else:
+                together[k] = bin_tokens(res["tokens"])
+            cc.close()
+        except Exception as e:      # reported below, never swallowed
+            errors.append("client %d: %r" % (k, e))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(16)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT)
+    t.ok(not errors and together == alone, "16 concurrent clients get the answers they get alone",
+         (errors, together, alone))
+
+    # A client killed mid-stream frees its slot; the daemon stays healthy.
+    killer = subprocess.Popen([sys.executable, "-c", """
+import os, signal, sys
+sys.path.insert(0, %r)
+from dsv4d_harness import Client, tokens_bin
+c = Client(%r)
+c.request("generate", {"tokens": tokens_bin(%r), "max_tokens": 3000, "temperature": 0.0, "stream": True})
+c.recv()
+print("streaming", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+""" % (os.path.dirname(os.path.abspath(__file__)), d.sock_path, LONG_PROMPT)], stdout=subprocess.PIPE, text=True)
+    out, _ = killer.communicate(timeout=TIMEOUT)
+    t.ok(out.strip() == "streaming" and killer.returncode == -signal.SIGKILL, "a client dies mid-stream")
+    deadline = time.monotonic() + TIMEOUT
+    busy = None
+    while time.monotonic() < deadline:
+        err, st = c.call("stats")
+        busy = st["slots_busy"]
+        if busy == 0:
+            break
+        time.sleep(0.05)
+    t.eq(busy, 0, "its slot is freed")
+    t.ok("client went away" in d.log_text(), "the daemon logs that the client went away", d.log_text()[-3000:])
+    err, h = c.call("health")
+    t.ok(err is None and h["status"] == "ready", "and stays healthy", h)
+    err, res = greedy(c, PROMPTS[0], 12)
+    t.ok(err is None and bin_tokens(res["tokens"]) == bin_tokens(greedy(c, PROMPTS[0], 12)[1]["tokens"]),
+         "and keeps answering", err)
+
+    err, st = c.call("stats")
+    t.ok(err is None and st["slots_total"] == 4 and st["requests_total"] >= 40 and st["requests_cancelled"] >= 2
+         and st["generated_tokens_total"] > 0 and st["connections"] >= 1 and st["backend"] == "cpu"
+         and st["device_allocs_after_boot"] == 0 and st["uptime_s"] > 0, "stats", st)
+    c.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+# ---- limits, each with its own code ---------------------------------------------------------------------
+d = Daemon(args=["--max-context", "4096", "--max-batch", "1", "--max-queued", "1", "--max-connections", "3",
+                 "--max-requests-per-conn", "2", "--max-prompt-tokens", "16", "--max-output-buffer", "64K"],
+           endless=True)
+try:
+    t.ok(d.start(), "dsv4d with tight limits is ready", d.log_text())
+    a = Client(d.sock_path)     # the activation trigger is connection 1, a is 2
+    err, _ = greedy(a, [BOS] + [9] * 16, 2)
+    t.ok(err is not None and err["code"] == 301 and err["name"] == "prompt_too_long",
+         "a prompt above max_prompt_tokens gets prompt_too_long (301)", err)
+    err, res = greedy(a, [BOS] + [9] * 15, 2)
+    t.ok(err is None, "a prompt at max_prompt_tokens is served", err)
+
+    long = {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 4000, "temperature": 0.0, "stream": True}
+    m1 = a.request("generate", long)     # runs in the only slot
+    a.recv()
+    m2 = a.request("generate", long)     # waits in the queue
+    m3 = a.request("generate", long)     # one too many on this connection
+    err, _ = a.response(m3, on_notification=lambda m: None)
+    t.ok(err is not None and err["code"] == 402, "a third request on one connection gets too_many_requests (402)",
+         err)
+    b = Client(d.sock_path)
+    err, _ = b.call("generate", long)
+    t.ok(err is not None and err["code"] == 401, "a request past max_queued gets queue_full (401)", err)
+    extra = Client(d.sock_path)
+    t.ok(extra.closed_by_peer() and extra.notifications and extra.notifications[-1][2][0]["code"] == 400,
+         "a connection past max_connections gets too_many_connections (400) and is closed", extra.notifications)
+    extra.close()
+    for mid in (m1, m2):
+        a.request("cancel", {"msgid": mid})
+    done = set()
+    while len(done) < 2:
+        m = a.recv()
+        if m[0] == 1 and m[1] in (m1, m2):
+            done.add(m[1])
+    t.ok(True, "cancelled requests answer")
+
+    # A client that streams but never reads is dropped once max_output_buffer is queued for it.
+    b.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 4000, "temperature": 0.0,
+                           "stream": True, "logprobs": 20})
+    deadline = time.monotonic() + TIMEOUT
+    while "client does not read" not in d.log_text() and time.monotonic() < deadline and d.proc.poll() is None:
+        d.notify.poll(0.1)
+    t.ok("client does not read" in d.log_text(), "a client that does not read is disconnected", d.log_text()[-2000:])
+    err, res = greedy(a, [BOS, 13], 3)
+    t.ok(err is None, "the others are still served", err)
+    b.close()
+    a.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+t.done()
