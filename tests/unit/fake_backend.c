@@ -60,6 +60,8 @@ static int fake_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens,
     if (n < 1 || sl->pos + n > b->opts.max_context)
         return dsv4_error_set(-ENOSPC, "fake prefill: slot %d at %lld + %d tokens > max_context %d", slot,
                               (long long)sl->pos, n, b->opts.max_context);
+    if (f->fo.fail_after > 0 && f->c.tokens_in + n > f->fo.fail_after)
+        return dsv4_error_set(-EIO, "fake prefill: injected failure");
     for (int i = 0; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= f->fo.vocab)
             return dsv4_error_set(-EINVAL, "fake prefill: token %d", tokens[i]);
@@ -93,6 +95,8 @@ static int fake_decode(struct dsv4_backend *b, int n, const int *slots, const in
         if (f->slots[slots[i]].pos == 0)
             return dsv4_error_set(-EINVAL, "fake decode: slot %d has no prompt", slots[i]);
     }
+    if (f->fo.fail_after > 0 && f->c.tokens_in + n > f->fo.fail_after)
+        return dsv4_error_set(-EIO, "fake decode: injected failure");
     for (int i = 0; i < n; i++) {
         struct fake_slot *sl = &f->slots[slots[i]];
         sl->h = hash_step(sl->h, tokens[i]);

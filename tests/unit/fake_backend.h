@@ -15,6 +15,7 @@ struct fake_backend_opts {
     int eos_id;                 /* written into the fake model config */
     float eos_bias;             /* added to the EOS logit (negative: long answers) */
     float spread;               /* logits are spread * (uniform - 0.5); larger: peakier rows */
+    int64_t fail_after;         /* > 0: a call that would take tokens_in past this fails with -EIO */
 };
 
 int fake_backend_create(const struct fake_backend_opts *fo, const struct dsv4_backend_opts *opts,

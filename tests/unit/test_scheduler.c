@@ -60,8 +60,8 @@ void *__wrap_realloc(void *p, size_t n)
 #define OUT_MAX 512
 #define TEXT_MAX 4096
 
-static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f };  /* EOS never wins */
-static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f };      /* EOS like any */
+static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0 };  /* EOS never wins */
+static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0 };      /* EOS like any */
 
 struct outcome {
     bool finished;
@@ -561,7 +561,7 @@ static void test_limits(void **state)
 /* EOS and stop_token_ids end a request with STOP; the token counts, its text does not. */
 static void test_stop_tokens(void **state)
 {
-    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f };
+    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0 };
     struct env e;
     env_open(&e, &eos_first, 1, 64, 64, 4);
     int32_t prompt[6] = { 5, 6, 7, 8, 9, 10 };
@@ -881,7 +881,7 @@ static void test_tokenizer_text(void **state)
     if (r < 0)
         fail_msg("tokenizer: %s", dsv4_error_message());
 
-    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f };
+    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0 };
     struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = 256 };
     struct dsv4_backend *b;
     assert_int_equal(fake_backend_create(&fo, &bo, &b), 0);
@@ -922,6 +922,40 @@ static void test_tokenizer_text(void **state)
     dsv4_sched_destroy(s);
     dsv4_backend_destroy(b);
     dsv4_tokenizer_free(tok);
+}
+
+/* A backend failure ends the requests it hit with ERROR and a message; their slots come back and
+ * the next requests run (here the failure is injected once 30 tokens went in). */
+static void test_backend_error(void **state)
+{
+    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30 };
+    struct env e;
+    env_open(&e, &failing, 2, 128, 64, 8);
+    int32_t prompt[10] = { 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
+    static struct outcome o[3];
+    for (int i = 0; i < 2; i++) {
+        struct dsv4_sched_request rq = make_request(prompt, 10, 40, i);
+        submit(&e, &rq, &o[i]);
+    }
+    run_all(&e, o, 2);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(o[i].res.finish, DSV4_FINISH_ERROR);
+        assert_int_equal(o[i].res.error, -EIO);
+        assert_non_null(strstr(o[i].res.error_message, "decode"));
+        assert_true(o[i].res.n_tokens >= 1);
+    }
+    /* a prompt that cannot even be prefilled */
+    struct dsv4_sched_request rq = make_request(prompt, 10, 40, 0);
+    submit(&e, &rq, &o[2]);
+    run_all(&e, &o[2], 1);
+    assert_int_equal(o[2].res.finish, DSV4_FINISH_ERROR);
+    assert_non_null(strstr(o[2].res.error_message, "prefill"));
+    assert_int_equal(o[2].res.n_tokens, 0);
+    struct dsv4_sched_stats stt;
+    dsv4_sched_get_stats(e.s, &stt);
+    assert_int_equal(stt.slots_in_use, 0);
+    assert_int_equal(stt.finished[DSV4_FINISH_ERROR], 3);
+    env_close(&e);
 }
 
 /* The engine thread runs dsv4_sched_run(); this thread submits, waits on the eventfd, cancels. */
@@ -1007,6 +1041,7 @@ int main(void)
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_random_workload),
         cmocka_unit_test(test_reported_seed),
+        cmocka_unit_test(test_backend_error),
         cmocka_unit_test(test_tokenizer_text),
         cmocka_unit_test(test_engine_thread),
     };
