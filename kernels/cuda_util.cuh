@@ -136,4 +136,43 @@ static __device__ __forceinline__ float dsv4_dot_fp4(const uint4 &w, const float
     return acc;
 }
 
+/* Weight formats as kernel template tags: values per 16-byte load and the dequantizing dot. */
+struct wf_f32 { static constexpr int vals = 4; };
+struct wf_bf16 { static constexpr int vals = 8; };
+struct wf_fp8 { static constexpr int vals = 16; };
+struct wf_fp4 { static constexpr int vals = 32; };
+
+template <typename WF> struct wdot;
+template <> struct wdot<wf_f32> {
+    static __device__ __forceinline__ float dot(const uint4 &w, const float *x) { return dsv4_dot_f32(w, x); }
+};
+template <> struct wdot<wf_bf16> {
+    static __device__ __forceinline__ float dot(const uint4 &w, const float *x) { return dsv4_dot_bf16(w, x); }
+};
+template <> struct wdot<wf_fp8> {
+    static __device__ __forceinline__ float dot(const uint4 &w, const float *x) { return dsv4_dot_fp8(w, x); }
+};
+template <> struct wdot<wf_fp4> {
+    static __device__ __forceinline__ float dot(const uint4 &w, const float *x) { return dsv4_dot_fp4(w, x); }
+};
+
+/* Scale of the 16 weight bytes at (row, k): FP8 one per 128x128 block, FP4 one per 1x32. */
+template <typename WF>
+static __device__ __forceinline__ float wscale(const struct dsv4_cuda_linear &W, int64_t row, int64_t k)
+{
+    if constexpr (WF::vals == wf_fp8::vals)
+        return dsv4_ue8m0(W.scale[(row / DSV4_CUDA_FP8_BLOCK) * W.scale_stride + k / DSV4_CUDA_FP8_BLOCK]);
+    else if constexpr (WF::vals == wf_fp4::vals)
+        return dsv4_ue8m0(W.scale[row * W.scale_stride + k / DSV4_CUDA_FP4_BLOCK]);
+    else
+        return 1.0f;
+}
+
+/* Bytes of one weight row stored contiguously: FP4 packs two values a byte. */
+template <typename WF>
+static __device__ __forceinline__ int64_t wrow_bytes(int64_t row_stride)
+{
+    return WF::vals == wf_fp4::vals ? row_stride / 2 : row_stride * (16 / WF::vals);
+}
+
 #endif

@@ -37,6 +37,7 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_GEMV_FP8: return "gemv_fp8_b128_warprow";
     case DSV4_CUDA_V_GEMV_FP4: return "gemv_fp4_b32_warprow";
     case DSV4_CUDA_V_EXPERTS_FP4: return "experts_fp4_grouped_swiglu";
+    case DSV4_CUDA_V_EXPERTS_OTHER: return "experts_grouped_swiglu_f32_bf16_fp8";
     case DSV4_CUDA_V_COUNT: break;
     }
     return "?";
@@ -226,20 +227,24 @@ static int size_vector(struct walker *wk, const void *host, size_t bytes)
     return 0;
 }
 
-static bool experts_fp4(const struct dsv4_config *c, const struct dsv4_ffn *f)
+/* The routed experts go into one table when all 3E linears share a format the kernel has. */
+static bool experts_uniform(const struct dsv4_config *c, const struct dsv4_ffn *f)
 {
-    if (!f->w1 || !f->w2 || !f->w3)
+    if (!f->w1 || !f->w2 || !f->w3 || c->n_experts < 1)
+        return false;
+    const enum dsv4_wfmt fmt = f->w1[0].fmt;
+    if (fmt == DSV4_W_F16)
         return false;
     for (int e = 0; e < c->n_experts; e++)
-        if (f->w1[e].fmt != DSV4_W_FP4 || f->w3[e].fmt != DSV4_W_FP4 || f->w2[e].fmt != DSV4_W_FP4)
+        if (f->w1[e].fmt != fmt || f->w3[e].fmt != fmt || f->w2[e].fmt != fmt || !linear_present(&f->w1[e]))
             return false;
-    return c->n_experts > 0;
+    return true;
 }
 
 static int size_experts(struct walker *wk, int layer, const struct dsv4_ffn *f)
 {
-    if (experts_fp4(wk->cfg, f))
-        wk->bytes += align_up(sizeof(struct dsv4_cuda_expert_ptrs) * wk->cfg->n_experts);
+    if (experts_uniform(wk->cfg, f))
+        wk->bytes += align_up(sizeof(struct dsv4_cuda_expert) * wk->cfg->n_experts);
     return 0;
 }
 
@@ -302,13 +307,13 @@ static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f
 {
     struct dsv4_cuda_dev *dev = wk->dev;
     const struct dsv4_config *c = wk->cfg;
-    struct dsv4_cuda_expert_ptrs *tab;
+    struct dsv4_cuda_expert *tab;
     struct dsv4_cuda_experts *ex = &dev->experts[layer];
     void *d_tab = NULL;
 
-    if (!experts_fp4(c, f))
+    if (!experts_uniform(c, f))
         return 0;
-    tab = static_cast<struct dsv4_cuda_expert_ptrs *>(calloc(c->n_experts, sizeof(*tab)));
+    tab = static_cast<struct dsv4_cuda_expert *>(calloc(c->n_experts, sizeof(*tab)));
     if (!tab)
         return dsv4_error_set(-ENOMEM, "cuda: expert table of layer %d", layer);
     /* walk_layer uploads w1, w3, w2 of each expert in order just before calling here */
@@ -319,8 +324,7 @@ static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f
             free(tab);
             return dsv4_error_set(-ENOENT, "cuda: layer %d expert %d was not uploaded", layer, e);
         }
-        tab[e] = { static_cast<const uint8_t *>(d1->lin.w), d1->lin.scale, static_cast<const uint8_t *>(d3->lin.w),
-                   d3->lin.scale, static_cast<const uint8_t *>(d2->lin.w), d2->lin.scale };
+        tab[e] = { d1->lin, d3->lin, d2->lin };
     }
     int rc = carve(dev, sizeof(*tab) * c->n_experts, &d_tab);
     if (rc == 0 && cudaMemcpy(d_tab, tab, sizeof(*tab) * c->n_experts, cudaMemcpyHostToDevice) != cudaSuccess)
@@ -330,9 +334,11 @@ static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f
         return rc;
     ex->n_experts = c->n_experts;
     ex->dim = c->dim;
-    ex->inter = c->moe_inter;
+    ex->inter = (int)f->w1[0].out;
     ex->swiglu_limit = (float)c->swiglu_limit;
-    ex->d_table = static_cast<const struct dsv4_cuda_expert_ptrs *>(d_tab);
+    ex->fmt = f->w1[0].fmt;
+    ex->quant_act = false;
+    ex->d_table = static_cast<const struct dsv4_cuda_expert *>(d_tab);
     return 0;
 }
 
@@ -582,7 +588,7 @@ extern "C" const void *dsv4_cuda_dev_vector(const struct dsv4_cuda_dev *dev, con
 extern "C" int dsv4_cuda_dev_experts(const struct dsv4_cuda_dev *dev, int layer, struct dsv4_cuda_experts *ret)
 {
     if (layer < 0 || layer >= dev->n_layers || !dev->experts[layer].d_table)
-        return dsv4_error_set(-ENOENT, "cuda: layer %d has no FP4 routed experts on the device", layer);
+        return dsv4_error_set(-ENOENT, "cuda: layer %d has no routed expert table on the device", layer);
     *ret = dev->experts[layer];
     return 0;
 }

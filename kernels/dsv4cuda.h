@@ -5,6 +5,7 @@
 #ifndef DSV4_KERNELS_DSV4CUDA_H
 #define DSV4_KERNELS_DSV4CUDA_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,16 +32,18 @@ struct dsv4_cuda_linear {
     int64_t scale_stride;       /* bytes between scale rows */
 };
 
-/* One layer's routed experts on the device: a table of E entries, each the six device pointers of
- * one expert's FP4 w1/w3 [I, D] and w2 [D, I] with their 1x32 UE8M0 scales. */
-struct dsv4_cuda_expert_ptrs {
-    const uint8_t *w1, *s1, *w3, *s3, *w2, *s2;
+/* One layer's routed experts on the device: a table of E entries of three linears, w1/w3 [I, D]
+ * and w2 [D, I], all in one format (FP4 in the release; F32/BF16/FP8 in other checkpoints). */
+struct dsv4_cuda_expert {
+    struct dsv4_cuda_linear w1, w3, w2;
 };
 
 struct dsv4_cuda_experts {
     int n_experts, dim, inter;  /* E, D, I */
     float swiglu_limit;         /* 0 = no clamp */
-    const struct dsv4_cuda_expert_ptrs *d_table;    /* [E], in device memory */
+    enum dsv4_wfmt fmt;         /* of every expert linear */
+    bool quant_act;             /* round the SwiGLU output through e4m3 1x128 before w2 (fp8 numerics, quantized fmt) */
+    const struct dsv4_cuda_expert *d_table;     /* [E], in device memory */
 };
 
 /* Scratch the expert launcher needs, carved from the arena for up to max_pairs = batch * topk. */
@@ -59,6 +62,7 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_GEMV_FP8,
     DSV4_CUDA_V_GEMV_FP4,
     DSV4_CUDA_V_EXPERTS_FP4,
+    DSV4_CUDA_V_EXPERTS_OTHER,      /* F32/BF16/FP8 experts (small test models) */
     DSV4_CUDA_V_COUNT,
 };
 const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v);
@@ -104,7 +108,8 @@ void *dsv4_cuda_dev_stream(const struct dsv4_cuda_dev *dev);
 /* Device copy of a small host vector of the weights (norm weights, biases, hc base/scale, sinks,
  * ape, tid2eid), found by its host address; NULL if it was not uploaded. */
 const void *dsv4_cuda_dev_vector(const struct dsv4_cuda_dev *dev, const void *host);
-/* Layer's routed experts when they are FP4 (the release format); -ENOENT otherwise. */
+/* Layer's routed experts (one format for all; quant_act false: the caller sets it per numerics);
+ * -ENOENT when they are absent or mixed. */
 int dsv4_cuda_dev_experts(const struct dsv4_cuda_dev *dev, int layer, struct dsv4_cuda_experts *ret);
 /* One line per op: the variant chosen at boot (also written to the boot log). */
 const char *dsv4_cuda_dev_variants(const struct dsv4_cuda_dev *dev);
@@ -134,8 +139,8 @@ int dsv4_cuda_router(const float *d_logits, int batch, int n_experts, int topk, 
                      int32_t *d_idx, float *d_w, void *stream);
 
 /* Routed experts: d_y[b] = sum_j w[b,j] expert_{idx[b,j]}(x_b), expert(x) = w2(silu(min(w1 x, L)) *
- * clamp(w3 x, -L, L)), grouped by expert over the batch. d_x [batch, D] must be FP8-rounded; the
- * SwiGLU output is FP8-rounded (1x128) before w2, as the official code does. */
+ * clamp(w3 x, -L, L)), grouped by expert over the batch. With ex->quant_act, d_x [batch, D] must be
+ * FP8-rounded and the SwiGLU output is FP8-rounded (1x128) before w2, as the official code does. */
 int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,
                           const int32_t *d_idx, const float *d_w, const struct dsv4_cuda_moe_ws *ws,
                           float *d_y, void *stream);

@@ -5,7 +5,7 @@
  * Experts run in five launches with grids fixed by batch and topk only (graph-capturable):
  *   group    one thread sorts the batch*topk (token, expert) pairs by expert, stable by pair;
  *   gate_up  block (group, 8 rows of I): warps read w1 and w3 rows once per 8 tokens of the group;
- *   quant    the SwiGLU output goes through the 1x128 e4m3 activation quantizer;
+ *   quant    (fp8 numerics) the SwiGLU output goes through the 1x128 e4m3 activation quantizer;
  *   down     block (group, 8 rows of D) over w2;
  *   combine  y[b] = sum_j w[b,j] out[b*topk+j] in j order, so a row's result never depends on the
  *            rest of the batch. */
@@ -134,33 +134,36 @@ __global__ void moe_group_kernel(const int32_t *__restrict__ idx, int pairs, int
             list[pos[idx[p]]++] = p;
 }
 
-/* One FP4 row [K] of an expert against up to MOE_NB activation rows: lane covers 32 values a step. */
-template <int NW>
-static __device__ __forceinline__ void fp4_rows_dot(const uint8_t *const (&wrow)[NW],
-                                                    const uint8_t *const (&srow)[NW], int64_t K,
-                                                    const float *const (&xr)[MOE_NB], int nt,
-                                                    float (&acc)[NW][MOE_NB])
+/* NW weight rows [K] (one format) against up to MOE_NB activation rows: a lane covers 16 weight
+ * bytes a step; acc[r][t] ends warp-reduced in every lane. */
+template <typename WF, int NW>
+static __device__ __forceinline__ void rows_dot(const struct dsv4_cuda_linear *const (&W)[NW], int64_t row,
+                                                const float *const (&xr)[MOE_NB], int nt, float (&acc)[NW][MOE_NB])
 {
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
+    const uint8_t *wrow[NW];
 #pragma unroll
-    for (int r = 0; r < NW; r++)
+    for (int r = 0; r < NW; r++) {
+        wrow[r] = static_cast<const uint8_t *>(W[r]->w) + row * wrow_bytes<WF>(W[r]->row_stride);
 #pragma unroll
         for (int t = 0; t < MOE_NB; t++)
             acc[r][t] = 0.0f;
-    for (int64_t k = (int64_t)lane * 32; k < K; k += DSV4_CUDA_WARP * 32) {
+    }
+    const int64_t K = W[0]->in;
+    for (int64_t k = (int64_t)lane * WF::vals; k < K; k += (int64_t)DSV4_CUDA_WARP * WF::vals) {
         uint4 wv[NW];
         float s[NW];
 #pragma unroll
         for (int r = 0; r < NW; r++) {
-            wv[r] = __ldg(reinterpret_cast<const uint4 *>(wrow[r] + k / 2));
-            s[r] = dsv4_ue8m0(srow[r][k / DSV4_CUDA_FP4_BLOCK]);
+            wv[r] = __ldg(reinterpret_cast<const uint4 *>(wrow[r] + k / WF::vals * 16));
+            s[r] = wscale<WF>(*W[r], row, k);
         }
 #pragma unroll
         for (int t = 0; t < MOE_NB; t++)
             if (t < nt)
 #pragma unroll
                 for (int r = 0; r < NW; r++)
-                    acc[r][t] += s[r] * dsv4_dot_fp4(wv[r], xr[t] + k);
+                    acc[r][t] += s[r] * wdot<WF>::dot(wv[r], xr[t] + k);
     }
 #pragma unroll
     for (int r = 0; r < NW; r++)
@@ -170,6 +173,7 @@ static __device__ __forceinline__ void fp4_rows_dot(const uint8_t *const (&wrow)
 }
 
 /* grid (pairs, ceil(I / MOE_ROWS)): h[pair, i] = swiglu(w1_e[i] . x_tok, w3_e[i] . x_tok). */
+template <typename WF>
 __global__ void __launch_bounds__(MOE_ROWS * DSV4_CUDA_WARP)
 moe_gate_up_kernel(const struct dsv4_cuda_experts ex, const float *__restrict__ x, int topk, int pairs,
                    const int32_t *__restrict__ groups, float *__restrict__ h)
@@ -178,12 +182,10 @@ moe_gate_up_kernel(const struct dsv4_cuda_experts ex, const float *__restrict__ 
     const int64_t i = (int64_t)blockIdx.y * MOE_ROWS + threadIdx.x / DSV4_CUDA_WARP;
     if (g >= groups[0] || i >= ex.inter)
         return;
-    const struct dsv4_cuda_expert_ptrs p = ex.d_table[groups[1 + g]];
+    const struct dsv4_cuda_expert *e = &ex.d_table[groups[1 + g]];
     const int beg = groups[1 + pairs + g], end = groups[2 + pairs + g];
     const int32_t *list = groups + 2 + 2 * pairs;
-    const uint8_t *const wrow[2] = { p.w1 + i * (ex.dim / 2), p.w3 + i * (ex.dim / 2) };
-    const uint8_t *const srow[2] = { p.s1 + i * (ex.dim / DSV4_CUDA_FP4_BLOCK),
-                                     p.s3 + i * (ex.dim / DSV4_CUDA_FP4_BLOCK) };
+    const struct dsv4_cuda_linear *const W[2] = { &e->w1, &e->w3 };
 
     for (int t0 = beg; t0 < end; t0 += MOE_NB) {
         const int nt = min(MOE_NB, end - t0);
@@ -192,7 +194,7 @@ moe_gate_up_kernel(const struct dsv4_cuda_experts ex, const float *__restrict__ 
 #pragma unroll
         for (int t = 0; t < MOE_NB; t++)
             xr[t] = x + (int64_t)(list[t0 + min(t, nt - 1)] / topk) * ex.dim;
-        fp4_rows_dot<2>(wrow, srow, ex.dim, xr, nt, acc);
+        rows_dot<WF, 2>(W, i, xr, nt, acc);
 #pragma unroll
         for (int t = 0; t < MOE_NB; t++)
             if (lane == 0 && t < nt)
@@ -201,6 +203,7 @@ moe_gate_up_kernel(const struct dsv4_cuda_experts ex, const float *__restrict__ 
 }
 
 /* grid (pairs, ceil(D / MOE_ROWS)): out[pair, d] = w2_e[d] . h[pair]. */
+template <typename WF>
 __global__ void __launch_bounds__(MOE_ROWS * DSV4_CUDA_WARP)
 moe_down_kernel(const struct dsv4_cuda_experts ex, const float *__restrict__ h, int pairs,
                 const int32_t *__restrict__ groups, float *__restrict__ out)
@@ -209,11 +212,10 @@ moe_down_kernel(const struct dsv4_cuda_experts ex, const float *__restrict__ h, 
     const int64_t d = (int64_t)blockIdx.y * MOE_ROWS + threadIdx.x / DSV4_CUDA_WARP;
     if (g >= groups[0] || d >= ex.dim)
         return;
-    const struct dsv4_cuda_expert_ptrs p = ex.d_table[groups[1 + g]];
+    const struct dsv4_cuda_expert *e = &ex.d_table[groups[1 + g]];
     const int beg = groups[1 + pairs + g], end = groups[2 + pairs + g];
     const int32_t *list = groups + 2 + 2 * pairs;
-    const uint8_t *const wrow[1] = { p.w2 + d * (ex.inter / 2) };
-    const uint8_t *const srow[1] = { p.s2 + d * (ex.inter / DSV4_CUDA_FP4_BLOCK) };
+    const struct dsv4_cuda_linear *const W[1] = { &e->w2 };
 
     for (int t0 = beg; t0 < end; t0 += MOE_NB) {
         const int nt = min(MOE_NB, end - t0);
@@ -222,12 +224,30 @@ moe_down_kernel(const struct dsv4_cuda_experts ex, const float *__restrict__ h, 
 #pragma unroll
         for (int t = 0; t < MOE_NB; t++)
             hr[t] = h + (int64_t)list[t0 + min(t, nt - 1)] * ex.inter;
-        fp4_rows_dot<1>(wrow, srow, ex.inter, hr, nt, acc);
+        rows_dot<WF, 1>(W, d, hr, nt, acc);
 #pragma unroll
         for (int t = 0; t < MOE_NB; t++)
             if (lane == 0 && t < nt)
                 out[(int64_t)list[t0 + t] * ex.dim + d] = acc[0][t];
     }
+}
+
+template <typename WF>
+static int launch_experts(const struct dsv4_cuda_experts *ex, const float *d_x, int topk, int pairs,
+                          const struct dsv4_cuda_moe_ws *ws, cudaStream_t s, void *stream)
+{
+    moe_gate_up_kernel<WF><<<dim3(pairs, (ex->inter + MOE_ROWS - 1) / MOE_ROWS), MOE_ROWS * DSV4_CUDA_WARP, 0, s>>>(
+        *ex, d_x, topk, pairs, ws->d_groups, ws->d_h);
+    DSV4_CUDA_LAUNCHED("moe_gate_up");
+    if (ex->quant_act) {
+        int rc = dsv4_cuda_fp8_roundtrip(ws->d_h, pairs, ex->inter, DSV4_CUDA_ACT_BLOCK, ws->d_h, stream);
+        if (rc < 0)
+            return rc;
+    }
+    moe_down_kernel<WF><<<dim3(pairs, (ex->dim + MOE_ROWS - 1) / MOE_ROWS), MOE_ROWS * DSV4_CUDA_WARP, 0, s>>>(
+        *ex, ws->d_h, pairs, ws->d_groups, ws->d_out);
+    DSV4_CUDA_LAUNCHED("moe_down");
+    return 0;
 }
 
 __global__ void moe_combine_kernel(const float *__restrict__ out, const int32_t *__restrict__ idx,
@@ -260,23 +280,35 @@ extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const f
         return dsv4_error_set(-EINVAL, "moe_experts: batch %d (max %d), top-%d (max %d)", batch,
                               DSV4_CUDA_MAX_BATCH, topk, DSV4_MAX_TOPK);
     if (ex->n_experts < 1 || ex->n_experts > MOE_MAX_EXPERTS || ex->dim % DSV4_CUDA_FP4_BLOCK ||
-        ex->inter % DSV4_CUDA_ACT_BLOCK)
-        return dsv4_error_set(-EINVAL, "moe_experts: %d experts (max %d), dim %d must be a multiple of %d "
-                              "and inter %d of %d", ex->n_experts, MOE_MAX_EXPERTS, ex->dim, DSV4_CUDA_FP4_BLOCK,
-                              ex->inter, DSV4_CUDA_ACT_BLOCK);
-    dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_FP4);
+        ex->inter % DSV4_CUDA_FP4_BLOCK || (ex->quant_act && ex->inter % DSV4_CUDA_ACT_BLOCK))
+        return dsv4_error_set(-EINVAL, "moe_experts: %d experts (max %d), dim %d and inter %d must be multiples "
+                              "of %d (inter of %d with activation quantization)", ex->n_experts, MOE_MAX_EXPERTS,
+                              ex->dim, ex->inter, DSV4_CUDA_FP4_BLOCK, DSV4_CUDA_ACT_BLOCK);
     moe_group_kernel<<<1, DSV4_CUDA_WARP, ex->n_experts * sizeof(int32_t), s>>>(d_idx, pairs, ex->n_experts,
                                                                                  ws->d_groups);
     DSV4_CUDA_LAUNCHED("moe_group");
-    moe_gate_up_kernel<<<dim3(pairs, (ex->inter + MOE_ROWS - 1) / MOE_ROWS), MOE_ROWS * DSV4_CUDA_WARP, 0, s>>>(
-        *ex, d_x, topk, pairs, ws->d_groups, ws->d_h);
-    DSV4_CUDA_LAUNCHED("moe_gate_up");
-    rc = dsv4_cuda_fp8_roundtrip(ws->d_h, pairs, ex->inter, DSV4_CUDA_ACT_BLOCK, ws->d_h, stream);
+    switch (ex->fmt) {
+    case DSV4_W_FP4:
+        dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_FP4);
+        rc = launch_experts<wf_fp4>(ex, d_x, topk, pairs, ws, s, stream);
+        break;
+    case DSV4_W_FP8:
+        dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_OTHER);
+        rc = launch_experts<wf_fp8>(ex, d_x, topk, pairs, ws, s, stream);
+        break;
+    case DSV4_W_BF16:
+        dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_OTHER);
+        rc = launch_experts<wf_bf16>(ex, d_x, topk, pairs, ws, s, stream);
+        break;
+    case DSV4_W_F32:
+        dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_OTHER);
+        rc = launch_experts<wf_f32>(ex, d_x, topk, pairs, ws, s, stream);
+        break;
+    default:
+        return dsv4_error_set(-ENOTSUP, "moe_experts: expert weight format %d has no CUDA kernel", (int)ex->fmt);
+    }
     if (rc < 0)
         return rc;
-    moe_down_kernel<<<dim3(pairs, (ex->dim + MOE_ROWS - 1) / MOE_ROWS), MOE_ROWS * DSV4_CUDA_WARP, 0, s>>>(
-        *ex, ws->d_h, pairs, ws->d_groups, ws->d_out);
-    DSV4_CUDA_LAUNCHED("moe_down");
     moe_combine_kernel<<<(unsigned)(((int64_t)batch * ex->dim + threads - 1) / threads), threads, 0, s>>>(
         ws->d_out, d_idx, d_w, batch, topk, ex->n_experts, ex->dim, d_y);
     DSV4_CUDA_LAUNCHED("moe_combine");

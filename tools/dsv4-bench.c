@@ -294,7 +294,7 @@ int main(int argc, char **argv)
     int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20;
     const int topk = 6, E = 256, D = 4096, I = 2048;
     struct job j;
-    struct dsv4_cuda_expert_ptrs *tab;
+    struct dsv4_cuda_expert *tab;
     float *x, *y, *w, *a1, *a2, *a3;
     int32_t *idx;
 
@@ -358,22 +358,25 @@ int main(int argc, char **argv)
         tab = malloc(sizeof(*tab) * E);
         for (int e = 0; e < E; e++) {
             uint8_t *p = blob + per * e;
-            tab[e] = (struct dsv4_cuda_expert_ptrs){ p, p + w13, p + w13 + s13, p + 2 * w13 + s13,
-                                                     p + 2 * (w13 + s13), p + 2 * (w13 + s13) + w2b };
+            tab[e].w1 = (struct dsv4_cuda_linear){ DSV4_W_FP4, I, D, D, p, p + w13, D / 32 };
+            tab[e].w3 = (struct dsv4_cuda_linear){ DSV4_W_FP4, I, D, D, p + w13 + s13, p + 2 * w13 + s13, D / 32 };
+            tab[e].w2 = (struct dsv4_cuda_linear){ DSV4_W_FP4, D, I, I, p + 2 * (w13 + s13), p + 2 * (w13 + s13) + w2b,
+                                                   I / 32 };
         }
         /* scales of every expert set to plausible exponents */
         for (int e = 0; e < E; e++) {
             uint8_t *sc = malloc(s13 > s2b ? s13 : s2b);
             for (size_t i = 0; i < (s13 > s2b ? s13 : s2b); i++)
                 sc[i] = (uint8_t)(0x7a + next_u64() % 4);
-            TRY(cudaMemcpy((void *)tab[e].s1, sc, s13, cudaMemcpyHostToDevice));
-            TRY(cudaMemcpy((void *)tab[e].s3, sc, s13, cudaMemcpyHostToDevice));
-            TRY(cudaMemcpy((void *)tab[e].s2, sc, s2b, cudaMemcpyHostToDevice));
+            TRY(cudaMemcpy((void *)tab[e].w1.scale, sc, s13, cudaMemcpyHostToDevice));
+            TRY(cudaMemcpy((void *)tab[e].w3.scale, sc, s13, cudaMemcpyHostToDevice));
+            TRY(cudaMemcpy((void *)tab[e].w2.scale, sc, s2b, cudaMemcpyHostToDevice));
             free(sc);
         }
         memset(&j, 0, sizeof(j));
         j.n_ex = 1;
-        j.ex[0] = (struct dsv4_cuda_experts){ .n_experts = E, .dim = D, .inter = I, .swiglu_limit = 10.0f };
+        j.ex[0] = (struct dsv4_cuda_experts){ .n_experts = E, .dim = D, .inter = I, .swiglu_limit = 10.0f,
+                                              .fmt = DSV4_W_FP4, .quant_act = true };
         TRY(cudaMalloc((void **)&j.ex[0].d_table, sizeof(*tab) * E));
         TRY(cudaMemcpy((void *)j.ex[0].d_table, tab, sizeof(*tab) * E, cudaMemcpyHostToDevice));
         TRY(cudaMalloc((void **)&j.ws.d_groups, sizeof(int32_t) * (3 * DSV4_CUDA_MAX_BATCH * 6 + 2)));

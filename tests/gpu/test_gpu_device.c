@@ -187,6 +187,8 @@ static void test_boot_and_experts(void **state)
     /* the uploaded expert table drives the expert kernel; workspace carved from the arena */
     DSV4_OK(dsv4_cuda_dev_experts(dev, 1, &ex));
     assert_int_equal(ex.n_experts, E);
+    assert_int_equal(ex.fmt, DSV4_W_FP4);
+    ex.quant_act = true;        /* fp8 numerics */
     DSV4_OK(dsv4_cuda_dev_carve(dev, (3 * BATCH * TOPK + 2) * sizeof(int32_t), &p));
     ws.d_groups = p;
     DSV4_OK(dsv4_cuda_dev_carve(dev, BATCH * TOPK * INTER * sizeof(float), &p));

@@ -73,13 +73,14 @@ static void check_experts(const char *label, int E, int D, int I, int topk, int 
 {
     const size_t w13 = (size_t)I * D / 2, s13 = (size_t)I * (D / 32), w2b = (size_t)D * I / 2, s2b = (size_t)D * (I / 32);
     struct dsv4_linear *h1 = calloc(E, sizeof(*h1)), *h3 = calloc(E, sizeof(*h3)), *h2 = calloc(E, sizeof(*h2));
-    struct dsv4_cuda_expert_ptrs *tab = calloc(E, sizeof(*tab));
+    struct dsv4_cuda_expert *tab = calloc(E, sizeof(*tab));
     uint8_t **bufs = calloc((size_t)E * 6, sizeof(*bufs));
     float *x = malloc((size_t)batch * D * sizeof(float)), *logits = malloc((size_t)E * sizeof(float));
     int32_t *idx = malloc((size_t)batch * topk * sizeof(int32_t));
     float *wts = malloc((size_t)batch * topk * sizeof(float)), *ref = calloc((size_t)batch * D, sizeof(float));
     float *eo = malloc((size_t)D * sizeof(float)), *out;
-    struct dsv4_cuda_experts ex = { .n_experts = E, .dim = D, .inter = I, .swiglu_limit = 10.0f };
+    struct dsv4_cuda_experts ex = { .n_experts = E, .dim = D, .inter = I, .swiglu_limit = 10.0f, .fmt = DSV4_W_FP4,
+                                    .quant_act = true };
     struct dsv4_cuda_moe_ws ws;
     float *dx, *dw, *dy;
     int32_t *didx;
@@ -97,9 +98,12 @@ static void check_experts(const char *label, int E, int D, int I, int topk, int 
         h1[e] = (struct dsv4_linear){ DSV4_W_FP4, I, D, D, bufs[e * 6], bufs[e * 6 + 1], D / 32, "w1" };
         h3[e] = (struct dsv4_linear){ DSV4_W_FP4, I, D, D, bufs[e * 6 + 2], bufs[e * 6 + 3], D / 32, "w3" };
         h2[e] = (struct dsv4_linear){ DSV4_W_FP4, D, I, I, bufs[e * 6 + 4], bufs[e * 6 + 5], I / 32, "w2" };
-        tab[e] = (struct dsv4_cuda_expert_ptrs){ gt_dev_copy(bufs[e * 6], w13), gt_dev_copy(bufs[e * 6 + 1], s13),
-                                                 gt_dev_copy(bufs[e * 6 + 2], w13), gt_dev_copy(bufs[e * 6 + 3], s13),
-                                                 gt_dev_copy(bufs[e * 6 + 4], w2b), gt_dev_copy(bufs[e * 6 + 5], s2b) };
+        tab[e].w1 = (struct dsv4_cuda_linear){ DSV4_W_FP4, I, D, D, gt_dev_copy(bufs[e * 6], w13),
+                                               gt_dev_copy(bufs[e * 6 + 1], s13), D / 32 };
+        tab[e].w3 = (struct dsv4_cuda_linear){ DSV4_W_FP4, I, D, D, gt_dev_copy(bufs[e * 6 + 2], w13),
+                                               gt_dev_copy(bufs[e * 6 + 3], s13), D / 32 };
+        tab[e].w2 = (struct dsv4_cuda_linear){ DSV4_W_FP4, D, I, I, gt_dev_copy(bufs[e * 6 + 4], w2b),
+                                               gt_dev_copy(bufs[e * 6 + 5], s2b), I / 32 };
     }
     ex.d_table = gt_dev_copy(tab, (size_t)E * sizeof(*tab));
     gt_fill_normal(x, (size_t)batch * D, 1.0f);
@@ -127,8 +131,8 @@ static void check_experts(const char *label, int E, int D, int I, int topk, int 
     ASSERT_REL(what, out, ref, (size_t)batch * D, EXPERT_BOUND);
 
     for (int e = 0; e < E; e++) {
-        cudaFree((void *)tab[e].w1); cudaFree((void *)tab[e].s1); cudaFree((void *)tab[e].w3);
-        cudaFree((void *)tab[e].s3); cudaFree((void *)tab[e].w2); cudaFree((void *)tab[e].s2);
+        cudaFree((void *)tab[e].w1.w); cudaFree((void *)tab[e].w1.scale); cudaFree((void *)tab[e].w3.w);
+        cudaFree((void *)tab[e].w3.scale); cudaFree((void *)tab[e].w2.w); cudaFree((void *)tab[e].w2.scale);
         for (int j = 0; j < 6; j++)
             free(bufs[e * 6 + j]);
     }
