@@ -14,3 +14,9 @@ bin_PROGRAMS += dsv4ctl
 dsv4ctl_SOURCES = client/dsv4ctl.c
 dsv4ctl_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
 dsv4ctl_LDADD = libdsv4client.la $(JANSSON_LIBS) -lm
+
+check_PROGRAMS += tests/unit/test_client
+TESTS += tests/unit/test_client
+tests_unit_test_client_SOURCES = tests/unit/test_client.c
+tests_unit_test_client_CFLAGS = $(AM_CFLAGS) $(CMOCKA_CFLAGS) $(PROTOCOL_CFLAGS)
+tests_unit_test_client_LDADD = libdsv4client.la $(PROTOCOL_LIBS) $(CMOCKA_LIBS)
