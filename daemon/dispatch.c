@@ -143,7 +143,7 @@ static int build_prompt(struct dsv4_server *s, enum dsv4_proto_prompt_kind kind,
         struct dsv4_chat_message *msgs;
         struct dsv4_chat_options opts = {
             .mode = thinking ? DSV4_CHAT_MODE_THINKING : DSV4_CHAT_MODE_CHAT,
-            .content_flags = DSV4_TOK_ENCODE_SPECIAL_AS_TEXT,
+            .content_flags = DSV4_TOK_ENCODE_ADDED_AS_TEXT,
         };
         if (!s->has_chat)
             return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE,

@@ -4,9 +4,15 @@
 DSV4D_INTEGRATION_TESTS = \
 	tests/integration/test_dsv4d_lifecycle.py \
 	tests/integration/test_dsv4d_protocol.py \
-	tests/integration/test_dsv4d_hostile.py
+	tests/integration/test_dsv4d_hostile.py \
+	tests/integration/test_dsv4d_client.py
 TESTS += $(DSV4D_INTEGRATION_TESTS)
 EXTRA_DIST += $(DSV4D_INTEGRATION_TESTS) tests/integration/dsv4d_harness.py
-# They run the programs under test from the build tree.
-tests/integration/test_dsv4d_lifecycle.py.log tests/integration/test_dsv4d_protocol.py.log \
-tests/integration/test_dsv4d_hostile.py.log: dsv4d$(EXEEXT) dsv4-run$(EXEEXT)
+# They run the programs under test from the build tree (make check builds them first: dsv4d,
+# dsv4-run and dsv4ctl are in all, the checker in check_PROGRAMS).
+
+# libdsv4client's checks against a live daemon; test_dsv4d_client.py starts the daemon and runs it.
+check_PROGRAMS += tests/integration/dsv4d_client_check
+tests_integration_dsv4d_client_check_SOURCES = tests/integration/dsv4d_client_check.c
+tests_integration_dsv4d_client_check_CFLAGS = $(AM_CFLAGS) $(CMOCKA_CFLAGS)
+tests_integration_dsv4d_client_check_LDADD = libdsv4client.la $(CMOCKA_LIBS)
