@@ -128,7 +128,7 @@ struct dsv4_sched {
 
     bool stop_asked, draining;
     uint64_t drain_deadline_ns;
-    struct dsv4_sched_stats st;
+    struct dsv4_sched_stats st;     /* st.backend: copied on the engine thread after each step */
     uint64_t busy_ns;
 };
 
@@ -368,6 +368,8 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
         }
     }
     s->st.slots_total = max_batch;
+    if (b->ops->get_stats)
+        b->ops->get_stats(b, &s->st.backend);
     *ret = s;
     return 0;
 fail:
@@ -632,9 +634,6 @@ void dsv4_sched_get_stats(struct dsv4_sched *s, struct dsv4_sched_stats *ret)
     ret->busy_s = (double)s->busy_ns * 1e-9;
     ret->tokens_per_s = s->busy_ns ? (double)s->st.generated_tokens / ret->busy_s : 0.0;
     pthread_mutex_unlock(&s->lock);
-    /* The backend's counters are the engine thread's; reading them is a snapshot of plain integers. */
-    if (s->backend->ops->get_stats)
-        s->backend->ops->get_stats(s->backend, &ret->backend);
 }
 
 /* ---- engine-thread side ---- */
@@ -1030,7 +1029,13 @@ int dsv4_sched_step(struct dsv4_sched *s)
 
     uint64_t t1 = now_ns();
     bool worked = n_running > 0 || s->ev_staged > 0;
+    /* The backend is the engine thread's: its counters are read here, handed out by get_stats. */
+    struct dsv4_backend_stats bst;
+    if (worked && b->ops->get_stats)
+        b->ops->get_stats(b, &bst);
     pthread_mutex_lock(&s->lock);
+    if (worked && b->ops->get_stats)
+        s->st.backend = bst;
     s->ev_count += s->ev_staged;
     s->ev_tail = (s->ev_tail + s->ev_staged) % s->n_events;
     bool any_events = s->ev_staged > 0;
