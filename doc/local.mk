@@ -1,1 +1,8 @@
-# doc/: fragment of the top Makefile.am
+# doc/: the protocol description and the man pages, installed by `make install`.
+dist_doc_DATA = doc/PROTOCOL.md
+
+# Section 1: user commands.
+dist_man1_MANS = doc/dsv4ctl.1
+
+# Section 8: daemons (dsv4d.8 goes here).
+dist_man8_MANS =
