@@ -11,7 +11,8 @@ Sources, in order:
   - generated text (fixed seed): Cyrillic, CJK, kana, Hangul, Arabic, Hebrew, Devanagari, Thai,
     emoji ZWJ sequences, flags, skin tones, keycaps, combining marks, every Unicode whitespace
     character and line ending in runs, digit runs of many scripts, special-token strings inside
-    text, long words and punctuation runs.
+    text, long words and punctuation runs, random code points of every plane (unassigned, private
+    use, noncharacters).
 Generated text fills the corpus up to --min-bytes whatever the machine has.
 
 usage: build_corpus.py OUT [--cache DIR] [--min-bytes N] [--no-download]
@@ -159,7 +160,19 @@ def gen_word(rng):
     if kind < 0.93:
         letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_"
         return "".join(rng.choice(letters) for _ in range(rng.randint(1, 14)))
-    return "".join(chr(rng.randint(0x20, 0x2FFF)) for _ in range(rng.randint(1, 6))).replace("\0", "")
+    return "".join(random_char(rng) for _ in range(rng.randint(1, 6)))
+
+
+def random_char(rng):
+    """Any scalar value but NUL: assigned or not, private use, noncharacters, every plane."""
+    r = rng.random()
+    if r < 0.5:
+        c = rng.randint(0x20, 0x2FFF)
+    elif r < 0.6:
+        c = rng.choice([0x1, 0x7F, 0x80, 0x9F, 0xAD, 0xFEFF, 0xFFFE, 0xFFFF, 0xE000, 0xF8FF, 0x10FFFF])
+    else:
+        c = rng.randint(0x3000, 0x10FFFF)
+    return chr(0xFFFD if 0xD800 <= c < 0xE000 else c)
 
 
 def gen_space(rng, added):
