@@ -175,24 +175,36 @@ static int cmp_id(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* Step 1: log-softmax of the raw row, the top-n and the chosen token's logprob come from it. */
-static void raw_logprobs(struct dsv4_sampler *s, const float *logits, int n_top, double *ret_lse,
-                         struct dsv4_sample *ret)
+/* Step 1: log-softmax of the raw row, the top-n and the chosen token's logprob come from it. Also
+ * checks the row (no NaN, no +inf) and leaves exp(logit - max) in s->p, which step 7 reuses when
+ * no step in between changed the logits. */
+static int raw_logprobs(struct dsv4_sampler *s, const float *logits, int n_top, float *ret_max,
+                        double *ret_sum, double *ret_lse, struct dsv4_sample *ret)
 {
     int V = s->vocab;
-    double m = -INFINITY;
-    for (int v = 0; v < V; v++)
+    float m = -INFINITY;
+    for (int v = 0; v < V; v++) {
+        if (!(logits[v] < INFINITY))
+            return dsv4_error_set(-EDOM, "sampler: logit of token %d is %g", v, logits[v]);
         if (logits[v] > m)
             m = logits[v];
+    }
+    if (m == -INFINITY)
+        return dsv4_error_set(-EDOM, "sampler: every logit is -inf");
     double sum = 0.0;
-    for (int v = 0; v < V; v++)
-        sum += expf(logits[v] - (float)m);
-    *ret_lse = m + log(sum);
+    for (int v = 0; v < V; v++) {
+        double e = expf(logits[v] - m);
+        s->p[v] = e;
+        sum += e;
+    }
+    *ret_max = m;
+    *ret_sum = sum;
+    *ret_lse = (double)m + log(sum);
 
     /* top-n by a bounded insertion into the sorted output arrays */
     int n = 0;
-    for (int32_t v = 0; v < V; v++) {
-        if (n == n_top && !(n_top > 0 && logits[v] > logits[ret->top_ids[n - 1]]))
+    for (int32_t v = 0; n_top > 0 && v < V; v++) {
+        if (n == n_top && !(logits[v] > logits[ret->top_ids[n - 1]]))
             continue;
         int pos = n < n_top ? n : n - 1;
         while (pos > 0 && logits[v] > logits[ret->top_ids[pos - 1]]) {
@@ -206,6 +218,7 @@ static void raw_logprobs(struct dsv4_sampler *s, const float *logits, int n_top,
     ret->n_top = n;
     for (int i = 0; i < n; i++)
         ret->top_logprobs[i] = (float)((double)logits[ret->top_ids[i]] - *ret_lse);
+    return 0;
 }
 
 int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, const float *logits,
@@ -215,19 +228,19 @@ int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, c
     int V = s->vocab;
     float *l = s->l;
 
-    for (int v = 0; v < V; v++) {
-        if (isnan(logits[v]) || logits[v] == INFINITY)
-            return dsv4_error_set(-EDOM, "sampler: logit of token %d is %g", v, logits[v]);
-    }
-    double lse;
-    raw_logprobs(s, logits, p->logprobs, &lse, ret);
-    if (!isfinite(lse))
-        return dsv4_error_set(-EDOM, "sampler: every logit is -inf");
+    double lse = 0.0, raw_sum = 0.0;
+    float raw_max = 0.0f;
+    int r = raw_logprobs(s, logits, p->logprobs, &raw_max, &raw_sum, &lse, ret);
+    if (r < 0)
+        return r;
     memcpy(l, logits, sizeof(*l) * (size_t)V);
+    /* true while l still equals the raw logits (then s->p holds step 7's exponentials already) */
+    bool raw = true;
 
     /* Steps 2-3: penalties from the history. */
     if (hist && p->repetition_penalty != 1.0f && hist->seen) {
-        float r = p->repetition_penalty;
+        float rp = p->repetition_penalty;
+        raw = false;
         for (int byte = 0; byte < (V + 7) / 8; byte++) {
             uint8_t bits = hist->seen[byte];
             for (int b = 0; bits && b < 8; b++, bits >>= 1) {
@@ -235,11 +248,12 @@ int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, c
                     continue;
                 int v = byte * 8 + b;
                 if (v < V)
-                    l[v] = l[v] > 0.0f ? l[v] / r : l[v] * r;
+                    l[v] = l[v] > 0.0f ? l[v] / rp : l[v] * rp;
             }
         }
     }
     if (hist && hist->counts && (p->frequency_penalty != 0.0f || p->presence_penalty != 0.0f)) {
+        raw = false;
         for (int v = 0; v < V; v++) {
             uint32_t c = hist->counts[v];
             if (c)
@@ -256,18 +270,24 @@ int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, c
                 chosen = v;
     } else {
         /* Step 5: temperature. */
-        float inv_t = 1.0f / p->temperature;
-        for (int v = 0; v < V; v++)
-            l[v] *= inv_t;
+        if (p->temperature != 1.0f) {
+            float inv_t = 1.0f / p->temperature;
+            for (int v = 0; v < V; v++)
+                l[v] *= inv_t;
+            raw = false;
+        }
 
         /* Logit bins: bin b holds the tokens with (max - l) in [b, b+1) * SAMPLER_BIN_WIDTH (the
          * last bin everything below). Every token of a bin ranks before every token of a later
          * bin, so top_k and top_p only need to rank the tokens of the bins up to the one where the
          * count (or mass) crosses the limit: usually a few hundred tokens, not V. */
-        float m = -INFINITY;
-        for (int v = 0; v < V; v++)
-            if (l[v] > m)
-                m = l[v];
+        float m = raw_max;
+        if (!raw) {
+            m = -INFINITY;
+            for (int v = 0; v < V; v++)
+                if (l[v] > m)
+                    m = l[v];
+        }
         int32_t *idx = s->idx;
         uint16_t *bin = s->bin;
         int bin_count[SAMPLER_BINS] = { 0 };
@@ -301,10 +321,14 @@ int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, c
         /* Step 7: softmax over the candidates (unnormalized p[id], total z, summed by ascending id).
          * The largest logit is among them (top_k keeps it), so its probability is exp(0) = 1. */
         double z = 0.0;
-        for (int i = 0; i < n; i++) {
-            double e = expf(l[idx[i]] - m);
-            s->p[idx[i]] = e;
-            z += e;
+        if (raw && n == V) {
+            z = raw_sum;
+        } else {
+            for (int i = 0; i < n; i++) {
+                double e = raw ? s->p[idx[i]] : expf(l[idx[i]] - m);
+                s->p[idx[i]] = e;
+                z += e;
+            }
         }
         if (p->top_p < 1.0f)
             for (int i = 0; i < n; i++)
@@ -366,9 +390,12 @@ int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, c
         }
 
         /* Step 10: the draw, over the kept tokens in ascending id. */
-        double zk = 0.0;
-        for (int i = 0; i < n; i++)
-            zk += s->p[idx[i]];
+        double zk = z;
+        if (n < V) {
+            zk = 0.0;
+            for (int i = 0; i < n; i++)
+                zk += s->p[idx[i]];
+        }
         double target = dsv4_philox_uniform(seed, index, 0) * zk;
         double acc = 0.0;
         chosen = -1;
