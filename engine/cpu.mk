@@ -3,7 +3,7 @@ libdsv4engine_la_SOURCES += \
 	engine/cpu_forward.c engine/cpu_forward.h engine/cpu_ops.h \
 	engine/cpu_ops.c engine/cpu_rope.c engine/cpu_mhc.c \
 	engine/cpu_compressor.c engine/cpu_indexer.c engine/cpu_attention.c \
-	engine/cpu_moe.c engine/cpu_backend.c
+	engine/cpu_moe.c engine/cpu_pool.c engine/cpu_backend.c
 
 # The oracle: every case of every tests/fixtures/ model, exact and fp8 numerics.
 check_PROGRAMS += tests/integration/test_fixtures

@@ -1,7 +1,7 @@
 /* The CPU reference backend: engine/backend.h's operations over dsv4_cpu_forward. Every slot's
- * caches and scratch are allocated at create; steps allocate nothing. Single-threaded (opts.threads
- * is accepted and not used: the tiny test models run in milliseconds), and each row's arithmetic
- * is the same whatever the batch holds. */
+ * caches and scratch, and the worker threads (opts.threads > 1), are set up at create; steps
+ * allocate nothing. Slots run one after another, the threads splitting the rows of each big
+ * matrix-vector product, so each row's arithmetic is the same whatever the batch or thread count. */
 #include "build-config.h"
 
 #include <errno.h>
@@ -15,6 +15,7 @@
 #define DSV4_CPU_MAX_BATCH 4096
 
 struct cpu_impl {
+    struct dsv4_cpu_pool *pool;     /* NULL with one thread */
     int n_slots;
     struct dsv4_cpu_seq **slots;    /* [max_batch] */
     uint64_t bytes;
@@ -87,8 +88,9 @@ static void cpu_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stat
     ret->device_allocs = 0;
     ret->graph_captures = 0;
     ret->bytes_reserved = impl_of(b)->bytes;
-    snprintf(ret->variant, sizeof(ret->variant), "cpu reference fp32, %s numerics",
-             b->opts.numerics == DSV4_NUMERICS_FP8 ? "fp8" : "exact");
+    snprintf(ret->variant, sizeof(ret->variant), "cpu reference fp32, %s numerics, %d thread%s",
+             b->opts.numerics == DSV4_NUMERICS_FP8 ? "fp8" : "exact", b->opts.threads > 1 ? b->opts.threads : 1,
+             b->opts.threads > 1 ? "s" : "");
 }
 
 static void cpu_destroy(struct dsv4_backend *b)
@@ -98,6 +100,7 @@ static void cpu_destroy(struct dsv4_backend *b)
         for (int i = 0; i < im->n_slots; i++)
             dsv4_cpu_seq_free(im->slots[i]);
         free(im->slots);
+        dsv4_cpu_pool_free(im->pool);
         free(im);
     }
     free(b);
@@ -118,6 +121,8 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
 {
     if (opts->max_batch < 1 || opts->max_batch > DSV4_CPU_MAX_BATCH)
         return dsv4_error_set(-EINVAL, "max_batch %d is outside [1, %d]", opts->max_batch, DSV4_CPU_MAX_BATCH);
+    if (opts->threads < 0 || opts->threads > DSV4_CPU_MAX_THREADS)
+        return dsv4_error_set(-EINVAL, "threads %d is outside [0, %d]", opts->threads, DSV4_CPU_MAX_THREADS);
     if (opts->numerics != DSV4_NUMERICS_EXACT && opts->numerics != DSV4_NUMERICS_FP8)
         return dsv4_error_set(-EINVAL, "unknown numerics %d", (int)opts->numerics);
     struct dsv4_backend *b = calloc(1, sizeof(*b));
@@ -132,12 +137,20 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
     b->ops = &cpu_ops;
     b->weights = w;
     b->opts = *opts;
+    if (opts->threads > 1) {
+        int rc = dsv4_cpu_pool_create(opts->threads, dsv4_cpu_max_linear_in(w), &im->pool);
+        if (rc < 0) {
+            cpu_destroy(b);
+            return dsv4_error_prefix(rc, "CPU backend: ");
+        }
+    }
     for (int i = 0; i < opts->max_batch; i++) {
         int rc = dsv4_cpu_seq_create(w, opts->max_context, &im->slots[i]);
         if (rc < 0) {
             cpu_destroy(b);
             return dsv4_error_prefix(rc, "CPU backend slot %d: ", i);
         }
+        im->slots[i]->pool = im->pool;
         im->n_slots = i + 1;
         im->bytes += im->slots[i]->bytes;
     }

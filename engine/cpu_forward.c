@@ -75,7 +75,7 @@ static void carve_layer(struct arena *a, const struct dsv4_config *cfg, const st
 }
 
 /* Largest input width of any linear, for the activation / row scratch. */
-static int64_t max_linear_in(const struct dsv4_weights *w)
+int64_t dsv4_cpu_max_linear_in(const struct dsv4_weights *w)
 {
     const struct dsv4_config *cfg = &w->cfg;
     int64_t m = (int64_t)cfg->hc_mult * cfg->dim;
@@ -143,8 +143,8 @@ static void carve(struct arena *a, const struct dsv4_weights *w, int64_t max_con
     wk->h1 = takef(a, ffn_width);
     wk->h3 = takef(a, ffn_width);
     wk->eout = takef(a, D);
-    wk->act = takef(a, max_linear_in(w));
-    wk->row = takef(a, max_linear_in(w));
+    wk->act = takef(a, dsv4_cpu_max_linear_in(w));
+    wk->row = takef(a, dsv4_cpu_max_linear_in(w));
     if (wk != &scratch) {
         dsv4_cpu_rope_init(&wk->rope_main, &cfg->rope_main, cfg->rope_dim);
         dsv4_cpu_rope_init(&wk->rope_compress, &cfg->rope_compress, cfg->rope_dim);
@@ -270,7 +270,7 @@ int dsv4_cpu_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struc
             return dsv4_error_set(-EINVAL, "token %d (index %d) is outside the vocabulary of %d", tokens[i],
                                   i, cfg->vocab_size);
 
-    struct dsv4_cpu_ctx c = {.w = w, .cfg = cfg, .num = num, .wk = s->work};
+    struct dsv4_cpu_ctx c = {.w = w, .cfg = cfg, .num = num, .wk = s->work, .pool = s->pool};
     struct dsv4_cpu_work *wk = s->work;
     int64_t D = cfg->dim, hc = cfg->hc_mult;
     for (int i = 0; i < n; i++) {
@@ -301,7 +301,7 @@ int dsv4_cpu_mtp_forward(const struct dsv4_weights *w, enum dsv4_numerics num, s
                               (long long)s->max_context);
 
     const struct dsv4_mtp *m = &w->mtp[0];
-    struct dsv4_cpu_ctx c = {.w = w, .cfg = cfg, .num = num, .wk = s->work};
+    struct dsv4_cpu_ctx c = {.w = w, .cfg = cfg, .num = num, .wk = s->work, .pool = s->pool};
     struct dsv4_cpu_work *wk = s->work;
     int64_t D = cfg->dim, hc = cfg->hc_mult;
 

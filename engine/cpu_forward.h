@@ -13,6 +13,7 @@
 
 #define DSV4_CPU_MAX_CONTEXT (1 << 24)  /* positions stay exact in the f32 RoPE angle */
 #define DSV4_CPU_MAX_ROPE_DIM 256       /* qk_rope_head_dim */
+#define DSV4_CPU_MAX_THREADS 256
 
 /* A compressor's running state: the rows of the block being filled, and for the overlapping
  * (CSA) compressor the Ca half of the previous complete block, which the next entry needs. */
@@ -34,6 +35,13 @@ struct dsv4_cpu_layer_state {
 };
 
 struct dsv4_cpu_work;
+struct dsv4_cpu_pool;
+
+/* Worker threads that split the rows of big matrix-vector products (results are bitwise those of
+ * one thread). max_in: the widest matrix input, dsv4_cpu_max_linear_in(). */
+int dsv4_cpu_pool_create(int threads, int64_t max_in, struct dsv4_cpu_pool **ret);
+void dsv4_cpu_pool_free(struct dsv4_cpu_pool *pool);   /* accepts NULL */
+int64_t dsv4_cpu_max_linear_in(const struct dsv4_weights *w);
 
 /* Everything one sequence needs, allocated once at create for max_context tokens. */
 struct dsv4_cpu_seq {
@@ -46,6 +54,7 @@ struct dsv4_cpu_seq {
     int64_t mtp_pos;                    /* tokens the MTP block has been fed */
     float *streams;                     /* [hc, D]: final streams of the last token, MTP input */
     struct dsv4_cpu_work *work;         /* scratch for one token */
+    struct dsv4_cpu_pool *pool;         /* borrowed worker threads, or NULL for one */
     void *arena;                        /* the one allocation every buffer above lives in */
     uint64_t bytes;                     /* caches + scratch */
 };

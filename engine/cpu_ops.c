@@ -77,6 +77,42 @@ static bool linear_view(const struct dsv4_linear *W, int64_t r0, int64_t n, stru
     return false;
 }
 
+/* Rows [r0, r0+n) of W x into y, by a view when the storage allows one for the whole range (then
+ * every sub-range of `align` rows allows one too), else row by row. Either way a row's arithmetic
+ * does not depend on the range it is computed in. */
+struct rows_job {
+    const struct dsv4_linear *W;
+    int64_t r0, nrows, align;
+    bool view;
+    const float *x;
+    float *y;
+    struct dsv4_cpu_pool *pool;
+};
+
+static void rows_range(const struct rows_job *j, int64_t a, int64_t b, float *row)
+{
+    struct dsv4_linear v;
+    if (j->view) {
+        linear_view(j->W, j->r0 + a, b - a, &v);
+        dsv4_linear_matvec(&v, j->x, j->y + a);
+        return;
+    }
+    for (int64_t r = a; r < b; r++) {
+        dsv4_linear_row(j->W, j->r0 + r, row);
+        j->y[r] = dsv4_cpu_dot(row, j->x, (int)j->W->in);
+    }
+}
+
+static void rows_part(void *arg, int part, int nparts)
+{
+    const struct rows_job *j = arg;
+    int64_t per = (j->nrows + nparts - 1) / nparts;
+    per = (per + j->align - 1) / j->align * j->align;
+    int64_t a = (int64_t)part * per, b = a + per < j->nrows ? a + per : j->nrows;
+    if (a < b)
+        rows_range(j, a, b, dsv4_cpu_pool_row(j->pool, part));
+}
+
 void dsv4_cpu_linear_rows(const struct dsv4_cpu_ctx *c, const struct dsv4_linear *W, int64_t r0,
                           int64_t nrows, const float *x, float *y, bool raw_act)
 {
@@ -88,14 +124,10 @@ void dsv4_cpu_linear_rows(const struct dsv4_cpu_ctx *c, const struct dsv4_linear
         x = wk->act;
     }
     struct dsv4_linear v;
-    if (r0 == 0 && nrows == W->out) {
-        dsv4_linear_matvec(W, x, y);
-    } else if (linear_view(W, r0, nrows, &v)) {
-        dsv4_linear_matvec(&v, x, y);
-    } else {
-        for (int64_t r = 0; r < nrows; r++) {
-            dsv4_linear_row(W, r0 + r, wk->row);
-            y[r] = dsv4_cpu_dot(wk->row, x, (int)W->in);
-        }
-    }
+    struct rows_job j = {.W = W, .r0 = r0, .nrows = nrows, .align = W->fmt == DSV4_W_FP8 ? 128 : 1,
+                         .view = linear_view(W, r0, nrows, &v), .x = x, .y = y, .pool = c->pool};
+    if (dsv4_cpu_pool_size(c->pool) > 1 && nrows * W->in >= DSV4_CPU_PAR_MIN && nrows > j.align)
+        dsv4_cpu_pool_run(c->pool, rows_part, &j);
+    else
+        rows_range(&j, 0, nrows, wk->row);
 }

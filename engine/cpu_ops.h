@@ -13,6 +13,7 @@
 #define DSV4_CPU_ACT_BLOCK 128      /* official activation quantization: 1x128 e4m3 */
 #define DSV4_CPU_KV_BLOCK 64        /* official KV cache: 1x64 e4m3 */
 #define DSV4_CPU_FP4_BLOCK 32       /* official indexer keys/queries: 1x32 e2m1 */
+#define DSV4_CPU_PAR_MIN (1 << 16)  /* weights in a matvec before it is split among threads */
 
 /* Inverse RoPE frequencies of one rope type ("main" or "compress"), f32 as transformers keeps them. */
 struct dsv4_cpu_rope {
@@ -54,13 +55,21 @@ struct dsv4_cpu_work {
     int max_keys;
 };
 
-/* What every piece needs: the model, the numerics and the scratch. */
+/* What every piece needs: the model, the numerics, the scratch and the threads (NULL: one). */
 struct dsv4_cpu_ctx {
     const struct dsv4_weights *w;
     const struct dsv4_config *cfg;
     enum dsv4_numerics num;
     struct dsv4_cpu_work *wk;
+    struct dsv4_cpu_pool *pool;
 };
+
+/* --- cpu_pool.c ----------------------------------------------------------------------------- */
+
+/* Run fn(arg, part, nparts) for every part 0..nparts-1 at once, the caller taking part 0. */
+void dsv4_cpu_pool_run(struct dsv4_cpu_pool *pool, void (*fn)(void *arg, int part, int nparts), void *arg);
+int dsv4_cpu_pool_size(const struct dsv4_cpu_pool *pool);         /* 1 for NULL */
+float *dsv4_cpu_pool_row(const struct dsv4_cpu_pool *pool, int part);  /* [max_in] scratch of a part */
 
 /* --- cpu_ops.c ------------------------------------------------------------------------------ */
 

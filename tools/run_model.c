@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "engine/backend.h"
 #include "engine/error.h"
@@ -19,6 +20,7 @@
 #include "tools/run.h"
 
 #define RUN_MAX_TOKENS (1 << 20)    /* prompt tokens plus decode steps */
+#define RUN_MAX_THREADS 64
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "dsv4-run writes the host's float32 layout as little-endian"
@@ -188,7 +190,11 @@ int dsv4_run_model(int argc, char **argv)
         fprintf(stderr, "dsv4-run: out of memory for %zu rows of %d logits\n", rows, V);
         goto done;
     }
-    struct dsv4_backend_opts opts = {.max_batch = 1, .max_context = (int)rows, .numerics = a.numerics};
+    /* Threads only split matrix rows: the logits are bitwise the same for any count. */
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int threads = cpus < 1 ? 1 : cpus > RUN_MAX_THREADS ? RUN_MAX_THREADS : (int)cpus;
+    struct dsv4_backend_opts opts = {.max_batch = 1, .max_context = (int)rows, .numerics = a.numerics,
+                                     .threads = threads};
     if (dsv4_backend_cpu_create(w, &opts, &b) < 0 || generate(b, &a, ids, P, logits) < 0) {
         fprintf(stderr, "dsv4-run: %s\n", dsv4_error_message());
         goto done;

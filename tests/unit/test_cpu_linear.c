@@ -1,7 +1,8 @@
 /* engine/cpu_ops: linears over row ranges (the grouped wo_a) in every stored format, and the fp8
  * numerics' activation quantization (1x128 e4m3 before FP8/FP4 matrices, none for f32/bf16 or when
  * the caller asks for the raw activation). The oracle dequantizes each row with dsv4_linear_row and
- * takes the dot product in double. */
+ * takes the dot product in double. With worker threads (engine/cpu_pool) the rows are bitwise the
+ * same as with one. */
 #include "build-config.h"
 
 #include <math.h>
@@ -15,7 +16,20 @@
 #include "cpu_test_util.h"
 
 #define OUT 384
-#define IN 256
+#define IN 512
+
+static struct dsv4_cpu_pool *pool;
+
+static int setup(void **state)
+{
+    return dsv4_cpu_pool_create(3, IN, &pool);
+}
+
+static int teardown(void **state)
+{
+    dsv4_cpu_pool_free(pool);
+    return 0;
+}
 
 static struct dsv4_linear fp8_matrix(void)
 {
@@ -63,7 +77,7 @@ static void check_rows(const struct dsv4_linear *W, enum dsv4_numerics num, bool
         assert_memory_not_equal(xq, x, sizeof(float) * IN);
     }
     /* whole matrix, block-aligned groups, and unaligned ranges */
-    const int64_t ranges[][2] = {{0, OUT}, {128, 128}, {256, 128}, {16, 40}, {200, 100}};
+    const int64_t ranges[][2] = {{0, OUT}, {128, 128}, {256, 128}, {16, 40}, {200, 100}, {8, 300}};
     for (size_t t = 0; t < sizeof(ranges) / sizeof(ranges[0]); t++) {
         int64_t r0 = ranges[t][0], n = ranges[t][1];
         float y[OUT];
@@ -76,6 +90,12 @@ static void check_rows(const struct dsv4_linear *W, enum dsv4_numerics num, bool
                 want[r] += (double)row[k] * xq[k];
         }
         assert_close(y, want, n, 1e-5);
+        /* Split among threads (big ranges only), every row bitwise the same. */
+        float yt[OUT];
+        struct dsv4_cpu_ctx ct = c;
+        ct.pool = pool;
+        dsv4_cpu_linear_rows(&ct, W, r0, n, x, yt, raw_act);
+        assert_memory_equal(y, yt, sizeof(float) * (size_t)n);
     }
     /* The caller's activation is never modified. */
     assert_memory_equal(x, x0, sizeof(float) * IN);
@@ -126,5 +146,5 @@ int main(void)
         cmocka_unit_test(test_fp4_quantized_activation),
         cmocka_unit_test(test_bf16_strided),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return cmocka_run_group_tests(tests, setup, teardown);
 }
