@@ -232,6 +232,10 @@ static void test_plain_temperature(void **state)
     p.temperature = 0.8f;
     p.seed = 11;
     check_draws(&p, logits, V, NULL, NULL, 20000);
+    /* the defaults: temperature 1 reuses step 1's exponentials */
+    dsv4_sampling_defaults(&p);
+    p.seed = 12;
+    check_draws(&p, logits, V, NULL, NULL, 20000);
 }
 
 static void test_all_steps(void **state)
