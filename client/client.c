@@ -146,6 +146,7 @@ int dsv4_client_connect_fd(struct dsv4_client *c, int fd)
 {
     reset_error(c);
     disconnect(c);
+    c->have_info = false;   /* the description belongs to the previous connection */
     int fl = fcntl(fd, F_GETFL);
     if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) {
         int e = errno;

@@ -12,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 #include <cmocka.h>
 #include <msgpack.h>
 
@@ -662,6 +664,209 @@ static void test_validate_counts(void **state)
     free(b);
 }
 
+/* ---- mutations of valid frames ---- */
+
+static uint64_t rng_state;
+
+static uint64_t rnd(void)
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+#define CORPUS_MAX 16
+
+struct corpus {
+    struct dsv4_proto_buf frames[CORPUS_MAX];   /* one frame each, header included */
+    size_t n;
+};
+
+static struct dsv4_proto_buf *corpus_next(struct corpus *c)
+{
+    assert_true(c->n < CORPUS_MAX);
+    return &c->frames[c->n++];
+}
+
+static void build_requests(struct corpus *c)
+{
+    static const char *const stop[] = { "\n\n", "User:" };
+    static const int32_t toks[] = { 0, 5, 17, 999 };
+    struct dsv4_proto_chat_message msgs[] = { { DSV4_PROTO_ROLE_SYSTEM, "be brief", 8 },
+                                             { DSV4_PROTO_ROLE_USER, "h\xc3\xa9llo", 6 } };
+    struct dsv4_proto_generate g;
+    dsv4_proto_generate_init(&g);
+    g.prompt_kind = DSV4_PROTO_PROMPT_TEXT;
+    g.prompt = "The capital of France is";
+    g.prompt_len = strlen(g.prompt);
+    g.stream = true;
+    g.sampling.max_tokens = 16;
+    g.sampling.has_seed = true;
+    g.sampling.seed = 42;
+    g.sampling.n_stop = 2;
+    g.sampling.stop[0] = (char *)stop[0];
+    g.sampling.stop[1] = (char *)stop[1];
+    g.sampling.n_stop_token_ids = 2;
+    g.sampling.stop_token_ids[0] = 1;
+    g.sampling.stop_token_ids[1] = 2;
+    g.sampling.logprobs = 5;
+    assert_int_equal(dsv4_proto_encode_generate(corpus_next(c), 7, &g), 0);
+    dsv4_proto_generate_init(&g);
+    g.prompt_kind = DSV4_PROTO_PROMPT_MESSAGES;
+    g.messages = msgs;
+    g.n_messages = 2;
+    g.thinking = true;
+    assert_int_equal(dsv4_proto_encode_generate(corpus_next(c), 8, &g), 0);
+    dsv4_proto_generate_init(&g);
+    g.prompt_kind = DSV4_PROTO_PROMPT_TOKENS;
+    g.tokens = (int32_t *)toks;
+    g.n_tokens = 4;
+    assert_int_equal(dsv4_proto_encode_generate(corpus_next(c), 9, &g), 0);
+    struct dsv4_proto_hello h = { 1, "fuzz" };
+    assert_int_equal(dsv4_proto_encode_hello(corpus_next(c), 1, &h), 0);
+    struct dsv4_proto_cancel k = { 7 };
+    assert_int_equal(dsv4_proto_encode_cancel(corpus_next(c), 2, &k), 0);
+    struct dsv4_proto_tokenize t;
+    dsv4_proto_tokenize_init(&t);
+    t.prompt_kind = DSV4_PROTO_PROMPT_MESSAGES;
+    t.messages = msgs;
+    t.n_messages = 2;
+    assert_int_equal(dsv4_proto_encode_tokenize(corpus_next(c), 3, &t), 0);
+    struct dsv4_proto_tokens d = { (int32_t *)toks, 4 };
+    assert_int_equal(dsv4_proto_encode_detokenize(corpus_next(c), 4, &d), 0);
+    assert_int_equal(dsv4_proto_encode_stats(corpus_next(c), 5), 0);
+}
+
+static void build_answers(struct corpus *c)
+{
+    static int32_t toks[] = { 5, 17, 9 };
+    struct dsv4_proto_logprob lp[3] = { { -0.5f, 2, { 5, 6 }, { -0.5f, -INFINITY } } };
+    struct dsv4_proto_generate_result r = { .text = "abc", .text_len = 3, .tokens = toks, .n_tokens = 3,
+                                            .finish_reason = DSV4_PROTO_FINISH_ERROR, .error_message = "engine",
+                                            .usage = { 4, 3 }, .timings = { 1, 2, 3, 6 }, .logprobs = lp };
+    assert_int_equal(dsv4_proto_encode_generate_result(corpus_next(c), 7, &r), 0);
+    struct dsv4_proto_token_event ev = { 7, 17, "b", 1, true, lp[0] };
+    assert_int_equal(dsv4_proto_encode_token(corpus_next(c), &ev), 0);
+    struct dsv4_proto_hello_result hr = { .protocol = 1, .server = "dsv4d", .backend = "cpu",
+                                          .model = { .name = "tiny", .vocab_size = 1000 } };
+    assert_int_equal(dsv4_proto_encode_hello_result(corpus_next(c), 1, &hr), 0);
+    struct dsv4_proto_stats st = { .backend = "cpu", .n_kernels = 1, .kernels = { "gemv" } };
+    assert_int_equal(dsv4_proto_encode_stats_result(corpus_next(c), 5, &st), 0);
+    struct dsv4_proto_health he = { DSV4_PROTO_HEALTH_LOADING, "weights" };
+    assert_int_equal(dsv4_proto_encode_health_result(corpus_next(c), 6, &he), 0);
+    assert_int_equal(dsv4_proto_encode_error(corpus_next(c), 8, DSV4_PROTO_E_QUEUE_FULL, NULL), 0);
+    assert_int_equal(dsv4_proto_encode_error_notification(corpus_next(c), DSV4_PROTO_E_TRUNCATED, "cut"), 0);
+}
+
+/* The client's side: every result decoder on whatever arrives; none may fail other than cleanly. */
+static void client_side(const uint8_t *p, size_t len)
+{
+    struct dsv4_proto_limits lim;
+    struct dsv4_proto_message msg;
+    struct dsv4_proto_error err;
+    dsv4_proto_limits_client(&lim);
+    if (dsv4_proto_message_decode(p, len, &lim, &msg, &err) == 0) {
+        struct dsv4_proto_generate_result gr;
+        struct dsv4_proto_hello_result hr;
+        struct dsv4_proto_stats st;
+        struct dsv4_proto_health he;
+        struct dsv4_proto_tokens tk;
+        struct dsv4_proto_text tx;
+        struct dsv4_proto_token_event ev;
+        struct dsv4_proto_error ne;
+        bool b;
+        if (dsv4_proto_decode_generate_result(&msg, &gr, &err) == 0)
+            dsv4_proto_generate_result_clear(&gr);
+        if (dsv4_proto_decode_hello_result(&msg, &hr, &err) == 0)
+            dsv4_proto_hello_result_clear(&hr);
+        if (dsv4_proto_decode_stats_result(&msg, &st, &err) == 0)
+            dsv4_proto_stats_clear(&st);
+        if (dsv4_proto_decode_health_result(&msg, &he, &err) == 0)
+            dsv4_proto_health_clear(&he);
+        if (dsv4_proto_decode_tokenize_result(&msg, &tk, &err) == 0)
+            dsv4_proto_tokens_clear(&tk);
+        if (dsv4_proto_decode_detokenize_result(&msg, &tx, &err) == 0)
+            dsv4_proto_text_clear(&tx);
+        if (dsv4_proto_decode_token(&msg, &ev, &err) == 0)
+            dsv4_proto_token_event_clear(&ev);
+        dsv4_proto_decode_error_notification(&msg, &ne, &err);
+        dsv4_proto_decode_cancel_result(&msg, &b, &err);
+    }
+    dsv4_proto_message_clear(&msg);
+}
+
+static void mutate(struct dsv4_proto_buf *b)
+{
+    static const uint8_t interesting[] = { 0x00, 0x7f, 0x80, 0x8f, 0x90, 0x9f, 0xa0, 0xbf, 0xc0, 0xc1, 0xc2,
+                                           0xc4, 0xc6, 0xc7, 0xca, 0xcb, 0xcf, 0xd3, 0xd4, 0xd9, 0xdb, 0xdc,
+                                           0xdd, 0xde, 0xdf, 0xe0, 0xff };
+    unsigned n = 1 + (unsigned)(rnd() % 4);
+    for (unsigned k = 0; k < n && b->len > 0; k++) {
+        size_t at = rnd() % b->len;
+        switch (rnd() % 5) {
+        case 0: b->data[at] = (uint8_t)rnd(); break;
+        case 1: b->data[at] = interesting[rnd() % sizeof(interesting)]; break;
+        case 2: b->len = at; break;
+        case 3: b->data[at] ^= (uint8_t)(1u << (rnd() % 8)); break;
+        default: {
+            /* repeat a slice at the end */
+            size_t n2 = rnd() % (b->len - at) + 1;
+            uint8_t *tmp = malloc(n2);
+            assert_non_null(tmp);
+            memcpy(tmp, b->data + at, n2);
+            dsv4_proto_buf_append(b, tmp, n2);
+            free(tmp);
+            break;
+        }
+        }
+    }
+}
+
+/* Random mutations of valid requests and answers: every outcome is a documented code, never a crash
+ * (the sanitizer build checks the memory side), and whatever the pre-validator accepts msgpack-c
+ * unpacks completely. */
+static void test_mutations(void **state)
+{
+    struct corpus req = { 0 }, ans = { 0 };
+    struct dsv4_proto_limits lim;
+    size_t accepted = 0, rejected = 0;
+    dsv4_proto_limits_server(&lim);
+    build_requests(&req);
+    build_answers(&ans);
+    for (int i = 0; i < 50000; i++) {
+        bool answers = i % 3 == 2;
+        const struct corpus *c = answers ? &ans : &req;
+        const struct dsv4_proto_buf *src = &c->frames[rnd() % c->n];
+        struct dsv4_proto_buf b = { 0 };
+        bool before;
+        /* the payload only: a frame's length prefix is the reader's business, tested above */
+        assert_int_equal(dsv4_proto_buf_append(&b, src->data + 4, src->len - 4), 0);
+        mutate(&b);
+        if (answers) {
+            client_side(b.data, b.len);
+        } else {
+            int code = serve(b.data, b.len, &lim, &before);
+            if (strcmp(dsv4_proto_code_name(code), "unknown") == 0)
+                fail_msg("mutation %d: undocumented code %d", i, code);
+            if (code == DSV4_PROTO_E_MALFORMED)
+                assert_int_equal(dsv4_proto_validate(b.data, b.len, &lim, NULL, NULL), -EBADMSG);
+            if (code)
+                rejected++;
+            else
+                accepted++;
+        }
+        free(b.data);
+    }
+    /* the mutations exercise both outcomes */
+    assert_true(accepted > 100);
+    assert_true(rejected > 1000);
+    for (size_t i = 0; i < req.n; i++)
+        dsv4_proto_buf_clear(&req.frames[i]);
+    for (size_t i = 0; i < ans.n; i++)
+        dsv4_proto_buf_clear(&ans.frames[i]);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -669,6 +874,9 @@ int main(void)
         cmocka_unit_test(test_valid_request_passes),
         cmocka_unit_test(test_reader_limits),
         cmocka_unit_test(test_validate_counts),
+        cmocka_unit_test(test_mutations),
     };
+    rng_state = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
+    printf("# random seed %llu\n", (unsigned long long)rng_state);
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
