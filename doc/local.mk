@@ -4,5 +4,5 @@ dist_doc_DATA = doc/PROTOCOL.md
 # Section 1: user commands.
 dist_man1_MANS = doc/dsv4ctl.1
 
-# Section 8: daemons (dsv4d.8 goes here).
-dist_man8_MANS =
+# Section 8: daemons.
+dist_man8_MANS = doc/dsv4d.8

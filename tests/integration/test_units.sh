@@ -1,0 +1,47 @@
+#!/bin/bash
+# The systemd units as CI checks them: `systemd-analyze verify` must be clean and
+# `systemd-analyze security --offline=true` must rate dsv4d.service at most 2.0 ("OK" or better);
+# the score is printed. TAP output. The service's ExecStart points at the dsv4d just built.
+set -u
+builddir=${top_builddir:-.}
+srcdir=${top_srcdir:-$(dirname "$0")/../..}
+n=0
+fail=0
+ok() { n=$((n + 1)); if [ "$1" = 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fail=1; fi; }
+
+if ! command -v systemd-analyze >/dev/null; then
+    echo "1..0 # SKIP systemd-analyze not installed"
+    exit 0
+fi
+tmp=$(mktemp -d /tmp/dsv4d-units.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+dsv4d=$(cd "$builddir" && pwd)/dsv4d
+sed -e "s|@sbindir@/dsv4d|$dsv4d|" -e "s|@sysconfdir@|/etc|" "$srcdir/units/dsv4d.service.in" > "$tmp/dsv4d.service"
+cp "$srcdir/units/dsv4d.socket" "$tmp/dsv4d.socket"
+
+out=$(cd "$tmp" && systemd-analyze verify --man=no ./dsv4d.socket ./dsv4d.service 2>&1)
+rc=$?
+[ -z "$out" ] || echo "$out" | sed 's/^/# /'
+ok $rc "systemd-analyze verify dsv4d.socket dsv4d.service"
+[ -z "$out" ]; ok $? "  with no warnings"
+
+out=$(cd "$tmp" && systemd-analyze security --offline=true ./dsv4d.service 2>&1)
+rc=$?
+score=$(echo "$out" | sed -n 's/.*Overall exposure level for dsv4d.service: \([0-9.]*\).*/\1/p')
+echo "# exposure: ${score:-unknown}"
+echo "$out" | grep '✗' | sed 's/  */ /g; s/^/# /'
+ok $rc "systemd-analyze security --offline=true dsv4d.service"
+[ -n "$score" ] && awk -v s="$score" 'BEGIN { exit !(s <= 2.0) }'; ok $? "exposure $score is at most 2.0"
+
+for key in "Type=notify" "NotifyAccess=main" "WatchdogSec=" "Restart=on-failure" "DevicePolicy=closed" \
+           "DeviceAllow=char-nvidia-frontend rw" "NoNewPrivileges=yes" "ProtectSystem=strict" "ProtectHome=yes" \
+           "PrivateTmp=yes" "RestrictAddressFamilies=AF_UNIX" "RestartPreventExitStatus=2"; do
+    grep -q "^$key" "$tmp/dsv4d.service"; ok $? "dsv4d.service sets $key"
+done
+for key in "ListenStream=/run/dsv4d/dsv4d.sock" "SocketMode=0660" "SocketGroup=dsv4"; do
+    grep -q "^$key" "$tmp/dsv4d.socket"; ok $? "dsv4d.socket sets $key"
+done
+grep -q '^g dsv4 ' "$srcdir/units/sysusers.d/dsv4d.conf" && grep -q '^u dsv4d ' "$srcdir/units/sysusers.d/dsv4d.conf"
+ok $? "sysusers.d creates the dsv4d user and the dsv4 group"
+echo "1..$n"
+exit $fail
