@@ -123,7 +123,20 @@ struct dsv4_sched {
     int *dec_slots;                 /* [max_batch] */
     int32_t *dec_tokens;            /* [max_batch] */
     int *dec_reqs;                  /* [max_batch] */
-    struct dsv4_sampler *sampler;
+    struct dsv4_sampler **samplers; /* [n_threads]: [0] the engine thread's, [i] worker i's */
+    int n_threads;
+    pthread_t *workers;             /* [n_threads - 1] */
+    int n_workers;                  /* started */
+    /* The sampling pool: a decode step's rows are sampled in parallel, then taken in order. */
+    pthread_mutex_t pool_lock;
+    pthread_cond_t pool_go, pool_done;
+    uint64_t pool_gen;              /* bumped per job */
+    int pool_rows, pool_finished;
+    atomic_int pool_next;
+    bool pool_quit;
+    struct dsv4_sample *row_sample; /* [max_batch] */
+    int *row_rc;                    /* [max_batch] */
+    char (*row_err)[DSV4_SCHED_ERROR_MAX];  /* [max_batch] messages of failed rows */
     char *scratch;                  /* [4 + TOKEN_BYTES_MAX] raw bytes awaiting UTF-8 repair */
 
     bool stop_asked, draining;
@@ -244,6 +257,79 @@ static int utf8_append(char *text, size_t cap, size_t *len, const unsigned char 
     return 0;
 }
 
+/* ---- the sampling pool ---- */
+
+struct pool_arg {
+    struct dsv4_sched *s;
+    int index;
+};
+
+/* Sample row k of the decode step (request dec_reqs[k], logits row k) with the given workspace. */
+static void sample_decode_row(struct dsv4_sched *s, struct dsv4_sampler *sm, int k)
+{
+    const struct sched_req *q = &s->reqs[s->dec_reqs[k]];
+    struct dsv4_sampler_history hist = {
+        .counts = s->counts + (size_t)q->slot * (size_t)s->vocab,
+        .seen = s->seen + (size_t)q->slot * s->seen_stride,
+    };
+    s->row_rc[k] = dsv4_sampler_sample(sm, &q->sampling, s->logits + (size_t)k * (size_t)s->vocab, &hist,
+                                       q->seed, (uint64_t)q->result.n_tokens, &s->row_sample[k]);
+    if (s->row_rc[k] < 0)
+        snprintf(s->row_err[k], DSV4_SCHED_ERROR_MAX, "sampling: %s", dsv4_error_message());
+}
+
+static void pool_work(struct dsv4_sched *s, struct dsv4_sampler *sm)
+{
+    int k;
+    while ((k = atomic_fetch_add(&s->pool_next, 1)) < s->pool_rows)
+        sample_decode_row(s, sm, k);
+}
+
+static void *pool_worker(void *arg)
+{
+    struct dsv4_sched *s = ((struct pool_arg *)arg)->s;
+    int index = ((struct pool_arg *)arg)->index;
+    uint64_t seen = 0;
+    free(arg);
+    pthread_mutex_lock(&s->pool_lock);
+    for (;;) {
+        while (s->pool_gen == seen && !s->pool_quit)
+            pthread_cond_wait(&s->pool_go, &s->pool_lock);
+        if (s->pool_quit)
+            break;
+        seen = s->pool_gen;
+        pthread_mutex_unlock(&s->pool_lock);
+        pool_work(s, s->samplers[index]);
+        pthread_mutex_lock(&s->pool_lock);
+        if (++s->pool_finished == s->n_workers)
+            pthread_cond_signal(&s->pool_done);
+    }
+    pthread_mutex_unlock(&s->pool_lock);
+    return NULL;
+}
+
+/* Sample the decode step's n rows into row_sample/row_rc, on every pool thread. */
+static void sample_decode_rows(struct dsv4_sched *s, int n)
+{
+    if (s->n_workers == 0 || n < 2) {
+        for (int k = 0; k < n; k++)
+            sample_decode_row(s, s->samplers[0], k);
+        return;
+    }
+    pthread_mutex_lock(&s->pool_lock);
+    s->pool_rows = n;
+    atomic_store(&s->pool_next, 0);
+    s->pool_finished = 0;
+    s->pool_gen++;
+    pthread_cond_broadcast(&s->pool_go);
+    pthread_mutex_unlock(&s->pool_lock);
+    pool_work(s, s->samplers[0]);
+    pthread_mutex_lock(&s->pool_lock);
+    while (s->pool_finished < s->n_workers)
+        pthread_cond_wait(&s->pool_done, &s->pool_lock);
+    pthread_mutex_unlock(&s->pool_lock);
+}
+
 /* ---- create / destroy ---- */
 
 int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
@@ -275,6 +361,8 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
                                      ? INT32_MAX / 2 : SCHED_DEFAULT_BYTES_PER_TOKEN * lim.max_output_tokens);
     if (!lim.max_unreleased)
         lim.max_unreleased = max_batch;
+    if (!lim.sampler_threads)
+        lim.sampler_threads = 1;
     if (lim.max_requests < max_batch || lim.max_requests > DSV4_SCHED_REQUESTS_MAX)
         return dsv4_error_set(-EINVAL, "scheduler max_requests %d: must be in [max_batch %d, %d]",
                               lim.max_requests, max_batch, DSV4_SCHED_REQUESTS_MAX);
@@ -287,6 +375,9 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     if (lim.max_output_bytes < 1 || lim.max_output_bytes > INT32_MAX / 2)
         return dsv4_error_set(-EINVAL, "scheduler max_output_bytes %d: must be in [1, %d]",
                               lim.max_output_bytes, INT32_MAX / 2);
+    if (lim.sampler_threads < 1 || lim.sampler_threads > DSV4_SCHED_SAMPLER_THREADS_MAX)
+        return dsv4_error_set(-EINVAL, "scheduler sampler_threads %d: must be in [1, %d]", lim.sampler_threads,
+                              DSV4_SCHED_SAMPLER_THREADS_MAX);
     if (lim.max_unreleased < 0 || lim.max_unreleased > lim.max_requests)
         return dsv4_error_set(-EINVAL, "scheduler max_unreleased %d: must be in [0, max_requests %d]",
                               lim.max_unreleased, lim.max_requests);
@@ -307,6 +398,10 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->event_fd = -1;
     pthread_mutex_init(&s->lock, NULL);
     pthread_cond_init(&s->wake, NULL);
+    pthread_mutex_init(&s->pool_lock, NULL);
+    pthread_cond_init(&s->pool_go, NULL);
+    pthread_cond_init(&s->pool_done, NULL);
+    s->n_threads = lim.sampler_threads;
 
     int r = -ENOMEM;
     s->event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -329,8 +424,14 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->dec_tokens = sched_alloc(s, (size_t)max_batch, sizeof(*s->dec_tokens));
     s->dec_reqs = sched_alloc(s, (size_t)max_batch, sizeof(*s->dec_reqs));
     s->scratch = sched_alloc(s, 4 + DSV4_SCHED_TOKEN_BYTES_MAX, 1);
+    s->samplers = sched_alloc(s, (size_t)s->n_threads, sizeof(*s->samplers));
+    s->workers = sched_alloc(s, (size_t)s->n_threads, sizeof(*s->workers));
+    s->row_sample = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_sample));
+    s->row_rc = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_rc));
+    s->row_err = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_err));
     if (!s->reqs || !s->outs || !s->slot_req || !s->running || !s->counts || !s->seen || !s->events ||
-        !s->logits || !s->dec_slots || !s->dec_tokens || !s->dec_reqs || !s->scratch) {
+        !s->logits || !s->dec_slots || !s->dec_tokens || !s->dec_reqs || !s->scratch || !s->samplers ||
+        !s->workers || !s->row_sample || !s->row_rc || !s->row_err) {
         r = dsv4_error_set(-ENOMEM, "scheduler: out of memory for %d slots x vocab %d", max_batch, vocab);
         goto fail;
     }
@@ -353,10 +454,28 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->queue_head = s->queue_tail = -1;
     for (int i = 0; i < max_batch; i++)
         s->slot_req[i] = -1;
-    r = dsv4_sampler_create(vocab, &s->sampler);
-    if (r < 0)
-        goto fail;
-    s->allocations++;
+    for (int i = 0; i < s->n_threads; i++) {
+        r = dsv4_sampler_create(vocab, &s->samplers[i]);
+        if (r < 0)
+            goto fail;
+        s->allocations++;
+    }
+    for (int i = 1; i < s->n_threads; i++) {
+        struct pool_arg *a = sched_alloc(s, 1, sizeof(*a));    /* the worker frees it */
+        if (!a) {
+            r = dsv4_error_set(-ENOMEM, "scheduler: out of memory for sampler threads");
+            goto fail;
+        }
+        a->s = s;
+        a->index = i;
+        int e = pthread_create(&s->workers[i - 1], NULL, pool_worker, a);
+        if (e) {
+            free(a);
+            r = dsv4_error_set(-e, "scheduler: starting sampler thread %d: %s", i, strerror(e));
+            goto fail;
+        }
+        s->n_workers++;
+    }
     /* Every token's text must fit the per-token bound the event deltas are sized for. */
     for (int32_t id = 0; id < vocab; id++) {
         int n = s->detok.token_bytes(s->detok.ctx, id, s->scratch, DSV4_SCHED_TOKEN_BYTES_MAX);
@@ -398,7 +517,25 @@ void dsv4_sched_destroy(struct dsv4_sched *s)
     free(s->dec_tokens);
     free(s->dec_reqs);
     free(s->scratch);
-    dsv4_sampler_destroy(s->sampler);
+    if (s->n_workers) {
+        pthread_mutex_lock(&s->pool_lock);
+        s->pool_quit = true;
+        pthread_cond_broadcast(&s->pool_go);
+        pthread_mutex_unlock(&s->pool_lock);
+        for (int i = 0; i < s->n_workers; i++)
+            pthread_join(s->workers[i], NULL);
+    }
+    if (s->samplers)
+        for (int i = 0; i < s->n_threads; i++)
+            dsv4_sampler_destroy(s->samplers[i]);
+    free(s->samplers);
+    free(s->workers);
+    free(s->row_sample);
+    free(s->row_rc);
+    free(s->row_err);
+    pthread_cond_destroy(&s->pool_go);
+    pthread_cond_destroy(&s->pool_done);
+    pthread_mutex_destroy(&s->pool_lock);
     if (s->event_fd >= 0)
         close(s->event_fd);
     pthread_cond_destroy(&s->wake);
@@ -871,7 +1008,7 @@ static void sample_row(struct dsv4_sched *s, struct sched_req *q, const float *r
         .seen = s->seen + (size_t)q->slot * s->seen_stride,
     };
     struct dsv4_sample smp;
-    int r = dsv4_sampler_sample(s->sampler, &q->sampling, row, &hist, q->seed,
+    int r = dsv4_sampler_sample(s->samplers[0], &q->sampling, row, &hist, q->seed,
                                 (uint64_t)q->result.n_tokens, &smp);
     if (r < 0) {
         char msg[DSV4_SCHED_ERROR_MAX];
@@ -1016,6 +1153,8 @@ int dsv4_sched_step(struct dsv4_sched *s)
     }
     if (n > 0) {
         int r = b->ops->decode(b, n, s->dec_slots, s->dec_tokens, s->logits);
+        if (r >= 0)
+            sample_decode_rows(s, n);
         for (int k = 0; k < n; k++) {
             struct sched_req *q = &s->reqs[s->dec_reqs[k]];
             if (r < 0) {
@@ -1023,7 +1162,10 @@ int dsv4_sched_step(struct dsv4_sched *s)
                 continue;
             }
             q->position++;
-            sample_row(s, q, s->logits + (size_t)k * (size_t)s->vocab);
+            if (s->row_rc[k] < 0)
+                finish(s, q, DSV4_FINISH_ERROR, s->row_rc[k], s->row_err[k]);
+            else
+                take_token(s, q, &s->row_sample[k]);
         }
     }
 

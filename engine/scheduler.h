@@ -9,8 +9,8 @@
  *
  * Memory. Everything is allocated in dsv4_sched_create(): request records (max_requests), output
  * buffers (max_batch + max_unreleased, each max_output_tokens ids and max_output_bytes of text),
- * per-slot penalty counts [max_batch, V], the event ring, the sampler workspace, the logits buffer
- * [max_batch, V]. No allocation per request or per step afterwards; stats.allocations counts every
+ * per-slot penalty counts [max_batch, V], the event ring, one sampler workspace per sampler thread
+ * (those threads start here too), the logits buffer [max_batch, V]. No allocation per request or per step afterwards; stats.allocations counts every
  * allocation the scheduler made and stays flat after create. A request's prompt is NOT copied: the
  * submitter keeps it valid and unchanged until it releases the request. Stop strings and stop token
  * ids are copied into the request record (bounded below).
@@ -61,6 +61,7 @@
 #define DSV4_SCHED_ERROR_MAX 256
 #define DSV4_SCHED_BATCH_BUCKETS 9          /* decode batch sizes 1, 2, 3-4, 5-8, ..., 129+ */
 #define DSV4_SCHED_REQUESTS_MAX 65536       /* max_requests ceiling */
+#define DSV4_SCHED_SAMPLER_THREADS_MAX 64
 
 struct dsv4_tokenizer;
 struct dsv4_sched;
@@ -78,6 +79,7 @@ struct dsv4_sched_limits {
     int max_output_tokens;  /* per request; 0 = min(max_context, 32768) */
     int max_output_bytes;   /* text per request; 0 = 8 * max_output_tokens */
     int max_unreleased;     /* finished requests holding output buffers until released; 0 = max_batch */
+    int sampler_threads;    /* threads sampling a decode step's rows, the engine thread included; 0 = 1 */
     /* Text from ids: when token_bytes is set it is used and the tokenizer may be NULL (tests, tools). */
     struct dsv4_sched_detok detok;
 };

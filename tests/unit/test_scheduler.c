@@ -77,6 +77,9 @@ struct outcome {
     uint64_t id;
 };
 
+/* Sampler threads for the scheduler env_open() makes (tests that exercise the pool set it). */
+static int env_sampler_threads;
+
 struct env {
     struct dsv4_backend *b;
     struct dsv4_sched *s;
@@ -93,6 +96,7 @@ static void env_open(struct env *e, const struct fake_backend_opts *fo, int max_
         .prefill_budget = prefill_budget,
         .max_requests = max_requests,
         .max_output_tokens = max_context < OUT_MAX ? max_context : OUT_MAX,
+        .sampler_threads = env_sampler_threads,
         .detok = { fake_token_bytes, NULL },
     };
     int r = dsv4_sched_create(e->b, NULL, &lim, &e->s);
@@ -725,7 +729,9 @@ static void test_random_workload(void **state)
 {
     enum { N = 200 };
     struct env e;
+    env_sampler_threads = 3;    /* decode rows sampled on three threads */
     env_open(&e, &FAKE_EOS, 8, 192, 40, 24);
+    env_sampler_threads = 0;
     struct dsv4_sched_stats st0;
     dsv4_sched_get_stats(e.s, &st0);
     static int32_t prompts[N][100];
@@ -974,7 +980,9 @@ static void *run_thread(void *arg)
 static void test_engine_thread(void **state)
 {
     struct env e;
+    env_sampler_threads = 2;
     env_open(&e, &FAKE_LONG, 4, 256, 32, 16);
+    env_sampler_threads = 0;
     struct runner rn = { e.s, -1 };
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, run_thread, &rn), 0);
