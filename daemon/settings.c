@@ -445,9 +445,10 @@ void dsv4_settings_print(const struct dsv4_settings *s, FILE *f)
 void dsv4_settings_usage(FILE *f, const char *default_path)
 {
     fprintf(f, "usage: dsv4d [--config FILE] [--model DIR] [--backend cpu|cuda|auto] [--listen PATH] [OPTION...]\n\n"
-               "  --config FILE            settings file, key = value (default %s)\n"
-               "  --print-config           print the effective settings and exit\n"
-               "  --help, --version\n", default_path ? default_path : "none");
+               "  %-32s settings file, key = value (default %s; \"\" for none)\n"
+               "  %-32s print the effective settings and exit\n"
+               "  %-32s this text, the version\n", "--config FILE", default_path ? default_path : "none",
+               "--print-config", "--help, --version");
     for (size_t i = 0; i < N_OPTS; i++) {
         char flag[64];
         snprintf(flag, sizeof(flag), "--%s %s", opts[i].key, opts[i].arg);

@@ -18,3 +18,10 @@ check_PROGRAMS += tests/integration/dsv4d_client_check
 tests_integration_dsv4d_client_check_SOURCES = tests/integration/dsv4d_client_check.c
 tests_integration_dsv4d_client_check_CFLAGS = $(AM_CFLAGS) $(CMOCKA_CFLAGS)
 tests_integration_dsv4d_client_check_LDADD = libdsv4client.la $(CMOCKA_LIBS)
+
+# dsv4d's settings (config file and flags), a unit test of daemon/settings.c.
+check_PROGRAMS += tests/unit/test_daemon_settings
+TESTS += tests/unit/test_daemon_settings
+tests_unit_test_daemon_settings_SOURCES = tests/unit/test_daemon_settings.c daemon/settings.c daemon/log.c
+tests_unit_test_daemon_settings_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_daemon_settings_LDADD = $(TEST_ENGINE_LIBS)
