@@ -979,49 +979,51 @@ bool dsv4_tokenizer_is_added(const struct dsv4_tokenizer *tok, int32_t id)
 
 /* ---- encoding ---- */
 
-struct tok_heap_entry {
-    uint64_t key;  /* rank << 32 | position: lowest rank first, then leftmost */
-    int32_t new_id;
-};
-
-static void heap_push(struct tok_heap_entry *h, size_t *n, struct tok_heap_entry e)
+/* BPE work queue: a binary min-heap of rank << 32 | position (lowest rank first, then leftmost).
+ * A rank names one pair, so a queued entry is still valid when the pair now at its position has
+ * the same rank. */
+static void heap_sift_down(uint64_t *h, size_t n, size_t i, uint64_t key)
 {
-    size_t i = (*n)++;
-    while (i) {
-        size_t parent = (i - 1) / 2;
-        if (h[parent].key <= e.key)
-            break;
-        h[i] = h[parent];
-        i = parent;
-    }
-    h[i] = e;
-}
-
-static struct tok_heap_entry heap_pop(struct tok_heap_entry *h, size_t *n)
-{
-    struct tok_heap_entry top = h[0], last = h[--(*n)];
-    size_t i = 0;
     for (;;) {
         size_t c = 2 * i + 1;
-        if (c >= *n)
+        if (c >= n)
             break;
-        if (c + 1 < *n && h[c + 1].key < h[c].key)
+        if (c + 1 < n && h[c + 1] < h[c])
             c++;
-        if (last.key <= h[c].key)
+        if (key <= h[c])
             break;
         h[i] = h[c];
         i = c;
     }
-    h[i] = last;
+    h[i] = key;
+}
+
+static void heap_push(uint64_t *h, size_t *n, uint64_t key)
+{
+    size_t i = (*n)++;
+    while (i) {
+        size_t parent = (i - 1) / 2;
+        if (h[parent] <= key)
+            break;
+        h[i] = h[parent];
+        i = parent;
+    }
+    h[i] = key;
+}
+
+static uint64_t heap_pop(uint64_t *h, size_t *n)
+{
+    uint64_t top = h[0];
+    if (--(*n))
+        heap_sift_down(h, *n, 0, h[*n]);
     return top;
 }
 
-static void push_pair(const struct dsv4_tokenizer *tok, struct tok_heap_entry *h, size_t *nh,
-                      const int32_t *sym, int32_t pos, int32_t next)
+/* The queue key of the pair (pos, next), or UINT64_MAX when it does not merge. */
+static uint64_t pair_key(const struct dsv4_tokenizer *tok, const int32_t *sym, int32_t pos, int32_t next)
 {
     const struct tok_merge_slot *m = merge_find(tok, sym[pos], sym[next]);
-    if (m)
-        heap_push(h, nh, (struct tok_heap_entry){((uint64_t)m->rank << 32) | (uint32_t)pos, m->new_id});
+    return m ? ((uint64_t)m->rank << 32) | (uint32_t)pos : UINT64_MAX;
 }
 
 /* Merge the byte symbols of one word by rank (lowest first, leftmost among equals: what the
@@ -1030,14 +1032,15 @@ static int bpe_word(const struct dsv4_tokenizer *tok, const unsigned char *p, si
                     struct dsv4_tok_ids *out)
 {
     int32_t sym_s[TOK_WORD_STACK], next_s[TOK_WORD_STACK], prev_s[TOK_WORD_STACK];
-    struct tok_heap_entry heap_s[3 * TOK_WORD_STACK];
+    uint64_t heap_s[3 * TOK_WORD_STACK];
     int32_t *sym = sym_s, *next = next_s, *prev = prev_s;
-    struct tok_heap_entry *heap = heap_s;
+    uint64_t *heap = heap_s;
     void *mem = NULL;
     if (n > TOK_WORD_STACK) {
         if (n > INT32_MAX / 4)
             return dsv4_error_set(-E2BIG, "tokenizer: a single word of %zu bytes is too long", n);
-        mem = malloc(n * (3 * sizeof(int32_t) + 3 * sizeof(struct tok_heap_entry)));
+        /* Each merge queues at most 2 pairs after the n - 1 initial ones: 3n entries. */
+        mem = malloc(n * (3 * sizeof(int32_t) + 3 * sizeof(uint64_t)));
         if (!mem)
             return dsv4_error_set(-ENOMEM, "tokenizer: out of memory for a word of %zu bytes", n);
         heap = mem;
@@ -1051,26 +1054,31 @@ static int bpe_word(const struct dsv4_tokenizer *tok, const unsigned char *p, si
         next[i] = i + 1 < n ? (int32_t)i + 1 : -1;
         prev[i] = (int32_t)i - 1;
     }
-    for (size_t i = 0; i + 1 < n; i++)
-        push_pair(tok, heap, &nh, sym, (int32_t)i, (int32_t)i + 1);
+    for (size_t i = 0; i + 1 < n; i++) {
+        uint64_t key = pair_key(tok, sym, (int32_t)i, (int32_t)i + 1);
+        if (key != UINT64_MAX)
+            heap[nh++] = key;
+    }
+    for (size_t i = nh / 2; i-- > 0;)
+        heap_sift_down(heap, nh, i, heap[i]);
     while (nh) {
-        struct tok_heap_entry e = heap_pop(heap, &nh);
-        int32_t pos = (int32_t)(uint32_t)e.key;
+        uint64_t key = heap_pop(heap, &nh);
+        int32_t pos = (int32_t)(uint32_t)key;
         int32_t right = next[pos];
         if (sym[pos] < 0 || right < 0)
             continue;
         const struct tok_merge_slot *m = merge_find(tok, sym[pos], sym[right]);
-        if (!m || m->new_id != e.new_id)
+        if (!m || m->rank != key >> 32)
             continue;  /* stale: a neighbour changed since this pair was queued */
-        sym[pos] = e.new_id;
+        sym[pos] = m->new_id;
         sym[right] = -1;
         next[pos] = next[right];
         if (next[pos] >= 0)
             prev[next[pos]] = pos;
-        if (prev[pos] >= 0)
-            push_pair(tok, heap, &nh, sym, prev[pos], pos);
-        if (next[pos] >= 0)
-            push_pair(tok, heap, &nh, sym, pos, next[pos]);
+        if (prev[pos] >= 0 && (key = pair_key(tok, sym, prev[pos], pos)) != UINT64_MAX)
+            heap_push(heap, &nh, key);
+        if (next[pos] >= 0 && (key = pair_key(tok, sym, pos, next[pos])) != UINT64_MAX)
+            heap_push(heap, &nh, key);
     }
     int r = ids_reserve(out, n);
     if (!r)
