@@ -548,6 +548,7 @@ static void do_stats(struct dsv4_server *s, struct dsv4_conn *c, const struct ds
             st.kernels[0] = ss.backend.variant;
             st.n_kernels = 1;
         }
+        /* ss lives until the reply is encoded: kernels[0] points into it. */
         reply_encoded(c, dsv4_proto_encode_stats_result(&c->out, msg->msgid, &st));
         return;
     }
@@ -558,6 +559,7 @@ static void do_health(struct dsv4_server *s, struct dsv4_conn *c, const struct d
 {
     struct dsv4_proto_error err = { 0 };
     struct dsv4_proto_health h = { .reason = s->reason };
+    char reason[DSV4_SERVER_REASON_MAX + 64];
 
     if (dsv4_proto_decode_empty_params(msg, &err) < 0) {
         reply_error(c, msg->msgid, &err);
@@ -566,6 +568,11 @@ static void do_health(struct dsv4_server *s, struct dsv4_conn *c, const struct d
     switch (s->state) {
     case DSV4_SERVER_READY: h.status = DSV4_PROTO_HEALTH_READY; break;
     case DSV4_SERVER_LOADING:
+        /* The engine thread's current boot step. */
+        snprintf(reason, sizeof(reason), "%s: %s", s->reason, dsv4_host_phase_text(dsv4_host_phase(s->host)));
+        h.reason = reason;
+        h.status = DSV4_PROTO_HEALTH_LOADING;
+        break;
     case DSV4_SERVER_WARMUP: h.status = DSV4_PROTO_HEALTH_LOADING; break;
     default: h.status = DSV4_PROTO_HEALTH_DRAINING; break;
     }

@@ -15,6 +15,9 @@
 #include "engine/error.h"
 #include "engine/weights.h"
 
+/* threads = 0 takes the online CPUs, up to this many. */
+#define DSV4_HOST_THREADS_MAX 64
+
 struct dsv4_host {
     const struct dsv4_settings *cfg;
     const struct dsv4_tokenizer *tok;
@@ -94,10 +97,14 @@ static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *o
 static int boot(struct dsv4_host *h)
 {
     const struct dsv4_settings *cfg = h->cfg;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int threads = cfg->threads;
+    if (threads == 0)
+        threads = cpus < 1 ? 1 : cpus > DSV4_HOST_THREADS_MAX ? DSV4_HOST_THREADS_MAX : (int)cpus;
     struct dsv4_backend_opts opts = {
         .max_batch = cfg->max_batch,
         .max_context = cfg->max_context,
-        .threads = cfg->threads,
+        .threads = threads,
     };
     struct dsv4_sched_limits limits = { 0 };
     int r;
@@ -125,8 +132,8 @@ static int boot(struct dsv4_host *h)
         return r;
     struct dsv4_backend_stats bs;
     h->backend->ops->get_stats(h->backend, &bs);
-    dsv4_log_info("backend %s (%s), numerics %s, %d slots x %d tokens, %.1f MiB reserved%s%s", h->backend_name,
-                  h->backend_note, h->numerics, cfg->max_batch, cfg->max_context,
+    dsv4_log_info("backend %s (%s), numerics %s, %d threads, %d slots x %d tokens, %.1f MiB reserved%s%s",
+                  h->backend_name, h->backend_note, h->numerics, threads, cfg->max_batch, cfg->max_context,
                   (double)bs.bytes_reserved / (1 << 20), bs.variant[0] ? ", kernels: " : "", bs.variant);
 
     set_phase(h, DSV4_HOST_CREATING_SCHEDULER);
@@ -137,6 +144,7 @@ static int boot(struct dsv4_host *h)
     if (limits.max_requests > DSV4_SCHED_REQUESTS_MAX)
         limits.max_requests = DSV4_SCHED_REQUESTS_MAX;
     limits.max_output_tokens = cfg->max_context;
+    limits.sampler_threads = threads;
     r = dsv4_sched_create(h->backend, h->tok, &limits, &h->sched);
     if (r < 0)
         return dsv4_error_prefix(r, "scheduler: ");

@@ -76,7 +76,11 @@ static int on_extend(sd_event_source *src, uint64_t usec, void *userdata)
         return 0;
     /* A checkpoint load is one long call: as long as it runs, give it more time. */
     dsv4_notify_extend(DSV4_SERVER_EXTEND_USEC);
-    dsv4_notify_status("%s (%.0f s)", s->reason, (double)(dsv4_now_ns() - s->start_ns) / 1e9);
+    if (s->state == DSV4_SERVER_LOADING)
+        dsv4_notify_status("%s: %s (%.0f s)", s->reason, dsv4_host_phase_text(dsv4_host_phase(s->host)),
+                           (double)(dsv4_now_ns() - s->start_ns) / 1e9);
+    else
+        dsv4_notify_status("%s (%.0f s)", s->reason, (double)(dsv4_now_ns() - s->start_ns) / 1e9);
     sd_event_source_set_time(src, usec + DSV4_SERVER_EXTEND_PERIOD_USEC);
     sd_event_source_set_enabled(src, SD_EVENT_ONESHOT);
     return 0;

@@ -36,7 +36,7 @@ static const struct opt opts[] = {
     { "backend", OPT_BACKEND, F(backend), 0, 0, 0, "cpu|cuda|auto", "compute backend; auto = cuda when usable, else cpu (logged)" },
     { "numerics", OPT_NUMERICS, F(numerics), 0, 0, 0, "exact|fp8|auto", "cache numerics; auto = fp8 for quantized checkpoints" },
     PATHOPT("listen", listen, "PATH", "listen on this Unix socket instead of socket activation"),
-    INTOPT("threads", threads, 1, 1024, "CPU backend worker threads"),
+    INTOPT("threads", threads, 0, 1024, "CPU backend and sampler threads (0 = the online CPUs)"),
     INTOPT("max_batch", max_batch, 1, 1024, "sequence slots (requests decoded together)"),
     INTOPT("max_context", max_context, 16, 1 << 20, "tokens per slot (prompt + generated)"),
     INTOPT("max_connections", max_connections, 1, 65536, "clients connected at once"),
@@ -49,7 +49,7 @@ static const struct opt opts[] = {
     { "drain_grace", OPT_SECONDS, F(drain_grace), 0, 0, 0, "SECONDS", "on SIGTERM, time in-flight requests get to finish" },
     INTOPT("warmup_tokens", warmup_tokens, 1, 1024, "tokens the boot warm-up generates before READY=1"),
     { "allow_users", OPT_USERS, F(allow_users), 0, 0, 0, "USER,...", "only these users (names or uids) may connect" },
-    { "allow_groups", OPT_GROUPS, F(allow_groups), 0, 0, 0, "GROUP,...", "only members of these groups (primary gid) may connect" },
+    { "allow_groups", OPT_GROUPS, F(allow_groups), 0, 0, 0, "GROUP,...", "only members of these groups (primary or supplementary) may connect" },
     { "log_level", OPT_LEVEL, F(log_level), 0, 0, 0, "LEVEL", "err|warning|notice|info|debug" },
 };
 
@@ -60,7 +60,7 @@ void dsv4_settings_defaults(struct dsv4_settings *s)
     memset(s, 0, sizeof(*s));
     s->backend = DSV4_BACKEND_AUTO;
     s->numerics = DSV4_NUMERICS_CHOICE_AUTO;
-    s->threads = 1;
+    s->threads = 0;
     s->max_batch = 8;
     s->max_context = 4096;
     s->max_connections = 256;

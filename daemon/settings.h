@@ -24,7 +24,7 @@ struct dsv4_settings {
     enum dsv4_backend_choice backend;
     enum dsv4_numerics_choice numerics;
     char listen[DSV4_SETTINGS_SOCKET_PATH_MAX]; /* "" = socket activation only */
-    int threads;                /* CPU backend worker threads */
+    int threads;                /* CPU backend worker and sampler threads; 0 = the online CPUs */
 
     /* Engine shape, fixed at boot. */
     int max_batch;
