@@ -18,11 +18,16 @@
 #include "engine/cpu_ops.h"
 #include "engine/quant.h"
 
-/* Official numerics store the window and compressed entries with the non-RoPE part in FP8. */
+/* Official numerics store the window and compressed entries as the FP8 cache holds them (SPEC §5):
+ * the non-RoPE part in e4m3 with a UE8M0 scale per 64 values, the RoPE part in bf16. */
 static void round_kv(const struct dsv4_cpu_ctx *c, float *kv)
 {
-    if (c->num == DSV4_NUMERICS_FP8)
-        dsv4_fp8_roundtrip(kv, (size_t)dsv4_config_nope_dim(c->cfg), DSV4_CPU_KV_BLOCK);
+    if (c->num != DSV4_NUMERICS_FP8)
+        return;
+    int nope = dsv4_config_nope_dim(c->cfg);
+    dsv4_fp8_roundtrip(kv, (size_t)nope, DSV4_CPU_KV_BLOCK);
+    for (int i = nope; i < c->cfg->head_dim; i++)
+        kv[i] = dsv4_bf16_to_f32(dsv4_f32_to_bf16(kv[i]));
 }
 
 /* Feed the compressors of a compressed layer and collect the entries the query at pos attends to

@@ -1,7 +1,12 @@
 /* The CPU reference forward pass: one sequence's state and the step that appends tokens to it.
- * Plain C, fp32 math. In `exact` numerics it computes what transformers' deepseek_v4 computes;
- * in `fp8` numerics it rounds the caches and the activations entering quantized linears the way
- * the official inference code does (SPEC §4). It is the oracle for the CUDA kernels. */
+ * Plain C, fp32 math. It is the oracle for the CUDA kernels.
+ *
+ * exact: caches in f32, nothing rounded: what transformers' deepseek_v4 computes.
+ * fp8 (official, SPEC §4-5): the window and compressed KV entries are rounded as the FP8 cache
+ *   stores them (the first head_dim - rope_dim values e4m3 with a UE8M0 scale per 64, the RoPE
+ *   part bf16); indexer keys and queries are Hadamard-rotated and rounded through FP4 e2m1 with a
+ *   UE8M0 scale per 32; activations entering an FP8/FP4 matrix are rounded through e4m3 per 1x128
+ *   (not wo_a's, which the official code runs in BF16). Everything else stays f32. */
 #ifndef DSV4_ENGINE_CPU_FORWARD_H
 #define DSV4_ENGINE_CPU_FORWARD_H
 

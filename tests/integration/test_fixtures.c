@@ -224,12 +224,18 @@ static void test_fixture(void **state)
             if (!isfinite(out[k]))
                 fail_msg("%s %s fp8: non-finite logit at row %zu", dir, fc->name, k / V);
         /* Prompt rows only: decode rows follow fp8's own greedy choices once they differ. */
-        double ferr = worst_row_error(out, fc->logits, fc->P, V, &row);
-        int agree = 0;
-        for (int t = 0; t < fc->decode; t++)
+        double ferr = worst_row_error(out, fc->logits, fc->P, V, &row), mean = 0.0;
+        for (int r = 0; r < fc->P; r++) {
+            int unused;
+            mean += worst_row_error(out + (size_t)r * V, fc->logits + (size_t)r * V, 1, V, &unused) / fc->P;
+        }
+        int agree = 0, prefix = 0;
+        for (int t = 0; t < fc->decode; t++) {
             agree += greedy[t] == fc->tokens[fc->P + t];
-        print_message("# %s %s fp8: worst prompt-row deviation %.2e (row %d), greedy agreement %d/%d\n", dir, fc->name,
-                      ferr, row, agree, fc->decode);
+            prefix += prefix == t && greedy[t] == fc->tokens[fc->P + t];
+        }
+        print_message("# %s %s fp8: prompt-row deviation mean %.2e, worst %.2e (row %d); greedy agreement "
+                      "%d/%d, first %d identical\n", dir, fc->name, mean, ferr, row, agree, fc->decode, prefix);
     }
 
     for (int i = 0; i < n; i++) {
