@@ -63,6 +63,12 @@ int main(int argc, char **argv)
     dsv4_log_notice("dsv4d %s starting: model %s, backend %s%s%s", PACKAGE_VERSION, settings.model,
                     dsv4_settings_backend_name(settings.backend), settings.config_path[0] ? ", config " : "",
                     settings.config_path);
+    struct dsv4_reqmem_stats mem;
+    dsv4_reqmem_get_stats(&mem);
+    if (mem.arena)
+        dsv4_log_info("request memory: %s, arena %u", mem.allocator, mem.arena);
+    else
+        dsv4_log_info("request memory: %s", mem.allocator);
 
     r = dsv4_server_init(&server, &settings);
     if (r < 0) {
