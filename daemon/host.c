@@ -175,8 +175,12 @@ static void *engine_thread(void *arg)
     if (atomic_load(&h->stop_requested))
         return NULL;
     r = dsv4_sched_run(h->sched);
-    if (r < 0)
-        dsv4_log_err("engine: step loop failed: %s", dsv4_error_message());
+    if (r < 0) {
+        /* The io thread exits on this (systemd restarts the service): requests would hang otherwise. */
+        snprintf(h->error, sizeof(h->error), "step loop failed: %s", dsv4_error_message());
+        set_phase(h, DSV4_HOST_FAILED);
+        wake_io(h);
+    }
     return NULL;
 }
 

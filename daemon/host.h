@@ -15,7 +15,7 @@ enum dsv4_host_phase {
     DSV4_HOST_CREATING_BACKEND,
     DSV4_HOST_CREATING_SCHEDULER,
     DSV4_HOST_RUNNING,          /* boot done: the step loop runs */
-    DSV4_HOST_FAILED,           /* boot failed: dsv4_host_boot_error() says why */
+    DSV4_HOST_FAILED,           /* boot or the step loop failed: dsv4_host_boot_error() says why */
     DSV4_HOST_STOPPED,
 };
 
@@ -24,7 +24,8 @@ struct dsv4_host;
 /* Start the engine thread; it boots in the background. tok is borrowed (it must outlive the host). */
 int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_tokenizer *tok, struct dsv4_host **ret);
 
-/* An eventfd, readable once boot has finished (phase RUNNING or FAILED). */
+/* An eventfd, readable once boot has finished (phase RUNNING or FAILED), and again if the step loop
+ * fails later (phase FAILED). */
 int dsv4_host_boot_fd(const struct dsv4_host *h);
 enum dsv4_host_phase dsv4_host_phase(const struct dsv4_host *h);
 const char *dsv4_host_phase_text(enum dsv4_host_phase p);

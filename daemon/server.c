@@ -116,7 +116,15 @@ static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdat
 
     if (read(fd, &n, sizeof(n)) < 0 && errno == EAGAIN)
         return 0;
-    sd_event_source_set_enabled(src, SD_EVENT_OFF);
+    if (s->sched) {
+        /* Boot was done: the engine's step loop has failed since. */
+        if (dsv4_host_phase(s->host) == DSV4_HOST_FAILED) {
+            dsv4_log_err("engine: %s", dsv4_host_boot_error(s->host));
+            dsv4_notify_status("failed: %s", dsv4_host_boot_error(s->host));
+            server_exit(s, EXIT_FAILURE);
+        }
+        return 0;
+    }
     if (dsv4_host_phase(s->host) != DSV4_HOST_RUNNING) {
         dsv4_log_err("boot failed: %s", dsv4_host_boot_error(s->host));
         dsv4_notify_status("failed: %s", dsv4_host_boot_error(s->host));
