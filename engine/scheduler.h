@@ -10,8 +10,9 @@
  * Memory. Everything is allocated in dsv4_sched_create(): request records (max_requests), output
  * buffers (max_batch + max_unreleased, each max_output_tokens ids and max_output_bytes of text),
  * per-slot penalty counts [max_batch, V], the event ring, one sampler workspace per sampler thread
- * (those threads start here too), the logits buffer [max_batch, V]. No allocation per request or per step afterwards; stats.allocations counts every
- * allocation the scheduler made and stays flat after create. A request's prompt is NOT copied: the
+ * (those threads start here too), the logits buffer [max_batch, V]. No allocation per request or
+ * per step afterwards; stats.allocations counts every allocation the scheduler made and stays flat
+ * after create. A request's prompt is NOT copied: the
  * submitter keeps it valid and unchanged until it releases the request. Stop strings and stop token
  * ids are copied into the request record (bounded below).
  *
@@ -100,7 +101,8 @@ struct dsv4_sched_request {
     int n_prompt;                   /* 1..max_context */
     int max_tokens;                 /* 0 = as many as fit (max_output_tokens, then context) */
     struct dsv4_sampling sampling;
-    const char *const *stop;        /* n_stop NUL-terminated strings (copied), each 1..STOP_LEN_MAX bytes */
+    const char *const *stop;        /* n_stop NUL-terminated strings, copied: valid UTF-8, */
+                                    /* 1..STOP_LEN_MAX bytes each */
     int n_stop;
     const int32_t *stop_token_ids;  /* n_stop_token_ids ids (copied) */
     int n_stop_token_ids;
@@ -170,8 +172,9 @@ struct dsv4_sched_stats {
 };
 
 /* Create over a backend (borrowed, must outlive the scheduler) and a tokenizer (borrowed; may be
- * NULL when limits->detok is set; its dsv4_tokenizer_token_bytes() gives text, special ids none). Sizes come from the backend's opts (max_batch, max_context) and
- * the model's vocab_size; EOS is the model config's eos_id. */
+ * NULL when limits->detok is set; its dsv4_tokenizer_token_bytes() gives text, special ids none).
+ * Sizes come from the backend's opts (max_batch, max_context) and the model's vocab_size; EOS is
+ * the model config's eos_id. limits may be NULL (every default). */
 int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
                       const struct dsv4_sched_limits *limits, struct dsv4_sched **ret);
 void dsv4_sched_destroy(struct dsv4_sched *s);
