@@ -148,6 +148,7 @@ static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdat
     set_reason(s, "warm-up generation on the %s backend (%s)", dsv4_host_backend_name(s->host),
                dsv4_host_backend_note(s->host));
     dsv4_notify_status("%s", s->reason);
+    dsv4_notify_extend(DSV4_SERVER_EXTEND_USEC);
     if (dsv4_dispatch_start_warmup(s) < 0) {
         dsv4_log_err("%s", dsv4_error_message());
         dsv4_notify_status("failed: %s", dsv4_error_message());
@@ -358,6 +359,8 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
         return dsv4_error_set(r, "watching the engine's boot: %s", strerror(-r));
     set_reason(s, "loading %s (%s backend requested)", s->model.model_name, dsv4_settings_backend_name(cfg->backend));
     dsv4_notify_status("%s", s->reason);
+    /* Each boot step starts with more time; the timer below adds more while a step lasts. */
+    dsv4_notify_extend(DSV4_SERVER_EXTEND_USEC);
     r = sd_event_add_time(s->event, &s->extend_src, CLOCK_MONOTONIC, timer_in(DSV4_SERVER_EXTEND_PERIOD_USEC), 0,
                           on_extend, s);
     if (r < 0)

@@ -43,6 +43,8 @@ try:
          "the warm-up generation completed before readiness", log)
     t.ok(any("loading" in m.get("STATUS", "") for m in d.notify.messages[:ready]),
          "STATUS reports loading progress during boot", d.notify.messages)
+    t.ok(any(int(m.get("EXTEND_TIMEOUT_USEC", "0")) > 0 for m in d.notify.messages[:ready]),
+         "EXTEND_TIMEOUT_USEC extends the start timeout during boot", d.notify.messages)
     t.ok(all(line[:3] in ("<3>", "<4>", "<5>", "<6>", "<7>") for line in log.splitlines()
              if line and not line.startswith(("Listening on", "Communication attempt", "Execing"))),
          "every log line carries an sd-daemon priority prefix", log)
