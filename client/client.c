@@ -7,7 +7,6 @@
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,11 +24,15 @@
 struct dsv4_client {
     int fd;                          /* -1 when not connected; changed under write_lock */
     int timeout_ms;
-    pthread_mutex_t write_lock;      /* fd writes, next_msgid, fd close */
+    pthread_mutex_t write_lock;      /* fd writes, fd close, and the fields below it */
     uint32_t next_msgid;
-    atomic_bool generating;          /* a generate is waiting for its answer */
-    atomic_uint generate_msgid;
-    atomic_bool cancel_sent;
+    /* The generate call in progress, as dsv4_client_cancel() sees it from any thread. A cancel that
+     * comes before the request is on the wire is remembered and sent right after it. */
+    bool in_generate;
+    bool request_written;
+    bool cancel_wanted;
+    bool cancel_sent;
+    uint32_t generate_msgid;
     struct dsv4_proto_reader reader;
     struct dsv4_proto_limits limits;
     struct dsv4_proto_buf out;       /* frames of the using thread */
@@ -193,17 +196,13 @@ connected:
     return dsv4_client_connect_fd(c, fd);
 }
 
-/* Write a whole frame under the write lock; the fd stays non-blocking, poll waits for room. When
- * mark_generating, the generate in flight becomes cancellable in the same critical section, so a cancel
- * from another thread can never overtake the request it cancels. */
-static int write_frame(struct dsv4_client *c, const uint8_t *data, size_t len, int timeout_ms, bool mark_generating)
+/* Write a whole frame; the caller holds the write lock. The fd stays non-blocking, poll waits for room. */
+static int write_locked(struct dsv4_client *c, const uint8_t *data, size_t len, int timeout_ms)
 {
     int64_t deadline = timeout_ms > 0 ? now_ms() + timeout_ms : -1;
-    int rc = 0;
-    pthread_mutex_lock(&c->write_lock);
     if (c->fd < 0)
-        rc = -ENOTCONN;
-    while (rc == 0 && len > 0) {
+        return -ENOTCONN;
+    while (len > 0) {
         ssize_t n = send(c->fd, data, len, MSG_NOSIGNAL);
         if (n > 0) {
             data += n;
@@ -211,20 +210,48 @@ static int write_frame(struct dsv4_client *c, const uint8_t *data, size_t len, i
         } else if (n < 0 && errno == EINTR) {
             continue;
         } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            rc = wait_fd(c->fd, POLLOUT, deadline);
+            int rc = wait_fd(c->fd, POLLOUT, deadline);
+            if (rc < 0)
+                return rc;
         } else {
-            rc = n < 0 ? -errno : -ECONNRESET;
+            return n < 0 ? -errno : -ECONNRESET;
         }
     }
-    if (rc == 0 && mark_generating)
-        atomic_store(&c->generating, true);
+    return 0;
+}
+
+/* Cancel the generate in progress; the caller holds the write lock. */
+static int send_cancel_locked(struct dsv4_client *c)
+{
+    struct dsv4_proto_cancel req = { .msgid = c->generate_msgid };
+    struct dsv4_proto_buf b;
+    dsv4_proto_buf_init(&b);
+    int rc = dsv4_proto_encode_cancel(&b, c->next_msgid++, &req);
+    if (rc == 0)
+        rc = write_locked(c, b.data, b.len, c->timeout_ms);
+    dsv4_proto_buf_clear(&b);
+    c->cancel_sent = true;
+    return rc;
+}
+
+/* Write a whole frame under the write lock. is_generate marks the generate request on the wire in the
+ * same critical section, and sends a cancel that was asked for before it. */
+static int write_frame(struct dsv4_client *c, const uint8_t *data, size_t len, int timeout_ms, bool is_generate)
+{
+    pthread_mutex_lock(&c->write_lock);
+    int rc = write_locked(c, data, len, timeout_ms);
+    if (rc == 0 && is_generate) {
+        c->request_written = true;
+        if (c->cancel_wanted && !c->cancel_sent)
+            rc = send_cancel_locked(c);
+    }
     pthread_mutex_unlock(&c->write_lock);
     return rc;
 }
 
-static int send_out(struct dsv4_client *c, bool mark_generating)
+static int send_out(struct dsv4_client *c, bool is_generate)
 {
-    int rc = write_frame(c, c->out.data, c->out.len, c->timeout_ms, mark_generating);
+    int rc = write_frame(c, c->out.data, c->out.len, c->timeout_ms, is_generate);
     dsv4_proto_buf_reset(&c->out);
     if (rc == -ENOTCONN)
         return fail(c, rc, "not connected");
@@ -565,23 +592,25 @@ static int generate(struct dsv4_client *c, const struct dsv4_client_generate_par
     struct dsv4_proto_error err;
     memset(res, 0, sizeof(*res));
     reset_error(c);
+    /* cancellable from here on: a cancel before the request is written is sent right after it */
+    pthread_mutex_lock(&c->write_lock);
+    uint32_t id = c->next_msgid++;
+    c->in_generate = true;
+    c->request_written = c->cancel_wanted = c->cancel_sent = false;
+    c->generate_msgid = id;
+    pthread_mutex_unlock(&c->write_lock);
     int rc = build_generate(c, p, stream, &g);
-    if (rc < 0) {
-        free(g.messages);
-        return rc;
-    }
-    uint32_t id = take_msgid(c);
-    rc = check_encoded(c, dsv4_proto_encode_generate(&c->out, id, &g));
+    if (rc == 0)
+        rc = check_encoded(c, dsv4_proto_encode_generate(&c->out, id, &g));
     free(g.messages);   /* everything else in g is borrowed from p */
-    if (rc < 0)
-        return rc;
-    atomic_store(&c->cancel_sent, false);
-    atomic_store(&c->generate_msgid, id);
     struct stream_ctx sc = { id, fn, user };
-    rc = send_out(c, true);
+    if (rc == 0)
+        rc = send_out(c, true);
     if (rc == 0)
         rc = await_response(c, id, on_token, &sc, &resp);
-    atomic_store(&c->generating, false);
+    pthread_mutex_lock(&c->write_lock);
+    c->in_generate = false;
+    pthread_mutex_unlock(&c->write_lock);
     if (rc < 0)
         return rc;
     if (dsv4_proto_decode_generate_result(&resp, &r, &err) < 0)
@@ -637,17 +666,15 @@ void dsv4_client_result_clear(struct dsv4_client_result *r)
 
 int dsv4_client_cancel(struct dsv4_client *c)
 {
-    /* Runs on any thread: touches only atomics, the write lock and a frame of its own. */
-    if (!atomic_load(&c->generating) || atomic_exchange(&c->cancel_sent, true))
-        return 0;
-    struct dsv4_proto_cancel req = { .msgid = atomic_load(&c->generate_msgid) };
-    struct dsv4_proto_buf b;
-    dsv4_proto_buf_init(&b);
-    uint32_t id = take_msgid(c);
-    int rc = dsv4_proto_encode_cancel(&b, id, &req);
-    if (rc == 0)
-        rc = write_frame(c, b.data, b.len, c->timeout_ms, false);
-    dsv4_proto_buf_clear(&b);
+    /* Runs on any thread: everything it touches is under the write lock. */
+    int rc = 0;
+    pthread_mutex_lock(&c->write_lock);
+    if (c->in_generate) {
+        c->cancel_wanted = true;
+        if (c->request_written && !c->cancel_sent)
+            rc = send_cancel_locked(c);
+    }
+    pthread_mutex_unlock(&c->write_lock);
     return rc;
 }
 

@@ -194,7 +194,8 @@ int dsv4_client_generate_stream(struct dsv4_client *c, const struct dsv4_client_
 
 /* Ask the server to stop the generation in progress on this handle. Any thread; returns without
  * waiting (the generate call returns with finish_reason "cancelled", or with what had finished).
- * 0 also when nothing is in progress. */
+ * Any time during a generate call counts: a cancel that comes before the request is on the wire is
+ * sent right after it. Outside a generate call it does nothing and returns 0. */
 int dsv4_client_cancel(struct dsv4_client *c);
 
 /* ---- tokens ---- */
