@@ -46,7 +46,6 @@ struct tok_trie {
     uint64_t *edge_key;   /* [edge_cap] (node + 1) << 8 | byte; 0 = empty */
     uint32_t *edge_child; /* [edge_cap] */
     size_t edge_cap;
-    size_t nedges;
     uint8_t first[32];    /* bitmap of bytes that start some token */
 };
 
@@ -389,7 +388,6 @@ static void trie_add(struct tok_trie *t, const char *s, int32_t index)
             t->edge_child[i] = t->nnodes;
             t->term[t->nnodes] = -1;
             c = t->nnodes++;
-            t->nedges++;
         }
         node = (uint32_t)c;
     }
@@ -1202,6 +1200,8 @@ static int split_added(struct tok_encode *e, int pass, const unsigned char *p, s
 int dsv4_tokenizer_encode(const struct dsv4_tokenizer *tok, const char *text, size_t len,
                           unsigned flags, struct dsv4_tok_ids *out)
 {
+    if (flags & ~(unsigned)(DSV4_TOK_ENCODE_SPECIAL_AS_TEXT | DSV4_TOK_ENCODE_ADDED_AS_TEXT))
+        return dsv4_error_set(-EINVAL, "tokenizer: unknown encode flags 0x%x", flags);
     if (len > DSV4_TOK_MAX_TEXT_BYTES)
         return dsv4_error_set(-E2BIG, "tokenizer: text of %zu bytes exceeds the limit of %zu", len,
                               DSV4_TOK_MAX_TEXT_BYTES);
@@ -1225,6 +1225,8 @@ int dsv4_tokenizer_decode(const struct dsv4_tokenizer *tok, const int32_t *ids, 
                           unsigned flags, char **ret_bytes, size_t *ret_len)
 {
     *ret_bytes = NULL;
+    if (flags & ~(unsigned)DSV4_TOK_DECODE_SKIP_SPECIAL)
+        return dsv4_error_set(-EINVAL, "tokenizer: unknown decode flags 0x%x", flags);
     size_t total = 0;
     for (size_t i = 0; i < n; i++) {
         if (!id_known(tok, ids[i]))
@@ -1260,6 +1262,9 @@ struct dsv4_detok {
 
 int dsv4_detok_new(const struct dsv4_tokenizer *tok, unsigned decode_flags, struct dsv4_detok **ret)
 {
+    *ret = NULL;
+    if (decode_flags & ~(unsigned)DSV4_TOK_DECODE_SKIP_SPECIAL)
+        return dsv4_error_set(-EINVAL, "detokenizer: unknown decode flags 0x%x", decode_flags);
     struct dsv4_detok *d = calloc(1, sizeof(*d));
     if (!d)
         return dsv4_error_set(-ENOMEM, "detokenizer: out of memory");

@@ -241,6 +241,8 @@ static void test_invalid_utf8(void **state)
     size_t len;
     assert_int_equal(dsv4_tokenizer_decode(v4, &bad, 1, 0, &out, &len), -ERANGE);
     assert_non_null(strstr(dsv4_error_message(), "129280"));
+    assert_int_equal(dsv4_tokenizer_encode(v4, "x", 1, 1u << 7, &ids), -EINVAL);
+    assert_int_equal(dsv4_tokenizer_decode(v4, &bad, 0, 1u << 5, &out, &len), -EINVAL);
     dsv4_tok_ids_free(&ids);
 }
 
