@@ -11,10 +11,8 @@
 #include <cublasLt.h>
 
 #include "kernels/cuda_util.cuh"
+#include "kernels/kernels_internal.h"
 
-#define DEV_WINDOW 128                  /* sliding window ring entries per layer */
-#define DEV_KV_ENTRY_FP8 584            /* 448 e4m3 + 64 bf16 + 7 UE8M0 + pad (SPEC §5) */
-#define DEV_IDX_ENTRY_FP4 68            /* 128 e2m1 + 4 UE8M0 */
 #define DEV_VARIANTS_MAX 2048           /* bytes of the variant report */
 
 static std::atomic<uint64_t> launch_counts[DSV4_CUDA_V_COUNT];
@@ -344,43 +342,6 @@ static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f
 
 /* ---- caches and workspaces ---- */
 
-/* Bytes of one slot's caches: window rings, compressed entries, indexer keys, compressor state. */
-static size_t slot_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
-{
-    const bool fp8 = o->numerics == DSV4_NUMERICS_FP8;
-    const size_t entry = fp8 ? DEV_KV_ENTRY_FP8 : (size_t)c->head_dim * sizeof(float);
-    const size_t ientry = fp8 ? DEV_IDX_ENTRY_FP4 : (size_t)c->index_head_dim * sizeof(float);
-    size_t bytes = 0;
-    for (int i = 0; i < c->n_layers; i++) {
-        const int r = c->compress_ratio[i];
-        bytes += align_up(DEV_WINDOW * entry);
-        if (r > 0) {
-            const size_t n = ((size_t)o->max_context + r - 1) / r;
-            const int coff = r == c->csa_ratio ? 2 : 1;
-            bytes += align_up(n * entry);
-            /* partial block: C and Z, coff*d wide, for r tokens (overlap keeps 2r) */
-            bytes += align_up(2 * (size_t)coff * r * c->head_dim * coff * sizeof(float));
-            if (r == c->csa_ratio) {
-                bytes += align_up(n * ientry);
-                bytes += align_up(2 * (size_t)2 * r * c->index_head_dim * 2 * sizeof(float));
-            }
-        }
-    }
-    return bytes;
-}
-
-/* f32 activations per batch row for the decode step (streams, sublayer in/out, q, o, router, experts,
- * logits), generous so that the decode step carves from this without growing the arena. */
-static size_t row_workspace_floats(const struct dsv4_config *c)
-{
-    const size_t D = c->dim, hc = c->hc_mult, HD = (size_t)c->n_heads * c->head_dim;
-    return 2 * hc * D + 6 * D + 2 * HD + 2 * (size_t)c->q_lora_rank +
-           (size_t)c->index_n_heads * c->index_head_dim + 2 * (size_t)c->n_experts +
-           (size_t)c->n_experts_per_tok * ((size_t)c->moe_inter + D) +
-           3 * (size_t)(c->n_shared_experts ? c->n_shared_experts : 1) * c->moe_inter +
-           2 * (2 + hc) * hc + (size_t)c->o_groups * c->o_lora_rank + (size_t)c->vocab_size;
-}
-
 static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), void *ctx, bool variant,
                  const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), void *ctx, bool variant,
@@ -465,9 +426,8 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     wk.vector = size_vector;
     wk.experts = size_experts;
     WALK(walk_weights(&wk, w));
-    cache = (size_t)o->max_batch * slot_cache_bytes(c, o);
-    ws = align_up((size_t)o->max_batch * row_workspace_floats(c) * sizeof(float)) + align_up(lt_ws) +
-         align_up(sizeof(int32_t) * (3 * (size_t)o->max_batch * DSV4_MAX_TOPK + 2)) + DSV4_CUDA_ARENA_ALIGN;
+    cache = align_up(dsv4_cuda_step_cache_bytes(c, o));
+    ws = align_up(dsv4_cuda_step_workspace_bytes(c, o)) + align_up(lt_ws) + 2 * DSV4_CUDA_ARENA_ALIGN;
     dev->arena_size = wk.bytes + cache + ws;
     DSV4_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
     if (dev->arena_size > free_b)
@@ -503,10 +463,10 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     vlog(dev, log, log_ctx, false, "cuda: device %d %s, cc %d.%d, %d SMs, kernels from %s", dev->ordinal,
          prop.name, prop.major, prop.minor, prop.multiProcessorCount, dev->stats.kernel_build);
     vlog(dev, log, log_ctx, false, "cuda: arena %.2f GiB in 1 allocation: weights %.2f GiB (%zu linears, %zu "
-         "vectors, checkpoint formats), caches %.2f GiB (%d slots x %d tokens, %s), workspace %.2f GiB",
+         "vectors, checkpoint formats), caches %.2f GiB (%d+1 slots x %d tokens, %s), workspace %.2f GiB",
          dev->arena_size / 1073741824.0, dev->stats.weight_bytes / 1073741824.0, dev->n_linears, dev->n_vectors,
          cache / 1073741824.0, o->max_batch, o->max_context,
-         o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV 584 B/entry, FP4 indexer keys" : "f32 entries",
+         o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV entries, indexer keys f32 after FP4 rounding" : "f32 entries",
          ws / 1073741824.0);
     vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3)",
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8));
@@ -517,6 +477,11 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     vlog(dev, log, log_ctx, true, "op router: warp-per-token sqrtsoftplus top-k / hash table");
     vlog(dev, log, log_ctx, true, "op rmsnorm: block-per-row");
     vlog(dev, log, log_ctx, true, "op mhc: block-per-token, Sinkhorn in one thread");
+    vlog(dev, log, log_ctx, true, "op attention: split-K (%d) fp32 FMA, %d heads per KV tile, sinks, LSE combine + "
+         "inverse RoPE", DSV4_CUDA_ATT_SPLITS, 32);
+    vlog(dev, log, log_ctx, true, "op compressor: block-per-row update + emission (pool, norm, RoPE, FP8/FP4)");
+    vlog(dev, log, log_ctx, true, "op indexer: thread-per-entry scores, bitwise radix top-k per row");
+    vlog(dev, log, log_ctx, true, "op prefill: loop of one-row decode steps (no chunked GEMM prefill yet)");
     DSV4_CUDA_TRY(cudaStreamSynchronize(dev->stream));
     return 0;
 }
@@ -591,6 +556,21 @@ extern "C" int dsv4_cuda_dev_experts(const struct dsv4_cuda_dev *dev, int layer,
         return dsv4_error_set(-ENOENT, "cuda: layer %d has no routed expert table on the device", layer);
     *ret = dev->experts[layer];
     return 0;
+}
+
+extern "C" const struct dsv4_cuda_linear *dsv4_cuda_dev_linear_for(const struct dsv4_cuda_dev *dev,
+                                                                  const struct dsv4_linear *host)
+{
+    for (size_t i = 0; i < dev->n_linears; i++)
+        if (dev->linears[i].host == host->w && dev->linears[i].lin.out == host->out &&
+            dev->linears[i].lin.in == host->in)
+            return &dev->linears[i].lin;
+    return NULL;
+}
+
+extern "C" void *dsv4_cuda_dev_caches(const struct dsv4_cuda_dev *dev)
+{
+    return dev->caches;
 }
 
 extern "C" int dsv4_cuda_dev_carve(struct dsv4_cuda_dev *dev, size_t bytes, void **ret)

@@ -89,8 +89,8 @@ struct dsv4_cuda_dev_stats {
 /* Count usable GPUs; 0 with a reason in dsv4_error_message() when none. */
 int dsv4_cuda_device_count(void);
 
-/* Boot one device: one cudaMalloc sized for weights + caches (opts->max_batch slots of
- * opts->max_context tokens) + workspaces, weights uploaded in their checkpoint formats, streams and
+/* Boot one device: one cudaMalloc sized for weights + caches (opts->max_batch + 1 slots of
+ * opts->max_context tokens, the last for padding rows) + the decode step's workspace, weights uploaded in their checkpoint formats, streams and
  * the cuBLASLt handle made, kernel variants chosen and logged through `log` (may be NULL). */
 int dsv4_cuda_dev_create(int ordinal, const struct dsv4_weights *w,
                          const struct dsv4_backend_opts *opts,
@@ -100,6 +100,10 @@ void dsv4_cuda_dev_destroy(struct dsv4_cuda_dev *dev);     /* accepts NULL */
 void dsv4_cuda_dev_get_stats(const struct dsv4_cuda_dev *dev, struct dsv4_cuda_dev_stats *ret);
 /* Device copies of the weights: the model's linears, looked up by checkpoint name; NULL if absent. */
 const struct dsv4_cuda_linear *dsv4_cuda_dev_linear(const struct dsv4_cuda_dev *dev, const char *name);
+/* Device copy of a host linear of w (matched by its checkpoint bytes and shape); NULL if absent. */
+const struct dsv4_cuda_linear *dsv4_cuda_dev_linear_for(const struct dsv4_cuda_dev *dev, const struct dsv4_linear *host);
+/* The per-slot caches ((max_batch + 1) slots; the step lays them out). */
+void *dsv4_cuda_dev_caches(const struct dsv4_cuda_dev *dev);
 /* Carve `bytes` of workspace from the arena's free tail (boot only: fails after dsv4_cuda_dev_seal). */
 int dsv4_cuda_dev_carve(struct dsv4_cuda_dev *dev, size_t bytes, void **ret);
 /* After this, carving and capture are refused: the READY state. */

@@ -5,8 +5,9 @@
 # The kernels' CPU twins are plain C and always built, so CI compiles them with the engine.
 libdsv4engine_la_SOURCES += engine/cpu_twin_cuda.c engine/cpu_twin_cuda.h
 
-DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/moe.cu kernels/norm.cu kernels/backend_cuda.cu
-DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh
+DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/moe.cu kernels/norm.cu kernels/attention.cu \
+	kernels/compressor.cu kernels/step.cu
+DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/kernels_internal.h kernels/kv_entry.cuh
 EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES)
 
 GPU_TEST_COMMON = tests/gpu/gpu_test.h
@@ -40,7 +41,8 @@ dsv4_bench_SOURCES = tools/dsv4-bench.c
 dsv4_bench_CFLAGS = $(AM_CFLAGS) $(CUDA_CFLAGS)
 dsv4_bench_LDADD = $(DSV4_CUDA_LDADD) libdsv4engine.la -lm
 
-GPU_TESTS += tests/gpu/test_gpu_linear tests/gpu/test_gpu_moe tests/gpu/test_gpu_norm tests/gpu/test_gpu_device
+GPU_TESTS += tests/gpu/test_gpu_linear tests/gpu/test_gpu_moe tests/gpu/test_gpu_norm tests/gpu/test_gpu_device \
+	tests/gpu/test_gpu_step
 check_PROGRAMS += $(GPU_TESTS)
 GPU_TEST_CFLAGS = $(TEST_ENGINE_CFLAGS) $(CUDA_CFLAGS)
 GPU_TEST_LIBS = $(DSV4_CUDA_LDADD) $(TEST_ENGINE_LIBS) -lm
@@ -56,9 +58,12 @@ tests_gpu_test_gpu_norm_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_device_SOURCES = tests/gpu/test_gpu_device.c $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_device_CFLAGS = $(GPU_TEST_CFLAGS)
 tests_gpu_test_gpu_device_LDADD = $(GPU_TEST_LIBS)
+tests_gpu_test_gpu_step_SOURCES = tests/gpu/test_gpu_step.c $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_step_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
+tests_gpu_test_gpu_step_LDADD = $(GPU_TEST_LIBS) $(JANSSON_LIBS)
 else
 DSV4_CUDA_LDADD =
 DSV4_CUDA_CPPFLAGS =
 EXTRA_DIST += tools/dsv4-bench.c $(GPU_TEST_COMMON) tests/gpu/test_gpu_linear.c tests/gpu/test_gpu_moe.c \
-	tests/gpu/test_gpu_norm.c tests/gpu/test_gpu_device.c
+	tests/gpu/test_gpu_norm.c tests/gpu/test_gpu_device.c tests/gpu/test_gpu_step.c
 endif

@@ -1,0 +1,408 @@
+/* Compressors (decode update and entry emission), the lightning indexer (query prep, scores, top-k),
+ * and the small pieces around the layers: embedding into the streams, hc_head, add. CPU twins:
+ * dsv4_cpu_compressor_push, dsv4_cpu_indexer_select, dsv4_cpu_hc_head (engine/cpu_*.c), checked
+ * through the whole decode step (tests/gpu/test_gpu_step.c). */
+#include "kernels/cuda_util.cuh"
+#include "kernels/kernels_internal.h"
+#include "kernels/kv_entry.cuh"
+
+#define COMP_THREADS 256
+#define FP4_GROUP 32            /* official indexer FP4 block */
+#define E2M1_MAX 6.0f
+
+
+static __device__ float block_sum_256(float v, float *red)
+{
+    const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
+    v = dsv4_warp_sum(v);
+    __syncthreads();
+    if (lane == 0)
+        red[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x / DSV4_CUDA_WARP) ? red[lane] : 0.0f;
+    return dsv4_warp_sum(v);
+}
+
+static __device__ __forceinline__ void rope_pair(float *a, float *b, float inv_freq, int pos)
+{
+    const float angle = inv_freq * (float)pos;
+    const float cs = cosf(angle), sn = sinf(angle), x = *a, y = *b;
+    *a = x * cs - y * sn;
+    *b = y * cs + x * sn;
+}
+
+/* e2m1 round to nearest even on |a| <= 6 (grid 0.5 below 2, 1 below 4, then 2). */
+static __device__ __forceinline__ float e2m1_round(float v)
+{
+    float a = fminf(fabsf(v), E2M1_MAX);
+    a = a < 2.0f ? rintf(a * 2.0f) * 0.5f : a < 4.0f ? rintf(a) : 2.0f * rintf(a * 0.5f);
+    return copysignf(a, v);
+}
+
+/* Shared x[n] (n a power of two): Hadamard (butterflies h = 1, 2, 4, ... as the CPU), scaled by
+ * n^-1/2, then FP4 rounded in groups of 32 with UE8M0 scales. Block-cooperative. */
+static __device__ void hadamard_fp4(float *x, int n, float *sc_s)
+{
+    for (int h = 1; h < n; h *= 2) {
+        for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
+            const int i = (p / h) * 2 * h + p % h;
+            const float a = x[i], b = x[i + h];
+            x[i] = a + b;
+            x[i + h] = a - b;
+        }
+        __syncthreads();
+    }
+    const float norm = 1.0f / sqrtf((float)n);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        x[i] *= norm;
+    __syncthreads();
+    const int ng = (n + FP4_GROUP - 1) / FP4_GROUP;
+    for (int g = threadIdx.x; g < ng; g += blockDim.x) {
+        float amax = 0.0f;
+        for (int i = g * FP4_GROUP; i < min(n, (g + 1) * FP4_GROUP); i++)
+            amax = fmaxf(amax, fabsf(x[i]));
+        uint32_t u = __float_as_uint(fmaxf(amax, DSV4_CUDA_AMAX_FLOOR) / E2M1_MAX), e = (u >> 23) & 0xff;
+        if (u & 0x7fffff)
+            e++;
+        sc_s[g] = __uint_as_float(e << 23);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        x[i] = e2m1_round(x[i] / sc_s[i / FP4_GROUP]) * sc_s[i / FP4_GROUP];
+    __syncthreads();
+}
+
+int64_t dsv4_cuda_comp_state_floats(int ratio, int d, bool overlap)
+{
+    const int64_t width = overlap ? 2 * d : d;
+    return 2 * ratio * width + (overlap ? 2 * (int64_t)ratio * d : 0);
+}
+
+/* One block per row. */
+__global__ void __launch_bounds__(COMP_THREADS) compressor_kernel(const struct dsv4_cuda_comp_args a)
+{
+    extern __shared__ float sm[];
+    float *v_s = sm, *sc_s = sm + a.d, *red = sc_s + a.d / 16 + 8;
+    const int b = blockIdx.x, d = a.d, r = a.ratio, width = a.overlap ? 2 * d : d;
+    const int pos = a.pos[b], row = pos % r;
+    float *st = a.state + a.slot[b] * a.state_slot_stride;
+    float *kv = st, *gate = st + (int64_t)r * width, *pkv = gate + (int64_t)r * width, *pgate = pkv + (int64_t)r * d;
+
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        kv[(int64_t)row * width + i] = a.c[(int64_t)b * width + i];
+        gate[(int64_t)row * width + i] = a.z[(int64_t)b * width + i] + a.ape[(int64_t)row * width + i];
+    }
+    if (row != r - 1)
+        return;
+    __syncthreads();
+    const int own = a.overlap ? d : 0;
+    const bool prev = a.overlap && pos / r >= 1;
+    for (int ch = threadIdx.x; ch < d; ch += blockDim.x) {
+        float m = -INFINITY, den = 0.0f, num = 0.0f;
+        if (prev)
+            for (int j = 0; j < r; j++)
+                m = fmaxf(m, pgate[(int64_t)j * d + ch]);
+        for (int j = 0; j < r; j++)
+            m = fmaxf(m, gate[(int64_t)j * width + own + ch]);
+        if (prev)
+            for (int j = 0; j < r; j++) {
+                const float e = expf(pgate[(int64_t)j * d + ch] - m);
+                den += e;
+                num += e * pkv[(int64_t)j * d + ch];
+            }
+        for (int j = 0; j < r; j++) {
+            const float e = expf(gate[(int64_t)j * width + own + ch] - m);
+            den += e;
+            num += e * kv[(int64_t)j * width + own + ch];
+        }
+        v_s[ch] = num / den;
+    }
+    __syncthreads();
+    float ss = 0.0f;
+    for (int ch = threadIdx.x; ch < d; ch += blockDim.x)
+        ss += v_s[ch] * v_s[ch];
+    const float rs = 1.0f / sqrtf(block_sum_256(ss, red) / d + a.eps);
+    for (int ch = threadIdx.x; ch < d; ch += blockDim.x)
+        v_s[ch] = a.norm[ch] * (v_s[ch] * rs);
+    __syncthreads();
+    for (int i = threadIdx.x; i < a.rd / 2; i += blockDim.x)
+        rope_pair(&v_s[d - a.rd + 2 * i], &v_s[d - a.rd + 2 * i + 1], a.inv_freq[i], pos - (r - 1));
+    __syncthreads();
+    uint8_t *dst = a.entries + a.slot[b] * a.entries_slot_stride + (int64_t)(pos / r) * a.entry_bytes;
+    if (a.indexer) {
+        if (a.fp8)
+            hadamard_fp4(v_s, d, sc_s);
+        for (int ch = threadIdx.x; ch < d; ch += blockDim.x)
+            reinterpret_cast<float *>(dst)[ch] = v_s[ch];
+    } else {
+        dsv4_entry_store(v_s, dst, d, a.rd, a.fp8, sc_s);
+    }
+    if (a.overlap) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < r * d; i += blockDim.x) {
+            const int j = i / d, ch = i % d;
+            pkv[i] = kv[(int64_t)j * width + ch];
+            pgate[i] = gate[(int64_t)j * width + ch];
+        }
+    }
+}
+
+int dsv4_cuda_compressor(const struct dsv4_cuda_comp_args *a, int batch, void *stream)
+{
+    const size_t smem = (size_t)(a->d + a->d / 16 + 8 + COMP_THREADS / DSV4_CUDA_WARP) * sizeof(float);
+    if (a->indexer && (a->d & (a->d - 1)))
+        return dsv4_error_set(-EINVAL, "compressor: indexer width %d must be a power of two (Hadamard)", a->d);
+    if (batch < 1)
+        return 0;
+    compressor_kernel<<<batch, COMP_THREADS, smem, static_cast<cudaStream_t>(stream)>>>(*a);
+    DSV4_CUDA_LAUNCHED("compressor");
+    return 0;
+}
+
+/* grid (B, nI), block 128: RoPE then (fp8) Hadamard + FP4 on one query head. */
+__global__ void indexer_q_kernel(float *q, int nI, int dI, int rd, bool fp8, const int32_t *pos, const float *inv_freq)
+{
+    extern __shared__ float sm[];
+    float *v_s = sm, *sc_s = sm + dI;
+    float *qh = q + ((int64_t)blockIdx.x * nI + blockIdx.y) * dI;
+    for (int i = threadIdx.x; i < dI; i += blockDim.x)
+        v_s[i] = qh[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < rd / 2; i += blockDim.x)
+        rope_pair(&v_s[dI - rd + 2 * i], &v_s[dI - rd + 2 * i + 1], inv_freq[i], pos[blockIdx.x]);
+    __syncthreads();
+    if (fp8)
+        hadamard_fp4(v_s, dI, sc_s);
+    for (int i = threadIdx.x; i < dI; i += blockDim.x)
+        qh[i] = v_s[i];
+}
+
+int dsv4_cuda_indexer_q(float *d_q, int batch, int nI, int dI, int rd, bool fp8, const int32_t *d_pos,
+                        const float *d_inv_freq, void *stream)
+{
+    if (fp8 && (dI & (dI - 1)))
+        return dsv4_error_set(-EINVAL, "indexer: head dim %d must be a power of two (Hadamard)", dI);
+    if (batch < 1)
+        return 0;
+    indexer_q_kernel<<<dim3(batch, nI), 128, (size_t)(dI + dI / FP4_GROUP + 2) * sizeof(float),
+                       static_cast<cudaStream_t>(stream)>>>(d_q, nI, dI, rd, fp8, d_pos, d_inv_freq);
+    DSV4_CUDA_LAUNCHED("indexer_q");
+    return 0;
+}
+
+/* grid (B, ceil(max_entries / 256)): one thread per entry; the row's queries in shared memory.
+ * Rows whose count fits topk skip (every entry is selected). */
+__global__ void indexer_scores_kernel(const struct dsv4_cuda_index_args a)
+{
+    extern __shared__ float q_s[];
+    const int b = blockIdx.x, n = (a.pos[b] + 1) / a.ratio;
+    const int s = blockIdx.y * blockDim.x + threadIdx.x;
+    if (n <= a.topk || blockIdx.y * blockDim.x >= n)
+        return;
+    for (int i = threadIdx.x; i < a.nI * a.dI; i += blockDim.x)
+        q_s[i] = a.q[(int64_t)b * a.nI * a.dI + i];
+    __syncthreads();
+    if (s >= n)
+        return;
+    const float *k = a.keys + a.slot[b] * a.keys_slot_stride + (int64_t)s * a.dI;
+    const float qscale = 1.0f / sqrtf((float)a.dI), wscale = 1.0f / sqrtf((float)a.nI);
+    float score = 0.0f;
+    for (int h = 0; h < a.nI; h++) {
+        float dot = 0.0f;
+        for (int i = 0; i < a.dI; i++)
+            dot += q_s[h * a.dI + i] * k[i];
+        score += (dot > 0.0f ? dot : 0.0f) * qscale * (a.w[(int64_t)b * a.nI + h] * wscale);
+    }
+    a.scores[(int64_t)b * a.max_entries + s] = score;
+}
+
+/* Order-preserving key of a float: larger float, larger key. */
+static __device__ __forceinline__ uint32_t fkey(float f)
+{
+    const uint32_t u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* Block-wide exclusive scan of one int per thread (DSV4_CUDA_TOPK_THREADS threads); returns the total. */
+static __device__ int block_scan(int v, int *excl, int *buf)
+{
+    buf[threadIdx.x] = v;
+    __syncthreads();
+    for (int off = 1; off < (int)blockDim.x; off *= 2) {
+        const int t = threadIdx.x >= (unsigned)off ? buf[threadIdx.x - off] : 0;
+        __syncthreads();
+        buf[threadIdx.x] += t;
+        __syncthreads();
+    }
+    *excl = buf[threadIdx.x] - v;
+    const int total = buf[blockDim.x - 1];
+    __syncthreads();
+    return total;
+}
+
+/* One block per row: the topk largest scores (ties: lower index), written in ascending index
+ * order. The threshold key is found bit by bit (32 counting passes over the row's n scores). */
+__global__ void __launch_bounds__(DSV4_CUDA_TOPK_THREADS) indexer_topk_kernel(const struct dsv4_cuda_index_args a)
+{
+    __shared__ int buf[DSV4_CUDA_TOPK_THREADS];
+    __shared__ int cnt;
+    const int b = blockIdx.x, n = (a.pos[b] + 1) / a.ratio, k = a.topk, T = blockDim.x;
+    const float *sc = a.scores + (int64_t)b * a.max_entries;
+    int32_t *sel = a.sel + (int64_t)b * k;
+
+    if (n <= k) {
+        for (int i = threadIdx.x; i < n; i += T)
+            sel[i] = i;
+        if (threadIdx.x == 0)
+            a.nsel[b] = n;
+        return;
+    }
+    uint32_t thr = 0;
+    for (int bit = 31; bit >= 0; bit--) {
+        const uint32_t cand = thr | (1u << bit);
+        int c = 0;
+        for (int i = threadIdx.x; i < n; i += T)
+            c += fkey(sc[i]) >= cand;
+        if (threadIdx.x == 0)
+            cnt = 0;
+        __syncthreads();
+        atomicAdd(&cnt, c);
+        __syncthreads();
+        if (cnt >= k)
+            thr = cand;
+        __syncthreads();
+    }
+    /* each thread owns a contiguous run of indices, so scans give ascending order */
+    const int per = (n + T - 1) / T, beg = min(n, threadIdx.x * per), end = min(n, beg + per);
+    int gt = 0, eq = 0, gt_total, eq_before, sel_before;
+    for (int i = beg; i < end; i++) {
+        const uint32_t key = fkey(sc[i]);
+        gt += key > thr;
+        eq += key == thr;
+    }
+    int dummy;
+    gt_total = block_scan(gt, &dummy, buf);
+    block_scan(eq, &eq_before, buf);
+    const int need = k - gt_total;      /* ties taken, lowest indices first */
+    int take = gt, e = eq_before;
+    for (int i = beg; i < end; i++)
+        if (fkey(sc[i]) == thr && e++ < need)
+            take++;
+    block_scan(take, &sel_before, buf);
+    e = eq_before;
+    for (int i = beg, o = sel_before; i < end; i++) {
+        const uint32_t key = fkey(sc[i]);
+        if (key > thr || (key == thr && e++ < need))
+            sel[o++] = i;
+    }
+    if (threadIdx.x == 0)
+        a.nsel[b] = k;
+}
+
+int dsv4_cuda_indexer(const struct dsv4_cuda_index_args *a, int batch, void *stream)
+{
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int threads = 256;
+    const size_t qsmem = (size_t)a->nI * a->dI * sizeof(float);
+    if (batch < 1)
+        return 0;
+    if (qsmem > 48 * 1024)
+        return dsv4_error_set(-EINVAL, "indexer: %d heads x %d dims exceed the 48 KiB query tile", a->nI, a->dI);
+    indexer_scores_kernel<<<dim3(batch, (a->max_entries + threads - 1) / threads), threads, qsmem, s>>>(*a);
+    DSV4_CUDA_LAUNCHED("indexer_scores");
+    indexer_topk_kernel<<<batch, DSV4_CUDA_TOPK_THREADS, 0, s>>>(*a);
+    DSV4_CUDA_LAUNCHED("indexer_topk");
+    return 0;
+}
+
+/* One block per row. */
+__global__ void __launch_bounds__(COMP_THREADS)
+hc_head_kernel(const float *X, const float *m, const float *base, const float *scale, int hc, int dim,
+               float hc_eps, float norm_eps, float *y)
+{
+    __shared__ float red[COMP_THREADS / DSV4_CUDA_WARP], pre[DSV4_MAX_HC];
+    const int b = blockIdx.x;
+    const float *Xb = X + (int64_t)b * hc * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hc * dim; i += blockDim.x)
+        ss += Xb[i] * Xb[i];
+    const float r = 1.0f / sqrtf(block_sum_256(ss, red) / (hc * dim) + norm_eps);
+    if (threadIdx.x < hc)
+        pre[threadIdx.x] = 1.0f / (1.0f + expf(-(m[b * hc + threadIdx.x] * r * scale[0] + base[threadIdx.x]))) + hc_eps;
+    __syncthreads();
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < hc; j++)
+            acc += pre[j] * Xb[(int64_t)j * dim + d];
+        y[(int64_t)b * dim + d] = acc;
+    }
+}
+
+int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,
+                      int hc, int dim, float hc_eps, float norm_eps, float *d_y, void *stream)
+{
+    if (hc > DSV4_MAX_HC)
+        return dsv4_error_set(-EINVAL, "hc_head: hc_mult %d over %d", hc, DSV4_MAX_HC);
+    if (batch < 1)
+        return 0;
+    hc_head_kernel<<<batch, COMP_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(d_X, d_m, d_base, d_scale, hc, dim,
+                                                                                   hc_eps, norm_eps, d_y);
+    DSV4_CUDA_LAUNCHED("hc_head");
+    return 0;
+}
+
+/* grid (B), block 256: row token_b of E dequantized into every stream. */
+template <typename WF>
+__global__ void embed_kernel(const struct dsv4_cuda_linear E, const int32_t *tokens, int hc, float *X)
+{
+    const int b = blockIdx.x;
+    const int64_t tok = tokens[b];
+    const uint8_t *row = static_cast<const uint8_t *>(E.w) + tok * wrow_bytes<WF>(E.row_stride);
+    for (int64_t k = threadIdx.x; k < E.in; k += blockDim.x) {
+        float v;
+        if constexpr (WF::vals == wf_f32::vals)
+            v = reinterpret_cast<const float *>(row)[k];
+        else if constexpr (WF::vals == wf_bf16::vals)
+            v = __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(row)[k] << 16);
+        else if constexpr (WF::vals == wf_fp8::vals) {
+            __half_raw h = __nv_cvt_fp8_to_halfraw(row[k], __NV_E4M3);
+            v = __half2float(*reinterpret_cast<__half *>(&h)) * wscale<WF>(E, tok, k);
+        } else
+            v = dsv4_e2m1(row[k / 2] >> (4 * (k & 1))) * wscale<WF>(E, tok, k);
+        for (int j = 0; j < hc; j++)
+            X[((int64_t)b * hc + j) * E.in + k] = v;
+    }
+}
+
+int dsv4_cuda_embed(const struct dsv4_cuda_linear *E, const int32_t *d_tokens, int batch, int hc, float *d_X,
+                    void *stream)
+{
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (batch < 1)
+        return 0;
+    switch (E->fmt) {
+    case DSV4_W_F32: embed_kernel<wf_f32><<<batch, 256, 0, s>>>(*E, d_tokens, hc, d_X); break;
+    case DSV4_W_BF16: embed_kernel<wf_bf16><<<batch, 256, 0, s>>>(*E, d_tokens, hc, d_X); break;
+    case DSV4_W_FP8: embed_kernel<wf_fp8><<<batch, 256, 0, s>>>(*E, d_tokens, hc, d_X); break;
+    case DSV4_W_FP4: embed_kernel<wf_fp4><<<batch, 256, 0, s>>>(*E, d_tokens, hc, d_X); break;
+    default: return dsv4_error_set(-ENOTSUP, "embed: weight format %d has no CUDA kernel", (int)E->fmt);
+    }
+    DSV4_CUDA_LAUNCHED("embed");
+    return 0;
+}
+
+__global__ void add_kernel(float *y, const float *x, int64_t n)
+{
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n)
+        y[i] += x[i];
+}
+
+int dsv4_cuda_add(float *d_y, const float *d_x, int64_t n, void *stream)
+{
+    if (n <= 0)
+        return 0;
+    add_kernel<<<(unsigned)((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(d_y, d_x, n);
+    DSV4_CUDA_LAUNCHED("add");
+    return 0;
+}

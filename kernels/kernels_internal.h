@@ -1,0 +1,109 @@
+/* Kernels of the decode step that only the step (kernels/step.cu) launches: attention, RoPE, the
+ * KV entry codec, compressors and the lightning indexer. Device pointers throughout. */
+#ifndef DSV4_KERNELS_INTERNAL_H
+#define DSV4_KERNELS_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define DSV4_CUDA_MAX_HEAD_DIM 512  /* attention keeps a head's output in 64 registers per thread */
+#define DSV4_CUDA_ATT_SPLITS 16     /* key runs per row, combined by log-sum-exp */
+#define DSV4_CUDA_TOPK_THREADS 1024
+
+/* Arena sizes of the decode step (kernels/step.cu): caches of max_batch + 1 slots, and buffers. */
+size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
+size_t dsv4_cuda_step_workspace_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
+
+/* Bytes of one KV entry (SPEC §5 in fp8 numerics: 584 at head_dim 512, rope 64; f32 otherwise). */
+int dsv4_cuda_kv_entry_bytes(int hd, int rd, bool fp8);
+
+/* d_x [rows, heads, hd]: RoPE (inverse: RoPE^-1) on each head's last rd values at
+ * d_pos[row / rows_per_pos] with frequencies d_inv_freq [rd/2]. */
+int dsv4_cuda_rope(float *d_x, int rows, int heads, int hd, int rd, const int32_t *d_pos, int rows_per_pos,
+                   const float *d_inv_freq, bool inverse, void *stream);
+
+/* d_v [batch, hd] into the window ring of each row's slot at entry pos % window. */
+int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, bool fp8, const int32_t *d_pos,
+                       const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int window, void *stream);
+
+struct dsv4_cuda_att_args {
+    const float *q;             /* [B, H, hd], normed and RoPE'd */
+    int H, hd, rd;
+    bool fp8;
+    int entry_bytes;
+    const int32_t *pos, *slot;  /* [B] */
+    const uint8_t *win;         /* window rings of slot 0 of this layer; slot s at + s * win_slot_stride */
+    int64_t win_slot_stride;
+    int window;
+    const uint8_t *comp;        /* compressed entries of slot 0 (ratio > 0) */
+    int64_t comp_slot_stride;
+    int ratio;                  /* 0: window only */
+    const int32_t *sel;         /* [B, sel_stride] indexer picks (CSA), or NULL: every complete entry */
+    int sel_stride;
+    const int32_t *nsel;        /* [B] */
+    float scale;                /* head_dim^-0.5 */
+    float *part;                /* [B, DSV4_CUDA_ATT_SPLITS, H, hd + 2] workspace */
+};
+
+size_t dsv4_cuda_attention_smem(int hd);
+/* Raise the attention kernel's shared-memory limit (boot, before any capture). */
+int dsv4_cuda_attention_prepare(int hd);
+/* d_o [B, H, hd] = attention with sinks, RoPE^-1 applied at each row's position. */
+int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const float *d_sink,
+                        const float *d_inv_freq, float *d_o, void *stream);
+
+/* One compressor's decode update for `batch` rows: row pos % ratio of the slot's state takes
+ * C = d_c[b] and Z = d_z[b] + ape; when the block completes (pos % ratio == ratio - 1) the entry
+ * pos / ratio is pooled, RMSNormed, RoPE'd at pos - ratio + 1 and stored: as a KV entry (main
+ * compressor, d_entries) or, for the indexer, as f32 (Hadamard + FP4 rounded in fp8 numerics). */
+struct dsv4_cuda_comp_args {
+    const float *c, *z;         /* [B, coff*d] */
+    const float *ape;           /* [ratio, coff*d] */
+    const float *norm;          /* [d] */
+    int ratio, d, rd;
+    bool overlap, fp8, indexer;
+    float eps;
+    const float *inv_freq;      /* compress frequencies [rd/2] */
+    const int32_t *pos, *slot;
+    float *state;               /* slot 0: kv [ratio, coff*d], gate [ratio, coff*d], prev kv, prev gate [ratio, d] */
+    int64_t state_slot_stride;  /* floats */
+    uint8_t *entries;           /* slot 0 of the entry cache */
+    int64_t entries_slot_stride;    /* bytes */
+    int entry_bytes;
+};
+int dsv4_cuda_compressor(const struct dsv4_cuda_comp_args *a, int batch, void *stream);
+/* floats of one slot's state for one compressor */
+int64_t dsv4_cuda_comp_state_floats(int ratio, int d, bool overlap);
+
+/* The lightning indexer. q_prep: d_q [B, nI, dI] gets RoPE (compress frequencies) on each head's last
+ * rd values and, in fp8 numerics, the Hadamard rotation and FP4 rounding. */
+int dsv4_cuda_indexer_q(float *d_q, int batch, int nI, int dI, int rd, bool fp8, const int32_t *d_pos,
+                        const float *d_inv_freq, void *stream);
+/* Scores for rows whose complete-entry count n = (pos+1)/ratio exceeds topk: d_scores [B, max_entries]
+ * (entries < n), score_s = sum_h (w_h nI^-0.5) ReLU(q_h . k_s) dI^-0.5, w = d_w [B, nI] (weights_proj x).
+ * Then the selection: d_sel [B, topk] ascending (every entry when n <= topk), d_nsel [B]. */
+struct dsv4_cuda_index_args {
+    const float *q;             /* [B, nI, dI] */
+    const float *w;             /* [B, nI] */
+    int nI, dI, ratio, topk;
+    const int32_t *pos, *slot;
+    const float *keys;          /* slot 0 of this layer's indexer keys [max_entries, dI] */
+    int64_t keys_slot_stride;   /* floats */
+    int max_entries;
+    float *scores;              /* [B, max_entries] workspace */
+    int32_t *sel;               /* [B, topk] */
+    int32_t *nsel;              /* [B] */
+};
+int dsv4_cuda_indexer(const struct dsv4_cuda_index_args *a, int batch, void *stream);
+
+/* hc_head: d_y [B, D] = sum_j pre_j X[j], pre = sigmoid(m * rsqrt(mean(X^2)+eps) * scale + base) + hc_eps. */
+int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,
+                      int hc, int dim, float hc_eps, float norm_eps, float *d_y, void *stream);
+/* d_X [B, hc, D] = embed[token_b] (any linear format) copied to every stream. */
+int dsv4_cuda_embed(const struct dsv4_cuda_linear *E, const int32_t *d_tokens, int batch, int hc, float *d_X,
+                    void *stream);
+/* d_y[i] += d_x[i] */
+int dsv4_cuda_add(float *d_y, const float *d_x, int64_t n, void *stream);
+
+#endif

@@ -1,0 +1,780 @@
+/* The CUDA backend (engine/backend.h): the whole decode step of SPEC §3 batched over slots, one CUDA
+ * graph per batch bucket captured at create, caches in the official layout.
+ *
+ * Boot: the device arena holds the weights, (max_batch + 1) slots of caches (the extra slot takes
+ * the padding rows of a bucket larger than the batch) and the step's workspace; then one graph per
+ * bucket 1, 2, 4, ..., max_batch is captured. A decode call uploads the rows' tokens, slots and
+ * positions into a fixed device buffer, replays the bucket's graph and copies the logits back: no
+ * allocation, no capture. DSV4_CUDA_GRAPHS=0 runs the same launches eagerly (for comparison).
+ *
+ * Prefill runs as a loop of one-row decode steps (the bucket-1 graph), which is exact but slow;
+ * chunked tensor-core prefill is not built yet. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda_util.cuh"
+#include "kernels/kernels_internal.h"
+
+#define STEP_MAX_BUCKETS 8      /* 1, 2, 4, ..., 64 */
+
+/* Per-slot cache layout of one layer: byte offsets within a slot's block. */
+struct layer_cache {
+    int64_t win, comp, ikeys, cstate, istate;
+};
+
+/* A layer's device weights. */
+struct step_layer {
+    int ratio;
+    bool csa, hash;
+    struct dsv4_cuda_linear hc_attn_fn, hc_ffn_fn, wq_a, wq_b, wkv, wo_a, wo_b, gate, sw1, sw3, sw2;
+    struct dsv4_cuda_linear c_wkv, c_wgate, i_wq_b, i_wproj, ic_wkv, ic_wgate;
+    const float *attn_norm, *ffn_norm, *hca_base, *hca_scale, *hcf_base, *hcf_scale, *q_norm, *kv_norm, *sink;
+    const float *c_ape, *c_norm, *ic_ape, *ic_norm, *gate_bias;
+    const int32_t *tid2eid;
+    struct dsv4_cuda_experts ex;
+    struct layer_cache cache;
+};
+
+/* Step buffers, each [rows of the largest bucket, ...]. */
+struct step_buf {
+    int32_t *in;                /* tokens [B], slots [B], pos [B] */
+    float *X, *X2, *mix, *post, *comb, *y, *xn, *xq, *sub;
+    float *qr, *q, *kv, *o, *z, *part, *cc, *cz, *ic, *iz, *iq, *iw, *iscores;
+    int32_t *isel, *insel, *ridx;
+    float *rlogits, *rw, *sg, *su, *sh, *sout, *hm, *logits;
+    struct dsv4_cuda_moe_ws moe;
+    float *inv_main, *inv_comp;
+};
+
+struct cuda_backend {
+    struct dsv4_backend base;
+    struct dsv4_cuda_dev *dev;
+    const struct dsv4_config *cfg;
+    bool fp8;
+    int slots;                  /* max_batch + 1: the last one takes padding rows */
+    int64_t slot_bytes;
+    uint8_t *caches;
+    struct step_layer *L;
+    struct dsv4_cuda_linear embed, head, hch_fn;
+    const float *norm, *hch_base, *hch_scale;
+    struct step_buf b;
+    int64_t max_in, max_entries;
+    int64_t *pos;               /* host: tokens in each slot */
+    int32_t *h_in;
+    int buckets[STEP_MAX_BUCKETS], n_buckets;
+    cudaGraphExec_t graphs[STEP_MAX_BUCKETS];
+    bool use_graphs;
+    uint64_t captures;
+};
+
+/* ---- sizes shared with the device boot ---- */
+
+static int64_t a256(int64_t n)
+{
+    return (n + 255) / 256 * 256;
+}
+
+static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o, struct layer_cache *lc)
+{
+    const bool fp8 = o->numerics == DSV4_NUMERICS_FP8;
+    const int eb = dsv4_cuda_kv_entry_bytes(c->head_dim, c->rope_dim, fp8);
+    int64_t off = 0;
+    for (int i = 0; i < c->n_layers; i++) {
+        const int r = c->compress_ratio[i];
+        struct layer_cache l = {};
+        l.win = off;
+        off += a256((int64_t)c->window * eb);
+        if (r > 0) {
+            const int64_t n = (o->max_context + r - 1) / r;
+            const bool csa = r == c->csa_ratio;
+            l.comp = off;
+            off += a256(n * eb);
+            l.cstate = off;
+            off += a256(dsv4_cuda_comp_state_floats(r, c->head_dim, csa) * 4);
+            if (csa) {
+                l.ikeys = off;
+                off += a256(n * c->index_head_dim * 4);
+                l.istate = off;
+                off += a256(dsv4_cuda_comp_state_floats(r, c->index_head_dim, true) * 4);
+            }
+        }
+        if (lc)
+            lc[i] = l;
+    }
+    return off;
+}
+
+size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
+{
+    return (size_t)slot_layout(c, o, NULL) * (size_t)(o->max_batch + 1);
+}
+
+static int64_t max_linear_in(const struct dsv4_config *c)
+{
+    int64_t m = (int64_t)c->hc_mult * c->dim;
+    const int64_t cand[] = { c->q_lora_rank, (int64_t)c->n_heads * c->head_dim / c->o_groups,
+                             (int64_t)c->o_groups * c->o_lora_rank, c->moe_inter,
+                             (int64_t)c->moe_inter * (c->n_shared_experts ? c->n_shared_experts : 1) };
+    for (int64_t v : cand)
+        m = v > m ? v : m;
+    return m;
+}
+
+static int64_t max_csa_entries(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
+{
+    return c->csa_ratio > 0 ? (o->max_context + c->csa_ratio - 1) / c->csa_ratio : 1;
+}
+
+/* Carve (or, with base NULL, size) the step buffers for B rows. */
+static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_opts *o, uint8_t *base, struct step_buf *sb)
+{
+    const int64_t B = o->max_batch, D = c->dim, hc = c->hc_mult, H = c->n_heads, hd = c->head_dim;
+    const int64_t E = c->n_experts, K = c->n_experts_per_tok, I = c->moe_inter;
+    const int64_t Is = (int64_t)c->moe_inter * (c->n_shared_experts ? c->n_shared_experts : 1);
+    const int64_t nI = c->index_n_heads, dI = c->index_head_dim;
+    int64_t off = 0;
+    auto take = [&](int64_t bytes) -> void * {
+        void *p = base ? base + off : NULL;
+        off += a256(bytes);
+        return p;
+    };
+    auto f = [&](int64_t n) { return static_cast<float *>(take(n * 4)); };
+    auto i32 = [&](int64_t n) { return static_cast<int32_t *>(take(n * 4)); };
+    struct step_buf t = {};
+    t.in = i32(3 * B);
+    t.X = f(B * hc * D);
+    t.X2 = f(B * hc * D);
+    t.mix = f(B * (2 + hc) * hc);
+    t.post = f(B * hc);
+    t.comb = f(B * hc * hc);
+    t.y = f(B * D);
+    t.xn = f(B * D);
+    t.xq = f(B * max_linear_in(c));
+    t.sub = f(B * D);
+    t.qr = f(B * c->q_lora_rank);
+    t.q = f(B * H * hd);
+    t.kv = f(B * hd);
+    t.o = f(B * H * hd);
+    t.z = f(B * (int64_t)c->o_groups * c->o_lora_rank);
+    t.part = f(B * DSV4_CUDA_ATT_SPLITS * H * (hd + 2));
+    t.cc = f(B * 2 * hd);
+    t.cz = f(B * 2 * hd);
+    t.ic = f(B * 2 * dI);
+    t.iz = f(B * 2 * dI);
+    t.iq = f(B * nI * dI);
+    t.iw = f(B * nI);
+    t.iscores = f(B * max_csa_entries(c, o));
+    t.isel = i32(B * (c->index_topk > 0 ? c->index_topk : 1));
+    t.insel = i32(B);
+    t.rlogits = f(B * E);
+    t.ridx = i32(B * K);
+    t.rw = f(B * K);
+    t.moe.d_groups = i32(3 * B * K + 2);
+    t.moe.d_h = f(B * K * I);
+    t.moe.d_out = f(B * K * D);
+    t.sg = f(B * Is);
+    t.su = f(B * Is);
+    t.sh = f(B * Is);
+    t.sout = f(B * D);
+    t.hm = f(B * hc);
+    t.logits = f(B * c->vocab_size);
+    t.inv_main = f(c->rope_dim / 2);
+    t.inv_comp = f(c->rope_dim / 2);
+    if (sb)
+        *sb = t;
+    return off;
+}
+
+size_t dsv4_cuda_step_workspace_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
+{
+    return (size_t)buffers(c, o, NULL, NULL) + DSV4_CUDA_ARENA_ALIGN;
+}
+
+/* Inverse frequencies as transformers computes them in f32 (SPEC §3: YaRN ramp, no mscale). */
+static void inv_freq(const struct dsv4_rope *p, int rd, float *out)
+{
+    const float base = (float)p->theta;
+    double low = 0.0, high = 0.0;
+    if (p->yarn) {
+        const double l0 = (double)p->yarn_original_max;
+        low = floor(rd * log(l0 / (p->beta_fast * 2.0 * M_PI)) / (2.0 * log(p->theta)));
+        high = ceil(rd * log(l0 / (p->beta_slow * 2.0 * M_PI)) / (2.0 * log(p->theta)));
+        low = low < 0.0 ? 0.0 : low;
+        high = high > rd - 1 ? rd - 1 : high;
+        if (low == high)
+            high += 0.001;
+    }
+    for (int i = 0; i < rd / 2; i++) {
+        const float pos_freq = powf(base, (float)(2 * i) / (float)rd), extrap = 1.0f / pos_freq;
+        if (!p->yarn) {
+            out[i] = extrap;
+            continue;
+        }
+        const float interp = 1.0f / ((float)p->yarn_factor * pos_freq);
+        float ramp = ((float)i - (float)low) / (float)(high - low);
+        ramp = ramp < 0.0f ? 0.0f : ramp > 1.0f ? 1.0f : ramp;
+        const float extrap_w = 1.0f - ramp;
+        out[i] = interp * (1.0f - extrap_w) + extrap * extrap_w;
+    }
+}
+
+/* ---- the step ---- */
+
+static bool quantized(const struct dsv4_cuda_linear *W)
+{
+    return W->fmt == DSV4_W_FP8 || W->fmt == DSV4_W_FP4;
+}
+
+#define STEP(call)                  \
+    do {                            \
+        int rc_ = (call);           \
+        if (rc_ < 0)                \
+            return rc_;             \
+    } while (0)
+
+/* y = W x for B rows; fp8 numerics round x through the 1x128 activation quantizer first when W is
+ * quantized and `raw` is false (the CPU reference's dsv4_cpu_linear_rows). */
+static int lin(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B, float *y,
+               int64_t ldy, bool raw, cudaStream_t s)
+{
+    if (cb->fp8 && !raw && quantized(W)) {
+        if (W->in % DSV4_CUDA_ACT_BLOCK)
+            return dsv4_error_set(-EINVAL, "cuda step: quantized linear of width %lld is not a multiple of %d",
+                                  (long long)W->in, DSV4_CUDA_ACT_BLOCK);
+        if (ldx != W->in)
+            return dsv4_error_set(-EINVAL, "cuda step: quantized linear input must be dense");
+        STEP(dsv4_cuda_fp8_roundtrip(x, B, W->in, DSV4_CUDA_ACT_BLOCK, cb->b.xq, s));
+        x = cb->b.xq;
+        ldx = W->in;
+    }
+    return dsv4_cuda_gemv(W, x, ldx, B, y, ldy, s);
+}
+
+static int attention(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
+{
+    const struct dsv4_config *c = cb->cfg;
+    struct step_buf *t = &cb->b;
+    const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim;
+    const int32_t *pos = t->in + 2 * B, *slot = t->in + B;
+    const float *inv = L->ratio ? t->inv_comp : t->inv_main;
+    const float eps = (float)c->rms_norm_eps;
+    const int eb = dsv4_cuda_kv_entry_bytes(hd, rd, cb->fp8);
+
+    STEP(lin(cb, &L->wq_a, t->xn, c->dim, B, t->qr, c->q_lora_rank, false, s));
+    STEP(dsv4_cuda_rmsnorm(t->qr, L->q_norm, B, c->q_lora_rank, eps, t->qr, s));
+    STEP(lin(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, s));
+    STEP(dsv4_cuda_rmsnorm(t->q, NULL, B * H, hd, eps, t->q, s));
+    STEP(dsv4_cuda_rope(t->q, B, H, hd, rd, pos, 1, inv, false, s));
+    STEP(lin(cb, &L->wkv, t->xn, c->dim, B, t->kv, hd, false, s));
+    STEP(dsv4_cuda_rmsnorm(t->kv, L->kv_norm, B, hd, eps, t->kv, s));
+    STEP(dsv4_cuda_rope(t->kv, B, 1, hd, rd, pos, 1, inv, false, s));
+    STEP(dsv4_cuda_kv_store(t->kv, B, hd, rd, cb->fp8, pos, slot, cb->caches + L->cache.win, cb->slot_bytes,
+                            c->window, s));
+
+    struct dsv4_cuda_att_args a = {};
+    a.q = t->q;
+    a.H = H;
+    a.hd = hd;
+    a.rd = rd;
+    a.fp8 = cb->fp8;
+    a.entry_bytes = eb;
+    a.pos = pos;
+    a.slot = slot;
+    a.win = cb->caches + L->cache.win;
+    a.win_slot_stride = cb->slot_bytes;
+    a.window = c->window;
+    a.scale = 1.0f / sqrtf((float)hd);
+    a.part = t->part;
+    if (L->ratio) {
+        const int coff = L->csa ? 2 : 1;
+        struct dsv4_cuda_comp_args ca = {};
+        STEP(lin(cb, &L->c_wkv, t->xn, c->dim, B, t->cc, coff * hd, false, s));
+        STEP(lin(cb, &L->c_wgate, t->xn, c->dim, B, t->cz, coff * hd, false, s));
+        ca.c = t->cc;
+        ca.z = t->cz;
+        ca.ape = L->c_ape;
+        ca.norm = L->c_norm;
+        ca.ratio = L->ratio;
+        ca.d = hd;
+        ca.rd = rd;
+        ca.overlap = L->csa;
+        ca.fp8 = cb->fp8;
+        ca.indexer = false;
+        ca.eps = eps;
+        ca.inv_freq = t->inv_comp;
+        ca.pos = pos;
+        ca.slot = slot;
+        ca.state = reinterpret_cast<float *>(cb->caches + L->cache.cstate);
+        ca.state_slot_stride = cb->slot_bytes / 4;
+        ca.entries = cb->caches + L->cache.comp;
+        ca.entries_slot_stride = cb->slot_bytes;
+        ca.entry_bytes = eb;
+        STEP(dsv4_cuda_compressor(&ca, B, s));
+        a.comp = cb->caches + L->cache.comp;
+        a.comp_slot_stride = cb->slot_bytes;
+        a.ratio = L->ratio;
+        if (L->csa) {
+            const int nI = c->index_n_heads, dI = c->index_head_dim;
+            STEP(lin(cb, &L->ic_wkv, t->xn, c->dim, B, t->ic, 2 * dI, false, s));
+            STEP(lin(cb, &L->ic_wgate, t->xn, c->dim, B, t->iz, 2 * dI, false, s));
+            ca.c = t->ic;
+            ca.z = t->iz;
+            ca.ape = L->ic_ape;
+            ca.norm = L->ic_norm;
+            ca.d = dI;
+            ca.overlap = true;
+            ca.indexer = true;
+            ca.state = reinterpret_cast<float *>(cb->caches + L->cache.istate);
+            ca.entries = cb->caches + L->cache.ikeys;
+            ca.entry_bytes = dI * 4;
+            STEP(dsv4_cuda_compressor(&ca, B, s));
+            STEP(lin(cb, &L->i_wq_b, t->qr, c->q_lora_rank, B, t->iq, (int64_t)nI * dI, false, s));
+            STEP(dsv4_cuda_indexer_q(t->iq, B, nI, dI, rd, cb->fp8, pos, t->inv_comp, s));
+            STEP(lin(cb, &L->i_wproj, t->xn, c->dim, B, t->iw, nI, false, s));
+            struct dsv4_cuda_index_args ia = {};
+            ia.q = t->iq;
+            ia.w = t->iw;
+            ia.nI = nI;
+            ia.dI = dI;
+            ia.ratio = L->ratio;
+            ia.topk = c->index_topk;
+            ia.pos = pos;
+            ia.slot = slot;
+            ia.keys = reinterpret_cast<const float *>(cb->caches + L->cache.ikeys);
+            ia.keys_slot_stride = cb->slot_bytes / 4;
+            ia.max_entries = (int)cb->max_entries;
+            ia.scores = t->iscores;
+            ia.sel = t->isel;
+            ia.nsel = t->insel;
+            STEP(dsv4_cuda_indexer(&ia, B, s));
+            a.sel = t->isel;
+            a.sel_stride = c->index_topk;
+            a.nsel = t->insel;
+        }
+    }
+    STEP(dsv4_cuda_attention(&a, B, L->sink, inv, t->o, s));
+
+    /* grouped output projection: group g maps heads [g H/G, (g+1) H/G) through rows [g R, (g+1) R) of
+     * wo_a (run unquantized, as the reference runs wo_a in BF16) */
+    const int G = c->o_groups, R = c->o_lora_rank;
+    const int64_t gin = (int64_t)H * hd / G;
+    for (int g = 0; g < G; g++) {
+        struct dsv4_cuda_linear v = L->wo_a;
+        const int64_t r0 = (int64_t)g * R;
+        v.out = R;
+        if (v.fmt == DSV4_W_FP8) {
+            if (r0 % 128)
+                return dsv4_error_set(-EINVAL, "cuda step: o_lora_rank %d is not a multiple of 128 (FP8 wo_a)", R);
+            v.scale += (r0 / 128) * v.scale_stride;
+        } else if (v.fmt == DSV4_W_FP4) {
+            v.scale += r0 * v.scale_stride;
+        }
+        v.w = static_cast<const uint8_t *>(v.w) + r0 * (v.fmt == DSV4_W_F32 ? 4 * v.row_stride :
+                                                        v.fmt == DSV4_W_BF16 ? 2 * v.row_stride :
+                                                        v.fmt == DSV4_W_FP8 ? v.row_stride : v.row_stride / 2);
+        STEP(dsv4_cuda_gemv(&v, t->o + g * gin, (int64_t)H * hd, B, t->z + (int64_t)g * R, (int64_t)G * R, s));
+    }
+    return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, s);
+}
+
+static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
+{
+    const struct dsv4_config *c = cb->cfg;
+    struct step_buf *t = &cb->b;
+    const int D = c->dim, K = c->n_experts_per_tok;
+    struct dsv4_cuda_experts ex = L->ex;
+
+    STEP(lin(cb, &L->gate, t->xn, D, B, t->rlogits, c->n_experts, false, s));
+    STEP(dsv4_cuda_router(t->rlogits, B, c->n_experts, K, L->hash ? NULL : L->gate_bias, L->hash ? L->tid2eid : NULL,
+                          t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
+    ex.quant_act = cb->fp8 && (ex.fmt == DSV4_W_FP8 || ex.fmt == DSV4_W_FP4);
+    const float *x = t->xn;
+    if (ex.quant_act) {
+        STEP(dsv4_cuda_fp8_roundtrip(t->xn, B, D, DSV4_CUDA_ACT_BLOCK, t->xq, s));
+        x = t->xq;
+    }
+    STEP(dsv4_cuda_moe_experts(&ex, x, B, K, t->ridx, t->rw, &t->moe, t->sub, s));
+    if (L->sw1.w) {
+        const int64_t Is = L->sw1.out;
+        STEP(lin(cb, &L->sw1, t->xn, D, B, t->sg, Is, false, s));
+        STEP(lin(cb, &L->sw3, t->xn, D, B, t->su, Is, false, s));
+        STEP(dsv4_cuda_swiglu(t->sg, t->su, B, Is, (float)c->swiglu_limit, t->sh, s));
+        STEP(lin(cb, &L->sw2, t->sh, Is, B, t->sout, D, false, s));
+        STEP(dsv4_cuda_add(t->sub, t->sout, (int64_t)B * D, s));
+    }
+    return 0;
+}
+
+static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *fn, const float *base,
+                        const float *scale, const float *norm, int B, cudaStream_t s)
+{
+    const struct dsv4_config *c = cb->cfg;
+    struct step_buf *t = &cb->b;
+    const int hc = c->hc_mult, D = c->dim;
+    STEP(dsv4_cuda_gemv(fn, t->X, (int64_t)hc * D, B, t->mix, (2 + hc) * hc, s));
+    STEP(dsv4_cuda_mhc_pre(t->X, t->mix, base, scale, B, hc, D, c->hc_sinkhorn_iters > 0 ? c->hc_sinkhorn_iters : 1,
+                           (float)c->hc_eps, (float)c->rms_norm_eps, t->y, t->post, t->comb, s));
+    return dsv4_cuda_rmsnorm(t->y, norm, B, D, (float)c->rms_norm_eps, t->xn, s);
+}
+
+static int sublayer_post(struct cuda_backend *cb, int B, cudaStream_t s)
+{
+    struct step_buf *t = &cb->b;
+    STEP(dsv4_cuda_mhc_post(t->X, t->sub, t->post, t->comb, B, cb->cfg->hc_mult, cb->cfg->dim, t->X2, s));
+    float *tmp = t->X;
+    t->X = t->X2;
+    t->X2 = tmp;
+    return 0;
+}
+
+/* Every launch of one decode step for B rows (a bucket), reading t->in. */
+static int step_launches(struct cuda_backend *cb, int B, cudaStream_t s)
+{
+    const struct dsv4_config *c = cb->cfg;
+    struct step_buf *t = &cb->b;
+    float *X0 = t->X, *X20 = t->X2;
+    int rc = dsv4_cuda_embed(&cb->embed, t->in, B, c->hc_mult, t->X, s);
+    for (int l = 0; rc == 0 && l < c->n_layers; l++) {
+        const struct step_layer *L = &cb->L[l];
+        if ((rc = sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, B, s)) < 0 ||
+            (rc = attention(cb, L, B, s)) < 0 || (rc = sublayer_post(cb, B, s)) < 0 ||
+            (rc = sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, B, s)) < 0 ||
+            (rc = moe(cb, L, B, s)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
+            break;
+    }
+    if (rc == 0)
+        rc = dsv4_cuda_gemv(&cb->hch_fn, t->X, (int64_t)c->hc_mult * c->dim, B, t->hm, c->hc_mult, s);
+    if (rc == 0)
+        rc = dsv4_cuda_hc_head(t->X, t->hm, cb->hch_base, cb->hch_scale, B, c->hc_mult, c->dim, (float)c->hc_eps,
+                               (float)c->rms_norm_eps, t->y, s);
+    if (rc == 0)
+        rc = dsv4_cuda_rmsnorm(t->y, cb->norm, B, c->dim, (float)c->rms_norm_eps, t->xn, s);
+    if (rc == 0)
+        rc = lin(cb, &cb->head, t->xn, c->dim, B, t->logits, c->vocab_size, false, s);
+    /* the stream buffers swap per sublayer; an even count of swaps leaves them in place, but restore
+     * them so every bucket's launches (and graph) see the same assignment */
+    t->X = X0;
+    t->X2 = X20;
+    return rc;
+}
+
+/* ---- backend ops ---- */
+
+static struct cuda_backend *impl(const struct dsv4_backend *b)
+{
+    return static_cast<struct cuda_backend *>(b->impl);
+}
+
+static int bucket_for(const struct cuda_backend *cb, int n)
+{
+    for (int i = 0; i < cb->n_buckets; i++)
+        if (cb->buckets[i] >= n)
+            return i;
+    return -1;
+}
+
+/* Rows [0, n) are the caller's; rows [n, bucket) replay on the padding slot at position 0. */
+static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens, float *logits)
+{
+    const int bi = bucket_for(cb, n), B = cb->buckets[bi];
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    int32_t *tok = cb->h_in, *sl = cb->h_in + B, *pos = cb->h_in + 2 * B;
+
+    for (int i = 0; i < B; i++) {
+        tok[i] = i < n ? tokens[i] : 0;
+        sl[i] = i < n ? slots[i] : cb->slots - 1;
+        pos[i] = i < n ? (int32_t)cb->pos[slots[i]] : 0;
+    }
+    /* the buffer a bucket's launches read: t->in holds tokens [B] slots [B] pos [B] for that B */
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * 3 * B, cudaMemcpyHostToDevice, s));
+    if (cb->use_graphs) {
+        DSV4_CUDA_TRY(cudaGraphLaunch(cb->graphs[bi], s));
+    } else {
+        int rc = step_launches(cb, B, s);
+        if (rc < 0)
+            return rc;
+    }
+    if (logits)
+        DSV4_CUDA_TRY(cudaMemcpyAsync(logits, cb->b.logits, sizeof(float) * n * cb->cfg->vocab_size,
+                                      cudaMemcpyDeviceToHost, s));
+    DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+    for (int i = 0; i < n; i++)
+        cb->pos[slots[i]]++;
+    return 0;
+}
+
+static int check_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens)
+{
+    const struct dsv4_backend_opts *o = &cb->base.opts;
+    if (n < 1 || n > o->max_batch)
+        return dsv4_error_set(-EINVAL, "cuda decode: %d rows, max_batch is %d", n, o->max_batch);
+    for (int i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= o->max_batch)
+            return dsv4_error_set(-EINVAL, "cuda decode: slot %d outside 0..%d", slots[i], o->max_batch - 1);
+        for (int j = 0; j < i; j++)
+            if (slots[j] == slots[i])
+                return dsv4_error_set(-EINVAL, "cuda decode: slot %d appears twice in one step", slots[i]);
+        if (tokens[i] < 0 || tokens[i] >= cb->cfg->vocab_size)
+            return dsv4_error_set(-EINVAL, "cuda decode: token %d outside the vocabulary of %d", tokens[i],
+                                  cb->cfg->vocab_size);
+        if (cb->pos[slots[i]] >= o->max_context)
+            return dsv4_error_set(-ENOSPC, "cuda decode: slot %d is full (%d tokens)", slots[i], o->max_context);
+    }
+    return 0;
+}
+
+static int op_decode(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, float *logits)
+{
+    struct cuda_backend *cb = impl(b);
+    int rc = check_rows(cb, n, slots, tokens);
+    return rc < 0 ? rc : run_rows(cb, n, slots, tokens, logits);
+}
+
+static int op_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, int n, float *logits, bool all_rows)
+{
+    struct cuda_backend *cb = impl(b);
+    const int V = cb->cfg->vocab_size;
+    if (n < 0 || (slot >= 0 && slot < b->opts.max_batch && cb->pos[slot] + n > b->opts.max_context))
+        return dsv4_error_set(-ENOSPC, "cuda prefill: %d tokens do not fit slot %d", n, slot);
+    for (int i = 0; i < n; i++) {
+        int rc = check_rows(cb, 1, &slot, &tokens[i]);
+        if (rc < 0)
+            return rc;
+    }
+    for (int i = 0; i < n; i++) {
+        float *row = logits && all_rows ? logits + (size_t)i * V : logits && i == n - 1 ? logits : NULL;
+        int rc = run_rows(cb, 1, &slot, &tokens[i], row);
+        if (rc < 0)
+            return rc;
+    }
+    return 0;
+}
+
+static void op_slot_reset(struct dsv4_backend *b, int slot)
+{
+    if (slot >= 0 && slot < b->opts.max_batch)
+        impl(b)->pos[slot] = 0;
+}
+
+static int64_t op_slot_position(const struct dsv4_backend *b, int slot)
+{
+    return slot >= 0 && slot < b->opts.max_batch ? impl(b)->pos[slot] : -1;
+}
+
+static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats *ret)
+{
+    struct cuda_backend *cb = impl(b);
+    struct dsv4_cuda_dev_stats st;
+    dsv4_cuda_dev_get_stats(cb->dev, &st);
+    memset(ret, 0, sizeof(*ret));
+    ret->device_allocs = st.device_allocs;
+    ret->graph_captures = cb->captures;
+    ret->bytes_reserved = st.cache_bytes + st.workspace_bytes;
+    snprintf(ret->variant, sizeof(ret->variant), "cuda %.40s, %.40s, %s numerics, %d graphs", st.kernel_build,
+             st.device_name, cb->fp8 ? "fp8" : "exact", cb->use_graphs ? cb->n_buckets : 0);
+}
+
+static void op_destroy(struct dsv4_backend *b)
+{
+    struct cuda_backend *cb = impl(b);
+    for (int i = 0; i < cb->n_buckets; i++)
+        if (cb->graphs[i])
+            cudaGraphExecDestroy(cb->graphs[i]);
+    dsv4_cuda_dev_destroy(cb->dev);
+    free(cb->L);
+    free(cb->pos);
+    free(cb->h_in);
+    free(cb);
+}
+
+static const struct dsv4_backend_ops cuda_ops = {
+    "cuda", op_prefill, op_decode, op_slot_reset, op_slot_position, op_get_stats, op_destroy,
+};
+
+/* ---- create ---- */
+
+static int dev_lin(struct cuda_backend *cb, const struct dsv4_linear *h, struct dsv4_cuda_linear *ret, bool required)
+{
+    const struct dsv4_cuda_linear *d = dsv4_cuda_dev_linear_for(cb->dev, h);
+    if (!d) {
+        memset(ret, 0, sizeof(*ret));
+        return required ? dsv4_error_set(-ENOENT, "cuda: linear %s is not on the device", h->name ? h->name : "?") : 0;
+    }
+    *ret = *d;
+    return 0;
+}
+
+static const float *dev_vec(struct cuda_backend *cb, const void *h)
+{
+    return static_cast<const float *>(h ? dsv4_cuda_dev_vector(cb->dev, h) : NULL);
+}
+
+static int map_layer(struct cuda_backend *cb, int i, const struct dsv4_layer *h, struct step_layer *L)
+{
+    const struct dsv4_config *c = cb->cfg;
+    const struct dsv4_attn *a = &h->attn;
+    const struct dsv4_ffn *f = &h->ffn;
+    L->ratio = h->ratio;
+    L->csa = h->ratio > 0 && h->ratio == c->csa_ratio;
+    L->hash = f->type == DSV4_MLP_HASH;
+    STEP(dev_lin(cb, &h->hc_attn.fn, &L->hc_attn_fn, true));
+    STEP(dev_lin(cb, &h->hc_ffn.fn, &L->hc_ffn_fn, true));
+    STEP(dev_lin(cb, &a->wq_a, &L->wq_a, true));
+    STEP(dev_lin(cb, &a->wq_b, &L->wq_b, true));
+    STEP(dev_lin(cb, &a->wkv, &L->wkv, true));
+    STEP(dev_lin(cb, &a->wo_a, &L->wo_a, true));
+    STEP(dev_lin(cb, &a->wo_b, &L->wo_b, true));
+    STEP(dev_lin(cb, &f->gate, &L->gate, true));
+    STEP(dev_lin(cb, &f->sw1, &L->sw1, false));
+    STEP(dev_lin(cb, &f->sw3, &L->sw3, L->sw1.w != NULL));
+    STEP(dev_lin(cb, &f->sw2, &L->sw2, L->sw1.w != NULL));
+    if (h->ratio > 0) {
+        STEP(dev_lin(cb, &a->comp.wkv, &L->c_wkv, true));
+        STEP(dev_lin(cb, &a->comp.wgate, &L->c_wgate, true));
+        L->c_ape = dev_vec(cb, a->comp.ape);
+        L->c_norm = dev_vec(cb, a->comp.norm);
+    }
+    if (L->csa) {
+        STEP(dev_lin(cb, &a->indexer.wq_b, &L->i_wq_b, true));
+        STEP(dev_lin(cb, &a->indexer.weights_proj, &L->i_wproj, true));
+        STEP(dev_lin(cb, &a->indexer.comp.wkv, &L->ic_wkv, true));
+        STEP(dev_lin(cb, &a->indexer.comp.wgate, &L->ic_wgate, true));
+        L->ic_ape = dev_vec(cb, a->indexer.comp.ape);
+        L->ic_norm = dev_vec(cb, a->indexer.comp.norm);
+    }
+    L->attn_norm = dev_vec(cb, h->attn_norm);
+    L->ffn_norm = dev_vec(cb, h->ffn_norm);
+    L->hca_base = dev_vec(cb, h->hc_attn.base);
+    L->hca_scale = dev_vec(cb, h->hc_attn.scale);
+    L->hcf_base = dev_vec(cb, h->hc_ffn.base);
+    L->hcf_scale = dev_vec(cb, h->hc_ffn.scale);
+    L->q_norm = dev_vec(cb, a->q_norm);
+    L->kv_norm = dev_vec(cb, a->kv_norm);
+    L->sink = dev_vec(cb, a->sink);
+    L->gate_bias = dev_vec(cb, f->gate_bias);
+    L->tid2eid = static_cast<const int32_t *>(f->tid2eid ? dsv4_cuda_dev_vector(cb->dev, f->tid2eid) : NULL);
+    if (!L->attn_norm || !L->ffn_norm || !L->hca_base || !L->hcf_base || !L->q_norm || !L->kv_norm || !L->sink ||
+        (L->hash && !L->tid2eid) || (h->ratio > 0 && (!L->c_ape || !L->c_norm)) ||
+        (L->csa && (!L->ic_ape || !L->ic_norm)))
+        return dsv4_error_set(-ENOENT, "cuda: layer %d: a norm, bias, sink or table is missing on the device", i);
+    return dsv4_cuda_dev_experts(cb->dev, i, &L->ex);
+}
+
+static int capture(struct cuda_backend *cb)
+{
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    for (int i = 0; i < cb->n_buckets; i++) {
+        cudaGraph_t g;
+        int rc;
+        DSV4_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        rc = step_launches(cb, cb->buckets[i], s);
+        cudaError_t e = cudaStreamEndCapture(s, &g);
+        if (rc < 0)
+            return rc;
+        if (e != cudaSuccess)
+            return dsv4_error_set(-EIO, "cuda: capturing the bucket-%d step: %s", cb->buckets[i], cudaGetErrorString(e));
+        e = cudaGraphInstantiate(&cb->graphs[i], g, 0);
+        cudaGraphDestroy(g);
+        if (e != cudaSuccess)
+            return dsv4_error_set(-EIO, "cuda: instantiating the bucket-%d step: %s", cb->buckets[i],
+                                  cudaGetErrorString(e));
+        cb->captures++;
+    }
+    return 0;
+}
+
+static void log_stderr(void *ctx, const char *line)
+{
+    if (getenv("DSV4_CUDA_LOG"))
+        fprintf(stderr, "%s\n", line);
+}
+
+static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const struct dsv4_backend_opts *opts)
+{
+    const struct dsv4_config *c = &w->cfg;
+    const char *g = getenv("DSV4_CUDA_GRAPHS");
+    float inv[2][DSV4_CUDA_MAX_HEAD_DIM / 2];
+    void *p;
+
+    if (c->rope_dim < 2 || c->rope_dim % 2 || c->rope_dim > c->head_dim || c->head_dim > DSV4_CUDA_MAX_HEAD_DIM)
+        return dsv4_error_set(-EINVAL, "cuda: head_dim %d (max %d) with rope dims %d", c->head_dim,
+                              DSV4_CUDA_MAX_HEAD_DIM, c->rope_dim);
+    cb->cfg = c;
+    cb->fp8 = opts->numerics == DSV4_NUMERICS_FP8;
+    cb->slots = opts->max_batch + 1;
+    cb->use_graphs = !(g && strcmp(g, "0") == 0);
+    STEP(dsv4_cuda_attention_prepare(c->head_dim));
+    STEP(dsv4_cuda_dev_create(0, w, opts, log_stderr, NULL, &cb->dev));
+    cb->L = static_cast<struct step_layer *>(calloc(c->n_layers, sizeof(*cb->L)));
+    cb->pos = static_cast<int64_t *>(calloc(cb->slots, sizeof(*cb->pos)));
+    cb->h_in = static_cast<int32_t *>(calloc(3 * (size_t)opts->max_batch, sizeof(*cb->h_in)));
+    if (!cb->L || !cb->pos || !cb->h_in)
+        return dsv4_error_set(-ENOMEM, "cuda: backend tables");
+    struct layer_cache *lc = static_cast<struct layer_cache *>(calloc(c->n_layers, sizeof(*lc)));
+    if (!lc)
+        return dsv4_error_set(-ENOMEM, "cuda: cache layout");
+    cb->slot_bytes = slot_layout(c, opts, lc);
+    for (int i = 0; i < c->n_layers; i++)
+        cb->L[i].cache = lc[i];
+    free(lc);
+    cb->caches = static_cast<uint8_t *>(dsv4_cuda_dev_caches(cb->dev));
+    cb->max_entries = max_csa_entries(c, opts);
+    STEP(dsv4_cuda_dev_carve(cb->dev, (size_t)buffers(c, opts, NULL, NULL), &p));
+    buffers(c, opts, static_cast<uint8_t *>(p), &cb->b);
+    inv_freq(&c->rope_main, c->rope_dim, inv[0]);
+    inv_freq(&c->rope_compress, c->rope_dim, inv[1]);
+    DSV4_CUDA_TRY(cudaMemcpy(cb->b.inv_main, inv[0], sizeof(float) * c->rope_dim / 2, cudaMemcpyHostToDevice));
+    DSV4_CUDA_TRY(cudaMemcpy(cb->b.inv_comp, inv[1], sizeof(float) * c->rope_dim / 2, cudaMemcpyHostToDevice));
+
+    STEP(dev_lin(cb, &w->embed, &cb->embed, true));
+    STEP(dev_lin(cb, &w->head, &cb->head, true));
+    STEP(dev_lin(cb, &w->hc_head.fn, &cb->hch_fn, true));
+    cb->norm = dev_vec(cb, w->norm);
+    cb->hch_base = dev_vec(cb, w->hc_head.base);
+    cb->hch_scale = dev_vec(cb, w->hc_head.scale);
+    if (!cb->norm || !cb->hch_base || !cb->hch_scale)
+        return dsv4_error_set(-ENOENT, "cuda: the final norm or hc_head vectors are missing on the device");
+    for (int i = 0; i < c->n_layers; i++)
+        STEP(map_layer(cb, i, &w->layers[i], &cb->L[i]));
+
+    for (int bsz = 1; bsz < opts->max_batch && cb->n_buckets < STEP_MAX_BUCKETS - 1; bsz *= 2)
+        cb->buckets[cb->n_buckets++] = bsz;
+    cb->buckets[cb->n_buckets++] = opts->max_batch;
+    /* the launches once eagerly (errors surface outside a capture), then the graphs */
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    DSV4_CUDA_TRY(cudaMemsetAsync(cb->b.in, 0, sizeof(int32_t) * 3 * opts->max_batch, s));
+    for (int i = 0; i < opts->max_batch; i++)
+        cb->h_in[opts->max_batch + i] = cb->slots - 1;
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * 3 * opts->max_batch, cudaMemcpyHostToDevice, s));
+    STEP(step_launches(cb, opts->max_batch, s));
+    DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+    if (cb->use_graphs)
+        STEP(capture(cb));
+    dsv4_cuda_dev_seal(cb->dev);
+    return 0;
+}
+
+extern "C" int dsv4_backend_cuda_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
+                                        struct dsv4_backend **ret)
+{
+    struct cuda_backend *cb;
+    int rc;
+
+    if (dsv4_cuda_device_count() == 0)
+        return -ENODEV;
+    cb = static_cast<struct cuda_backend *>(calloc(1, sizeof(*cb)));
+    if (!cb)
+        return dsv4_error_set(-ENOMEM, "cuda: backend state");
+    cb->base.ops = &cuda_ops;
+    cb->base.weights = w;
+    cb->base.opts = *opts;
+    cb->base.impl = cb;
+    rc = create(cb, w, opts);
+    if (rc < 0) {
+        op_destroy(&cb->base);
+        return rc;
+    }
+    *ret = &cb->base;
+    return 0;
+}

@@ -1,0 +1,255 @@
+/* GPU: the whole decode step against the CPU reference backend on the committed fixtures
+ * (tests/fixtures/tiny_*), in both numerics: the prompt (GPU prefill = one-row decode steps), then 16
+ * greedy steps, each backend fed its own argmax.
+ *   - greedy tokens identical over the 16 steps;
+ *   - every logits row within LOGITS_BOUND of the CPU's: max |gpu - cpu| / max |cpu|
+ *     (exact: f32 summation order only; fp8: also the official cache layout's bf16 RoPE dims, which
+ *     the CPU reference keeps in f32);
+ *   - rows of a batch bit-identical to the same rows decoded alone (batch invariance);
+ *   - graph replay bit-identical to eager launches (DSV4_CUDA_GRAPHS=0);
+ *   - 1000 short requests served with the device allocation and capture counters flat and the
+ *     device's free memory unchanged. */
+#include "build-config.h"
+
+#include <jansson.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include "tests/gpu/gpu_test.h"
+
+#define EXACT_BOUND 1e-4
+#define FP8_BOUND 2e-2
+#define DECODE_STEPS 16
+#define MAX_CTX 512
+#define BATCH 4
+#define REQUESTS 1000
+
+static const char *const fixtures[] = { "tiny_a", "tiny_b", "tiny_c" };
+
+struct prompt {
+    int32_t *tokens;
+    int n;
+};
+
+static void load_prompt(const char *dir, int which, struct prompt *p)
+{
+    char path[1024];
+    json_error_t err;
+    snprintf(path, sizeof(path), "%s/tests/fixtures/%s/cases.json", DSV4_SRCDIR, dir);
+    json_t *root = json_load_file(path, 0, &err), *c, *toks;
+    if (!root)
+        fail_msg("%s: %s", path, err.text);
+    c = json_array_get(root, (size_t)which);
+    toks = json_object_get(c, "tokens");
+    assert_non_null(toks);
+    p->n = (int)json_array_size(toks);
+    p->tokens = malloc(sizeof(int32_t) * (size_t)p->n);
+    for (int i = 0; i < p->n; i++)
+        p->tokens[i] = (int32_t)json_integer_value(json_array_get(toks, (size_t)i));
+    json_decref(root);
+}
+
+static int argmax(const float *v, int n)
+{
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (v[i] > v[best])
+            best = i;
+    return best;
+}
+
+static double row_err(const float *g, const float *c, int V)
+{
+    double num = 0.0, den = 0.0;
+    for (int i = 0; i < V; i++) {
+        if (!isfinite(g[i]))
+            return INFINITY;
+        num = fmax(num, fabs((double)g[i] - c[i]));
+        den = fmax(den, fabs((double)c[i]));
+    }
+    return num / den;
+}
+
+/* Prompt then DECODE_STEPS greedy steps on `slot`: logits [P + steps, V], greedy [steps]. */
+static void run_sequence(struct dsv4_backend *b, int slot, const struct prompt *p, int V, float *logits, int32_t *greedy)
+{
+    DSV4_OK(b->ops->prefill(b, slot, p->tokens, p->n, logits, true));
+    for (int s = 0; s < DECODE_STEPS; s++) {
+        int32_t tok = (int32_t)argmax(logits + (size_t)(p->n - 1 + s) * V, V);
+        greedy[s] = tok;
+        DSV4_OK(b->ops->decode(b, 1, &slot, &tok, logits + (size_t)(p->n + s) * V));
+    }
+}
+
+static void check_fixture(const char *dir, enum dsv4_numerics num)
+{
+    char path[1024];
+    struct dsv4_weights *w = NULL;
+    struct dsv4_backend *cpu = NULL, *gpu = NULL;
+    struct dsv4_backend_opts opts = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = num, .threads = 1 };
+    struct prompt p;
+    const double bound = num == DSV4_NUMERICS_EXACT ? EXACT_BOUND : FP8_BOUND;
+    const char *nname = num == DSV4_NUMERICS_EXACT ? "exact" : "fp8";
+
+    snprintf(path, sizeof(path), "%s/tests/fixtures/%s", DSV4_SRCDIR, dir);
+    DSV4_OK(dsv4_weights_load(path, &w));
+    DSV4_OK(dsv4_backend_cpu_create(w, &opts, &cpu));
+    DSV4_OK(dsv4_backend_cuda_create(w, &opts, &gpu));
+    load_prompt(dir, 0, &p);
+    const int V = w->cfg.vocab_size, rows = p.n + DECODE_STEPS;
+    float *lc = malloc(sizeof(float) * (size_t)rows * V), *lg = malloc(sizeof(float) * (size_t)rows * V);
+    int32_t gc[DECODE_STEPS], gg[DECODE_STEPS];
+
+    run_sequence(cpu, 0, &p, V, lc, gc);
+    run_sequence(gpu, 0, &p, V, lg, gg);
+    double worst = 0.0;
+    int worst_row = 0, same = 0;
+    for (int r = 0; r < rows; r++) {
+        double e = row_err(lg + (size_t)r * V, lc + (size_t)r * V, V);
+        if (!(e <= worst))
+            worst = e, worst_row = r;
+    }
+    for (int s = 0; s < DECODE_STEPS; s++)
+        same += gc[s] == gg[s];
+    printf("# %s %s: %d prompt + %d greedy rows, worst row error %.3g (row %d, bound %.0e), greedy %d/%d identical\n",
+           dir, nname, p.n, DECODE_STEPS, worst, worst_row, bound, same, DECODE_STEPS);
+    if (!(worst <= bound))
+        fail_msg("%s %s: logits row %d differs by %g (bound %g)", dir, nname, worst_row, worst, bound);
+    assert_int_equal(same, DECODE_STEPS);
+
+    dsv4_backend_destroy(gpu);
+    dsv4_backend_destroy(cpu);
+    dsv4_weights_free(w);
+    free(lc);
+    free(lg);
+    free(p.tokens);
+}
+
+static void test_fixtures_exact(void **state)
+{
+    for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++)
+        check_fixture(fixtures[i], DSV4_NUMERICS_EXACT);
+}
+
+static void test_fixtures_fp8(void **state)
+{
+    for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++)
+        check_fixture(fixtures[i], DSV4_NUMERICS_FP8);
+}
+
+/* BATCH slots each with their own prompt (different lengths), decoded together; then the same
+ * rows one at a time on a second backend: bit-identical. Also graphs against eager. */
+static void test_batch_and_graphs(void **state)
+{
+    char path[1024];
+    struct dsv4_weights *w = NULL;
+    struct dsv4_backend *together = NULL, *alone = NULL, *eager = NULL;
+    struct dsv4_backend_opts opts = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = DSV4_NUMERICS_FP8 };
+    struct prompt p;
+    int slots[BATCH];
+    int32_t toks[BATCH];
+
+    snprintf(path, sizeof(path), "%s/tests/fixtures/tiny_a", DSV4_SRCDIR);
+    DSV4_OK(dsv4_weights_load(path, &w));
+    DSV4_OK(dsv4_backend_cuda_create(w, &opts, &together));
+    DSV4_OK(dsv4_backend_cuda_create(w, &opts, &alone));
+    setenv("DSV4_CUDA_GRAPHS", "0", 1);
+    DSV4_OK(dsv4_backend_cuda_create(w, &opts, &eager));
+    unsetenv("DSV4_CUDA_GRAPHS");
+    load_prompt("tiny_a", 0, &p);
+    const int V = w->cfg.vocab_size;
+    float *a = malloc(sizeof(float) * BATCH * V), *b = malloc(sizeof(float) * BATCH * V);
+    float *e = malloc(sizeof(float) * BATCH * V);
+
+    for (int s = 0; s < BATCH; s++) {
+        const int n = 20 + 9 * s;       /* crosses compressed-block and window boundaries differently */
+        slots[s] = s;
+        DSV4_OK(together->ops->prefill(together, s, p.tokens, n, NULL, false));
+        DSV4_OK(alone->ops->prefill(alone, s, p.tokens, n, NULL, false));
+        DSV4_OK(eager->ops->prefill(eager, s, p.tokens, n, NULL, false));
+    }
+    size_t diff_alone = 0, diff_eager = 0;
+    for (int step = 0; step < DECODE_STEPS; step++) {
+        for (int s = 0; s < BATCH; s++)
+            toks[s] = (int32_t)(2 + (gt_u64() % (uint64_t)(V - 2)));
+        DSV4_OK(together->ops->decode(together, BATCH, slots, toks, a));
+        DSV4_OK(eager->ops->decode(eager, BATCH, slots, toks, e));
+        for (int s = 0; s < BATCH; s++)
+            DSV4_OK(alone->ops->decode(alone, 1, &slots[s], &toks[s], b + (size_t)s * V));
+        diff_alone += memcmp(a, b, sizeof(float) * BATCH * V) != 0;
+        diff_eager += memcmp(a, e, sizeof(float) * BATCH * V) != 0;
+    }
+    printf("# batch of %d vs one row at a time: %zu of %d steps differ; graphs vs eager: %zu differ\n", BATCH,
+           diff_alone, DECODE_STEPS, diff_eager);
+    assert_int_equal(diff_alone, 0);
+    assert_int_equal(diff_eager, 0);
+    dsv4_backend_destroy(together);
+    dsv4_backend_destroy(alone);
+    dsv4_backend_destroy(eager);
+    dsv4_weights_free(w);
+    free(a);
+    free(b);
+    free(e);
+    free(p.tokens);
+}
+
+/* REQUESTS short requests (reset, 3-token prompt, 3 decode steps) over rotating slots and batch sizes. */
+static void test_no_allocation_after_ready(void **state)
+{
+    char path[1024];
+    struct dsv4_weights *w = NULL;
+    struct dsv4_backend *b = NULL;
+    struct dsv4_backend_opts opts = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = DSV4_NUMERICS_FP8 };
+    struct dsv4_backend_stats st0, st1;
+    size_t free0, free1, total;
+
+    snprintf(path, sizeof(path), "%s/tests/fixtures/tiny_b", DSV4_SRCDIR);
+    DSV4_OK(dsv4_weights_load(path, &w));
+    DSV4_OK(dsv4_backend_cuda_create(w, &opts, &b));
+    b->ops->get_stats(b, &st0);
+    CUDA_OK(cudaMemGetInfo(&free0, &total));
+    const int V = w->cfg.vocab_size;
+    float *logits = malloc(sizeof(float) * BATCH * V);
+    for (int r = 0; r < REQUESTS; r += BATCH) {
+        int slots[BATCH], n = 1 + r / BATCH % BATCH;
+        int32_t prompt[3], toks[BATCH];
+        for (int s = 0; s < n; s++) {
+            slots[s] = s;
+            b->ops->slot_reset(b, s);
+            for (int i = 0; i < 3; i++)
+                prompt[i] = (int32_t)(2 + gt_u64() % (uint64_t)(V - 2));
+            DSV4_OK(b->ops->prefill(b, s, prompt, 3, logits, false));
+        }
+        for (int step = 0; step < 3; step++) {
+            for (int s = 0; s < n; s++)
+                toks[s] = (int32_t)(2 + gt_u64() % (uint64_t)(V - 2));
+            DSV4_OK(b->ops->decode(b, n, slots, toks, logits));
+        }
+    }
+    b->ops->get_stats(b, &st1);
+    CUDA_OK(cudaMemGetInfo(&free1, &total));
+    printf("# %d requests: device allocations %llu -> %llu, graph captures %llu -> %llu, free device memory "
+           "%zu -> %zu; %s\n", REQUESTS, (unsigned long long)st0.device_allocs, (unsigned long long)st1.device_allocs,
+           (unsigned long long)st0.graph_captures, (unsigned long long)st1.graph_captures, free0, free1, st1.variant);
+    assert_int_equal(st0.device_allocs, 1);
+    assert_int_equal(st1.device_allocs, st0.device_allocs);
+    assert_int_equal(st1.graph_captures, st0.graph_captures);
+    assert_true(st0.graph_captures >= 1);
+    assert_int_equal(free1, free0);
+    dsv4_backend_destroy(b);
+    dsv4_weights_free(w);
+    free(logits);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fixtures_exact),
+        cmocka_unit_test(test_fixtures_fp8),
+        cmocka_unit_test(test_batch_and_graphs),
+        cmocka_unit_test(test_no_allocation_after_ready),
+    };
+    return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
+}
