@@ -20,7 +20,8 @@
  *
  * Thread safety: a handle is used by one thread at a time, with one exception: dsv4_client_cancel() may
  * be called from any thread (or from a signal-handling thread, or from inside the token callback) while
- * another thread is inside dsv4_client_generate*() on the same handle. Different handles are
+ * another thread is inside dsv4_client_generate*() on the same handle (it must not race with
+ * dsv4_client_close(): stop calling it before closing). Different handles are
  * independent. The library keeps no global state and installs no signal handlers; it writes with
  * MSG_NOSIGNAL, so a closed server never raises SIGPIPE. Strings in and out are UTF-8. */
 #ifndef DSV4CLIENT_H
