@@ -2,22 +2,33 @@
  * bytes it must move over the measured device copy bandwidth: the floor no version can beat.
  *
  *   dsv4-bench [--batch 1,64] [--reps N]
+ *   dsv4-bench --model DIR [--batch 1,16,64] [--context N]    (the whole decode step)
  *
  * Each kernel is captured REPS times into one CUDA graph (launch gaps out of the numbers), reading
  * rotating copies of its weights that together exceed the L2 several times over, so the numbers
  * are HBM numbers; the graph is replayed and the median replay over REPS is reported. Weights hold
- * random values in their checkpoint formats (no NaN codes, scales near real ones), never zeros. */
+ * random values in their checkpoint formats (no NaN codes, scales near real ones), never zeros.
+ *
+ * With --model (a checkpoint from dsv4-mkckpt) it times the CUDA backend's decode step instead:
+ * every slot of the batch holds a short prompt, each step is timed on the host around the backend
+ * call (input upload, graph replay, logits download), median of BENCH_STEPS. The floor counts the
+ * weights every step reads (everything but the routed experts, plus the experts the batch routes
+ * to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy bandwidth. */
 #include "build-config.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_runtime_api.h>
 
+#include "engine/backend.h"
 #include "engine/error.h"
+#include "engine/weights.h"
 #include "kernels/dsv4cuda.h"
 
 #define BENCH_ROTATE_BYTES (512u << 20)     /* rotate weight copies until they span 512 MiB */
@@ -25,6 +36,8 @@
 #define BENCH_REPLAYS 7
 #define BENCH_MAX_BATCHES 8
 #define BENCH_COPY_BYTES (2ull << 30)       /* device-to-device copy for the bandwidth ceiling */
+#define BENCH_STEPS 21                      /* decode steps timed per batch size (--model) */
+#define BENCH_PROMPT 8                      /* tokens each slot holds before the timed steps */
 
 #define TRY(call)                                                                              \
     do {                                                                                       \
@@ -289,9 +302,92 @@ static int parse_batches(const char *arg, int *out)
     return n;
 }
 
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+static double linear_bytes(const struct dsv4_linear *l)
+{
+    switch (l->fmt) {
+    case DSV4_W_F32: return (double)l->out * l->in * 4;
+    case DSV4_W_BF16:
+    case DSV4_W_F16: return (double)l->out * l->in * 2;
+    case DSV4_W_FP8: return (double)l->out * l->in + (double)((l->out + 127) / 128) * l->scale_stride;
+    case DSV4_W_FP4: return (double)l->out * l->in / 2 + (double)l->out * l->scale_stride;
+    }
+    return 0.0;
+}
+
+static int bench_model(const char *dir, const int *batches, int nb, int context)
+{
+    struct dsv4_weights *w = NULL;
+    struct dsv4_backend *b = NULL;
+    struct dsv4_backend_opts opts = { .max_batch = DSV4_CUDA_MAX_BATCH, .max_context = context,
+                                      .numerics = DSV4_NUMERICS_FP8 };
+    struct dsv4_backend_stats st;
+    double t0 = now_us();
+
+    OK(dsv4_weights_load(dir, &w));
+    const struct dsv4_config *c = &w->cfg;
+    OK(dsv4_backend_cuda_create(w, &opts, &b));
+    b->ops->get_stats(b, &st);
+    printf("# %s: %d layers, %.2f GB of weights, boot %.1f s (load, upload, %llu graphs), %s\n", dir, c->n_layers,
+           w->bytes_total / 1e9, (now_us() - t0) / 1e6, (unsigned long long)st.graph_captures, st.variant);
+
+    /* bytes every step reads apart from the routed experts; the embedding contributes a row per token */
+    double expert = 0.0, routed_all = 0.0;
+    for (int l = 0; l < c->n_layers; l++)
+        for (int e = 0; e < c->n_experts; e++) {
+            double eb = linear_bytes(&w->layers[l].ffn.w1[e]) + linear_bytes(&w->layers[l].ffn.w3[e]) +
+                        linear_bytes(&w->layers[l].ffn.w2[e]);
+            routed_all += eb;
+            expert = eb;
+        }
+    const double dense = (double)w->bytes_total - routed_all - linear_bytes(&w->embed);
+    const int V = c->vocab_size;
+    float *logits = malloc(sizeof(float) * (size_t)DSV4_CUDA_MAX_BATCH * V);
+    int slots[DSV4_CUDA_MAX_BATCH];
+    int32_t toks[DSV4_CUDA_MAX_BATCH], prompt[BENCH_PROMPT];
+    printf("%-34s %5s %10s %12s %10s %7s %8s\n", "decode step", "batch", "us", "MB moved", "floor us", "x floor",
+           "GB/s");
+    for (int i = 0; i < nb; i++) {
+        const int B = batches[i];
+        float us[BENCH_STEPS];
+        for (int s = 0; s < B; s++) {
+            slots[s] = s;
+            b->ops->slot_reset(b, s);
+            for (int t = 0; t < BENCH_PROMPT; t++)
+                prompt[t] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+            OK(b->ops->prefill(b, s, prompt, BENCH_PROMPT, NULL, false));
+        }
+        for (int step = 0; step < BENCH_STEPS + 1; step++) {
+            for (int s = 0; s < B; s++)
+                toks[s] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+            double a = now_us();
+            OK(b->ops->decode(b, B, slots, toks, logits));
+            if (step > 0)           /* the first step warms up */
+                us[step - 1] = (float)(now_us() - a);
+        }
+        const double K = c->n_experts_per_tok, E = c->n_experts;
+        const double distinct = E * (1.0 - pow(1.0 - K / E, B));
+        const double bytes = dense + c->n_layers * distinct * expert + (double)B * (c->dim * 2 + 4.0 * V);
+        char what[64];
+        snprintf(what, sizeof(what), "%d-layer step (%.0f experts/layer)", c->n_layers, distinct);
+        report(what, B, median(us, BENCH_STEPS), bytes);
+    }
+    free(logits);
+    dsv4_backend_destroy(b);
+    dsv4_weights_free(w);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
-    int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20;
+    int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096;
+    const char *model = NULL;
     const int topk = 6, E = 256, D = 4096, I = 2048;
     struct job j;
     struct dsv4_cuda_expert *tab;
@@ -305,6 +401,14 @@ int main(int argc, char **argv)
                 fprintf(stderr, "dsv4-bench: --batch takes a list like 1,64 of values 1..%d\n", DSV4_CUDA_MAX_BATCH);
                 return 2;
             }
+        } else if (!strcmp(argv[i], "--model") && i + 1 < argc) {
+            model = argv[++i];
+        } else if (!strcmp(argv[i], "--context") && i + 1 < argc) {
+            context = atoi(argv[++i]);
+            if (context < BENCH_PROMPT + BENCH_STEPS + 1) {
+                fprintf(stderr, "dsv4-bench: --context must be at least %d\n", BENCH_PROMPT + BENCH_STEPS + 1);
+                return 2;
+            }
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
             reps = atoi(argv[++i]);
             if (reps < 1 || reps > BENCH_MAX_COPIES * 4) {
@@ -312,7 +416,7 @@ int main(int argc, char **argv)
                 return 2;
             }
         } else {
-            fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N]\n");
+            fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N]\n");
             return 2;
         }
     }
@@ -321,6 +425,8 @@ int main(int argc, char **argv)
         return 1;
     }
     measure_copy();
+    if (model)
+        return bench_model(model, batches, nb, context);
 
     /* activations and scratch for the largest batch */
     x = dev_random((size_t)DSV4_CUDA_MAX_BATCH * 32768 * sizeof(float), FILL_ACT);
