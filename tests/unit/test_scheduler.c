@@ -1035,6 +1035,66 @@ static void test_engine_thread(void **state)
     env_close(&e);
 }
 
+/* A reader that falls behind: steps refuse with -EAGAIN once the event ring cannot hold a step's
+ * events, nothing is lost, and the answers are the oracle's. */
+static void test_event_backpressure(void **state)
+{
+    struct env e;
+    env_open(&e, &FAKE_LONG, 4, 256, 64, 8);
+    int32_t prompt[12];
+    uint64_t st = 21;
+    random_prompt(&st, prompt, 12);
+    static struct outcome o[4];
+    struct dsv4_sched_request rq[4];
+    for (int i = 0; i < 4; i++) {
+        rq[i] = make_request(prompt, 6 + i, 60, i);
+        submit(&e, &rq[i], &o[i]);
+    }
+    int steps = 0, r;
+    while ((r = dsv4_sched_step(e.s)) == 1)
+        steps++;
+    assert_int_equal(r, -EAGAIN);
+    assert_true(steps >= 5);
+    struct dsv4_sched_stats stt;
+    dsv4_sched_get_stats(e.s, &stt);
+    assert_true(stt.events_pending >= 4 * steps);
+    drain_events(e.s);
+    run_all(&e, o, 4);
+    for (int i = 0; i < 4; i++) {
+        int32_t want[OUT_MAX];
+        int n = oracle(&e.fo, &rq[i], 256, want, OUT_MAX, o[i].res.seed);
+        assert_same_tokens(&o[i], want, n);
+        assert_int_equal(o[i].stream_len, o[i].res.text_len);
+    }
+    env_close(&e);
+}
+
+/* dsv4_sched_run() returns once a drain has ended everything. */
+static void test_run_drain(void **state)
+{
+    struct env e;
+    env_open(&e, &FAKE_LONG, 2, 256, 32, 8);
+    int32_t prompt[8] = { 2, 4, 6, 8, 10, 12, 14, 16 };
+    static struct outcome o[4];
+    for (int i = 0; i < 4; i++) {
+        struct dsv4_sched_request rq = make_request(prompt, 8, 0, i);
+        submit(&e, &rq, &o[i]);
+    }
+    struct runner rn = { e.s, -1 };
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, run_thread, &rn), 0);
+    dsv4_sched_drain(e.s, 0.0);
+    pthread_join(th, NULL);
+    assert_int_equal(rn.rc, 0);
+    assert_true(dsv4_sched_drained(e.s));
+    drain_events(e.s);
+    for (int i = 0; i < 4; i++) {
+        assert_true(o[i].finished);
+        assert_int_equal(o[i].res.finish, DSV4_FINISH_CANCELLED);
+    }
+    env_close(&e);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1052,6 +1112,8 @@ int main(void)
         cmocka_unit_test(test_backend_error),
         cmocka_unit_test(test_tokenizer_text),
         cmocka_unit_test(test_engine_thread),
+        cmocka_unit_test(test_event_backpressure),
+        cmocka_unit_test(test_run_drain),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
