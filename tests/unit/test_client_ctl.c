@@ -32,7 +32,8 @@ enum scenario {
     SC_ECHO,          /* generate: n tokens spelling "t0 t1 ...", with the request checked by the test */
     SC_REJECT,        /* generate: error response prompt_too_long */
     SC_FAIL,          /* generate: result with finish_reason error */
-    SC_SLOW,          /* generate: tokens every 5 ms until a cancel arrives */
+    SC_SLOW,          /* generate: SIGINT to the peer after the first token, then tokens every 5 ms until a
+                         cancel arrives */
     SC_LOADING,       /* health: loading */
 };
 
@@ -41,7 +42,6 @@ static struct {
     char path[108];
     pthread_t thread;
     enum scenario sc;
-    pid_t child;                       /* SC_SLOW sends it SIGINT after the first token */
     struct dsv4_proto_generate last;   /* the last generate request, for the test to inspect */
     bool have_last;
     pthread_mutex_t lock;
@@ -126,8 +126,14 @@ static void answer_generate(int fd, struct dsv4_proto_reader *r, const struct ds
         }
         if (sc == SC_SLOW) {
             struct dsv4_proto_message cm;
-            if (i == 0)
-                kill(srv.child, SIGINT);
+            if (i == 0) {
+                /* the peer's pid from the kernel, so the signal can only reach dsv4ctl */
+                struct ucred cred;
+                socklen_t cred_len = sizeof(cred);
+                assert_int_equal(getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len), 0);
+                assert_true(cred.pid > 1);
+                assert_int_equal(kill(cred.pid, SIGINT), 0);
+            }
             if (next_request(fd, r, &cm, 5) == 1) {
                 struct dsv4_proto_cancel c;
                 bool ours = cm.method == DSV4_PROTO_METHOD_CANCEL && dsv4_proto_decode_cancel(&cm, &c, &err) == 0 &&
@@ -280,7 +286,7 @@ static void drain(int fd, char *buf, size_t cap)
     buf[n] = '\0';
 }
 
-/* Run the built dsv4ctl with args, stdin_text on its stdin; srv.child is its pid while it runs. */
+/* Run the built dsv4ctl with args, stdin_text on its stdin. */
 static void run_ctl(struct run *r, const char *stdin_text, const char *const *args)
 {
     const char *top = getenv("top_builddir");
@@ -309,7 +315,6 @@ static void run_ctl(struct run *r, const char *stdin_text, const char *const *ar
     posix_spawn_file_actions_addclose(&fa, err[0]);
     pid_t pid;
     assert_int_equal(posix_spawn(&pid, prog, &fa, NULL, (char *const *)argv, environ), 0);
-    srv.child = pid;
     posix_spawn_file_actions_destroy(&fa);
     close(in[0]);
     close(out[1]);
