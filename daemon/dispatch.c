@@ -248,7 +248,8 @@ static void do_hello(struct dsv4_server *s, struct dsv4_conn *c, const struct ds
     res.backend = (char *)(s->sched ? dsv4_host_backend_name(s->host) : dsv4_settings_backend_name(s->cfg->backend));
     res.limits.max_frame = (uint32_t)s->cfg->max_frame;
     res.limits.max_prompt_tokens = (uint32_t)dsv4_settings_prompt_limit(s->cfg);
-    res.limits.max_tokens = (uint32_t)s->cfg->max_context;
+    /* No cap: a max_tokens past what fits ends with finish_reason "length" (see model_limits()). */
+    res.limits.max_tokens = 0;
     res.limits.max_connections = (uint32_t)s->cfg->max_connections;
     res.limits.max_queue = (uint32_t)s->cfg->max_queued;
     res.limits.max_requests_per_connection = (uint32_t)s->cfg->max_requests_per_conn;

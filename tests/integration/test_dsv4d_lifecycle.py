@@ -165,6 +165,17 @@ try:
 finally:
     d.close()
 
+d = Daemon(activation=False, args=["--allow-users", str(other_uid), "--allow-groups", str(os.getgid())])
+try:
+    t.ok(d.start(), "dsv4d allowing our group becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    err, h = c.call("health")
+    t.ok(err is None and h["status"] == "ready", "a peer whose group is in allow_groups is served", (err, h))
+    c.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
 d = Daemon(activation=False, args=["--allow-users", "%d,%d" % (other_uid, os.getuid())])
 try:
     t.ok(d.start(), "dsv4d allowing our uid becomes ready", d.log_text())
