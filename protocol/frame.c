@@ -135,8 +135,13 @@ int dsv4_proto_reader_space(struct dsv4_proto_reader *r, uint8_t **ptr, size_t *
     int rc = pending_frame(r, &n, err);
     if (rc < 0)
         return rc;
-    if (rc > 0 && (size_t)n + DSV4_PROTO_FRAME_HEADER > need)
-        need = (size_t)n + DSV4_PROTO_FRAME_HEADER;
+    if (rc > 0 && (size_t)n + DSV4_PROTO_FRAME_HEADER > need && r->len == r->cap) {
+        /* Grow only when full, by doubling up to the frame: a peer that announces a large frame and
+         * then sends slowly holds at most twice what it actually sent. */
+        need = r->cap * 2;
+        if (need > (size_t)n + DSV4_PROTO_FRAME_HEADER)
+            need = (size_t)n + DSV4_PROTO_FRAME_HEADER;
+    }
     if (r->cap < need) {
         uint8_t *p = realloc(r->buf, need);
         if (!p)

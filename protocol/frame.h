@@ -60,7 +60,8 @@ void dsv4_proto_reader_clear(struct dsv4_proto_reader *r);
 
 /* Space to read(2) into: *ptr and *avail (0 only while a complete frame is waiting: take it with
  * dsv4_proto_reader_next() first). The buffer never exceeds max(DSV4_PROTO_READER_INITIAL, 4 + the
- * length of the frame being assembled), and it grows only after that length was checked. Returns 0, -ENOMEM, or -EBADMSG with err = DSV4_PROTO_E_FRAME_TOO_LARGE / FRAME_EMPTY when the
+ * length of the frame being assembled), nor twice the bytes received: it grows only after that length
+ * was checked, and by doubling when full. Returns 0, -ENOMEM, or -EBADMSG with err = DSV4_PROTO_E_FRAME_TOO_LARGE / FRAME_EMPTY when the
  * pending header is already unacceptable (the connection must then be closed). */
 int dsv4_proto_reader_space(struct dsv4_proto_reader *r, uint8_t **ptr, size_t *avail,
                             struct dsv4_proto_error *err);

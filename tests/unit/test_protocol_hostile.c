@@ -599,6 +599,25 @@ static void test_reader_limits(void **state)
         dsv4_proto_reader_clear(&r);
     }
 
+    /* a frame of exactly the maximum, announced and then sent slowly: the buffer follows the bytes
+     * received (at most twice them), not the announced length */
+    dsv4_proto_reader_init(&r, 0);
+    static const uint8_t max_frame[] = { 0x00, 0x80, 0x00, 0x00 };   /* 8 MiB */
+    size_t sent = 0;
+    assert_int_equal(dsv4_proto_reader_space(&r, &p, &avail, &err), 0);
+    memcpy(p, max_frame, 4);
+    dsv4_proto_reader_commit(&r, 4);
+    for (int k = 0; k < 200; k++) {
+        assert_int_equal(dsv4_proto_reader_space(&r, &p, &avail, &err), 0);
+        size_t chunk = avail < 1000 ? avail : 1000;
+        memset(p, 0xc0, chunk);
+        dsv4_proto_reader_commit(&r, chunk);
+        sent += chunk;
+        assert_true(r.cap <= DSV4_PROTO_READER_INITIAL || r.cap <= 2 * (sent + 4));
+        assert_int_equal(dsv4_proto_reader_next(&r, &payload, &len, &err), 0);
+    }
+    dsv4_proto_reader_clear(&r);
+
     /* a configured smaller maximum; exactly the maximum passes */
     dsv4_proto_reader_init(&r, 16);
     static const uint8_t ok16[] = { 0, 0, 0, 16 };
