@@ -3,17 +3,22 @@
 tokenizer.json and the same corpus (NUL-separated records, see build_corpus.py). Prints TAP.
 
 Checks: ids of every record (default flags, special tokens as text, all added tokens as text),
-ids of the whole corpus as one string, decode(encode(corpus)) == corpus, and decoding random id
-sequences (cut characters, special tokens, skip_special) to the exact string `tokenizers` returns.
+ids of freshly generated text (new seed each run, printed), ids of the whole corpus as one
+string, decode(encode(corpus)) == corpus, and decoding fresh random id sequences (cut characters,
+special tokens, skip_special) to the exact string `tokenizers` returns.
 
 usage: diff_test.py DSV4_RUN TOKENIZER_JSON CORPUS
 """
 import json
+import os
 import random
 import subprocess
 import sys
 
 from tokenizers import Tokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import build_corpus  # noqa: E402  (the corpus generator, beside this file)
 
 failures = 0
 count = 0
@@ -79,6 +84,13 @@ def main():
     compare_records(dsv4_run, tok_path, hf, records, ["--special-as-text"], "special tokens as text")
     hf.encode_special_tokens = False
 
+    # Fresh text every run (the corpus is fixed): the corpus generator with a new seed.
+    seed = random.SystemRandom().randrange(1 << 32)
+    rng = random.Random(seed)
+    fresh = [r for r in build_corpus.chop(rng, build_corpus.generated(
+        rng, 300_000, build_corpus.special_contents())) if r]
+    compare_records(dsv4_run, tok_path, hf, fresh, [], f"fresh generated text (seed {seed})")
+
     # Oracle for "no added token recognised": the same file with its added tokens removed.
     spec = json.load(open(tok_path, encoding="utf-8"))
     spec["added_tokens"] = []
@@ -95,7 +107,9 @@ def main():
     tap(back == data, "decode(encode(corpus)) == corpus",
         f"{len(back)} bytes back for {len(data)}" if back != data else "")
 
-    rng = random.Random(7)
+    seed = random.SystemRandom().randrange(1 << 32)
+    rng = random.Random(seed)
+    print(f"# decode seed {seed}")
     vocab = hf.get_vocab_size()
     special = [i for i, t in added.items() if t.special]
     seqs = []
