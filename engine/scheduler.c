@@ -401,7 +401,7 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     pthread_mutex_init(&s->pool_lock, NULL);
     pthread_cond_init(&s->pool_go, NULL);
     pthread_cond_init(&s->pool_done, NULL);
-    s->n_threads = lim.sampler_threads;
+    s->n_threads = lim.sampler_threads < max_batch ? lim.sampler_threads : max_batch;
 
     int r = -ENOMEM;
     s->event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

@@ -62,7 +62,7 @@
 #define DSV4_SCHED_ERROR_MAX 256
 #define DSV4_SCHED_BATCH_BUCKETS 9          /* decode batch sizes 1, 2, 3-4, 5-8, ..., 129+ */
 #define DSV4_SCHED_REQUESTS_MAX 65536       /* max_requests ceiling */
-#define DSV4_SCHED_SAMPLER_THREADS_MAX 64
+#define DSV4_SCHED_SAMPLER_THREADS_MAX 1024
 
 struct dsv4_tokenizer;
 struct dsv4_sched;
@@ -80,7 +80,8 @@ struct dsv4_sched_limits {
     int max_output_tokens;  /* per request; 0 = min(max_context, 32768) */
     int max_output_bytes;   /* text per request; 0 = 8 * max_output_tokens */
     int max_unreleased;     /* finished requests holding output buffers until released; 0 = max_batch */
-    int sampler_threads;    /* threads sampling a decode step's rows, the engine thread included; 0 = 1 */
+    int sampler_threads;    /* threads sampling a decode step's rows, the engine thread included; 0 = 1; */
+                            /* at most max_batch are started (one row each is the most they can use) */
     /* Text from ids: when token_bytes is set it is used and the tokenizer may be NULL (tests, tools). */
     struct dsv4_sched_detok detok;
 };
