@@ -241,7 +241,7 @@ static void do_hello(struct dsv4_server *s, struct dsv4_conn *c, const struct ds
     res.model.n_routed_experts = (uint32_t)s->model.n_experts;
     res.model.experts_per_token = (uint32_t)s->model.n_experts_per_tok;
     res.model.bos_id = s->bos_id;
-    res.model.eos_id = s->has_chat ? s->tags.eos : s->model.eos_id;
+    res.model.eos_id = s->model.eos_id;     /* the id the engine stops on */
     res.max_context = (uint32_t)s->cfg->max_context;
     res.max_batch = (uint32_t)s->cfg->max_batch;
     /* Before boot has picked one, the configured choice ("auto"). */

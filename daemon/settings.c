@@ -186,6 +186,7 @@ int dsv4_settings_set(struct dsv4_settings *s, const char *key, const char *valu
 
     if (!o)
         return dsv4_error_set(-EINVAL, "%s: unknown setting '%s'", where, key);
+    key = o->key;   /* messages name the setting as the config file spells it */
     field = (char *)s + o->offset;
     switch (o->type) {
     case OPT_PATH:

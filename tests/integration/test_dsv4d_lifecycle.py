@@ -15,10 +15,10 @@ from dsv4d_harness import (BOS, LONG_PROMPT, FIXTURE_MODEL, TIMEOUT, Client, Dae
 t = Tap()
 
 
-def run_dsv4d(tmp, listen):
+def run_dsv4d(tmp, listen, *extra, model=FIXTURE_MODEL):
     """dsv4d --listen PATH in the foreground, for the cases where it must refuse to start."""
-    return subprocess.run([program("dsv4d"), "--config", "", "--model", FIXTURE_MODEL, "--backend", "cpu",
-                           "--tokenizer", os.path.join(tmp, "tokenizer.json"), "--listen", listen],
+    return subprocess.run([program("dsv4d"), "--config", "", "--model", model, "--backend", "cpu",
+                           "--tokenizer", os.path.join(tmp, "tokenizer.json"), "--listen", listen] + list(extra),
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -145,6 +145,23 @@ with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
         kept = f.read() == "keep me\n"
     t.ok(out.returncode != 0 and "not a socket" in out.stderr and kept,
          "--listen refuses a path that is not a socket and leaves it alone", out.stderr)
+
+# Failures at start: the exit status says whether a restart can help (2: settings, 1: run time).
+with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
+    write_tokenizer(os.path.join(tmp, "tokenizer.json"))
+    sock = os.path.join(tmp, "s.sock")
+    out = run_dsv4d(tmp, sock, model=os.path.join(tmp, "no-such-model"))
+    t.ok(out.returncode == 2 and "no-such-model" in out.stderr, "a missing model directory exits 2, named",
+         (out.returncode, out.stderr))
+    out = run_dsv4d(tmp, sock, "--max-batch", "0")
+    t.ok(out.returncode == 2 and "max_batch" in out.stderr, "a bad setting exits 2, named", (out.returncode, out.stderr))
+    out = run_dsv4d(tmp, sock, "--backend", "cuda")
+    if "built without the CUDA backend" in out.stderr:
+        t.ok(out.returncode == 1 and "<3>" in out.stderr, "--backend cuda without the CUDA backend fails at boot (exit 1)",
+             (out.returncode, out.stderr))
+    else:
+        t.ok(out.returncode in (0, 1), "--backend cuda on a CUDA build", (out.returncode, out.stderr))
+    t.ok(not os.path.exists(sock), "a daemon that failed removes the socket it bound")
 
 # ---- allowlist ----------------------------------------------------------------------------------------
 other_uid = 4242 if os.getuid() != 4242 else 4243
