@@ -5,10 +5,11 @@ connection, while a witness client on another connection keeps being served."""
 
 import socket
 import struct
+import threading
 
 import msgpack
 
-from dsv4d_harness import BOS, LONG_PROMPT, Client, Closed, Daemon, Tap, tokens_bin
+from dsv4d_harness import BOS, LONG_PROMPT, TIMEOUT, Client, Closed, Daemon, Tap, tokens_bin
 
 t = Tap()
 
@@ -172,6 +173,26 @@ try:
         pass
     t.ok(spray.closed_by_peer(), "a frame of garbage gets the connection closed")
     witness_ok("a frame of garbage")
+
+    # A client pipelining 20000 requests while reading slowly: the daemon stops reading it while its
+    # answers back up (bounded memory), serves others meanwhile, and answers every request in order.
+    flood = Client(d.sock_path)
+    N = 20000
+    burst = b"".join(request("health", {}, msgid=i) for i in range(N))
+    sender = threading.Thread(target=flood.send_raw, args=(burst,))
+    sender.start()
+    witness_ok("a client flooding requests")
+    ids = []
+    try:
+        while len(ids) < N:
+            m = flood.recv()
+            ids.append(m[1] if m[0] == 1 and m[2] is None else None)
+    except Closed:
+        pass
+    sender.join(TIMEOUT)
+    t.ok(ids == list(range(N)), "all %d pipelined requests are answered, in order" % N,
+         "%d answers, first bad at %r" % (len(ids), next((i for i, x in enumerate(ids) if x != i), None)))
+    flood.close()
 
     err, res = witness.call("generate", {"tokens": tokens_bin([BOS, 20, 21]), "max_tokens": 4, "temperature": 0.0})
     t.ok(err is None and res["usage"]["completion_tokens"] >= 1, "generation still works after all of it", err)
