@@ -252,6 +252,7 @@ class Daemon:
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=e)
         self.trigger = None
+        self.stopped = False
 
     def wait_socket(self):
         """systemd-socket-activate binds before it execs dsv4d; --listen binds during startup."""
@@ -272,6 +273,7 @@ class Daemon:
 
     def stop(self, sig=signal.SIGTERM):
         """Signal and reap; returns the exit status (negative: killed by a signal)."""
+        self.stopped = True
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
@@ -287,9 +289,16 @@ class Daemon:
             return f.read().decode("utf-8", "replace")
 
     def close(self):
-        if self.proc.poll() is None:
+        """Kill what is left. A daemon that died on its own (a crash, a sanitizer report) leaves its log's
+        tail in the TAP output as comments."""
+        rc = self.proc.poll()
+        if rc is None:
             self.proc.kill()
             self.proc.wait()
+        elif rc != 0 and not self.stopped:
+            print("# dsv4d exited with status %d on its own; the end of its log:" % rc)
+            for line in self.log_text().splitlines()[-80:]:
+                print("#   " + line)
         if self.trigger:
             self.trigger.close()
         self.notify.close()

@@ -116,6 +116,7 @@ try:
     err, h = c.call("health")
     t.ok(err is None and h["status"] == "ready", "the first daemon keeps serving", h)
     c.close()
+    d.stopped = True
     d.proc.kill()       # leaves its socket file behind: stale
     d.proc.wait()
     t.ok(os.path.exists(d.sock_path), "a killed daemon leaves a stale socket file")
