@@ -124,6 +124,7 @@ def main():
                        else rng.randrange(3, 259))  # low ids: single bytes, often cut characters
         if not has_nul.intersection(seq):
             seqs.append(seq)
+    seqs += [[i] for i in sorted(added) if not has_nul.intersection([i])]  # every added token alone
     for skip, args in ((False, []), (True, ["--skip-special"])):
         want = [hf.decode(seq, skip_special_tokens=skip).encode("utf-8") for seq in seqs]
         lines = "".join(" ".join(map(str, seq)) + "\n" for seq in seqs).encode()
@@ -132,7 +133,8 @@ def main():
         for seq, w, g in zip(seqs, want, got_b):
             if w != g and not bad:
                 bad = f"ids {seq}\ntokenizers {w!r}\ndsv4-run   {g!r}"
-        tap(not bad, f"decode of {len(seqs)} random id sequences (skip_special_tokens={skip})", bad)
+        tap(not bad, f"decode of {len(seqs)} id sequences, random and each added token "
+            f"(skip_special_tokens={skip})", bad)
 
     print(f"1..{count}")
     return 1 if failures else 0
