@@ -2,8 +2,9 @@
  * DeepSeek-V3/V4 family.
  *
  * What a file must contain (anything else is refused with a message naming the part):
- *   model          BPE, byte_fallback false, no dropout/unk/continuing-subword prefix/end-of-word suffix;
- *                  merges as "a b" strings or ["a", "b"] pairs
+ *   model          BPE, byte_fallback and ignore_merges false, no dropout, continuing-subword prefix
+ *                  or end-of-word suffix; a symbol for each of the 256 bytes (so unk_token, if any,
+ *                  is never needed); merges as "a b" strings or ["a", "b"] pairs
  *   added_tokens   id, content, special, normalized; lstrip/rstrip/single_word must be false
  *   normalizer     null or an empty Sequence (identity)
  *   pre_tokenizer  a Sequence of Split{Regex, Isolated, invert false} followed by
