@@ -490,6 +490,9 @@ def greedy_answers(model, enc, questions, device):
 
 
 def evaluate(model_dir, device):
+    # Measure in true float32, as the engine computes.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     enc = Encoder(tok)
     model = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
