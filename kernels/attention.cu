@@ -5,6 +5,8 @@
  *
  * KV entry (one vector of head_dim values; keys and values are the same vectors):
  *   fp8 numerics: [nope e4m3][rope_dim bf16][ceil(nope/64) UE8M0][pad to 8 bytes] = 584 B at 512/64;
+ *   fp8 numerics with DSV4_CUDA_KV_ROPE=f32: the RoPE values in f32 (712 B), as the CPU reference
+ *   keeps them, so the two can be compared to rounding;
  *   exact numerics: head_dim f32. */
 #include <cuda_bf16.h>
 
@@ -19,12 +21,12 @@
 #define ATT_MAX_PER (DSV4_CUDA_MAX_HEAD_DIM / ATT_CHUNKS)
 #define ATT_PAD 4               /* floats of padding per shared row (bank spread, float4 alignment) */
 
-int dsv4_cuda_kv_entry_bytes(int hd, int rd, bool fp8)
+int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf)
 {
-    if (!fp8)
+    if (kvf == DSV4_KV_F32)
         return hd * (int)sizeof(float);
     const int nope = hd - rd, nsc = (nope + KV_GROUP - 1) / KV_GROUP;
-    return (nope + 2 * rd + nsc + 7) / 8 * 8;
+    return (nope + (kvf == DSV4_KV_FP8_ROPE_F32 ? 4 : 2) * rd + nsc + 7) / 8 * 8;
 }
 
 static __device__ __forceinline__ void dsv4_rope_pair(float *a, float *b, float inv_freq, int pos, bool inverse)
@@ -68,7 +70,7 @@ int dsv4_cuda_rope(float *d_x, int rows, int heads, int hd, int rd, const int32_
 }
 
 /* One block per batch row: v [B, hd] -> ring entry pos % window of the row's slot. */
-__global__ void kv_store_kernel(const float *__restrict__ v, int hd, int rd, bool fp8, int entry_bytes,
+__global__ void kv_store_kernel(const float *__restrict__ v, int hd, int rd, int kvf, int entry_bytes,
                                 const int32_t *__restrict__ pos, const int32_t *__restrict__ slot, uint8_t *ring,
                                 int64_t slot_stride, int window)
 {
@@ -78,17 +80,17 @@ __global__ void kv_store_kernel(const float *__restrict__ v, int hd, int rd, boo
     for (int d = threadIdx.x; d < hd; d += blockDim.x)
         v_s[d] = v[(int64_t)b * hd + d];
     __syncthreads();
-    dsv4_entry_store(v_s, ring + slot[b] * slot_stride + (int64_t)(pos[b] % window) * entry_bytes, hd, rd, fp8, sc_s);
+    dsv4_entry_store(v_s, ring + slot[b] * slot_stride + (int64_t)(pos[b] % window) * entry_bytes, hd, rd, kvf, sc_s);
 }
 
-int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, bool fp8, const int32_t *d_pos,
+int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, int kvf, const int32_t *d_pos,
                        const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int window, void *stream)
 {
     const size_t smem = (size_t)(hd + hd / KV_GROUP + 1) * sizeof(float);
     if (batch < 1)
         return 0;
     kv_store_kernel<<<batch, 128, smem, static_cast<cudaStream_t>(stream)>>>(
-        d_v, hd, rd, fp8, dsv4_cuda_kv_entry_bytes(hd, rd, fp8), d_pos, d_slot, d_ring, slot_stride, window);
+        d_v, hd, rd, kvf, dsv4_cuda_kv_entry_bytes(hd, rd, kvf), d_pos, d_slot, d_ring, slot_stride, window);
     DSV4_CUDA_LAUNCHED("kv_store");
     return 0;
 }
@@ -136,7 +138,7 @@ attention_kernel(const struct dsv4_cuda_att_args a)
             else
                 e = a.comp + slot * a.comp_slot_stride +
                     (int64_t)(a.sel ? a.sel[(int64_t)b * a.sel_stride + kidx - nw] : kidx - nw) * a.entry_bytes;
-            k_s[j * row + d] = dsv4_entry_load(e, d, hd, a.rd, a.fp8);
+            k_s[j * row + d] = dsv4_entry_load(e, d, hd, a.rd, a.kvf);
         }
         __syncthreads();
         for (int p = tid; p < ATT_HB * ATT_TILE; p += ATT_THREADS) {

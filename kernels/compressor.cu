@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(COMP_THREADS) compressor_kernel(const struct d
         for (int ch = threadIdx.x; ch < d; ch += blockDim.x)
             reinterpret_cast<float *>(dst)[ch] = v_s[ch];
     } else {
-        dsv4_entry_store(v_s, dst, d, a.rd, a.fp8, sc_s);
+        dsv4_entry_store(v_s, dst, d, a.rd, a.kvf, sc_s);
     }
     if (a.overlap) {
         __syncthreads();

@@ -15,8 +15,13 @@
 size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
 size_t dsv4_cuda_step_workspace_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
 
-/* Bytes of one KV entry (SPEC §5 in fp8 numerics: 584 at head_dim 512, rope 64; f32 otherwise). */
-int dsv4_cuda_kv_entry_bytes(int hd, int rd, bool fp8);
+/* KV entry formats: f32 (exact numerics); the official FP8 entry (SPEC §5: nope e4m3 in 1x64 UE8M0
+ * blocks, RoPE values bf16; 584 B at head_dim 512, rope 64); the same with the RoPE values in f32
+ * (DSV4_CUDA_KV_ROPE=f32, what the CPU reference's fp8 numerics keep). */
+enum { DSV4_KV_F32 = 0, DSV4_KV_FP8 = 1, DSV4_KV_FP8_ROPE_F32 = 2 };
+int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf);
+/* The entry format for these options (reads DSV4_CUDA_KV_ROPE). */
+int dsv4_cuda_kv_format(const struct dsv4_backend_opts *o);
 
 /* d_x [rows, heads, hd]: RoPE (inverse: RoPE^-1) on each head's last rd values at
  * d_pos[row / rows_per_pos] with frequencies d_inv_freq [rd/2]. */
@@ -24,13 +29,13 @@ int dsv4_cuda_rope(float *d_x, int rows, int heads, int hd, int rd, const int32_
                    const float *d_inv_freq, bool inverse, void *stream);
 
 /* d_v [batch, hd] into the window ring of each row's slot at entry pos % window. */
-int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, bool fp8, const int32_t *d_pos,
+int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, int kvf, const int32_t *d_pos,
                        const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int window, void *stream);
 
 struct dsv4_cuda_att_args {
     const float *q;             /* [B, H, hd], normed and RoPE'd */
     int H, hd, rd;
-    bool fp8;
+    int kvf;                    /* DSV4_KV_* */
     int entry_bytes;
     const int32_t *pos, *slot;  /* [B] */
     const uint8_t *win;         /* window rings of slot 0 of this layer; slot s at + s * win_slot_stride */
@@ -63,6 +68,7 @@ struct dsv4_cuda_comp_args {
     const float *norm;          /* [d] */
     int ratio, d, rd;
     bool overlap, fp8, indexer;
+    int kvf;                    /* entry format of the main compressor's output */
     float eps;
     const float *inv_freq;      /* compress frequencies [rd/2] */
     const int32_t *pos, *slot;

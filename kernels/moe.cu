@@ -279,11 +279,13 @@ extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const f
     if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH || topk < 1 || topk > DSV4_MAX_TOPK)
         return dsv4_error_set(-EINVAL, "moe_experts: batch %d (max %d), top-%d (max %d)", batch,
                               DSV4_CUDA_MAX_BATCH, topk, DSV4_MAX_TOPK);
-    if (ex->n_experts < 1 || ex->n_experts > MOE_MAX_EXPERTS || ex->dim % DSV4_CUDA_FP4_BLOCK ||
-        ex->inter % DSV4_CUDA_FP4_BLOCK || (ex->quant_act && ex->inter % DSV4_CUDA_ACT_BLOCK))
+    const int vals = ex->fmt == DSV4_W_FP4 ? wf_fp4::vals : ex->fmt == DSV4_W_FP8 ? wf_fp8::vals :
+                     ex->fmt == DSV4_W_BF16 ? wf_bf16::vals : wf_f32::vals;
+    if (ex->n_experts < 1 || ex->n_experts > MOE_MAX_EXPERTS || ex->dim % vals || ex->inter % vals ||
+        (ex->quant_act && ex->inter % DSV4_CUDA_ACT_BLOCK))
         return dsv4_error_set(-EINVAL, "moe_experts: %d experts (max %d), dim %d and inter %d must be multiples "
                               "of %d (inter of %d with activation quantization)", ex->n_experts, MOE_MAX_EXPERTS,
-                              ex->dim, ex->inter, DSV4_CUDA_FP4_BLOCK, DSV4_CUDA_ACT_BLOCK);
+                              ex->dim, ex->inter, vals, DSV4_CUDA_ACT_BLOCK);
     moe_group_kernel<<<1, DSV4_CUDA_WARP, ex->n_experts * sizeof(int32_t), s>>>(d_idx, pairs, ex->n_experts,
                                                                                  ws->d_groups);
     DSV4_CUDA_LAUNCHED("moe_group");

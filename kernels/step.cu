@@ -5,7 +5,10 @@
  * the padding rows of a bucket larger than the batch) and the step's workspace; then one graph per
  * bucket 1, 2, 4, ..., max_batch is captured. A decode call uploads the rows' tokens, slots and
  * positions into a fixed device buffer, replays the bucket's graph and copies the logits back: no
- * allocation, no capture. DSV4_CUDA_GRAPHS=0 runs the same launches eagerly (for comparison).
+ * allocation, no capture. DSV4_CUDA_GRAPHS=0 runs the same launches eagerly (for comparison);
+ * DSV4_CUDA_KV_ROPE=f32 keeps the RoPE values of FP8 KV entries in f32 instead of the official bf16
+ * (to compare with the CPU reference, which keeps them in f32); DSV4_CUDA_LOG=1 prints the boot log
+ * (every op's variant) to stderr. stats.variant names the KV format and graph count in use.
  *
  * Prefill runs as a loop of one-row decode steps (the bucket-1 graph), which is exact but slow;
  * chunked tensor-core prefill is not built yet. */
@@ -52,6 +55,7 @@ struct cuda_backend {
     struct dsv4_cuda_dev *dev;
     const struct dsv4_config *cfg;
     bool fp8;
+    int kvf;                    /* DSV4_KV_* */
     int slots;                  /* max_batch + 1: the last one takes padding rows */
     int64_t slot_bytes;
     uint8_t *caches;
@@ -77,8 +81,7 @@ static int64_t a256(int64_t n)
 
 static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o, struct layer_cache *lc)
 {
-    const bool fp8 = o->numerics == DSV4_NUMERICS_FP8;
-    const int eb = dsv4_cuda_kv_entry_bytes(c->head_dim, c->rope_dim, fp8);
+    const int eb = dsv4_cuda_kv_entry_bytes(c->head_dim, c->rope_dim, dsv4_cuda_kv_format(o));
     int64_t off = 0;
     for (int i = 0; i < c->n_layers; i++) {
         const int r = c->compress_ratio[i];
@@ -103,6 +106,14 @@ static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backen
             lc[i] = l;
     }
     return off;
+}
+
+int dsv4_cuda_kv_format(const struct dsv4_backend_opts *o)
+{
+    const char *e = getenv("DSV4_CUDA_KV_ROPE");
+    if (o->numerics != DSV4_NUMERICS_FP8)
+        return DSV4_KV_F32;
+    return e && strcmp(e, "f32") == 0 ? DSV4_KV_FP8_ROPE_F32 : DSV4_KV_FP8;
 }
 
 size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
@@ -259,7 +270,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     const int32_t *pos = t->in + 2 * B, *slot = t->in + B;
     const float *inv = L->ratio ? t->inv_comp : t->inv_main;
     const float eps = (float)c->rms_norm_eps;
-    const int eb = dsv4_cuda_kv_entry_bytes(hd, rd, cb->fp8);
+    const int eb = dsv4_cuda_kv_entry_bytes(hd, rd, cb->kvf);
 
     STEP(lin(cb, &L->wq_a, t->xn, c->dim, B, t->qr, c->q_lora_rank, false, s));
     STEP(dsv4_cuda_rmsnorm(t->qr, L->q_norm, B, c->q_lora_rank, eps, t->qr, s));
@@ -269,7 +280,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     STEP(lin(cb, &L->wkv, t->xn, c->dim, B, t->kv, hd, false, s));
     STEP(dsv4_cuda_rmsnorm(t->kv, L->kv_norm, B, hd, eps, t->kv, s));
     STEP(dsv4_cuda_rope(t->kv, B, 1, hd, rd, pos, 1, inv, false, s));
-    STEP(dsv4_cuda_kv_store(t->kv, B, hd, rd, cb->fp8, pos, slot, cb->caches + L->cache.win, cb->slot_bytes,
+    STEP(dsv4_cuda_kv_store(t->kv, B, hd, rd, cb->kvf, pos, slot, cb->caches + L->cache.win, cb->slot_bytes,
                             c->window, s));
 
     struct dsv4_cuda_att_args a = {};
@@ -277,7 +288,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     a.H = H;
     a.hd = hd;
     a.rd = rd;
-    a.fp8 = cb->fp8;
+    a.kvf = cb->kvf;
     a.entry_bytes = eb;
     a.pos = pos;
     a.slot = slot;
@@ -300,6 +311,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
         ca.rd = rd;
         ca.overlap = L->csa;
         ca.fp8 = cb->fp8;
+        ca.kvf = cb->kvf;
         ca.indexer = false;
         ca.eps = eps;
         ca.inv_freq = t->inv_comp;
@@ -571,8 +583,10 @@ static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats
     ret->device_allocs = st.device_allocs;
     ret->graph_captures = cb->captures;
     ret->bytes_reserved = st.cache_bytes + st.workspace_bytes;
-    snprintf(ret->variant, sizeof(ret->variant), "cuda %.40s, %.40s, %s numerics, %d graphs", st.kernel_build,
-             st.device_name, cb->fp8 ? "fp8" : "exact", cb->use_graphs ? cb->n_buckets : 0);
+    snprintf(ret->variant, sizeof(ret->variant), "cuda %.40s, %.40s, %s numerics, KV %s, %d graphs", st.kernel_build,
+             st.device_name, cb->fp8 ? "fp8" : "exact",
+             cb->kvf == DSV4_KV_FP8 ? "fp8+bf16" : cb->kvf == DSV4_KV_FP8_ROPE_F32 ? "fp8+f32" : "f32",
+             cb->use_graphs ? cb->n_buckets : 0);
 }
 
 static void op_destroy(struct dsv4_backend *b)
@@ -702,6 +716,7 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
                               DSV4_CUDA_MAX_HEAD_DIM, c->rope_dim);
     cb->cfg = c;
     cb->fp8 = opts->numerics == DSV4_NUMERICS_FP8;
+    cb->kvf = dsv4_cuda_kv_format(opts);
     cb->slots = opts->max_batch + 1;
     cb->use_graphs = !(g && strcmp(g, "0") == 0);
     STEP(dsv4_cuda_attention_prepare(c->head_dim));

@@ -1,10 +1,14 @@
 /* GPU: the whole decode step against the CPU reference backend on the committed fixtures
  * (tests/fixtures/tiny_*), in both numerics: the prompt (GPU prefill = one-row decode steps), then 16
  * greedy steps, each backend fed its own argmax.
- *   - greedy tokens identical over the 16 steps;
- *   - every logits row within LOGITS_BOUND of the CPU's: max |gpu - cpu| / max |cpu|
- *     (exact: f32 summation order only; fp8: also the official cache layout's bf16 RoPE dims, which
- *     the CPU reference keeps in f32);
+ *   - exact numerics, and fp8 numerics with the KV entries' RoPE values in f32 as the CPU reference
+ *     keeps them (DSV4_CUDA_KV_ROPE=f32): greedy tokens identical over the 16 steps and every logits
+ *     row within the bound, max |gpu - cpu| / max |cpu| (f32 summation order only; the GPU sums dots in
+ *     f32 where the CPU uses double);
+ *   - fp8 numerics in the official layout (RoPE values bf16): the deviation is reported, not bounded:
+ *     on these tiny random models fp8 numerics are chaotic (the CPU's own fp8 rows deviate from its
+ *     exact rows by up to 0.55, tests/integration/test_fixtures), so a bf16 rounding of 8 values per
+ *     entry moves the logits by O(1); only finiteness is asserted;
  *   - rows of a batch bit-identical to the same rows decoded alone (batch invariance);
  *   - graph replay bit-identical to eager launches (DSV4_CUDA_GRAPHS=0);
  *   - 1000 short requests served with the device allocation and capture counters flat and the
@@ -20,7 +24,7 @@
 #include "tests/gpu/gpu_test.h"
 
 #define EXACT_BOUND 1e-4
-#define FP8_BOUND 2e-2
+#define FP8_BOUND 1e-3
 #define DECODE_STEPS 16
 #define MAX_CTX 512
 #define BATCH 4
@@ -83,7 +87,8 @@ static void run_sequence(struct dsv4_backend *b, int slot, const struct prompt *
     }
 }
 
-static void check_fixture(const char *dir, enum dsv4_numerics num)
+/* strict: assert the bound and greedy identity; else report (official fp8 layout). */
+static void check_fixture(const char *dir, enum dsv4_numerics num, const char *kv_rope, bool strict)
 {
     char path[1024];
     struct dsv4_weights *w = NULL;
@@ -91,12 +96,15 @@ static void check_fixture(const char *dir, enum dsv4_numerics num)
     struct dsv4_backend_opts opts = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = num, .threads = 1 };
     struct prompt p;
     const double bound = num == DSV4_NUMERICS_EXACT ? EXACT_BOUND : FP8_BOUND;
-    const char *nname = num == DSV4_NUMERICS_EXACT ? "exact" : "fp8";
+    const char *nname = num == DSV4_NUMERICS_EXACT ? "exact" : kv_rope ? "fp8, KV RoPE f32" : "fp8, official KV layout";
 
     snprintf(path, sizeof(path), "%s/tests/fixtures/%s", DSV4_SRCDIR, dir);
     DSV4_OK(dsv4_weights_load(path, &w));
     DSV4_OK(dsv4_backend_cpu_create(w, &opts, &cpu));
+    if (kv_rope)
+        setenv("DSV4_CUDA_KV_ROPE", kv_rope, 1);
     DSV4_OK(dsv4_backend_cuda_create(w, &opts, &gpu));
+    unsetenv("DSV4_CUDA_KV_ROPE");
     load_prompt(dir, 0, &p);
     const int V = w->cfg.vocab_size, rows = p.n + DECODE_STEPS;
     float *lc = malloc(sizeof(float) * (size_t)rows * V), *lg = malloc(sizeof(float) * (size_t)rows * V);
@@ -104,20 +112,27 @@ static void check_fixture(const char *dir, enum dsv4_numerics num)
 
     run_sequence(cpu, 0, &p, V, lc, gc);
     run_sequence(gpu, 0, &p, V, lg, gg);
-    double worst = 0.0;
+    double worst = 0.0, prompt_worst = 0.0;
     int worst_row = 0, same = 0;
     for (int r = 0; r < rows; r++) {
         double e = row_err(lg + (size_t)r * V, lc + (size_t)r * V, V);
         if (!(e <= worst))
             worst = e, worst_row = r;
+        if (r < p.n && !(e <= prompt_worst))
+            prompt_worst = e;
     }
     for (int s = 0; s < DECODE_STEPS; s++)
         same += gc[s] == gg[s];
-    printf("# %s %s: %d prompt + %d greedy rows, worst row error %.3g (row %d, bound %.0e), greedy %d/%d identical\n",
-           dir, nname, p.n, DECODE_STEPS, worst, worst_row, bound, same, DECODE_STEPS);
-    if (!(worst <= bound))
+    printf("# %s %s: %d prompt + %d greedy rows, worst row error %.3g (row %d; prompt rows %.3g)%s, greedy %d/%d "
+           "identical\n", dir, nname, p.n, DECODE_STEPS, worst, worst_row, prompt_worst,
+           strict ? (num == DSV4_NUMERICS_EXACT ? " bound 1e-4" : " bound 1e-3") : " reported only", same,
+           DECODE_STEPS);
+    if (!isfinite(worst))
+        fail_msg("%s %s: non-finite logits", dir, nname);
+    if (strict && !(worst <= bound))
         fail_msg("%s %s: logits row %d differs by %g (bound %g)", dir, nname, worst_row, worst, bound);
-    assert_int_equal(same, DECODE_STEPS);
+    if (strict)
+        assert_int_equal(same, DECODE_STEPS);
 
     dsv4_backend_destroy(gpu);
     dsv4_backend_destroy(cpu);
@@ -130,13 +145,15 @@ static void check_fixture(const char *dir, enum dsv4_numerics num)
 static void test_fixtures_exact(void **state)
 {
     for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++)
-        check_fixture(fixtures[i], DSV4_NUMERICS_EXACT);
+        check_fixture(fixtures[i], DSV4_NUMERICS_EXACT, NULL, true);
 }
 
 static void test_fixtures_fp8(void **state)
 {
-    for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++)
-        check_fixture(fixtures[i], DSV4_NUMERICS_FP8);
+    for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++) {
+        check_fixture(fixtures[i], DSV4_NUMERICS_FP8, "f32", true);
+        check_fixture(fixtures[i], DSV4_NUMERICS_FP8, NULL, false);
+    }
 }
 
 /* BATCH slots each with their own prompt (different lengths), decoded together; then the same
