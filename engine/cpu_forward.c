@@ -25,10 +25,11 @@
 #include "engine/cpu_ops.h"
 #include "engine/error.h"
 
-/* A bump allocator over one zeroed block: every buffer of a sequence lives in it. */
+/* A bump allocator for every cache and scratch buffer of a sequence. A first pass with no base
+ * only measures (and leaves NULL pointers that the second pass overwrites). */
 struct arena {
     char *base;
-    size_t used, size;
+    size_t used;
 };
 
 static void *take(struct arena *a, size_t bytes)
@@ -101,19 +102,13 @@ static void carve(struct arena *a, const struct dsv4_weights *w, int64_t max_con
         ffn_width = max64(ffn_width, w->layers[i].ffn.sw1.out);
     ffn_width = max64(ffn_width, cfg->moe_inter);
 
-    s->layers = take(a, sizeof(*s->layers) * (size_t)cfg->n_layers);
     for (int i = 0; i < cfg->n_layers; i++)
-        if (s->layers)
-            carve_layer(a, cfg, &w->layers[i], max_context, &s->layers[i]);
-        else
-            carve_layer(a, cfg, &w->layers[i], max_context, &(struct dsv4_cpu_layer_state){0});
+        carve_layer(a, cfg, &w->layers[i], max_context, &s->layers[i]);
     if (s->has_mtp)
         carve_layer(a, cfg, &w->mtp[0].layer, max_context, &s->mtp_layer);
     s->streams = takef(a, hc * D);
 
-    struct dsv4_cpu_work scratch, *wk = take(a, sizeof(*wk));
-    if (!wk)
-        wk = &scratch;
+    struct dsv4_cpu_work *wk = s->work;
     wk->X = takef(a, hc * D);
     wk->X2 = takef(a, hc * D);
     wk->flat = takef(a, hc * D);
@@ -145,11 +140,6 @@ static void carve(struct arena *a, const struct dsv4_weights *w, int64_t max_con
     wk->eout = takef(a, D);
     wk->act = takef(a, dsv4_cpu_max_linear_in(w));
     wk->row = takef(a, dsv4_cpu_max_linear_in(w));
-    if (wk != &scratch) {
-        dsv4_cpu_rope_init(&wk->rope_main, &cfg->rope_main, cfg->rope_dim);
-        dsv4_cpu_rope_init(&wk->rope_compress, &cfg->rope_compress, cfg->rope_dim);
-        s->work = wk;
-    }
 }
 
 /* Checks the model shapes this backend relies on beyond what the loader validates. */
@@ -186,25 +176,32 @@ int dsv4_cpu_seq_create(const struct dsv4_weights *w, int64_t max_context, struc
     if (rc < 0)
         return rc;
     struct dsv4_cpu_seq *s = calloc(1, sizeof(*s));
-    if (!s)
+    if (s) {
+        s->layers = calloc((size_t)w->cfg.n_layers, sizeof(*s->layers));
+        s->work = calloc(1, sizeof(*s->work));
+    }
+    if (!s || !s->layers || !s->work) {
+        dsv4_cpu_seq_free(s);
         return dsv4_error_set(-ENOMEM, "out of memory for a CPU sequence");
+    }
     s->max_context = max_context;
     s->n_layers = w->cfg.n_layers;
     s->has_mtp = w->n_mtp > 0;
+    dsv4_cpu_rope_init(&s->work->rope_main, &w->cfg.rope_main, w->cfg.rope_dim);
+    dsv4_cpu_rope_init(&s->work->rope_compress, &w->cfg.rope_compress, w->cfg.rope_dim);
 
     struct arena a = {0};
-    carve(&a, w, max_context, s);              /* sizing pass */
-    a.size = a.used;
-    a.used = 0;
-    a.base = calloc(1, a.size);
+    carve(&a, w, max_context, s);              /* measure */
+    size_t size = a.used;
+    a = (struct arena){.base = calloc(1, size)};
     if (!a.base) {
-        free(s);
+        dsv4_cpu_seq_free(s);
         return dsv4_error_set(-ENOMEM, "out of memory for a CPU sequence of %lld tokens (%zu bytes)",
-                              (long long)max_context, a.size);
+                              (long long)max_context, size);
     }
     carve(&a, w, max_context, s);
     s->arena = a.base;
-    s->bytes = a.size;
+    s->bytes = size;
     *ret = s;
     return 0;
 }
@@ -214,6 +211,8 @@ void dsv4_cpu_seq_free(struct dsv4_cpu_seq *s)
     if (!s)
         return;
     free(s->arena);
+    free(s->layers);
+    free(s->work);
     free(s);
 }
 
