@@ -200,16 +200,41 @@ static enum dsv4_proto_finish proto_finish(enum dsv4_finish_reason f)
     }
 }
 
-/* A request that never reached the engine (cancelled while held during boot, or drained). */
-static void reply_unsubmitted(struct dsv4_server *s, struct dsv4_request *req, enum dsv4_proto_finish finish)
+/* End a request that never reached the engine (cancelled while held during boot) with an empty
+ * result. The request is freed before the answer is written: a failed write closes the connection,
+ * and closing frees whatever requests are still linked to it. */
+static void finish_unsubmitted(struct dsv4_server *s, struct dsv4_request *req, enum dsv4_proto_finish finish)
 {
     struct dsv4_proto_generate_result res = { .text = (char *)"", .finish_reason = finish };
     struct dsv4_conn *c = req->conn;
+    uint32_t msgid = req->msgid;
 
     res.timings.total_ms = (double)(dsv4_now_ns() - req->accepted_ns) / 1e6;
     res.timings.queue_ms = res.timings.total_ms;
+    request_free(s, req);
     if (c)
-        reply_encoded(c, dsv4_proto_encode_generate_result(&c->out, req->msgid, &res));
+        reply_encoded(c, dsv4_proto_encode_generate_result(&c->out, msgid, &res));
+}
+
+/* Refuse a request that is not submitted: freed first, for the same reason. */
+static void refuse_request(struct dsv4_server *s, struct dsv4_request *req, const struct dsv4_proto_error *err)
+{
+    struct dsv4_conn *c = req->conn;
+    uint32_t msgid = req->msgid;
+
+    request_free(s, req);
+    if (c)
+        reply_error(c, msgid, err);
+}
+
+void dsv4_dispatch_refuse_pending(struct dsv4_server *s, int code, const char *message)
+{
+    while (s->pending_head) {
+        struct dsv4_request *req = s->pending_head;
+        struct dsv4_proto_error err = { .code = code };
+        snprintf(err.message, sizeof(err.message), "%s", message);
+        refuse_request(s, req, &err);
+    }
 }
 
 /* ---- methods ------------------------------------------------------------------------------------ */
@@ -415,8 +440,7 @@ static void do_generate(struct dsv4_server *s, struct dsv4_conn *c, const struct
 
 fail:
     s->counters.requests_rejected++;
-    reply_error(c, msg->msgid, &err);
-    request_free(s, req);
+    refuse_request(s, req, &err);
 }
 
 void dsv4_dispatch_submit_pending(struct dsv4_server *s)
@@ -425,11 +449,8 @@ void dsv4_dispatch_submit_pending(struct dsv4_server *s)
         struct dsv4_request *req = s->pending_head;
         struct dsv4_proto_error err = { 0 };
         pending_remove(s, req);
-        if (submit(s, req, &err) < 0) {
-            if (req->conn)
-                reply_error(req->conn, req->msgid, &err);
-            request_free(s, req);
-        }
+        if (submit(s, req, &err) < 0)
+            refuse_request(s, req, &err);
     }
 }
 
@@ -451,8 +472,7 @@ static void do_cancel(struct dsv4_server *s, struct dsv4_conn *c, const struct d
         } else {
             /* Still held for boot: it ends here. */
             s->counters.requests_cancelled++;
-            reply_unsubmitted(s, r, DSV4_PROTO_FINISH_CANCELLED);
-            request_free(s, r);
+            finish_unsubmitted(s, r, DSV4_PROTO_FINISH_CANCELLED);
             cancelled = true;
         }
         break;

@@ -58,13 +58,10 @@ static int on_reap(sd_event_source *src, void *userdata)
     return 0;
 }
 
+/* A CLOCK_MONOTONIC deadline usec from now, as sd-event timers take it. */
 static uint64_t timer_in(uint64_t usec)
 {
-    uint64_t now = 0;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    now = (uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000;
-    return now + usec;
+    return dsv4_now_ns() / 1000 + usec;
 }
 
 /* ---- boot ---------------------------------------------------------------------------------------- */
@@ -227,9 +224,7 @@ static int on_term(sd_event_source *src, const struct signalfd_siginfo *si, void
     if (s->state != DSV4_SERVER_READY) {
         /* Nothing was promised yet: answer the held requests and go. */
         dsv4_notify_stopping("stopping during boot");
-        for (struct dsv4_request *req = s->pending_head; req; req = req->pending_next)
-            if (req->conn)
-                dsv4_conn_send_error(req->conn, req->msgid, DSV4_PROTO_E_DRAINING, "the server stopped during boot");
+        dsv4_dispatch_refuse_pending(s, DSV4_PROTO_E_DRAINING, "the server stopped during boot");
         server_exit(s, EXIT_SUCCESS);
         return 0;
     }

@@ -160,6 +160,8 @@ int dsv4_dispatch_start_warmup(struct dsv4_server *s);
 void dsv4_dispatch_submit_pending(struct dsv4_server *s);
 /* The client is gone: cancel or drop its requests. */
 void dsv4_dispatch_conn_gone(struct dsv4_conn *c);
+/* Answer every request held for boot with an error and drop it. */
+void dsv4_dispatch_refuse_pending(struct dsv4_server *s, int code, const char *message);
 /* Free every request (shutdown). */
 void dsv4_dispatch_free_all(struct dsv4_server *s);
 

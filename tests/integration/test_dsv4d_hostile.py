@@ -174,6 +174,17 @@ try:
     t.ok(spray.closed_by_peer(), "a frame of garbage gets the connection closed")
     witness_ok("a frame of garbage")
 
+    # Clients that send a request the daemon refuses after tokenizing it (or accepts) and leave at
+    # once, without reading: the answer meets a closed socket.
+    for k in range(64):
+        quitter = Client(d.sock_path)
+        params = {"prompt": "y" * 400} if k % 2 else {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 50,
+                                                        "stream": True}
+        quitter.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        quitter.send_raw(gen(params, msgid=k))
+        quitter.close()
+    witness_ok("64 clients that leave right after their request")
+
     # A client pipelining 20000 requests while reading slowly: the daemon stops reading it while its
     # answers back up (bounded memory), serves others meanwhile, and answers every request in order.
     flood = Client(d.sock_path)
