@@ -264,6 +264,13 @@ int dsv4_cpu_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struc
     if (n < 0 || s->pos + n > s->max_context)
         return dsv4_error_set(-ENOSPC, "%d more tokens at position %lld exceed max_context %lld", n,
                               (long long)s->pos, (long long)s->max_context);
+    bool indexer = false;
+    for (int l = 0; l < cfg->n_layers; l++)
+        indexer |= w->layers[l].ratio > 0 && w->layers[l].ratio == cfg->csa_ratio;
+    int dI = cfg->index_head_dim;
+    if (num == DSV4_NUMERICS_FP8 && indexer && (dI < 1 || (dI & (dI - 1))))
+        return dsv4_error_set(-EINVAL, "fp8 numerics rotate indexer keys with a Hadamard transform: "
+                              "index_head_dim %d must be a power of two", dI);
     for (int i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= cfg->vocab_size)
             return dsv4_error_set(-EINVAL, "token %d (index %d) is outside the vocabulary of %d", tokens[i],
