@@ -271,3 +271,32 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
     DSV4_CUDA_LAUNCHED("attention_combine");
     return 0;
 }
+
+/* One block per row: encode into a scratch entry in shared memory, decode back. */
+__global__ void kv_entry_roundtrip_kernel(const float *x, int hd, int rd, int kvf, int eb, float *y)
+{
+    extern __shared__ float sm[];
+    float *v_s = sm, *sc_s = sm + hd;
+    uint8_t *e = reinterpret_cast<uint8_t *>(sc_s + hd / KV_GROUP + 2);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x)
+        v_s[d] = x[(int64_t)blockIdx.x * hd + d];
+    __syncthreads();
+    dsv4_entry_store(v_s, e, hd, rd, kvf, sc_s);
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x)
+        y[(int64_t)blockIdx.x * hd + d] = dsv4_entry_load(e, d, hd, rd, kvf);
+}
+
+extern "C" int dsv4_cuda_kv_entry_roundtrip(const float *d_x, int rows, int hd, int rd, int kv_format, float *d_y,
+                                            void *stream)
+{
+    const int eb = dsv4_cuda_kv_entry_bytes(hd, rd, kv_format);
+    const size_t smem = (size_t)(hd + hd / KV_GROUP + 2) * sizeof(float) + (size_t)eb + 16;
+    if (kv_format < DSV4_KV_F32 || kv_format > DSV4_KV_FP8_ROPE_F32 || rd > hd || rd % 2)
+        return dsv4_error_set(-EINVAL, "kv entry: format %d, rope %d of head %d", kv_format, rd, hd);
+    if (rows < 1)
+        return 0;
+    kv_entry_roundtrip_kernel<<<rows, 128, smem, static_cast<cudaStream_t>(stream)>>>(d_x, hd, rd, kv_format, eb, d_y);
+    DSV4_CUDA_LAUNCHED("kv_entry_roundtrip");
+    return 0;
+}

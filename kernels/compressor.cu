@@ -406,3 +406,27 @@ int dsv4_cuda_add(float *d_y, const float *d_x, int64_t n, void *stream)
     DSV4_CUDA_LAUNCHED("add");
     return 0;
 }
+
+__global__ void hadamard_fp4_kernel(const float *x, int n, float *y)
+{
+    extern __shared__ float sm[];
+    float *v_s = sm, *sc_s = sm + n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        v_s[i] = x[(int64_t)blockIdx.x * n + i];
+    __syncthreads();
+    hadamard_fp4(v_s, n, sc_s);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        y[(int64_t)blockIdx.x * n + i] = v_s[i];
+}
+
+extern "C" int dsv4_cuda_hadamard_fp4(const float *d_x, int rows, int n, float *d_y, void *stream)
+{
+    if (n < 2 || (n & (n - 1)))
+        return dsv4_error_set(-EINVAL, "hadamard_fp4: n %d must be a power of two", n);
+    if (rows < 1)
+        return 0;
+    hadamard_fp4_kernel<<<rows, 128, (size_t)(n + n / FP4_GROUP + 2) * sizeof(float),
+                          static_cast<cudaStream_t>(stream)>>>(d_x, n, d_y);
+    DSV4_CUDA_LAUNCHED("hadamard_fp4");
+    return 0;
+}

@@ -42,7 +42,7 @@ dsv4_bench_CFLAGS = $(AM_CFLAGS) $(CUDA_CFLAGS)
 dsv4_bench_LDADD = $(DSV4_CUDA_LDADD) libdsv4engine.la -lm
 
 GPU_TESTS += tests/gpu/test_gpu_linear tests/gpu/test_gpu_moe tests/gpu/test_gpu_norm tests/gpu/test_gpu_device \
-	tests/gpu/test_gpu_step
+	tests/gpu/test_gpu_step tests/gpu/test_gpu_codec
 check_PROGRAMS += $(GPU_TESTS)
 GPU_TEST_CFLAGS = $(TEST_ENGINE_CFLAGS) $(CUDA_CFLAGS)
 GPU_TEST_LIBS = $(DSV4_CUDA_LDADD) $(TEST_ENGINE_LIBS) -lm
@@ -58,6 +58,9 @@ tests_gpu_test_gpu_norm_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_device_SOURCES = tests/gpu/test_gpu_device.c $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_device_CFLAGS = $(GPU_TEST_CFLAGS)
 tests_gpu_test_gpu_device_LDADD = $(GPU_TEST_LIBS)
+tests_gpu_test_gpu_codec_SOURCES = tests/gpu/test_gpu_codec.c $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_codec_CFLAGS = $(GPU_TEST_CFLAGS)
+tests_gpu_test_gpu_codec_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_step_SOURCES = tests/gpu/test_gpu_step.c $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_step_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
 tests_gpu_test_gpu_step_LDADD = $(GPU_TEST_LIBS) $(JANSSON_LIBS)
@@ -65,5 +68,6 @@ else
 DSV4_CUDA_LDADD =
 DSV4_CUDA_CPPFLAGS =
 EXTRA_DIST += tools/dsv4-bench.c $(GPU_TEST_COMMON) tests/gpu/test_gpu_linear.c tests/gpu/test_gpu_moe.c \
-	tests/gpu/test_gpu_norm.c tests/gpu/test_gpu_device.c tests/gpu/test_gpu_step.c
+	tests/gpu/test_gpu_norm.c tests/gpu/test_gpu_device.c tests/gpu/test_gpu_step.c \
+	tests/gpu/test_gpu_codec.c
 endif

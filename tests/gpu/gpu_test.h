@@ -165,6 +165,8 @@ static inline int gt_main(const struct CMUnitTest *tests, size_t n)
         return GPU_SKIP;
     }
     gt_seed();
+    if (getenv("DSV4_TEST_FILTER"))     /* run one test, e.g. under compute-sanitizer */
+        cmocka_set_test_filter(getenv("DSV4_TEST_FILTER"));
     return _cmocka_run_group_tests("gpu", tests, n, NULL, NULL);
 }
 

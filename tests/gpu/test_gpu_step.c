@@ -113,14 +113,20 @@ static void check_fixture(const char *dir, enum dsv4_numerics num, const char *k
     run_sequence(cpu, 0, &p, V, lc, gc);
     run_sequence(gpu, 0, &p, V, lg, gg);
     double worst = 0.0, prompt_worst = 0.0;
-    int worst_row = 0, same = 0;
+    int worst_row = 0, same = 0, over = 0, first_over = -1;
     for (int r = 0; r < rows; r++) {
         double e = row_err(lg + (size_t)r * V, lc + (size_t)r * V, V);
         if (!(e <= worst))
             worst = e, worst_row = r;
         if (r < p.n && !(e <= prompt_worst))
             prompt_worst = e;
+        if (!(e <= bound)) {
+            over++;
+            if (first_over < 0)
+                first_over = r;
+        }
     }
+    printf("# %s %s: %d of %d rows over %.0e, the first at row %d\n", dir, nname, over, rows, bound, first_over);
     for (int s = 0; s < DECODE_STEPS; s++)
         same += gc[s] == gg[s];
     printf("# %s %s: %d prompt + %d greedy rows, worst row error %.3g (row %d; prompt rows %.3g)%s, greedy %d/%d "
@@ -260,6 +266,31 @@ static void test_no_allocation_after_ready(void **state)
     free(logits);
 }
 
+/* One batched step from create to destroy: the compute-sanitizer target (DSV4_TEST_FILTER=test_one_step). */
+static void test_one_step(void **state)
+{
+    char path[1024];
+    struct dsv4_weights *w = NULL;
+    struct dsv4_backend *b = NULL;
+    struct dsv4_backend_opts opts = { .max_batch = 2, .max_context = 64, .numerics = DSV4_NUMERICS_FP8 };
+    int slots[2] = { 0, 1 };
+    int32_t prompt[6] = { 0, 17, 33, 5, 250, 9 }, toks[2] = { 44, 45 };
+
+    snprintf(path, sizeof(path), "%s/tests/fixtures/tiny_a", DSV4_SRCDIR);
+    DSV4_OK(dsv4_weights_load(path, &w));
+    DSV4_OK(dsv4_backend_cuda_create(w, &opts, &b));
+    const int V = w->cfg.vocab_size;
+    float *logits = malloc(sizeof(float) * 2 * V);
+    DSV4_OK(b->ops->prefill(b, 0, prompt, 6, logits, false));
+    DSV4_OK(b->ops->prefill(b, 1, prompt, 5, logits, false));
+    DSV4_OK(b->ops->decode(b, 2, slots, toks, logits));
+    for (int i = 0; i < 2 * V; i++)
+        assert_true(isfinite(logits[i]));
+    dsv4_backend_destroy(b);
+    dsv4_weights_free(w);
+    free(logits);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -267,6 +298,7 @@ int main(void)
         cmocka_unit_test(test_fixtures_fp8),
         cmocka_unit_test(test_batch_and_graphs),
         cmocka_unit_test(test_no_allocation_after_ready),
+        cmocka_unit_test(test_one_step),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
 }
