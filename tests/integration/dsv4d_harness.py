@@ -23,9 +23,11 @@ import msgpack
 TIMEOUT = float(os.environ.get("DSV4_TEST_TIMEOUT", "180"))
 TOP_BUILDDIR = os.environ.get("top_builddir", os.getcwd())
 TOP_SRCDIR = os.environ.get("top_srcdir", os.path.join(os.path.dirname(__file__), "..", ".."))
-# The fixture model with room for the chat tags and all 256 bytes in its vocabulary (288 ids).
+# The fixture model with room for the chat tags and all 256 bytes in its vocabulary (288 ids): the
+# test tokenizer needs 262.
 FIXTURE_MODEL = os.path.join(TOP_SRCDIR, "tests", "fixtures", "tiny_c")
-FIXTURE_VOCAB = 288
+with open(os.path.join(FIXTURE_MODEL, "config.json")) as _f:
+    FIXTURE_VOCAB = json.load(_f)["vocab_size"]
 BYTE_BASE = 6           # the test tokenizer's id of byte b is BYTE_BASE + b
 
 # Special tokens of the test tokenizer: the chat tags of SPEC section 6 at ids 0..5.

@@ -7,8 +7,8 @@ import os
 import re
 import subprocess
 
-from dsv4d_harness import (BOS, LONG_PROMPT, TIMEOUT, Client, Daemon, Tap, bin_tokens, program, text_tokens,
-                           tokens_bin)
+from dsv4d_harness import (FIXTURE_VOCAB, LONG_PROMPT, TIMEOUT, Client, Daemon, Tap, bin_tokens, program,
+                           text_tokens, tokens_bin)
 
 t = Tap()
 
@@ -23,7 +23,7 @@ def ctl(*args, stdin=None, env=None):
 d = Daemon(args=["--max-context", "4096", "--max-batch", "4"], endless=True)
 try:
     t.ok(d.start(), "dsv4d is ready", d.log_text())
-    env = dict(os.environ, DSV4_SOCKET=d.sock_path, CMOCKA_MESSAGE_OUTPUT="TAP")
+    env = dict(os.environ, DSV4_SOCKET=d.sock_path, DSV4_TEST_VOCAB=str(FIXTURE_VOCAB), CMOCKA_MESSAGE_OUTPUT="TAP")
     check = subprocess.run([program("tests/integration/dsv4d_client_check")], capture_output=True, text=True,
                            timeout=10 * TIMEOUT, env=env)
     lines = check.stdout.splitlines()

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from dsv4d_harness import (BOS, EOS, LONG_PROMPT, TIMEOUT, Client, Daemon, Tap, bin_tokens,
+from dsv4d_harness import (BOS, EOS, FIXTURE_VOCAB, LONG_PROMPT, TIMEOUT, Client, Daemon, Tap, bin_tokens,
                            run_dsv4_run, text_tokens, tokens_bin)
 
 t = Tap()
@@ -46,7 +46,7 @@ try:
 
     err, hello = c.call("hello", {"protocol": 1, "client": "python msgpack"})
     t.ok(err is None and hello["protocol"] == 1 and hello["server"].startswith("dsv4d ")
-         and hello["model"]["vocab_size"] == 288 and hello["max_batch"] == 4 and hello["backend"] == "cpu"
+         and hello["model"]["vocab_size"] == FIXTURE_VOCAB and hello["max_batch"] == 4 and hello["backend"] == "cpu"
          and hello["limits"]["max_frame"] == 8 << 20, "hello", (err, hello))
 
     err, res = c.call("tokenize", {"text": "hello world"})
