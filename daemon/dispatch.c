@@ -120,8 +120,9 @@ static struct dsv4_proto_model_limits model_limits(const struct dsv4_server *s)
         .vocab_size = s->vocab_size,
         .max_context = (uint32_t)s->cfg->max_context,
         .max_prompt_tokens = (uint32_t)dsv4_settings_prompt_limit(s->cfg),
-        /* max_tokens past what fits ends with finish_reason "length" rather than an error. */
-        .max_tokens = 0,
+        /* A slot never holds more: an explicit max_tokens above it is max_tokens_limit (405), an absent
+         * one means the protocol's default capped by it. */
+        .max_tokens = (uint32_t)s->cfg->max_context,
     };
     return lim;
 }
@@ -273,8 +274,7 @@ static void do_hello(struct dsv4_server *s, struct dsv4_conn *c, const struct ds
     res.backend = (char *)(s->sched ? dsv4_host_backend_name(s->host) : dsv4_settings_backend_name(s->cfg->backend));
     res.limits.max_frame = (uint32_t)s->cfg->max_frame;
     res.limits.max_prompt_tokens = (uint32_t)dsv4_settings_prompt_limit(s->cfg);
-    /* No cap: a max_tokens past what fits ends with finish_reason "length" (see model_limits()). */
-    res.limits.max_tokens = 0;
+    res.limits.max_tokens = (uint32_t)s->cfg->max_context;
     res.limits.max_connections = (uint32_t)s->cfg->max_connections;
     res.limits.max_queue = (uint32_t)s->cfg->max_queued;
     res.limits.max_requests_per_connection = (uint32_t)s->cfg->max_requests_per_conn;
@@ -285,11 +285,13 @@ static void do_hello(struct dsv4_server *s, struct dsv4_conn *c, const struct ds
 static int submit(struct dsv4_server *s, struct dsv4_request *req, struct dsv4_proto_error *err)
 {
     const struct dsv4_proto_sampling *ps = &req->gen.sampling;
+    struct dsv4_proto_model_limits lim = model_limits(s);
+    uint32_t max_tokens = dsv4_proto_effective_max_tokens(ps, &lim);
     int max_out = dsv4_host_max_output_tokens(s->host);
     struct dsv4_sched_request sr = {
         .prompt = req->prompt.ids,
         .n_prompt = (int)req->prompt.len,
-        .max_tokens = ps->max_tokens < (uint32_t)max_out ? (int)ps->max_tokens : max_out,
+        .max_tokens = max_tokens < (uint32_t)max_out ? (int)max_tokens : max_out,
         .stop = (const char *const *)ps->stop,
         .n_stop = (int)ps->n_stop,
         .stop_token_ids = ps->stop_token_ids,

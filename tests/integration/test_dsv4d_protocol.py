@@ -47,7 +47,7 @@ try:
     err, hello = c.call("hello", {"protocol": 1, "client": "python msgpack"})
     t.ok(err is None and hello["protocol"] == 1 and hello["server"].startswith("dsv4d ")
          and hello["model"]["vocab_size"] == FIXTURE_VOCAB and hello["max_batch"] == 4 and hello["backend"] == "cpu"
-         and hello["limits"]["max_frame"] == 8 << 20, "hello", (err, hello))
+         and hello["limits"]["max_frame"] == 8 << 20 and hello["limits"]["max_tokens"] == 4096, "hello", (err, hello))
 
     err, res = c.call("tokenize", {"text": "hello world"})
     t.ok(err is None and bin_tokens(res["tokens"]) == [BOS] + text_tokens("hello world"),
@@ -113,8 +113,13 @@ try:
         t.ok(err is None and bin_tokens(res["tokens"]) == ids[:stop_at + 1] and res["finish_reason"] == "stop",
              "stop_token_ids stop the answer", (err, res))
     err, res = greedy(c, PROMPTS[2], 3)
-    t.ok(err is None and res["finish_reason"] in ("length", "stop") and res["usage"]["completion_tokens"] <= 3,
+    t.ok(err is None and res["finish_reason"] == "length" and res["usage"]["completion_tokens"] == 3,
          "max_tokens bounds the answer", res)
+    err, res = c.call("generate", {"tokens": tokens_bin(PROMPTS[2]), "temperature": 0.0})
+    t.ok(err is None and res["finish_reason"] == "length" and res["usage"]["completion_tokens"] == 1024,
+         "an absent max_tokens means the default, 1024", (err, res and res["usage"]))
+    err, _ = greedy(c, PROMPTS[2], 4097)
+    t.ok(err is not None and err["code"] == 405, "max_tokens above max_context gets max_tokens_limit (405)", err)
 
     # Cancel mid-stream.
     mid = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 3000, "temperature": 0.0,
