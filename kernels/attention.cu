@@ -5,8 +5,6 @@
  *
  * KV entry (one vector of head_dim values; keys and values are the same vectors):
  *   fp8 numerics: [nope e4m3][rope_dim bf16][ceil(nope/64) UE8M0][pad to 8 bytes] = 584 B at 512/64;
- *   fp8 numerics with DSV4_CUDA_KV_ROPE=f32: the RoPE values in f32 (712 B), as the CPU reference
- *   keeps them, so the two can be compared to rounding;
  *   exact numerics: head_dim f32. */
 #include <cuda_bf16.h>
 
@@ -26,7 +24,7 @@ int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf)
     if (kvf == DSV4_KV_F32)
         return hd * (int)sizeof(float);
     const int nope = hd - rd, nsc = (nope + KV_GROUP - 1) / KV_GROUP;
-    return (nope + (kvf == DSV4_KV_FP8_ROPE_F32 ? 4 : 2) * rd + nsc + 7) / 8 * 8;
+    return (nope + 2 * rd + nsc + 7) / 8 * 8;
 }
 
 static __device__ __forceinline__ void dsv4_rope_pair(float *a, float *b, float inv_freq, int pos, bool inverse)
@@ -292,7 +290,7 @@ extern "C" int dsv4_cuda_kv_entry_roundtrip(const float *d_x, int rows, int hd, 
 {
     const int eb = dsv4_cuda_kv_entry_bytes(hd, rd, kv_format);
     const size_t smem = (size_t)(hd + hd / KV_GROUP + 2) * sizeof(float) + (size_t)eb + 16;
-    if (kv_format < DSV4_KV_F32 || kv_format > DSV4_KV_FP8_ROPE_F32 || rd > hd || rd % 2)
+    if (kv_format < DSV4_KV_F32 || kv_format > DSV4_KV_FP8 || rd > hd || rd % 2)
         return dsv4_error_set(-EINVAL, "kv entry: format %d, rope %d of head %d", kv_format, rd, hd);
     if (rows < 1)
         return 0;

@@ -165,7 +165,7 @@ int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const float *d_post, 
 
 /* The official numerics' cache codecs, exposed for their tests (the step fuses them):
  * d_y[r] = decode(encode(d_x[r])) of one KV entry per row of hd values (kv_format 1: e4m3 1x64
- * + bf16 RoPE values, 2: with f32 RoPE values, 0: f32), and the indexer's rotation: d_y[r] =
+ * + bf16 RoPE values, 0: f32), and the indexer's rotation: d_y[r] =
  * FP4(1x32)(Hadamard(d_x[r]) / sqrt(n)) for n a power of two. */
 int dsv4_cuda_kv_entry_roundtrip(const float *d_x, int rows, int hd, int rd, int kv_format, float *d_y, void *stream);
 int dsv4_cuda_hadamard_fp4(const float *d_x, int rows, int n, float *d_y, void *stream);

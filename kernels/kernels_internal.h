@@ -16,12 +16,9 @@ size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4
 size_t dsv4_cuda_step_workspace_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
 
 /* KV entry formats: f32 (exact numerics); the official FP8 entry (SPEC §5: nope e4m3 in 1x64 UE8M0
- * blocks, RoPE values bf16; 584 B at head_dim 512, rope 64); the same with the RoPE values in f32
- * (DSV4_CUDA_KV_ROPE=f32, what the CPU reference's fp8 numerics keep). */
-enum { DSV4_KV_F32 = 0, DSV4_KV_FP8 = 1, DSV4_KV_FP8_ROPE_F32 = 2 };
+ * blocks, RoPE values bf16; 584 B at head_dim 512, rope 64). */
+enum { DSV4_KV_F32 = 0, DSV4_KV_FP8 = 1 };
 int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf);
-/* The entry format for these options (reads DSV4_CUDA_KV_ROPE). */
-int dsv4_cuda_kv_format(const struct dsv4_backend_opts *o);
 
 /* d_x [rows, heads, hd]: RoPE (inverse: RoPE^-1) on each head's last rd values at
  * d_pos[row / rows_per_pos] with frequencies d_inv_freq [rd/2]. */

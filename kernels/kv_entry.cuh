@@ -9,12 +9,6 @@
 
 #define KV_GROUP 64             /* official KV quantization block */
 
-/* Bytes per RoPE value of an FP8 entry: 2 (bf16, the official layout) or 4 (f32). */
-static __device__ __forceinline__ int kv_rope_bytes(int kvf)
-{
-    return kvf == DSV4_KV_FP8_ROPE_F32 ? 4 : 2;
-}
-
 /* Block-cooperative store of v_s[hd] (shared) as one entry at dst. sc_s: shared scratch of
  * ceil(nope/64) floats. Every thread of the block must call it. */
 static __device__ void dsv4_entry_store(const float *v_s, uint8_t *dst, int hd, int rd, int kvf, float *sc_s)
@@ -25,20 +19,18 @@ static __device__ void dsv4_entry_store(const float *v_s, uint8_t *dst, int hd, 
             o[d] = v_s[d];
         return;
     }
-    const int nope = hd - rd, nsc = (nope + KV_GROUP - 1) / KV_GROUP, rb = kv_rope_bytes(kvf);
+    const int nope = hd - rd, nsc = (nope + KV_GROUP - 1) / KV_GROUP;
     for (int g = threadIdx.x; g < nsc; g += blockDim.x) {
         float amax = 0.0f;
         for (int d = g * KV_GROUP; d < min(nope, (g + 1) * KV_GROUP); d++)
             amax = fmaxf(amax, fabsf(v_s[d]));
         sc_s[g] = dsv4_act_scale(amax);
-        dst[nope + rb * rd + g] = (uint8_t)(__float_as_uint(sc_s[g]) >> 23);
+        dst[nope + 2 * rd + g] = (uint8_t)(__float_as_uint(sc_s[g]) >> 23);
     }
     __syncthreads();
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         if (d < nope) {
             dst[d] = __nv_cvt_float_to_fp8(v_s[d] / sc_s[d / KV_GROUP], __NV_SATFINITE, __NV_E4M3);
-        } else if (rb == 4) {
-            memcpy(dst + nope + 4 * (d - nope), &v_s[d], 4);
         } else {
             __nv_bfloat16 h = __float2bfloat16_rn(v_s[d]);
             memcpy(dst + nope + 2 * (d - nope), &h, 2);
@@ -51,15 +43,10 @@ static __device__ __forceinline__ float dsv4_entry_load(const uint8_t *e, int d,
 {
     if (kvf == DSV4_KV_F32)
         return reinterpret_cast<const float *>(e)[d];
-    const int nope = hd - rd, rb = kv_rope_bytes(kvf);
+    const int nope = hd - rd;
     if (d < nope) {
         __half_raw h = __nv_cvt_fp8_to_halfraw(e[d], __NV_E4M3);
-        return __half2float(*reinterpret_cast<__half *>(&h)) * dsv4_ue8m0(e[nope + rb * rd + d / KV_GROUP]);
-    }
-    if (rb == 4) {
-        float f;
-        memcpy(&f, e + nope + 4 * (d - nope), 4);
-        return f;
+        return __half2float(*reinterpret_cast<__half *>(&h)) * dsv4_ue8m0(e[nope + 2 * rd + d / KV_GROUP]);
     }
     uint16_t b;
     memcpy(&b, e + nope + 2 * (d - nope), 2);

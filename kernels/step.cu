@@ -6,9 +6,8 @@
  * bucket 1, 2, 4, ..., max_batch is captured. A decode call uploads the rows' tokens, slots and
  * positions into a fixed device buffer, replays the bucket's graph and copies the logits back: no
  * allocation, no capture. DSV4_CUDA_GRAPHS=0 runs the same launches eagerly (for comparison);
- * DSV4_CUDA_KV_ROPE=f32 keeps the RoPE values of FP8 KV entries in f32 instead of the official bf16
- * (to compare with the CPU reference, which keeps them in f32); DSV4_CUDA_LOG=1 prints the boot log
- * (every op's variant) to stderr. stats.variant names the KV format and graph count in use.
+ * DSV4_CUDA_LOG=1 prints the boot log (every op's variant) to stderr. stats.variant names the KV
+ * format and the graph count in use.
  *
  * Prefill runs as a loop of one-row decode steps (the bucket-1 graph), which is exact but slow;
  * chunked tensor-core prefill is not built yet. */
@@ -79,9 +78,14 @@ static int64_t a256(int64_t n)
     return (n + 255) / 256 * 256;
 }
 
+static int kv_format(const struct dsv4_backend_opts *o)
+{
+    return o->numerics == DSV4_NUMERICS_FP8 ? DSV4_KV_FP8 : DSV4_KV_F32;
+}
+
 static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o, struct layer_cache *lc)
 {
-    const int eb = dsv4_cuda_kv_entry_bytes(c->head_dim, c->rope_dim, dsv4_cuda_kv_format(o));
+    const int eb = dsv4_cuda_kv_entry_bytes(c->head_dim, c->rope_dim, kv_format(o));
     int64_t off = 0;
     for (int i = 0; i < c->n_layers; i++) {
         const int r = c->compress_ratio[i];
@@ -106,14 +110,6 @@ static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backen
             lc[i] = l;
     }
     return off;
-}
-
-int dsv4_cuda_kv_format(const struct dsv4_backend_opts *o)
-{
-    const char *e = getenv("DSV4_CUDA_KV_ROPE");
-    if (o->numerics != DSV4_NUMERICS_FP8)
-        return DSV4_KV_F32;
-    return e && strcmp(e, "f32") == 0 ? DSV4_KV_FP8_ROPE_F32 : DSV4_KV_FP8;
 }
 
 size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
@@ -583,9 +579,9 @@ static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats
     ret->device_allocs = st.device_allocs;
     ret->graph_captures = cb->captures;
     ret->bytes_reserved = st.cache_bytes + st.workspace_bytes;
-    snprintf(ret->variant, sizeof(ret->variant), "cuda %.40s, %.40s, %s numerics, KV %s, %d graphs", st.kernel_build,
+    snprintf(ret->variant, sizeof(ret->variant), "cuda %.24s, %.24s, %s numerics, KV %s, %d graphs", st.kernel_build,
              st.device_name, cb->fp8 ? "fp8" : "exact",
-             cb->kvf == DSV4_KV_FP8 ? "fp8+bf16" : cb->kvf == DSV4_KV_FP8_ROPE_F32 ? "fp8+f32" : "f32",
+             cb->kvf == DSV4_KV_FP8 ? "fp8 e4m3+bf16 (584 B at 512/64)" : "f32",
              cb->use_graphs ? cb->n_buckets : 0);
 }
 
@@ -716,7 +712,7 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
                               DSV4_CUDA_MAX_HEAD_DIM, c->rope_dim);
     cb->cfg = c;
     cb->fp8 = opts->numerics == DSV4_NUMERICS_FP8;
-    cb->kvf = dsv4_cuda_kv_format(opts);
+    cb->kvf = kv_format(opts);
     cb->slots = opts->max_batch + 1;
     cb->use_graphs = !(g && strcmp(g, "0") == 0);
     STEP(dsv4_cuda_attention_prepare(c->head_dim));

@@ -1,5 +1,5 @@
 /* GPU: the official numerics' cache codecs against the CPU reference's quantizers (engine/quant.c),
- * bit for bit: the KV entry (nope values e4m3 in 1x64 UE8M0 blocks, RoPE values bf16 or f32) and the
+ * bit for bit: the KV entry (nope values e4m3 in 1x64 UE8M0 blocks, RoPE values bf16) and the
  * indexer's Hadamard rotation + FP4 (1x32 UE8M0), at V4 shapes (512/64, 128) and the tiny fixtures'
  * (32/8, 16). */
 #include "build-config.h"
@@ -14,11 +14,13 @@
 
 #define ROWS 257
 
-static size_t compare(const float *out, const float *ref, size_t n)
+/* Count differing values; print the first few (row, index, input, reference, gpu). */
+static size_t compare(const float *x, const float *out, const float *ref, size_t n, int width)
 {
     size_t bad = 0;
     for (size_t i = 0; i < n; i++)
-        bad += memcmp(&out[i], &ref[i], sizeof(float)) != 0;
+        if (memcmp(&out[i], &ref[i], sizeof(float)) != 0 && bad++ < 4)
+            printf("#   row %zu [%zu]: x %.9g cpu %.9g gpu %.9g\n", i / width, i % width, x[i], ref[i], out[i]);
     return bad;
 }
 
@@ -36,15 +38,14 @@ static void check_kv(int hd, int rd, int fmt)
         if (fmt == 0)
             continue;
         dsv4_fp8_roundtrip(row, (size_t)(hd - rd), 64);
-        if (fmt == 1)
-            for (int d = hd - rd; d < hd; d++)
+        for (int d = hd - rd; d < hd; d++)
                 row[d] = dsv4_bf16_to_f32(dsv4_f32_to_bf16(row[d]));
     }
     dx = gt_dev_copy(x, n * sizeof(float));
     dy = gt_dev_poisoned(n);
     DSV4_OK(dsv4_cuda_kv_entry_roundtrip(dx, ROWS, hd, rd, fmt, dy, NULL));
     out = gt_host_from(dy, n);
-    size_t bad = compare(out, ref, n);
+    size_t bad = compare(x, out, ref, n, hd);
     printf("# kv entry format %d, head %d rope %d: %zu of %zu values differ from the CPU quantizers\n", fmt, hd, rd,
            bad, n);
     assert_int_equal(bad, 0);
@@ -57,7 +58,7 @@ static void check_kv(int hd, int rd, int fmt)
 
 static void test_kv_entry(void **state)
 {
-    for (int fmt = 0; fmt < 3; fmt++) {
+    for (int fmt = 0; fmt < 2; fmt++) {
         check_kv(512, 64, fmt);
         check_kv(32, 8, fmt);
     }
@@ -77,7 +78,7 @@ static void check_hadamard(int n)
     dy = gt_dev_poisoned(N);
     DSV4_OK(dsv4_cuda_hadamard_fp4(dx, ROWS, n, dy, NULL));
     out = gt_host_from(dy, N);
-    size_t bad = compare(out, ref, N);
+    size_t bad = compare(x, out, ref, N, n);
     printf("# hadamard + fp4, n %d: %zu of %zu values differ from the CPU\n", n, bad, N);
     assert_int_equal(bad, 0);
     cudaFree(dx);
