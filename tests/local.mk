@@ -6,3 +6,4 @@ tests_unit_test_error_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_error_LDADD = $(TEST_ENGINE_LIBS)
 include $(srcdir)/tests/fixtures.mk
 include $(srcdir)/tests/integration.mk
+include $(srcdir)/tests/fixtures_fp8.mk

@@ -46,13 +46,19 @@ applied in float64.
 
 Everything else is transformers' float32 computation, the "exact" numerics of the fixtures.
 
-Two implementations computing the same float32 values up to rounding order (~1e-7 relative) make the
-same FP8/FP4 choice unless a value lies that close to a rounding boundary.  The script measures, per case,
-the smallest distance of any rounded value to its boundary (relative to its block's amax) and of any
-block scale to a power of two, and refuses cases that come within MIN_ROUND_MARGIN; it also requires the
-chunked runs to give the one-shot logits and greedy tokens, and the cached decode to agree with one
-cache-free forward: both compare float32 computations that differ only in rounding order, exactly the
-situation of the C backend against this oracle.
+Two implementations computing the same float32 values up to rounding order make the same FP8/FP4/bf16
+choice unless a value lies within that noise of a rounding boundary, and with 10^4 to 10^5 roundings per
+case some always do (the closest sit 1e-8 of their block's amax away).  A rounding that goes the other
+way moves the later rows a little, or a lot when it reorders an indexer or router top-k.  So each row
+gets its own bound, measured here: every rounding within FLIP_DISTANCE (relative to its block's amax) of
+its boundary, and every scale within FLIP_DISTANCE of a power of two, is taken to the other side, all at
+once and then each half of a random split (teacher-forced on the same tokens); the row's bound is
+FLIP_SAFETY times the largest move seen, and never below BASE_TOLERANCE (the exact numerics' 1e-4).  The
+values before rounding move by 1e-6 to 2e-6 (99.9th percentile, relative to their row's amax) between
+one-shot and chunked prefill of the same prompt when no rounding flips between them; FLIP_DISTANCE is
+above that.  The script also requires chunked == one-shot and cached decode == one cache-free forward
+within those bounds (greedy tokens identical), which is the same comparison the C backend faces: two
+float32 paths that differ in rounding order only.
 
 Usage: python3 tools/mkfixtures_fp8.py [--fixtures tests/fixtures] [--only tiny_a]
 """
@@ -80,11 +86,15 @@ FP4_AMAX_FLOOR = 6.0 * 2.0 ** -126
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Greedy decode steps after each prompt (as many as the exact fixtures).
 DECODE = 16
-# Smallest admitted distance of a rounded value to its rounding boundary, relative to its block's amax,
-# and of a block scale's amax/max to a power of two: 100x the float32 rounding-order noise between two
-# implementations of the same forward (chunked vs one-shot here measures 1e-6 at the logits).
-MIN_ROUND_MARGIN = 1e-5
-ROW_TOLERANCE = mkfixtures.ROW_TOLERANCE
+# Values this close to a rounding boundary (relative to their block's amax; scales: relative distance of
+# amax/max to a power of two) may round the other way in another float32 implementation.
+FLIP_DISTANCE = 3e-6
+# Row tolerance: the exact numerics' 1e-4, or FLIP_SAFETY times the row's measured flip sensitivity.
+BASE_TOLERANCE = 1e-4
+FLIP_SAFETY = 2.0
+FLIP_SEED = 8
+# MoE router (score units) and indexer (relative to the row's max |score|) top-k gaps: 10x the noise.
+MIN_SELECTION_GAP = 1e-5
 
 
 def pow2_ceil(r):
@@ -144,33 +154,75 @@ class Margins:
 
 
 MARGINS = Margins()
-# data_ptr of a kv_norm output -> where: the RoPE'd result of that tensor gets the cache rounding.
+# data_ptr of a kv_norm output -> (where, nope): the RoPE'd result of that tensor gets the cache rounding.
 MARKED = {}
+# None, or the distance (relative to the block amax) within which every rounding takes its other side.
+FLIP = None
+# None, or (generator, 0 or 1): flip only one half of a random split of the roundings within FLIP.
+FLIP_HALF = None
+# None, or {(format, where): [rows of values about to be rounded]}.
+RECORD = None
+
+
+def other_neighbour(a, q, grid):
+    """For values a (float64) rounded to q (a grid value with a's sign), the grid value bracketing |a|
+    from the other side: what a value just across the midpoint between the two would round to (the
+    only boundary a value FLIP-close to can sit at, FLIP being far below a quarter grid step)."""
+    idx = torch.searchsorted(grid, a.abs())
+    lo = grid[(idx - 1).clamp(min=0)]
+    hi = grid[idx.clamp(max=len(grid) - 1)]
+    other = torch.where(q.abs() == hi, lo, hi)
+    return torch.copysign(other, a)
+
+
+def flip_mask(rel):
+    """Which roundings take their other side: within FLIP of the boundary, and in the current subset (all,
+    or one half of a seeded random split: the two halves of one seed are complements)."""
+    mask = rel < FLIP
+    if FLIP_HALF is not None:
+        gen, half = FLIP_HALF
+        pick = torch.rand(rel.shape, generator=gen, dtype=torch.float64) < 0.5
+        mask &= pick if half == 0 else ~pick
+    return mask
+
+
+def note_rows(fmt, where, x):
+    """Keep the values about to be rounded (rows of the last dim) for the noise measurement."""
+    if RECORD is not None:
+        RECORD.setdefault((fmt, where), []).append(x.detach().double().reshape(-1, x.shape[-1]).clone())
 
 
 def quantize_blocks(x, n, block, fmt, where):
     """Round x[..., :n] (float32) through fmt ('fp8' e4m3 or 'fp4' e2m1) in blocks of `block` values along
-    the last dim, each with its UE8M0 scale; returns a new tensor (x[..., n:] untouched)."""
+    the last dim, each with its UE8M0 scale; returns a new tensor (x[..., n:] untouched).  With FLIP set,
+    every value within FLIP (relative to its block's amax) of a rounding boundary takes the grid value on
+    the other side instead, and every scale within FLIP of a power of two the other power."""
     out = x.clone()
     fmax = E4M3_MAX if fmt == "fp8" else E2M1_MAX
     floor = FP8_AMAX_FLOOR if fmt == "fp8" else FP4_AMAX_FLOOR
     inv = torch.tensor(1.0 / fmax, dtype=torch.float32)
     grid = E4M3_VALUES if fmt == "fp8" else E2M1_VALUES
+    note_rows(fmt, where, x[..., :n])
     for b0 in range(0, n, block):
         b1 = min(b0 + block, n)
         xb = x[..., b0:b1].float()
         amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(floor)
         r = amax * inv
         s = pow2_ceil(r)
+        if FLIP is not None:
+            near = flip_mask(pow2_distance(r))
+            s = torch.where(near & (s == r), s * 2, torch.where(near, s / 2, s))
         v = (xb / s).clamp(-fmax, fmax)
         if fmt == "fp8":
             q = v.to(torch.float8_e4m3fn).float()
         else:
             q = round_e2m1(v)
+        rel = grid_margin(v, grid) * s.double() / amax.double()
+        if FLIP is not None:
+            q = torch.where(flip_mask(rel), other_neighbour(v.double(), q.double(), grid).float(), q)
         out[..., b0:b1] = q * s
         if v.numel():
             MARGINS.count[fmt] += v.numel()
-            rel = grid_margin(v, grid) * s.double() / amax.double()
             MARGINS.note(MARGINS.value, fmt, float(rel.min()), where)
             MARGINS.note(MARGINS.scale, fmt, float(pow2_distance(r).min()), where)
     return out
@@ -178,17 +230,23 @@ def quantize_blocks(x, n, block, fmt, where):
 
 def round_bf16(x, where):
     """x (float32) to the nearest bf16 (ties to even), noting each value's distance to the midpoints with
-    its two bf16 neighbours, relative to the amax of x's last dim."""
+    its two bf16 neighbours, relative to the amax of x's last dim; with FLIP set, a value that close to a
+    midpoint takes the neighbour across it."""
+    note_rows("bf16", where, x)
     r = x.to(torch.bfloat16)
     bits = r.view(torch.int16)
     lo, hi = (bits - 1).view(torch.bfloat16).double(), (bits + 1).view(torch.bfloat16).double()
     rd, xd = r.double(), x.double()
-    dist = torch.minimum((xd - (rd + lo) / 2).abs(), (xd - (rd + hi) / 2).abs())
+    to_lo, to_hi = (xd - (rd + lo) / 2).abs(), (xd - (rd + hi) / 2).abs()
     amax = xd.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    rel = torch.minimum(to_lo, to_hi) / amax
+    out = rd
+    if FLIP is not None:
+        out = torch.where(flip_mask(rel), torch.where(to_lo < to_hi, lo, hi), rd)
     if x.numel():
         MARGINS.count["bf16"] += x.numel()
-        MARGINS.note(MARGINS.value, "bf16", float((dist / amax).min()), where)
-    return r.float()
+        MARGINS.note(MARGINS.value, "bf16", float(rel.min()), where)
+    return out.float()
 
 
 def hadamard(n):
@@ -208,6 +266,24 @@ def rotate_round(x, where):
     return quantize_blocks(y.float(), n, FP4_BLOCK, "fp4", where)
 
 
+def rope_then_round(x, cos, sin, *args, **kwargs):
+    """transformers' apply_rotary_pos_emb, then, for a kv_norm output marked by a hook, the cache rounding:
+    FP8 on the nope slice, bf16 on the RoPE slice."""
+    y = TRANSFORMERS_ROPE(x, cos, sin, *args, **kwargs)
+    mark = MARKED.pop(x.data_ptr(), None)
+    if mark is None:
+        return y
+    where, nope = mark
+    y = quantize_blocks(y, nope, KV_BLOCK, "fp8", where)
+    y[..., nope:] = round_bf16(y[..., nope:], where)
+    return y
+
+
+TRANSFORMERS_ROPE = dsv4.apply_rotary_pos_emb
+# The attention and compressor forwards look the function up in their module at each call.
+dsv4.apply_rotary_pos_emb = rope_then_round
+
+
 def install_official_numerics(model):
     """Hooks that turn transformers' exact deepseek_v4 into the official (fp8) numerics, see the module
     docstring for each place.  Returns the hook handles."""
@@ -215,24 +291,10 @@ def install_official_numerics(model):
     nope = cfg.head_dim - cfg.qk_rope_head_dim
     handles = []
 
-    marked = MARKED
-    rope = dsv4.apply_rotary_pos_emb
-
     def kv_hook(where):
         def hook(module, args, out):
-            marked[out.data_ptr()] = where
+            MARKED[out.data_ptr()] = (where, nope)
         return hook
-
-    def rope_then_round(x, cos, sin, *args, **kwargs):
-        y = rope(x, cos, sin, *args, **kwargs)
-        where = marked.pop(x.data_ptr(), None)
-        if where is None:
-            return y
-        y = quantize_blocks(y, nope, KV_BLOCK, "fp8", where)
-        y[..., nope:] = round_bf16(y[..., nope:], where)
-        return y
-
-    dsv4.apply_rotary_pos_emb = rope_then_round
 
     def scorer_hook(where):
         def hook(module, args):
@@ -277,7 +339,46 @@ def self_test():
     MARGINS.reset()
 
 
+def run_forced(model, tokens, chunk, forced):
+    """mkfixtures.run_case with the decode steps fed `forced` instead of the argmax: logits [P + N, V]."""
+    cache = dsv4.DynamicCache(config=model.config)
+    ids = torch.tensor([tokens], dtype=torch.long)
+    step = len(tokens) if chunk == 0 else chunk
+    rows = []
+    with torch.no_grad():
+        for start in range(0, len(tokens), step):
+            rows.append(model(input_ids=ids[:, start:start + step], past_key_values=cache, use_cache=True).logits[0])
+        for t in forced:
+            rows.append(model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0])
+    return torch.cat(rows, dim=0).float()
+
+
+def row_errors(a, b):
+    """Per row: max |a - b| / max |b|."""
+    return (a - b).abs().max(dim=-1).values / b.abs().max(dim=-1).values
+
+
+def record_noise(rec_a, rec_b):
+    """Max and 99.9th percentile of |a - b| / max |a| per row, over the rounding sites the two runs saw with
+    the same rows (the indexer keys are handed over whole at every call, so their sites have other shapes
+    and are skipped).  Rows after a rounding that went the other way carry its consequences, not noise:
+    hence the percentile."""
+    diffs, sites = [], 0
+    for key, rows in rec_a.items():
+        if key not in rec_b:
+            continue
+        a, b = torch.cat(rows), torch.cat(rec_b[key])
+        if a.shape != b.shape:
+            continue
+        sites += 1
+        amax = a.abs().amax(dim=-1).clamp_min(1e-30)
+        diffs.append((a - b).abs().amax(dim=-1) / amax)
+    d = torch.cat(diffs)
+    return float(d.max()), float(torch.quantile(d, 0.999)), sites
+
+
 def build(fixture_dir):
+    global FLIP, FLIP_HALF, RECORD
     name = os.path.basename(os.path.normpath(fixture_dir))
     with open(os.path.join(fixture_dir, "cases.json")) as f:
         exact_cases = json.load(f)
@@ -291,64 +392,82 @@ def build(fixture_dir):
         if stale.endswith(".fp8.f32") or stale == "cases_fp8.json":
             os.remove(os.path.join(fixture_dir, stale))
 
-    summary = {"name": name, "cases": []}
+    summary = {"name": name, "flip_distance": FLIP_DISTANCE, "cases": []}
     cases = []
     oneshot = {}
     for ec in exact_cases:
         tokens, chunk = ec["tokens"], ec["chunk"]
-        key = tuple(tokens)
+        where = f"{name} {ec['name']}"
+        P = len(tokens)
         MARGINS.reset()
         probe.reset()
         probe.enabled = True
+        RECORD = {}
         logits, greedy = mkfixtures.run_case(model, tokens, chunk, DECODE)
+        record, RECORD = RECORD, None
         probe.enabled = False
-        mkfixtures.check(not MARKED, f"{name} {ec['name']}: a kv_norm output never reached RoPE: {MARKED}")
-        mkfixtures.check(torch.isfinite(logits).all(), f"{name} {ec['name']}: non-finite fp8 logits")
+        margins = {f"margin_{fmt}_value": MARGINS.value[fmt][0] for fmt in MARGINS.value}
+        margins.update({f"margin_{fmt}_scale": MARGINS.scale[fmt][0] for fmt in MARGINS.scale})
+        margins.update({f"rounded_{fmt}": MARGINS.count[fmt] for fmt in MARGINS.count})
+        # Selections decided by gaps this small could also go the other way on float noise alone.
+        mkfixtures.check(probe.router_gap > MIN_SELECTION_GAP and probe.index_gap > MIN_SELECTION_GAP,
+                         f"{where}: MoE or indexer top-k near tie ({probe.router_gap:.2e}, {probe.index_gap:.2e})")
+        mkfixtures.check(not MARKED, f"{where}: a kv_norm output never reached RoPE: {MARKED}")
+        mkfixtures.check(torch.isfinite(logits).all(), f"{where}: non-finite fp8 logits")
         again, greedy_again = mkfixtures.run_case(model, tokens, chunk, DECODE)
-        mkfixtures.check(torch.equal(logits, again) and greedy == greedy_again, f"{name} {ec['name']}: two runs differ")
+        mkfixtures.check(torch.equal(logits, again) and greedy == greedy_again, f"{where}: two runs differ")
 
-        where = f"{name} {ec['name']}"
-        for table, what in ((MARGINS.value, "value"), (MARGINS.scale, "scale")):
-            for fmt, (m, at) in table.items():
-                mkfixtures.check(m >= MIN_ROUND_MARGIN, f"{where}: {fmt} {what} within {m:.1e} of a rounding "
-                                 f"boundary ({at})")
-        P = len(tokens)
-        min_gap = min(mkfixtures.logit_gap(logits[r]) for r in range(P - 1, logits.shape[0]))
+        # Every rounding within FLIP_DISTANCE of its boundary taken to the other side at once: how far the
+        # logits can move when another float32 implementation rounds those values the other way.
+        # Also each half of a random split, so that effects cancelling in the whole set still show.
+        FLIP = FLIP_DISTANCE
+        sensitivity = row_errors(run_forced(model, tokens, chunk, greedy), logits)
+        for half in (0, 1):
+            FLIP_HALF = (torch.Generator().manual_seed(FLIP_SEED), half)
+            sensitivity = torch.maximum(sensitivity, row_errors(run_forced(model, tokens, chunk, greedy), logits))
+        FLIP, FLIP_HALF = None, None
+        tol = torch.clamp(FLIP_SAFETY * sensitivity, min=BASE_TOLERANCE)
+
+        gaps = [mkfixtures.logit_gap(logits[r]) for r in range(logits.shape[0])]
+        min_gap = min(gaps[P - 1:])
         mkfixtures.check(min_gap > mkfixtures.MIN_LOGIT_GAP_REL, f"{where}: greedy argmax near tie ({min_gap:.2e})")
-        mkfixtures.check(probe.router_gap > mkfixtures.MIN_ROUTER_GAP,
-                         f"{where}: MoE top-k near tie ({probe.router_gap:.2e})")
-        mkfixtures.check(probe.index_gap > mkfixtures.MIN_INDEX_GAP_REL,
-                         f"{where}: indexer top-k near tie ({probe.index_gap:.2e})")
-
         info = {"case": ec["name"], "min_greedy_gap": min_gap, "router_gap": probe.router_gap,
-                "index_gap": probe.index_gap, "index_dropping_rows": probe.index_dropping_rows,
-                "margin_fp8_value": MARGINS.value["fp8"][0], "margin_fp8_scale": MARGINS.scale["fp8"][0],
-                "margin_fp4_value": MARGINS.value["fp4"][0], "margin_fp4_scale": MARGINS.scale["fp4"][0],
-                "margin_bf16_value": MARGINS.value["bf16"][0], "rounded_fp8": MARGINS.count["fp8"],
-                "rounded_fp4": MARGINS.count["fp4"], "rounded_bf16": MARGINS.count["bf16"], "greedy": greedy}
+                "index_gap": probe.index_gap, "index_dropping_rows": probe.index_dropping_rows, **margins,
+                "flip_sensitivity_max": float(sensitivity.max()),
+                "rows_above_base_tolerance": int((tol > BASE_TOLERANCE).sum()),
+                "greedy_steps_decided": sum(gaps[P - 1 + j] > 2 * float(tol[P - 1 + j]) for j in range(DECODE)),
+                "greedy": greedy}
         exact = torch.from_numpy(mkfixtures.np.fromfile(os.path.join(fixture_dir, ec["logits"]), dtype="<f4"))
         exact = exact.reshape(ec["rows"], ec["vocab"])
         info["vs_exact_prompt_rows"] = mkfixtures.row_error(logits[:P], exact[:P])
         info["greedy_agreement_with_exact"] = sum(a == b for a, b in zip(greedy, ec["greedy"]))
         if chunk == 0:
-            oneshot[key] = (logits, greedy)
+            oneshot[tuple(tokens)] = (logits, greedy, tol, record)
             full = torch.tensor([tokens + greedy[:-1]])
             with torch.no_grad():
                 ref = model(input_ids=full, use_cache=False).logits[0].float()
-            info["nocache_err"] = mkfixtures.row_error(logits[:-1], ref)
-            mkfixtures.check(info["nocache_err"] <= ROW_TOLERANCE,
-                             f"{where}: cached vs cache-free rows differ ({info['nocache_err']:.2e})")
+            err = row_errors(logits[:-1], ref)
+            info["nocache_err"] = float(err.max())
+            bad = (err > tol[:-1]).nonzero()
+            mkfixtures.check(not len(bad), f"{where}: cached vs cache-free row {bad[:1].tolist()} differs by "
+                             f"{info['nocache_err']:.2e}")
         else:
-            base, base_greedy = oneshot[key]
-            info["vs_oneshot"] = mkfixtures.row_error(logits, base)
-            mkfixtures.check(info["vs_oneshot"] <= ROW_TOLERANCE and greedy == base_greedy,
-                             f"{where}: chunked vs one-shot differ ({info['vs_oneshot']:.2e})")
+            base, base_greedy, base_tol, base_record = oneshot[tuple(tokens)]
+            err = row_errors(logits, base)
+            info["vs_oneshot"] = float(err.max())
+            # reported, not checked: after a rounding that flipped between the two runs it measures the
+            # consequences of that flip rather than rounding-order noise
+            info["noise_max"], info["noise_p999"], info["noise_sites"] = record_noise(base_record, record)
+            bad = (err > torch.maximum(tol, base_tol)).nonzero()
+            mkfixtures.check(not len(bad) and greedy == base_greedy,
+                             f"{where}: chunked vs one-shot differ ({info['vs_oneshot']:.2e}, rows {bad[:4].tolist()})")
         summary["cases"].append(info)
 
         fname = ec["name"] + ".fp8.f32"
         logits.numpy().astype("<f4").tofile(os.path.join(fixture_dir, fname))
         cases.append({"name": ec["name"], "tokens": tokens, "chunk": chunk, "decode": DECODE, "logits": fname,
-                      "rows": int(logits.shape[0]), "vocab": cfg.vocab_size, "greedy": greedy})
+                      "rows": int(logits.shape[0]), "vocab": cfg.vocab_size, "greedy": greedy,
+                      "row_tolerance": [float(f"{t:.3g}") for t in tol.tolist()]})
 
     with open(os.path.join(fixture_dir, "cases_fp8.json"), "w") as f:
         json.dump(cases, f, indent=1)
