@@ -2,8 +2,6 @@
 #ifndef DSV4_KERNELS_KV_ENTRY_CUH
 #define DSV4_KERNELS_KV_ENTRY_CUH
 
-#include <cuda_bf16.h>
-
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
 
@@ -32,8 +30,10 @@ static __device__ void dsv4_entry_store(const float *v_s, uint8_t *dst, int hd, 
         if (d < nope) {
             dst[d] = __nv_cvt_float_to_fp8(v_s[d] / sc_s[d / KV_GROUP], __NV_SATFINITE, __NV_E4M3);
         } else {
-            __nv_bfloat16 h = __float2bfloat16_rn(v_s[d]);
-            memcpy(dst + nope + 2 * (d - nope), &h, 2);
+            /* bf16, round to nearest even, as one aligned 16-bit store (nope is even) */
+            uint32_t u = __float_as_uint(v_s[d]);
+            u += 0x7fffu + ((u >> 16) & 1u);
+            reinterpret_cast<uint16_t *>(dst + nope)[d - nope] = (uint16_t)(u >> 16);
         }
     }
     __syncthreads();
@@ -48,9 +48,7 @@ static __device__ __forceinline__ float dsv4_entry_load(const uint8_t *e, int d,
         __half_raw h = __nv_cvt_fp8_to_halfraw(e[d], __NV_E4M3);
         return __half2float(*reinterpret_cast<__half *>(&h)) * dsv4_ue8m0(e[nope + 2 * rd + d / KV_GROUP]);
     }
-    uint16_t b;
-    memcpy(&b, e + nope + 2 * (d - nope), 2);
-    return __uint_as_float((uint32_t)b << 16);
+    return __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(e + nope)[d - nope] << 16);
 }
 
 #endif
