@@ -4,6 +4,11 @@
 
 # The kernels' CPU twins are plain C and always built, so CI compiles them with the engine.
 libdsv4engine_la_SOURCES += engine/cpu_twin_cuda.c engine/cpu_twin_cuda.h
+check_PROGRAMS += tests/unit/test_cpu_twin
+TESTS += tests/unit/test_cpu_twin
+tests_unit_test_cpu_twin_SOURCES = tests/unit/test_cpu_twin.c
+tests_unit_test_cpu_twin_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_cpu_twin_LDADD = $(TEST_ENGINE_LIBS)
 
 DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/moe.cu kernels/norm.cu kernels/attention.cu \
 	kernels/compressor.cu kernels/step.cu

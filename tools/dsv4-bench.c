@@ -551,6 +551,6 @@ int main(int argc, char **argv)
         j.run = run_mhc_post;
         report("mhc post hc=4 [B,4,4096]", batches[b], time_job(&j, reps), B * (2 * 4 * 4096 + 4096 + 20) * 4);
     }
-    printf("# decode step of a 4-layer real-shape model: not measured (the CUDA decode step is not assembled)\n");
+    printf("# the whole decode step: dsv4-bench --model DIR (a dsv4-mkckpt checkpoint) --batch 1,16,64\n");
     return 0;
 }
