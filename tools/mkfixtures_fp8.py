@@ -31,8 +31,7 @@ forwards, and its kernel.py quantizers), and how it is reproduced here:
     rounded (a BF16 linear); transformers' scorer computes the same product.  Scores are
     sum_h w_h ReLU(q_h . k_s) on the rounded q and k.
   * the main attention's queries are not rounded (the reference keeps q in BF16 and attends over the
-    dequantized cache), and neither are the RoPE dims of the cache (kept in BF16 "for positional
-    precision").
+    dequantized cache).
   * activations entering a linear are quantized (1x128 e4m3, UE8M0) only when that linear's weight is
     FP8 or FP4 (the reference's linear() dispatches on the weight dtype; a BF16/F32 weight takes a plain
     matmul).  The fixtures' weights are all F32, so no activation is quantized in them; --fp8-weights
@@ -58,9 +57,13 @@ once and then each half of a random split (teacher-forced on the same tokens); t
 FLIP_SAFETY times the largest move seen, and never below BASE_TOLERANCE (the exact numerics' 1e-4).  The
 values before rounding move by 1e-6 to 2e-6 (99.9th percentile, relative to their row's amax) between
 one-shot and chunked prefill of the same prompt when no rounding flips between them; FLIP_DISTANCE is
-above that.  The script also requires chunked == one-shot and cached decode == one cache-free forward
-within those bounds (greedy tokens identical), which is the same comparison the C backend faces: two
-float32 paths that differ in rounding order only.
+above that.  The script also requires chunked == one-shot (the chunked cases decode the one-shot case's
+tokens) and cached decode == one cache-free forward within those bounds, with the same argmax wherever the
+top-2 gap exceeds twice the bound: the same comparison the C backend faces, two float32 paths that differ
+in rounding order only.
+
+Importing this module replaces transformers' deepseek_v4 apply_rotary_pos_emb by a wrapper that is a
+pass-through for every tensor not marked by the hooks.
 
 Usage: python3 tools/mkfixtures_fp8.py [--fixtures tests/fixtures] [--only tiny_a] [--fp8-weights DIR]
 """
