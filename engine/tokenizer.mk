@@ -18,6 +18,11 @@ tests_unit_test_chat_LDADD = $(TEST_ENGINE_LIBS)
 TESTS += tests/tokenizer/diff_test.sh tests/fuzz/run_fuzz.sh
 dist_noinst_SCRIPTS += tests/tokenizer/diff_test.sh tests/fuzz/run_fuzz.sh
 CLEANFILES += tests/tokenizer/corpus.bin tests/fuzz/fuzz_tokenizer tests/fuzz/fuzz.log tests/fuzz/build.log
+# The fuzzer grows its corpus (one file per new input) in the build tree.
+clean-local: clean-fuzz-corpus
+clean-fuzz-corpus:
+	-rm -rf tests/fuzz/corpus
+.PHONY: clean-fuzz-corpus
 
 # Throughput benchmark (not a test): tests/tokenizer/bench_encode TOKENIZER_JSON FILE [REPEATS]
 noinst_PROGRAMS += tests/tokenizer/bench_encode
