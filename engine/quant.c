@@ -9,7 +9,10 @@
 
 #define E4M3_MAX 448.0f
 #define E2M1_MAX 6.0f
-#define UE8M0_AMAX_FLOOR 1e-4f      /* the official quantizer never divides by a smaller amax */
+#define UE8M0_AMAX_FLOOR 1e-4f      /* the official FP8 quantizer never divides by a smaller amax */
+/* The official FP4 quantizer floors amax at the smallest amax whose scale amax/6 is a normal float,
+ * so FP4 blocks of tiny values keep their resolution (FP8's 1e-4 floor would zero them). */
+#define E2M1_AMAX_FLOOR (6.0f * 0x1p-126f)
 
 static uint32_t f32_bits(float f)
 {
@@ -138,13 +141,14 @@ uint8_t dsv4_f32_to_e2m1(float f)
     return sign | (uint8_t)best;
 }
 
-uint8_t dsv4_ue8m0_scale_for(float amax, float fmt_max)
+/* Smallest power-of-two scale with max(amax, floor) / scale <= fmt_max, as a UE8M0 byte. */
+static uint8_t ue8m0_scale_floored(float amax, float floor, float fmt_max)
 {
     float s;
     int ex;
 
-    if (!(amax >= UE8M0_AMAX_FLOOR))    /* NaN too: the floor keeps the scale finite */
-        amax = UE8M0_AMAX_FLOOR;
+    if (!(amax >= floor))               /* NaN too: the floor keeps the scale finite */
+        amax = floor;
     s = amax / fmt_max;
     if (!isfinite(s))
         return 254;
@@ -157,6 +161,11 @@ uint8_t dsv4_ue8m0_scale_for(float amax, float fmt_max)
     if (ex > 254)
         ex = 254;
     return (uint8_t)ex;
+}
+
+uint8_t dsv4_ue8m0_scale_for(float amax, float fmt_max)
+{
+    return ue8m0_scale_floored(amax, UE8M0_AMAX_FLOOR, fmt_max);
 }
 
 void dsv4_fp8_roundtrip(float *x, size_t n, size_t block)
@@ -181,7 +190,7 @@ void dsv4_fp4_roundtrip(float *x, size_t n, size_t block)
 
         for (size_t i = 0; i < len; i++)
             amax = fmaxf(amax, fabsf(x[b + i]));
-        s = dsv4_e8m0_to_f32(dsv4_ue8m0_scale_for(amax, E2M1_MAX));
+        s = dsv4_e8m0_to_f32(ue8m0_scale_floored(amax, E2M1_AMAX_FLOOR, E2M1_MAX));
         for (size_t i = 0; i < len; i++)
             x[b + i] = dsv4_e2m1_to_f32(dsv4_f32_to_e2m1(x[b + i] / s)) * s;
     }

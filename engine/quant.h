@@ -23,7 +23,8 @@ uint8_t dsv4_ue8m0_scale_for(float amax, float fmt_max);
 /* Round x[n] through FP8 e4m3 in blocks of `block` values, each with a UE8M0 scale: x <- dq(q(x)).
  * This is the official cache numerics (block 64) and activation quantization (block 128). */
 void dsv4_fp8_roundtrip(float *x, size_t n, size_t block);
-/* Same through FP4 e2m1 (max 6) in blocks of `block` (32). */
+/* Same through FP4 e2m1 (max 6) in blocks of `block` (32); amax floored at 6 * 2^-126 (the official
+ * FP4 quantizer), not 1e-4. */
 void dsv4_fp4_roundtrip(float *x, size_t n, size_t block);
 
 /* In-place fast Walsh-Hadamard transform of n (power of two) values, scaled by 1/sqrt(n). */

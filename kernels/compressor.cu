@@ -9,6 +9,7 @@
 #define COMP_THREADS 256
 #define FP4_GROUP 32            /* official indexer FP4 block */
 #define E2M1_MAX 6.0f
+#define E2M1_AMAX_FLOOR (6.0f * 0x1p-126f)    /* as engine/quant.c: amax/6 stays a normal float */
 
 
 static __device__ float block_sum_256(float v, float *red)
@@ -61,7 +62,7 @@ static __device__ void hadamard_fp4(float *x, int n, float *sc_s)
         float amax = 0.0f;
         for (int i = g * FP4_GROUP; i < min(n, (g + 1) * FP4_GROUP); i++)
             amax = fmaxf(amax, fabsf(x[i]));
-        uint32_t u = __float_as_uint(fmaxf(amax, DSV4_CUDA_AMAX_FLOOR) / E2M1_MAX), e = (u >> 23) & 0xff;
+        uint32_t u = __float_as_uint(fmaxf(amax, E2M1_AMAX_FLOOR) / E2M1_MAX), e = (u >> 23) & 0xff;
         if (u & 0x7fffff)
             e++;
         sc_s[g] = __uint_as_float(e << 23);

@@ -213,15 +213,15 @@ static void test_ue8m0_scale(void **state)
     assert_int_equal(dsv4_ue8m0_scale_for(FLT_MAX, 1e-30f), 254);  /* clamped, never 0xff (NaN) */
 }
 
-/* Oracle for a block round trip: smallest 2^k >= max(amax, 1e-4)/fmt_max by search, then the
- * nearest code by exhaustive search. */
+/* Oracle for a block round trip: smallest 2^k >= max(amax, floor)/fmt_max by search (floor 1e-4
+ * for FP8, 6 * 2^-126 for FP4, as the official quantizers), then the nearest code by exhaustive search. */
 static void roundtrip_oracle(const float *x, float *out, size_t n, size_t block, bool fp8)
 {
     float fmt_max = fp8 ? 448.0f : 6.0f;
 
     for (size_t b = 0; b < n; b += block) {
         size_t len = n - b < block ? n - b : block;
-        float amax = 1e-4f, sf;
+        float amax = fp8 ? 1e-4f : 6.0f * 0x1p-126f, sf;
         int k = -140;
 
         for (size_t i = 0; i < len; i++)
@@ -282,7 +282,8 @@ static void test_roundtrips(void **state)
     check_roundtrip(true, 128, 128, 1e-7f, &s);        /* below the amax floor */
     check_roundtrip(true, 256, 128, 1e36f, &s);        /* huge scales */
     check_roundtrip(false, 320, 32, 5.0f, &s);
-    check_roundtrip(false, 100, 32, 1e-6f, &s);
+    check_roundtrip(false, 100, 32, 1e-6f, &s);         /* below FP8's floor, above FP4's */
+    check_roundtrip(false, 64, 32, 1e-39f, &s);         /* subnormal values: below FP4's floor */
     check_roundtrip(false, 96, 32, 1e30f, &s);
 }
 
