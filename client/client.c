@@ -637,6 +637,7 @@ static int generate(struct dsv4_client *c, const struct dsv4_client_generate_par
     res->prefill_ms = r.timings.prefill_ms;
     res->decode_ms = r.timings.decode_ms;
     res->total_ms = r.timings.total_ms;
+    res->decode_tokens_per_s = r.timings.decode_tokens_per_s;
     free(r.logprobs);
     return 0;
 }
@@ -807,6 +808,13 @@ int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret)
     ret->n_kernels = st.n_kernels < DSV4_CLIENT_MAX_KERNELS ? st.n_kernels : DSV4_CLIENT_MAX_KERNELS;
     for (size_t i = 0; i < ret->n_kernels; i++)
         snprintf(ret->kernels[i], sizeof(ret->kernels[i]), "%s", st.kernels[i]);
+    ret->steps = st.steps;
+    ret->decode_steps = st.decode_steps;
+    ret->n_batch_hist = st.n_batch_hist < DSV4_CLIENT_MAX_BATCH_BUCKETS ? st.n_batch_hist : DSV4_CLIENT_MAX_BATCH_BUCKETS;
+    for (size_t i = 0; i < ret->n_batch_hist; i++)
+        ret->batch_hist[i] = st.batch_hist[i];
+    ret->sched_allocations = st.sched_allocations;
+    ret->sched_allocations_after_boot = st.sched_allocations_after_boot;
     dsv4_proto_stats_clear(&st);
     return 0;
 }

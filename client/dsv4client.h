@@ -168,6 +168,7 @@ struct dsv4_client_result {
     uint32_t completion_tokens;
     double queue_ms, prefill_ms, decode_ms, total_ms;
     struct dsv4_client_logprob *logprobs;   /* n_tokens entries when requested, else NULL */
+    double decode_tokens_per_s;  /* (completion_tokens - 1) / decode time; 0 when fewer than 2 tokens */
 };
 
 /* Frees the result's memory; accepts NULL. */
@@ -214,6 +215,9 @@ int dsv4_client_detokenize(struct dsv4_client *c, const int32_t *tokens, size_t 
 /* ---- stats, health ---- */
 
 #define DSV4_CLIENT_MAX_KERNELS 64
+/* Decode batch-size histogram buckets: batches of 1, 2, 3-4, 5-8, ..., (2^(i-1), 2^i]; the last one
+ * the server sends also counts everything larger. */
+#define DSV4_CLIENT_MAX_BATCH_BUCKETS 32
 
 struct dsv4_client_stats {
     double uptime_s;
@@ -227,6 +231,11 @@ struct dsv4_client_stats {
     uint64_t device_allocs_after_boot, graph_captures_after_boot;
     size_t n_kernels;
     char kernels[DSV4_CLIENT_MAX_KERNELS][64];
+    uint64_t steps, decode_steps;            /* engine steps that did work; those that decoded */
+    size_t n_batch_hist;                     /* 0 until the engine runs */
+    uint64_t batch_hist[DSV4_CLIENT_MAX_BATCH_BUCKETS];   /* decode steps per bucket; they sum to decode_steps */
+    uint64_t sched_allocations;              /* the scheduler's heap allocations since it was created */
+    uint64_t sched_allocations_after_boot;   /* stays 0 once ready */
 };
 
 int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret);

@@ -309,7 +309,7 @@ static json_t *json_result(const struct dsv4_client_result *r)
     json_t *tokens = json_array();
     for (size_t i = 0; i < r->n_tokens; i++)
         json_array_append_new(tokens, json_integer(r->tokens[i]));
-    json_t *j = json_pack("{s:s%,s:o,s:s,s:{s:i,s:i,s:I},s:{s:f,s:f,s:f,s:f}}",
+    json_t *j = json_pack("{s:s%,s:o,s:s,s:{s:i,s:i,s:I},s:{s:f,s:f,s:f,s:f,s:f}}",
                           "text", r->text, r->text_len,
                           "tokens", tokens,
                           "finish_reason", dsv4_client_finish_name(r->finish_reason),
@@ -317,7 +317,7 @@ static json_t *json_result(const struct dsv4_client_result *r)
                           (int)r->completion_tokens, "total_tokens",
                           (json_int_t)r->prompt_tokens + r->completion_tokens,
                           "timings", "queue_ms", r->queue_ms, "prefill_ms", r->prefill_ms, "decode_ms",
-                          r->decode_ms, "total_ms", r->total_ms);
+                          r->decode_ms, "total_ms", r->total_ms, "decode_tokens_per_s", r->decode_tokens_per_s);
     if (r->error_message)
         json_object_set_new(j, "error", json_string(r->error_message));
     if (r->logprobs) {
@@ -401,10 +401,10 @@ static int cmd_generate(struct dsv4_client *c, struct options *o, int argc, char
         fflush(stdout);
     }
     if (o->verbose) {
-        double tps = r.decode_ms > 0 && r.completion_tokens > 1 ? (r.completion_tokens - 1) * 1000.0 / r.decode_ms : 0;
         fprintf(stderr, "finish: %s; prompt %u tokens, generated %u; queue %.1f ms, prefill %.1f ms, "
                 "decode %.1f ms (%.1f tokens/s), total %.1f ms\n", dsv4_client_finish_name(r.finish_reason),
-                r.prompt_tokens, r.completion_tokens, r.queue_ms, r.prefill_ms, r.decode_ms, tps, r.total_ms);
+                r.prompt_tokens, r.completion_tokens, r.queue_ms, r.prefill_ms, r.decode_ms, r.decode_tokens_per_s,
+                r.total_ms);
     }
     int status = EXIT_OK;
     if (r.finish_reason == DSV4_CLIENT_FINISH_ERROR) {
@@ -466,6 +466,18 @@ static int cmd_info(struct dsv4_client *c, const struct options *o)
     return EXIT_OK;
 }
 
+/* "batch_size 1", "batch_size 3-4", "batch_size 129+": bucket i holds batches of (2^(i-1), 2^i]. */
+static void batch_bucket_label(size_t i, bool last, char *buf, size_t cap)
+{
+    unsigned long long lo = i == 0 ? 1 : (1ull << (i - 1)) + 1, hi = 1ull << i;
+    if (last)
+        snprintf(buf, cap, "batch_size %llu+", lo);
+    else if (lo == hi)
+        snprintf(buf, cap, "batch_size %llu", lo);
+    else
+        snprintf(buf, cap, "batch_size %llu-%llu", lo, hi);
+}
+
 static int cmd_stats(struct dsv4_client *c, const struct options *o)
 {
     struct dsv4_client_stats s;
@@ -493,6 +505,10 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         { "heap_mapped", 0, s.heap_mapped, false },
         { "device_allocs_after_boot", 0, s.device_allocs_after_boot, false },
         { "graph_captures_after_boot", 0, s.graph_captures_after_boot, false },
+        { "steps", 0, s.steps, false },
+        { "decode_steps", 0, s.decode_steps, false },
+        { "sched_allocations", 0, s.sched_allocations, false },
+        { "sched_allocations_after_boot", 0, s.sched_allocations_after_boot, false },
     };
     if (o->json) {
         json_t *j = json_object();
@@ -503,6 +519,10 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         for (size_t i = 0; i < s.n_kernels; i++)
             json_array_append_new(k, json_string(s.kernels[i]));
         json_object_set_new(j, "kernels", k);
+        json_t *h = json_array();
+        for (size_t i = 0; i < s.n_batch_hist; i++)
+            json_array_append_new(h, json_integer((json_int_t)s.batch_hist[i]));
+        json_object_set_new(j, "batch_size_hist", h);
         print_json(j);
         return EXIT_OK;
     }
@@ -515,6 +535,11 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
     }
     for (size_t i = 0; i < s.n_kernels; i++)
         printf("%-28s %s\n", i == 0 ? "kernels" : "", s.kernels[i]);
+    for (size_t i = 0; i < s.n_batch_hist; i++) {
+        char label[64];
+        batch_bucket_label(i, i + 1 == s.n_batch_hist, label, sizeof(label));
+        printf("%-28s %llu\n", label, (unsigned long long)s.batch_hist[i]);
+    }
     return EXIT_OK;
 }
 

@@ -12,6 +12,9 @@
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
 
+/* The stats reply copies the scheduler's histogram: same bucket layout (1, 2, 3-4, ..., open last). */
+_Static_assert(DSV4_SCHED_BATCH_BUCKETS <= DSV4_PROTO_MAX_BATCH_BUCKETS, "batch_size_hist has too few buckets");
+
 #define DSV4_WARMUP_PROMPT "Hello"
 
 /* ---- request bookkeeping ------------------------------------------------------------------------ */
@@ -567,6 +570,13 @@ static void do_stats(struct dsv4_server *s, struct dsv4_conn *c, const struct ds
         st.device_arena_used = ss.backend.bytes_reserved;
         st.device_allocs_after_boot = ss.backend.device_allocs - s->boot_device_allocs;
         st.graph_captures_after_boot = ss.backend.graph_captures - s->boot_graph_captures;
+        st.steps = ss.steps;
+        st.decode_steps = ss.decode_steps;
+        st.n_batch_hist = DSV4_SCHED_BATCH_BUCKETS;
+        for (uint32_t i = 0; i < DSV4_SCHED_BATCH_BUCKETS; i++)
+            st.batch_hist[i] = ss.batch_hist[i];
+        st.sched_allocations = ss.allocations;
+        st.sched_allocations_after_boot = ss.allocations - s->boot_sched_allocations;
         if (ss.backend.variant[0]) {
             st.kernels[0] = ss.backend.variant;
             st.n_kernels = 1;
@@ -721,6 +731,7 @@ static void on_finish(struct dsv4_server *s, struct dsv4_request *req, const str
     out.timings.prefill_ms = res->timings.prefill_s * 1e3;
     out.timings.decode_ms = res->timings.decode_s * 1e3;
     out.timings.total_ms = (double)(dsv4_now_ns() - req->accepted_ns) / 1e6;
+    out.timings.decode_tokens_per_s = res->timings.decode_tokens_per_s;
     /* logprobs only when every token has its entry (a cancelled request may have lost none, but be exact). */
     if (req->gen.sampling.logprobs >= 0 && req->n_logprobs == (uint32_t)res->n_tokens)
         out.logprobs = req->logprobs;

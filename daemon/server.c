@@ -132,6 +132,7 @@ static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdat
     dsv4_sched_get_stats(s->sched, &st);
     s->boot_device_allocs = st.backend.device_allocs;
     s->boot_graph_captures = st.backend.graph_captures;
+    s->boot_sched_allocations = st.allocations;
     r = sd_event_add_io(s->event, &s->sched_src, dsv4_sched_event_fd(s->sched), EPOLLIN,
                         dsv4_dispatch_engine_events, s);
     if (r < 0) {

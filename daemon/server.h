@@ -106,6 +106,7 @@ struct dsv4_server {
     sd_event_source *watchdog_src, *extend_src, *drain_src;
     uint64_t watchdog_usec, watchdog_last_steps;
     uint64_t boot_device_allocs, boot_graph_captures;  /* backend counters when boot ended */
+    uint64_t boot_sched_allocations;        /* the scheduler's allocation counter when boot ended */
 
     struct dsv4_conn *conns;
     int n_conns;

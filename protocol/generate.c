@@ -485,7 +485,7 @@ static const char *const result_keys[] = {
     "text", "tokens", "finish_reason", "error", "usage", "timings", "logprobs",
 };
 static const char *const usage_keys[] = { "prompt_tokens", "completion_tokens", "total_tokens" };
-static const char *const timing_keys[] = { "queue_ms", "prefill_ms", "decode_ms", "total_ms" };
+static const char *const timing_keys[] = { "queue_ms", "prefill_ms", "decode_ms", "total_ms", "decode_tokens_per_s" };
 
 int dsv4_proto_encode_generate_result(struct dsv4_proto_buf *out, uint32_t msgid,
                                       const struct dsv4_proto_generate_result *res)
@@ -514,11 +514,12 @@ int dsv4_proto_encode_generate_result(struct dsv4_proto_buf *out, uint32_t msgid
     dsv4_wire_key(pk, "total_tokens");
     msgpack_pack_uint64(pk, (uint64_t)res->usage.prompt_tokens + res->usage.completion_tokens);
     dsv4_wire_key(pk, "timings");
-    msgpack_pack_map(pk, 4);
+    msgpack_pack_map(pk, 5);
     pack_kv_num(pk, "queue_ms", res->timings.queue_ms);
     pack_kv_num(pk, "prefill_ms", res->timings.prefill_ms);
     pack_kv_num(pk, "decode_ms", res->timings.decode_ms);
     pack_kv_num(pk, "total_ms", res->timings.total_ms);
+    pack_kv_num(pk, "decode_tokens_per_s", res->timings.decode_tokens_per_s);
     if (res->logprobs) {
         dsv4_wire_key(pk, "logprobs");
         msgpack_pack_array(pk, res->n_tokens);
@@ -599,6 +600,8 @@ int dsv4_proto_decode_generate_result(const struct dsv4_proto_message *msg,
         if (rc == 0) rc = dsv4_wire_opt_f64(o, "prefill_ms", ctx, &res->timings.prefill_ms, err);
         if (rc == 0) rc = dsv4_wire_opt_f64(o, "decode_ms", ctx, &res->timings.decode_ms, err);
         if (rc == 0) rc = dsv4_wire_opt_f64(o, "total_ms", ctx, &res->timings.total_ms, err);
+        if (rc == 0)
+            rc = dsv4_wire_opt_f64(o, "decode_tokens_per_s", ctx, &res->timings.decode_tokens_per_s, err);
     }
     if (rc == 0 && (o = dsv4_wire_get(map, "logprobs")))
         rc = read_result_logprobs(o, res, err);

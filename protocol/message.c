@@ -692,6 +692,10 @@ static const struct stat_field stat_fields[] = {
     STAT(heap_mapped, STAT_U64),
     STAT(device_allocs_after_boot, STAT_U64),
     STAT(graph_captures_after_boot, STAT_U64),
+    STAT(steps, STAT_U64),
+    STAT(decode_steps, STAT_U64),
+    STAT(sched_allocations, STAT_U64),
+    STAT(sched_allocations_after_boot, STAT_U64),
 };
 #undef STAT
 
@@ -700,8 +704,9 @@ int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, c
     struct dsv4_wire_enc e;
     msgpack_packer *pk = &e.pk;
     uint32_t nk = st->n_kernels < DSV4_PROTO_MAX_KERNELS ? st->n_kernels : DSV4_PROTO_MAX_KERNELS;
+    uint32_t nb = st->n_batch_hist < DSV4_PROTO_MAX_BATCH_BUCKETS ? st->n_batch_hist : DSV4_PROTO_MAX_BATCH_BUCKETS;
     dsv4_wire_begin_response(&e, out, msgid);
-    msgpack_pack_map(pk, ARRAY_SIZE(stat_fields) + 2);
+    msgpack_pack_map(pk, ARRAY_SIZE(stat_fields) + 3);
     for (size_t i = 0; i < ARRAY_SIZE(stat_fields); i++) {
         const void *p = (const char *)st + stat_fields[i].offset;
         switch (stat_fields[i].type) {
@@ -715,6 +720,10 @@ int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, c
     msgpack_pack_array(pk, nk);
     for (uint32_t i = 0; i < nk; i++)
         dsv4_wire_cstr(pk, st->kernels[i] ? st->kernels[i] : "");
+    dsv4_wire_key(pk, "batch_size_hist");
+    msgpack_pack_array(pk, nb);
+    for (uint32_t i = 0; i < nb; i++)
+        msgpack_pack_uint64(pk, st->batch_hist[i]);
     return dsv4_wire_end(&e);
 }
 
@@ -750,6 +759,18 @@ int dsv4_proto_decode_stats_result(const struct dsv4_proto_message *msg, struct 
             if (rc == 0)
                 st->n_kernels = i + 1;
         }
+    }
+    if (rc == 0 && (k = dsv4_wire_get(map, "batch_size_hist"))) {
+        if (k->type != MSGPACK_OBJECT_ARRAY)
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: batch_size_hist must be an array", ctx);
+        else if (k->via.array.size > DSV4_PROTO_MAX_BATCH_BUCKETS)
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: %u batch_size_hist buckets, above the limit %u",
+                                      ctx, k->via.array.size, DSV4_PROTO_MAX_BATCH_BUCKETS);
+        for (uint32_t i = 0; rc == 0 && i < k->via.array.size; i++)
+            rc = dsv4_wire_read_u64(&k->via.array.ptr[i], ctx, "batch_size_hist[]", DSV4_PROTO_E_BAD_VALUE,
+                                    &st->batch_hist[i], err);
+        if (rc == 0)
+            st->n_batch_hist = k->via.array.size;
     }
     if (rc)
         dsv4_proto_stats_clear(st);

@@ -301,6 +301,7 @@ struct dsv4_proto_timings {
     double prefill_ms;             /* admitted -> first token */
     double decode_ms;              /* first token -> last token */
     double total_ms;               /* accepted -> result */
+    double decode_tokens_per_s;    /* (completion_tokens - 1) / decode time; 0 when fewer than 2 tokens */
 };
 
 struct dsv4_proto_generate_result {
@@ -390,6 +391,9 @@ int dsv4_proto_encode_health(struct dsv4_proto_buf *out, uint32_t msgid);
 int dsv4_proto_decode_empty_params(const struct dsv4_proto_message *msg, struct dsv4_proto_error *err);
 
 #define DSV4_PROTO_MAX_KERNELS 64u
+/* Decode batch-size histogram: bucket 0 counts batches of 1, bucket i > 0 batches of (2^(i-1), 2^i],
+ * the last bucket also everything larger. 32 buckets reach far beyond any slot count. */
+#define DSV4_PROTO_MAX_BATCH_BUCKETS 32u
 
 /* A flat map, one key per field (names as below). */
 struct dsv4_proto_stats {
@@ -414,6 +418,12 @@ struct dsv4_proto_stats {
     uint64_t heap_mapped;
     uint64_t device_allocs_after_boot;   /* must stay 0 */
     uint64_t graph_captures_after_boot;  /* must stay 0 */
+    uint64_t steps;                /* engine steps that did work (prefill or decode) */
+    uint64_t decode_steps;         /* steps that decoded at least one sequence */
+    uint32_t n_batch_hist;         /* wire: "batch_size_hist", an array of uint */
+    uint64_t batch_hist[DSV4_PROTO_MAX_BATCH_BUCKETS];   /* decode steps per batch size, buckets above */
+    uint64_t sched_allocations;    /* heap allocations the scheduler made since it was created */
+    uint64_t sched_allocations_after_boot;   /* must stay 0 */
     uint32_t n_kernels;
     char *kernels[DSV4_PROTO_MAX_KERNELS];   /* kernel variants in use */
 };

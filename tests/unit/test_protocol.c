@@ -16,6 +16,7 @@
 #include <cmocka.h>
 
 #include "protocol/message.h"
+#include "protocol/wire.h"
 
 #define ROUNDS 40
 
@@ -435,7 +436,7 @@ static void test_token_and_result(void **state)
         res.usage.prompt_tokens = (uint32_t)rnd();
         res.usage.completion_tokens = res.n_tokens;
         res.timings = (struct dsv4_proto_timings){ rnd_float(0, 1e4f), rnd_float(0, 1e4f), rnd_float(0, 1e5f),
-                                                   rnd_float(0, 1e6f) };
+                                                   rnd_float(0, 1e6f), rnd_float(0, 1e4f) };
         if (r % 3 == 0) {
             res.logprobs = calloc(res.n_tokens + 1, sizeof(*res.logprobs));
             assert_non_null(res.logprobs);
@@ -462,6 +463,7 @@ static void test_token_and_result(void **state)
         assert_true(gr.timings.prefill_ms == res.timings.prefill_ms);
         assert_true(gr.timings.decode_ms == res.timings.decode_ms);
         assert_true(gr.timings.total_ms == res.timings.total_ms);
+        assert_true(gr.timings.decode_tokens_per_s == res.timings.decode_tokens_per_s);
         assert_int_equal(gr.logprobs != NULL, res.logprobs != NULL);
         for (uint32_t i = 0; res.logprobs && i < res.n_tokens; i++)
             assert_logprob(&res.logprobs[i], &gr.logprobs[i]);
@@ -604,6 +606,13 @@ static void test_small_methods(void **state)
         st.heap_mapped = rnd();
         st.device_allocs_after_boot = rnd();
         st.graph_captures_after_boot = rnd();
+        st.steps = rnd();
+        st.decode_steps = rnd();
+        st.n_batch_hist = rnd_below(DSV4_PROTO_MAX_BATCH_BUCKETS + 1);
+        for (uint32_t i = 0; i < st.n_batch_hist; i++)
+            st.batch_hist[i] = rnd();
+        st.sched_allocations = rnd();
+        st.sched_allocations_after_boot = rnd();
         st.n_kernels = rnd_below(DSV4_PROTO_MAX_KERNELS + 1);
         for (uint32_t i = 0; i < st.n_kernels; i++)
             st.kernels[i] = rnd_utf8(20, NULL);
@@ -632,6 +641,13 @@ static void test_small_methods(void **state)
         assert_true(gs.heap_mapped == st.heap_mapped);
         assert_true(gs.device_allocs_after_boot == st.device_allocs_after_boot);
         assert_true(gs.graph_captures_after_boot == st.graph_captures_after_boot);
+        assert_true(gs.steps == st.steps);
+        assert_true(gs.decode_steps == st.decode_steps);
+        assert_int_equal(gs.n_batch_hist, st.n_batch_hist);
+        for (uint32_t i = 0; i < st.n_batch_hist; i++)
+            assert_true(gs.batch_hist[i] == st.batch_hist[i]);
+        assert_true(gs.sched_allocations == st.sched_allocations);
+        assert_true(gs.sched_allocations_after_boot == st.sched_allocations_after_boot);
         assert_int_equal(gs.n_kernels, st.n_kernels);
         for (uint32_t i = 0; i < st.n_kernels; i++)
             assert_string_equal(gs.kernels[i], st.kernels[i]);
@@ -754,6 +770,69 @@ static void test_reader_chunks(void **state)
     dsv4_proto_buf_clear(&stream);
 }
 
+/* A stats result from a server that predates the engine counters decodes with them zero; a histogram
+ * longer than DSV4_PROTO_MAX_BATCH_BUCKETS or with a negative count is refused, naming the field. */
+static void pack_stats_with_hist(struct dsv4_proto_buf *buf, uint32_t msgid, uint64_t requests_total, uint32_t n_buckets,
+                                 bool negative)
+{
+    struct dsv4_wire_enc e;
+    dsv4_proto_buf_reset(buf);
+    dsv4_wire_begin_response(&e, buf, msgid);
+    msgpack_pack_map(&e.pk, n_buckets ? 2 : 1);
+    dsv4_wire_key(&e.pk, "requests_total");
+    msgpack_pack_uint64(&e.pk, requests_total);
+    if (n_buckets) {
+        dsv4_wire_key(&e.pk, "batch_size_hist");
+        msgpack_pack_array(&e.pk, n_buckets);
+        for (uint32_t i = 0; i < n_buckets; i++) {
+            if (negative && i == n_buckets - 1)
+                msgpack_pack_int64(&e.pk, -1 - (int64_t)rnd_below(1000));
+            else
+                msgpack_pack_uint64(&e.pk, rnd());
+        }
+    }
+    assert_int_equal(dsv4_wire_end(&e), 0);
+}
+
+static void test_stats_compat(void **state)
+{
+    struct dsv4_proto_limits cl;
+    struct dsv4_proto_buf buf = { 0 };
+    struct dsv4_proto_message msg;
+    struct dsv4_proto_stats gs;
+    struct dsv4_proto_error err;
+    (void)state;
+    client_limits(&cl);
+    for (int r = 0; r < ROUNDS; r++) {
+        uint32_t msgid = (uint32_t)rnd();
+        uint64_t total = rnd() | 1;
+        pack_stats_with_hist(&buf, msgid, total, 0, false);
+        decode_frame(&buf, &cl, &msg);
+        assert_int_equal(dsv4_proto_decode_stats_result(&msg, &gs, &err), 0);
+        assert_true(gs.requests_total == total);
+        assert_true(gs.steps == 0 && gs.decode_steps == 0 && gs.n_batch_hist == 0);
+        assert_true(gs.sched_allocations == 0 && gs.sched_allocations_after_boot == 0);
+        dsv4_proto_stats_clear(&gs);
+        dsv4_proto_message_clear(&msg);
+
+        pack_stats_with_hist(&buf, msgid, total, DSV4_PROTO_MAX_BATCH_BUCKETS + 1 + rnd_below(8), false);
+        decode_frame(&buf, &cl, &msg);
+        assert_int_equal(dsv4_proto_decode_stats_result(&msg, &gs, &err), -EBADMSG);
+        assert_int_equal(err.code, DSV4_PROTO_E_BAD_VALUE);
+        assert_non_null(strstr(err.message, "batch_size_hist"));
+        assert_int_equal(gs.n_batch_hist, 0);
+        dsv4_proto_message_clear(&msg);
+
+        pack_stats_with_hist(&buf, msgid, total, 1 + rnd_below(DSV4_PROTO_MAX_BATCH_BUCKETS), true);
+        decode_frame(&buf, &cl, &msg);
+        assert_int_equal(dsv4_proto_decode_stats_result(&msg, &gs, &err), -EBADMSG);
+        assert_int_equal(err.code, DSV4_PROTO_E_BAD_VALUE);
+        assert_non_null(strstr(err.message, "batch_size_hist"));
+        dsv4_proto_message_clear(&msg);
+    }
+    dsv4_proto_buf_clear(&buf);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -762,6 +841,7 @@ int main(void)
         cmocka_unit_test(test_generate_defaults),
         cmocka_unit_test(test_token_and_result),
         cmocka_unit_test(test_small_methods),
+        cmocka_unit_test(test_stats_compat),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_reader_chunks),
     };
