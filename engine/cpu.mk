@@ -5,10 +5,12 @@ libdsv4engine_la_SOURCES += \
 	engine/cpu_compressor.c engine/cpu_indexer.c engine/cpu_attention.c \
 	engine/cpu_moe.c engine/cpu_pool.c engine/cpu_backend.c
 
-# The oracle: every case of every tests/fixtures/ model, exact and fp8 numerics.
+# The oracle: every case of every tests/fixtures/ model, exact numerics (fp8's deviation from them only
+# reported; tests/fixtures_fp8.mk asserts fp8 against its own oracle). fixture_cases.{c,h}: shared by both.
 check_PROGRAMS += tests/integration/test_fixtures
 TESTS += tests/integration/test_fixtures
-tests_integration_test_fixtures_SOURCES = tests/integration/test_fixtures.c
+tests_integration_test_fixtures_SOURCES = tests/integration/test_fixtures.c \
+	tests/integration/fixture_cases.c tests/integration/fixture_cases.h
 tests_integration_test_fixtures_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_integration_test_fixtures_LDADD = $(TEST_ENGINE_LIBS)
 
