@@ -44,6 +44,9 @@ try:
     t.ok(d.start(), "dsv4d is ready", d.log_text())
     c = Client(d.sock_path)
 
+    err, boot_st = c.call("stats")
+    t.ok(err is None and boot_st["sched_allocations"] > 0 and boot_st["sched_allocations_after_boot"] == 0,
+         "stats right after boot: the scheduler's allocations are counted, none after boot", (err, boot_st))
     err, hello = c.call("hello", {"protocol": 1, "client": "python msgpack"})
     t.ok(err is None and hello["protocol"] == 1 and hello["server"].startswith("dsv4d ")
          and hello["model"]["vocab_size"] == FIXTURE_VOCAB and hello["max_batch"] == 4 and hello["backend"] == "cpu"
@@ -203,7 +206,46 @@ os.kill(os.getpid(), signal.SIGKILL)
     t.ok(err is None and bin_tokens(res["tokens"]) == bin_tokens(greedy(c, PROMPTS[0], 12)[1]["tokens"]),
          "and keeps answering", err)
 
+    # Engine counters: N sequential requests of n tokens each run alone, so each takes one prefill step
+    # (which samples its first token) and n - 1 decode steps of batch size 1.
+    n_req, n_tok = 5, 9
+    err0, st0 = c.call("stats")
+    per_req = [greedy(c, PROMPTS[k % len(PROMPTS)], n_tok) for k in range(n_req)]
+    err1, st1 = c.call("stats")
+    dec = st1["decode_steps"] - st0["decode_steps"]
+    hist0, hist1 = st0["batch_size_hist"], st1["batch_size_hist"]
+    t.ok(err0 is None and err1 is None and all(e is None and r["usage"]["completion_tokens"] == n_tok
+                                               for e, r in per_req),
+         "%d sequential requests of %d tokens" % (n_req, n_tok), per_req)
+    t.eq(dec, n_req * (n_tok - 1), "decode_steps grew by one per token after the first")
+    t.ok(st1["steps"] - st0["steps"] >= dec + n_req, "steps grew by the decode steps and a prefill step per request",
+         (st0["steps"], st1["steps"]))
+    t.ok(len(hist1) == len(hist0) == 9 and sum(hist1) == st1["decode_steps"]
+         and hist1[0] - hist0[0] == dec and hist1[1:] == hist0[1:],
+         "batch_size_hist sums to decode_steps; the new steps are all batch size 1", (hist0, hist1, st1))
+    tms = [r["timings"] for _, r in per_req]
+    t.ok(all(tm["decode_ms"] > 0 and abs(tm["decode_tokens_per_s"] - (n_tok - 1) * 1000.0 / tm["decode_ms"])
+             <= 1e-9 * tm["decode_tokens_per_s"] for tm in tms),
+         "each result's decode_tokens_per_s is (completion_tokens - 1) / decode_ms", tms)
+
+    # Four requests pipelined on one connection share decode steps: batch sizes above 1 are counted.
+    mids = [c.request("generate", {"tokens": tokens_bin(p), "max_tokens": 200, "temperature": 0.0})
+            for p in PROMPTS + [LONG_PROMPT]]
+    piped = {}
+    while len(piped) < len(mids):
+        m = c.recv()
+        if m[0] == 1:
+            piped[m[1]] = (m[2], m[3])
+    err2, st2 = c.call("stats")
+    hist2 = st2["batch_size_hist"]
+    t.ok(sorted(piped) == mids and all(e is None for e, _ in piped.values()) and err2 is None and sum(hist2) == st2["decode_steps"]
+         and sum(hist2[1:]) > sum(hist1[1:]), "pipelined requests decode in batches; the histogram still sums "
+         "to decode_steps", (hist1, hist2, st2["decode_steps"]))
+
     err, st = c.call("stats")
+    t.ok(err is None and st["sched_allocations"] == boot_st["sched_allocations"]
+         and st["sched_allocations_after_boot"] == 0,
+         "the scheduler allocated nothing after boot", (boot_st["sched_allocations"], st))
     t.ok(err is None and st["slots_total"] == 4 and st["requests_total"] >= 40 and st["requests_cancelled"] >= 2
          and st["generated_tokens_total"] > 0 and st["connections"] >= 1 and st["backend"] == "cpu"
          and st["device_allocs_after_boot"] == 0 and st["uptime_s"] > 0, "stats", st)
