@@ -13,7 +13,7 @@ tests_unit_test_weights_LDADD = $(TEST_ENGINE_LIBS)
 
 check_PROGRAMS += tests/unit/test_quant
 TESTS += tests/unit/test_quant
-tests_unit_test_quant_SOURCES = tests/unit/test_quant.c tests/unit/st_writer.h
+tests_unit_test_quant_SOURCES = tests/unit/test_quant.c tests/unit/st_writer.h tests/unit/seed_util.h
 tests_unit_test_quant_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_quant_LDADD = $(TEST_ENGINE_LIBS)
 
@@ -25,6 +25,6 @@ tests_unit_test_config_LDADD = $(TEST_ENGINE_LIBS)
 
 check_PROGRAMS += tests/unit/test_safetensors
 TESTS += tests/unit/test_safetensors
-tests_unit_test_safetensors_SOURCES = tests/unit/test_safetensors.c tests/unit/st_writer.h
+tests_unit_test_safetensors_SOURCES = tests/unit/test_safetensors.c tests/unit/st_writer.h tests/unit/seed_util.h
 tests_unit_test_safetensors_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_safetensors_LDADD = $(TEST_ENGINE_LIBS)

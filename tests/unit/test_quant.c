@@ -12,11 +12,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 #include <cmocka.h>
 
 #include "engine/quant.h"
+#include "tests/unit/seed_util.h"
 #include "tests/unit/st_writer.h"
 
 static uint64_t seed;
@@ -323,12 +322,7 @@ static void test_hadamard(void **state)
 
 static int setup(void **state)
 {
-    const char *env = getenv("DSV4_TEST_SEED");
-
-    seed = env ? strtoull(env, NULL, 0) : ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
-    if (!seed)
-        seed = 1;
-    print_message("seed %llu (DSV4_TEST_SEED reproduces)\n", (unsigned long long)seed);
+    seed = dsv4_test_seed();
     return 0;
 }
 

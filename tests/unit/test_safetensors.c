@@ -13,12 +13,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 #include <cmocka.h>
 
 #include "engine/error.h"
 #include "engine/safetensors.h"
+#include "tests/unit/seed_util.h"
 #include "tests/unit/st_writer.h"
 
 static uint64_t seed;
@@ -357,12 +357,7 @@ static void test_mutations(void **state)
 
 static int setup(void **state)
 {
-    const char *env = getenv("DSV4_TEST_SEED");
-
-    seed = env ? strtoull(env, NULL, 0) : ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
-    if (!seed)
-        seed = 1;
-    print_message("seed %llu (DSV4_TEST_SEED reproduces)\n", (unsigned long long)seed);
+    seed = dsv4_test_seed();
     return 0;
 }
 
