@@ -17,13 +17,13 @@ dsv4ctl_LDADD = libdsv4client.la $(JANSSON_LIBS) -lm
 
 check_PROGRAMS += tests/unit/test_client
 TESTS += tests/unit/test_client
-tests_unit_test_client_SOURCES = tests/unit/test_client.c
+tests_unit_test_client_SOURCES = tests/unit/test_client.c tests/unit/proto_test_util.h
 tests_unit_test_client_CFLAGS = $(AM_CFLAGS) $(CMOCKA_CFLAGS) $(PROTOCOL_CFLAGS)
 tests_unit_test_client_LDADD = libdsv4client.la $(PROTOCOL_LIBS) $(CMOCKA_LIBS)
 
 # dsv4ctl itself (the built program, run from $(top_builddir)) against a scripted fake server.
 check_PROGRAMS += tests/unit/test_client_ctl
 TESTS += tests/unit/test_client_ctl
-tests_unit_test_client_ctl_SOURCES = tests/unit/test_client_ctl.c
+tests_unit_test_client_ctl_SOURCES = tests/unit/test_client_ctl.c tests/unit/proto_test_util.h
 tests_unit_test_client_ctl_CFLAGS = $(AM_CFLAGS) $(CMOCKA_CFLAGS) $(PROTOCOL_CFLAGS) $(JANSSON_CFLAGS)
 tests_unit_test_client_ctl_LDADD = $(PROTOCOL_LIBS) $(CMOCKA_LIBS) $(JANSSON_LIBS)

@@ -19,6 +19,7 @@
 
 #include "client/dsv4client.h"
 #include "protocol/message.h"
+#include "tests/unit/proto_test_util.h"
 
 /* ---- fake server ---- */
 
@@ -59,18 +60,6 @@ static uint64_t prompt_seed(const struct dsv4_proto_generate *g)
     return h;
 }
 
-static void send_all(int fd, struct dsv4_proto_buf *b)
-{
-    size_t off = 0;
-    while (off < b->len) {
-        ssize_t n = send(fd, b->data + off, b->len - off, MSG_NOSIGNAL);
-        if (n <= 0)
-            break;
-        off += (size_t)n;
-    }
-    dsv4_proto_buf_reset(b);
-}
-
 /* Next request frame; 0 at EOF. */
 static int read_request(struct server *s, struct dsv4_proto_reader *r, struct dsv4_proto_message *msg, int timeout_ms)
 {
@@ -107,7 +96,7 @@ static void serve_generate(struct server *s, struct dsv4_proto_reader *r, const 
     assert_int_equal(dsv4_proto_decode_generate(msg, &g, &err), 0);
     if (g.prompt && strcmp(g.prompt, "reject") == 0) {
         dsv4_proto_encode_error(out, msg->msgid, DSV4_PROTO_E_PROMPT_TOO_LONG, "prompt of 9999 tokens, above 48");
-        send_all(s->fd, out);
+        proto_test_send_all(s->fd, out);
         dsv4_proto_generate_clear(&g);
         return;
     }
@@ -136,7 +125,7 @@ static void serve_generate(struct server *s, struct dsv4_proto_reader *r, const 
             struct dsv4_proto_token_event ev = { .msgid = msg->msgid, .token = t, .text = &ch, .text_len = 1,
                                                  .has_logprob = g.sampling.logprobs >= 0, .logprob = lp };
             assert_int_equal(dsv4_proto_encode_token(out, &ev), 0);
-            send_all(s->fd, out);
+            proto_test_send_all(s->fd, out);
             if (s->how == CLOSE_MID_STREAM && i == 2)
                 break;
             /* between tokens, look for a cancel without blocking */
@@ -148,7 +137,7 @@ static void serve_generate(struct server *s, struct dsv4_proto_reader *r, const 
                 bool ours = c.msgid == msg->msgid;
                 s->cancels_seen++;
                 dsv4_proto_encode_cancel_result(out, cm.msgid, ours);
-                send_all(s->fd, out);
+                proto_test_send_all(s->fd, out);
                 dsv4_proto_message_clear(&cm);
                 if (ours) {
                     res.finish_reason = DSV4_PROTO_FINISH_CANCELLED;
@@ -162,7 +151,7 @@ static void serve_generate(struct server *s, struct dsv4_proto_reader *r, const 
         res.usage.completion_tokens = res.n_tokens;
         res.timings = (struct dsv4_proto_timings){ 1, 2, 3, 6 };
         assert_int_equal(dsv4_proto_encode_generate_result(out, msg->msgid, &res), 0);
-        send_all(s->fd, out);
+        proto_test_send_all(s->fd, out);
     }
     free(res.tokens);
     free(res.text);
@@ -185,7 +174,7 @@ static void *server_main(void *arg)
         if (s->how == GARBAGE) {
             static const uint8_t bad[] = { 0xff, 0xff, 0xff, 0xff, 0x90 };
             dsv4_proto_buf_append(&out, bad, sizeof(bad));
-            send_all(s->fd, &out);
+            proto_test_send_all(s->fd, &out);
             dsv4_proto_message_clear(&msg);
             continue;
         }
@@ -195,7 +184,7 @@ static void *server_main(void *arg)
         }
         if (s->how == FATAL) {
             dsv4_proto_encode_error_notification(&out, DSV4_PROTO_E_TOO_MANY_CONNECTIONS, "64 connections open");
-            send_all(s->fd, &out);
+            proto_test_send_all(s->fd, &out);
             dsv4_proto_message_clear(&msg);
             break;
         }
@@ -276,7 +265,7 @@ static void *server_main(void *arg)
         default:
             fail_msg("unexpected method %d", msg.method);
         }
-        send_all(s->fd, &out);
+        proto_test_send_all(s->fd, &out);
         dsv4_proto_message_clear(&msg);
     }
 done:

@@ -25,6 +25,7 @@
 #include <cmocka.h>
 
 #include "protocol/message.h"
+#include "tests/unit/proto_test_util.h"
 
 extern char **environ;
 
@@ -46,18 +47,6 @@ static struct {
     bool have_last;
     pthread_mutex_t lock;
 } srv;
-
-static void send_buf(int fd, struct dsv4_proto_buf *b)
-{
-    size_t off = 0;
-    while (off < b->len) {
-        ssize_t n = send(fd, b->data + off, b->len - off, MSG_NOSIGNAL);
-        if (n <= 0)
-            break;
-        off += (size_t)n;
-    }
-    dsv4_proto_buf_reset(b);
-}
 
 /* 1 with a request, 0 at EOF, -ETIMEDOUT when nothing came within timeout_ms. */
 static int next_request(int fd, struct dsv4_proto_reader *r, struct dsv4_proto_message *msg, int timeout_ms)
@@ -122,7 +111,7 @@ static void answer_generate(int fd, struct dsv4_proto_reader *r, const struct ds
             struct dsv4_proto_token_event ev = { msg->msgid, 1000 + (int32_t)i, piece, (size_t)len,
                                                  g.sampling.logprobs >= 0, lp };
             dsv4_proto_encode_token(out, &ev);
-            send_buf(fd, out);
+            proto_test_send_all(fd, out);
         }
         if (sc == SC_SLOW) {
             struct dsv4_proto_message cm;
@@ -139,7 +128,7 @@ static void answer_generate(int fd, struct dsv4_proto_reader *r, const struct ds
                 bool ours = cm.method == DSV4_PROTO_METHOD_CANCEL && dsv4_proto_decode_cancel(&cm, &c, &err) == 0 &&
                             c.msgid == msg->msgid;
                 dsv4_proto_encode_cancel_result(out, cm.msgid, ours);
-                send_buf(fd, out);
+                proto_test_send_all(fd, out);
                 dsv4_proto_message_clear(&cm);
                 if (ours) {
                     res.finish_reason = DSV4_PROTO_FINISH_CANCELLED;
@@ -227,7 +216,7 @@ static void serve_connection(int fd)
             dsv4_proto_encode_error(&out, msg.msgid, DSV4_PROTO_E_UNKNOWN_METHOD, NULL);
             break;
         }
-        send_buf(fd, &out);
+        proto_test_send_all(fd, &out);
         dsv4_proto_message_clear(&msg);
     }
     dsv4_proto_reader_clear(&r);
