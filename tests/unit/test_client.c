@@ -149,7 +149,7 @@ static void serve_generate(struct server *s, struct dsv4_proto_reader *r, const 
     if (s->how != CLOSE_MID_STREAM) {
         res.usage.prompt_tokens = g.n_tokens ? g.n_tokens : (uint32_t)g.prompt_len;
         res.usage.completion_tokens = res.n_tokens;
-        res.timings = (struct dsv4_proto_timings){ 1, 2, 3, 6 };
+        res.timings = (struct dsv4_proto_timings){ .queue_ms = 1, .prefill_ms = 2, .decode_ms = 3, .total_ms = 6 };
         assert_int_equal(dsv4_proto_encode_generate_result(out, msg->msgid, &res), 0);
         proto_test_send_all(s->fd, out);
     }
