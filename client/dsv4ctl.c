@@ -466,16 +466,16 @@ static int cmd_info(struct dsv4_client *c, const struct options *o)
     return EXIT_OK;
 }
 
-/* "batch_size 1", "batch_size 3-4", "batch_size 129+": bucket i holds batches of (2^(i-1), 2^i]. */
+/* "batch_size_hist 1", "batch_size_hist 3-4", "batch_size_hist 129+": bucket i holds batches of (2^(i-1), 2^i]. */
 static void batch_bucket_label(size_t i, bool last, char *buf, size_t cap)
 {
     unsigned long long lo = i == 0 ? 1 : (1ull << (i - 1)) + 1, hi = 1ull << i;
     if (last)
-        snprintf(buf, cap, "batch_size %llu+", lo);
+        snprintf(buf, cap, "batch_size_hist %llu+", lo);
     else if (lo == hi)
-        snprintf(buf, cap, "batch_size %llu", lo);
+        snprintf(buf, cap, "batch_size_hist %llu", lo);
     else
-        snprintf(buf, cap, "batch_size %llu-%llu", lo, hi);
+        snprintf(buf, cap, "batch_size_hist %llu-%llu", lo, hi);
 }
 
 static int cmd_stats(struct dsv4_client *c, const struct options *o)

@@ -324,6 +324,14 @@ static void test_killed_client(void **state)
     assert_int_equal(dsv4_client_health(c, &h), 0);
     assert_int_equal(h.status, DSV4_CLIENT_HEALTH_READY);
     assert_true(st.requests_cancelled >= 1);
+    /* The engine counters come through the library (one snapshot): the histogram sums to the decode
+     * steps, and the scheduler allocated nothing after boot. */
+    uint64_t hist_sum = 0;
+    for (size_t i = 0; i < st.n_batch_hist; i++)
+        hist_sum += st.batch_hist[i];
+    assert_true(st.n_batch_hist > 0 && st.decode_steps > 0 && hist_sum == st.decode_steps);
+    assert_true(st.steps >= st.decode_steps);
+    assert_true(st.sched_allocations > 0 && st.sched_allocations_after_boot == 0);
     dsv4_client_close(c);
 }
 
