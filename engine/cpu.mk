@@ -10,7 +10,7 @@ libdsv4engine_la_SOURCES += \
 check_PROGRAMS += tests/integration/test_fixtures
 TESTS += tests/integration/test_fixtures
 tests_integration_test_fixtures_SOURCES = tests/integration/test_fixtures.c \
-	tests/integration/fixture_cases.c tests/integration/fixture_cases.h
+	tests/integration/fixture_cases.c tests/integration/fixture_cases.h tools/greedy.h
 tests_integration_test_fixtures_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_integration_test_fixtures_LDADD = $(TEST_ENGINE_LIBS)
 

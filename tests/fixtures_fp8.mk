@@ -4,7 +4,7 @@
 check_PROGRAMS += tests/integration/test_fixtures_fp8
 TESTS += tests/integration/test_fixtures_fp8
 tests_integration_test_fixtures_fp8_SOURCES = tests/integration/test_fixtures_fp8.c \
-	tests/integration/fixture_cases.c tests/integration/fixture_cases.h
+	tests/integration/fixture_cases.c tests/integration/fixture_cases.h tools/greedy.h
 tests_integration_test_fixtures_fp8_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_integration_test_fixtures_fp8_LDADD = $(TEST_ENGINE_LIBS)
 EXTRA_DIST += tools/mkfixtures_fp8.py

@@ -17,6 +17,7 @@
 #include "engine/backend.h"
 #include "engine/error.h"
 #include "engine/weights.h"
+#include "tools/greedy.h"
 #include "tools/run.h"
 
 #define RUN_MAX_TOKENS (1 << 20)    /* prompt tokens plus decode steps */
@@ -122,37 +123,6 @@ static int parse_tokens(const char *s, int vocab, int32_t *ids, int max, int *re
     return 0;
 }
 
-/* First index of the largest value, like torch.argmax. */
-static int32_t argmax(const float *row, int n)
-{
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (row[i] > row[best])
-            best = i;
-    return best;
-}
-
-static int generate(struct dsv4_backend *b, const struct run_args *a, int32_t *ids, int P, float *logits)
-{
-    int V = b->weights->cfg.vocab_size;
-    long step = a->chunk ? a->chunk : P;
-    for (int start = 0; start < P; start += (int)step) {
-        int n = P - start < step ? P - start : (int)step;
-        int rc = b->ops->prefill(b, 0, ids + start, n, logits + (size_t)start * V, true);
-        if (rc < 0)
-            return rc;
-    }
-    for (long i = 0; i < a->decode; i++) {
-        int slot = 0;
-        int32_t next = argmax(logits + (size_t)(P + i - 1) * V, V);
-        ids[P + i] = next;
-        int rc = b->ops->decode(b, 1, &slot, &next, logits + (size_t)(P + i) * V);
-        if (rc < 0)
-            return rc;
-    }
-    return 0;
-}
-
 int dsv4_run_model(int argc, char **argv)
 {
     struct run_args a;
@@ -195,7 +165,9 @@ int dsv4_run_model(int argc, char **argv)
     int threads = cpus < 1 ? 1 : cpus > RUN_MAX_THREADS ? RUN_MAX_THREADS : (int)cpus;
     struct dsv4_backend_opts opts = {.max_batch = 1, .max_context = (int)rows, .numerics = a.numerics,
                                      .threads = threads};
-    if (dsv4_backend_cpu_create(w, &opts, &b) < 0 || generate(b, &a, ids, P, logits) < 0) {
+    /* both counts are at most RUN_MAX_TOKENS (parse_count), well inside int */
+    if (dsv4_backend_cpu_create(w, &opts, &b) < 0 ||
+        dsv4_greedy_generate(b, 0, ids, P, (int)a.decode, (int)a.chunk, logits) != 0) {
         fprintf(stderr, "dsv4-run: %s\n", dsv4_error_message());
         goto done;
     }

@@ -14,6 +14,7 @@
 
 #include "engine/error.h"
 #include "tests/integration/fixture_cases.h"
+#include "tools/greedy.h"
 
 static char *path_join(const char *a, const char *b)
 {
@@ -107,15 +108,6 @@ int fx_cases_max_rows(const struct fx_case *cs, int n)
     return max_rows;
 }
 
-int32_t fx_argmax(const float *row, int n)
-{
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (row[i] > row[best])
-            best = i;
-    return best;
-}
-
 void fx_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,
                 const struct fx_case *fc, int chunk, float *out, int32_t *greedy)
 {
@@ -130,7 +122,7 @@ void fx_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv
     for (int i = 0; i < fc->decode; i++) {
         const int32_t *next = &fc->tokens[fc->P + i];
         if (greedy) {
-            greedy[i] = fx_argmax(out + (size_t)(fc->P + i - 1) * V, V);
+            greedy[i] = dsv4_greedy_argmax(out + (size_t)(fc->P + i - 1) * V, V);
             next = &greedy[i];
         }
         if (dsv4_cpu_forward(w, num, s, next, 1, out + (size_t)(fc->P + i) * V, true) < 0)

@@ -26,11 +26,8 @@ int fx_cases_load(const char *dir, const char *file, int V, bool with_tol, struc
 void fx_cases_free(struct fx_case *cs, int n);
 int fx_cases_max_rows(const struct fx_case *cs, int n);
 
-/* First index of the largest value, like torch.argmax. */
-int32_t fx_argmax(const float *row, int n);
-
 /* Prefill the case's prompt in chunks of chunk (one shot when 0), then decode: with greedy, each step is
- * fed the argmax of the previous row, stored in greedy [decode]; without (NULL), the case's own greedy
+ * fed the argmax (dsv4_greedy_argmax) of the previous row, stored in greedy [decode]; without (NULL), the case's own greedy
  * tokens (teacher forcing). out [rows, V]. */
 void fx_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,
                 const struct fx_case *fc, int chunk, float *out, int32_t *greedy);

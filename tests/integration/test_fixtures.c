@@ -25,6 +25,7 @@
 #include "engine/error.h"
 #include "engine/weights.h"
 #include "tests/integration/fixture_cases.h"
+#include "tools/greedy.h"
 
 #define DSV4_FIXTURE_TOL 1e-4
 
@@ -43,25 +44,22 @@ static double worst_row_error(const float *a, const float *ref, int rows, int V,
     return worst;
 }
 
-/* The backend ops for the same case: prefill in the case's chunks, then decode. */
+/* The backend ops for the same case, through dsv4-run's loop: prefill in the case's chunks, then decode
+ * greedily (slot 1 of 2, so slot 0 must stay empty). */
 static void run_backend(const struct dsv4_weights *w, const struct fx_case *fc, float *out)
 {
-    int V = w->cfg.vocab_size;
     struct dsv4_backend_opts opts = {.max_batch = 2, .max_context = fc->rows, .numerics = DSV4_NUMERICS_EXACT};
     struct dsv4_backend *b = NULL;
     if (dsv4_backend_cpu_create(w, &opts, &b) < 0)
         fail_msg("backend: %s", dsv4_error_message());
-    int slot = 1, step = fc->chunk ? fc->chunk : fc->P;
-    for (int start = 0; start < fc->P; start += step) {
-        int n = fc->P - start < step ? fc->P - start : step;
-        assert_int_equal(b->ops->prefill(b, slot, fc->tokens + start, n, out + (size_t)start * V, true), 0);
-    }
-    for (int i = 0; i < fc->decode; i++) {
-        int32_t next = fx_argmax(out + (size_t)(fc->P + i - 1) * V, V);
-        assert_int_equal(b->ops->decode(b, 1, &slot, &next, out + (size_t)(fc->P + i) * V), 0);
-    }
+    int slot = 1;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)fc->rows);
+    assert_non_null(ids);
+    memcpy(ids, fc->tokens, sizeof(int32_t) * (size_t)fc->P);
+    assert_int_equal(dsv4_greedy_generate(b, slot, ids, fc->P, fc->decode, fc->chunk, out), 0);
     assert_int_equal(b->ops->slot_position(b, slot), fc->rows);
     assert_int_equal(b->ops->slot_position(b, 0), 0);
+    free(ids);
     dsv4_backend_destroy(b);
 }
 
