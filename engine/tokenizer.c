@@ -1180,8 +1180,8 @@ static int split_added(struct tok_encode *e, int pass, const unsigned char *p, s
     size_t gap = 0, from = 0;
     int r;
     for (;;) {
-        size_t mend;
-        int32_t index;
+        size_t mend = n;        /* set by trie_find on a match; initialized for older gcc's flow analysis */
+        int32_t index = 0;
         size_t ms = trie_find(t, p, n, from, &mend, &index);
         if (ms == n)
             break;
