@@ -40,7 +40,8 @@ static float *read_f32(const char *path, size_t n)
     return v;
 }
 
-int fx_cases_load(const char *dir, const char *file, int V, bool with_tol, struct fx_case **ret)
+/* Every case of dir/file; the row bounds too when with_tol. Returns the number of cases. */
+static int load_cases(const char *dir, const char *file, int V, bool with_tol, struct fx_case **ret)
 {
     char *p = path_join(dir, file);
     json_error_t err;
@@ -88,24 +89,32 @@ int fx_cases_load(const char *dir, const char *file, int V, bool with_tol, struc
     return n;
 }
 
-void fx_cases_free(struct fx_case *cs, int n)
+void fx_fixture_open(struct fx_fixture *fx, const char *dir, const char *file, bool with_tol)
 {
-    if (!cs)
-        return;
-    for (int i = 0; i < n; i++) {
-        free(cs[i].tokens);
-        free(cs[i].logits);
-        free(cs[i].tol);
-    }
-    free(cs);
+    memset(fx, 0, sizeof(*fx));
+    if (dsv4_weights_load(dir, &fx->w) < 0)
+        fail_msg("%s: %s", dir, dsv4_error_message());
+    fx->V = fx->w->cfg.vocab_size;
+    fx->n = load_cases(dir, file, fx->V, with_tol, &fx->cs);
+    assert_true(fx->n > 0);
+    for (int i = 0; i < fx->n; i++)
+        fx->max_rows = fx->cs[i].rows > fx->max_rows ? fx->cs[i].rows : fx->max_rows;
+    assert_int_equal(dsv4_cpu_seq_create(fx->w, fx->max_rows, &fx->s), 0);
+    fx->out = malloc(sizeof(float) * (size_t)fx->max_rows * fx->V);
+    assert_non_null(fx->out);
 }
 
-int fx_cases_max_rows(const struct fx_case *cs, int n)
+void fx_fixture_close(struct fx_fixture *fx)
 {
-    int max_rows = 0;
-    for (int i = 0; i < n; i++)
-        max_rows = cs[i].rows > max_rows ? cs[i].rows : max_rows;
-    return max_rows;
+    for (int i = 0; i < fx->n; i++) {
+        free(fx->cs[i].tokens);
+        free(fx->cs[i].logits);
+        free(fx->cs[i].tol);
+    }
+    free(fx->cs);
+    free(fx->out);
+    dsv4_cpu_seq_free(fx->s);
+    dsv4_weights_free(fx->w);
 }
 
 void fx_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,

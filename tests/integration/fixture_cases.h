@@ -20,11 +20,22 @@ struct fx_case {
     double *tol;        /* [rows] the reference's bound on max |diff| / max |logit| of each row, or NULL */
 };
 
-/* Every case of dir/file (a JSON array, tests/fixtures/README.md); the row bounds from "row_tolerance"
- * when with_tol. Fails the test on any malformed case. Returns the number of cases. */
-int fx_cases_load(const char *dir, const char *file, int V, bool with_tol, struct fx_case **ret);
-void fx_cases_free(struct fx_case *cs, int n);
-int fx_cases_max_rows(const struct fx_case *cs, int n);
+/* One fixture model directory opened for a test: its weights, the cases of one case file (a JSON array,
+ * tests/fixtures/README.md; the row bounds from "row_tolerance" when with_tol), a CPU sequence and an
+ * output buffer sized for the longest case. */
+struct fx_fixture {
+    struct dsv4_weights *w;
+    int V;                      /* vocab_size */
+    struct fx_case *cs;
+    int n;                      /* cases, at least 1 */
+    int max_rows;
+    struct dsv4_cpu_seq *s;
+    float *out;                 /* [max_rows, V] */
+};
+
+/* Fails the test on any error (a malformed case included). */
+void fx_fixture_open(struct fx_fixture *fx, const char *dir, const char *file, bool with_tol);
+void fx_fixture_close(struct fx_fixture *fx);
 
 /* Prefill the case's prompt in chunks of chunk (one shot when 0), then decode: with greedy, each step is
  * fed the argmax (dsv4_greedy_argmax) of the previous row, stored in greedy [decode]; without (NULL), the case's own greedy

@@ -66,24 +66,18 @@ static void run_backend(const struct dsv4_weights *w, const struct fx_case *fc, 
 static void test_fixture(void **state)
 {
     const char *dir = *state;
-    struct dsv4_weights *w = NULL;
-    if (dsv4_weights_load(dir, &w) < 0)
-        fail_msg("%s: %s", dir, dsv4_error_message());
-    int V = w->cfg.vocab_size;
-    struct fx_case *cs;
-    int n = fx_cases_load(dir, "cases.json", V, false, &cs);
-    assert_true(n > 0);
+    struct fx_fixture fx;
+    fx_fixture_open(&fx, dir, "cases.json", false);
+    const struct dsv4_weights *w = fx.w;
+    struct dsv4_cpu_seq *s = fx.s;
+    int V = fx.V;
+    float *out = fx.out;
+    float *oneshot = malloc(sizeof(float) * (size_t)fx.max_rows * V);
+    int32_t *greedy = malloc(sizeof(int32_t) * (size_t)fx.max_rows);
+    assert_true(oneshot && greedy);
 
-    int max_rows = fx_cases_max_rows(cs, n);
-    struct dsv4_cpu_seq *s = NULL;
-    assert_int_equal(dsv4_cpu_seq_create(w, max_rows, &s), 0);
-    float *out = malloc(sizeof(float) * (size_t)max_rows * V);
-    float *oneshot = malloc(sizeof(float) * (size_t)max_rows * V);
-    int32_t *greedy = malloc(sizeof(int32_t) * (size_t)max_rows);
-    assert_true(out && oneshot && greedy);
-
-    for (int i = 0; i < n; i++) {
-        const struct fx_case *fc = &cs[i];
+    for (int i = 0; i < fx.n; i++) {
+        const struct fx_case *fc = &fx.cs[i];
         size_t bytes = sizeof(float) * (size_t)fc->rows * V;
         int row;
 
@@ -123,12 +117,9 @@ static void test_fixture(void **state)
                       "%d/%d, first %d identical\n", dir, fc->name, mean, ferr, row, agree, fc->decode, prefix);
     }
 
-    fx_cases_free(cs, n);
-    free(out);
     free(oneshot);
     free(greedy);
-    dsv4_cpu_seq_free(s);
-    dsv4_weights_free(w);
+    fx_fixture_close(&fx);
 }
 
 int main(void)

@@ -30,7 +30,6 @@
 #include <cmocka.h>
 
 #include "engine/cpu_forward.h"
-#include "engine/error.h"
 #include "engine/weights.h"
 #include "tests/integration/fixture_cases.h"
 #include "tools/greedy.h"
@@ -59,28 +58,19 @@ static double top2_gap(const float *row, int n)
 static void test_fixture(void **state)
 {
     const char *dir = *state;
-    struct dsv4_weights *w = NULL;
-    if (dsv4_weights_load(dir, &w) < 0)
-        fail_msg("%s: %s", dir, dsv4_error_message());
-    int V = w->cfg.vocab_size;
-    struct fx_case *cs;
-    int n = fx_cases_load(dir, "cases_fp8.json", V, true, &cs);
-    assert_true(n > 0);
+    struct fx_fixture fx;
+    fx_fixture_open(&fx, dir, "cases_fp8.json", true);
+    int V = fx.V;
+    const float *out = fx.out;
     /* a bound looser than DSV4_FP8_MAX_TOL could no longer tell a misplaced rounding */
-    for (int i = 0; i < n; i++)
-        for (int r = 0; r < cs[i].rows; r++)
-            assert_true(cs[i].tol[r] >= DSV4_FP8_MIN_TOL && cs[i].tol[r] <= DSV4_FP8_MAX_TOL);
+    for (int i = 0; i < fx.n; i++)
+        for (int r = 0; r < fx.cs[i].rows; r++)
+            assert_true(fx.cs[i].tol[r] >= DSV4_FP8_MIN_TOL && fx.cs[i].tol[r] <= DSV4_FP8_MAX_TOL);
 
-    int max_rows = fx_cases_max_rows(cs, n);
-    struct dsv4_cpu_seq *s = NULL;
-    assert_int_equal(dsv4_cpu_seq_create(w, max_rows, &s), 0);
-    float *out = malloc(sizeof(float) * (size_t)max_rows * V);
-    assert_non_null(out);
-
-    for (int i = 0; i < n; i++) {
-        const struct fx_case *fc = &cs[i];
+    for (int i = 0; i < fx.n; i++) {
+        const struct fx_case *fc = &fx.cs[i];
         /* teacher forcing: every row is comparable to the oracle's */
-        fx_forward(w, DSV4_NUMERICS_FP8, s, fc, fc->chunk, out, NULL);
+        fx_forward(fx.w, DSV4_NUMERICS_FP8, fx.s, fc, fc->chunk, fx.out, NULL);
         double worst = 0.0, base_worst = 0.0;
         int worst_row = 0, judged = 0, agree = 0, base_rows = 0;
         for (int r = 0; r < fc->rows; r++) {
@@ -118,10 +108,7 @@ static void test_fixture(void **state)
                      worst_row, worst, fc->tol[worst_row]);
     }
 
-    fx_cases_free(cs, n);
-    free(out);
-    dsv4_cpu_seq_free(s);
-    dsv4_weights_free(w);
+    fx_fixture_close(&fx);
 }
 
 int main(void)
