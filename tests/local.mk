@@ -7,3 +7,4 @@ tests_unit_test_error_LDADD = $(TEST_ENGINE_LIBS)
 include $(srcdir)/tests/fixtures.mk
 include $(srcdir)/tests/integration.mk
 include $(srcdir)/tests/fixtures_fp8.mk
+include $(srcdir)/tests/default_model.mk
