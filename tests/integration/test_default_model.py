@@ -11,7 +11,8 @@ models/default-fp8 (the same weights in DeepSeek's release format: FP8 linears, 
 made by tools/convert_release.py) under the official fp8 numerics (FP8 activations and KV cache,
 FP4 indexer keys), on 33 of the 60 questions (FP8_SUBSET): the two headline answers exactly;
 accuracy >= FP8_FLOOR. No Python oracle computes these numerics, so agreement with eval.json is
-reported, not asserted.
+reported, not asserted. Where torch is installed, models/default-fp8 must also be byte for byte what
+tools/convert_release.py makes of models/default.
 
 Floors, measured with these lists (and on all 402 questions of eval.json: the models' READMEs):
   BF16, exact:  57 / 60 correct (the 3 misses are reverse-capital questions the model gets wrong in
@@ -27,11 +28,16 @@ Floors, measured with these lists (and on all 402 questions of eval.json: the mo
                 layout) answers almost nothing right.
 """
 
+import filecmp
+import importlib.util
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
-from dsv4d_harness import TOP_SRCDIR, Client, Daemon, Tap
+from dsv4d_harness import TIMEOUT, TOP_SRCDIR, Client, Daemon, Tap
 
 BF16_MODEL = os.path.join(TOP_SRCDIR, "models", "default")
 FP8_MODEL = os.path.join(TOP_SRCDIR, "models", "default-fp8")
@@ -169,7 +175,27 @@ def run_model(t, label, model, numerics, questions, floor, want_kernel):
         d.close()
 
 
+def check_conversion(t):
+    """models/default-fp8 is what tools/convert_release.py makes of models/default today (it would go
+    stale if the BF16 model were retrained without converting again). The converter needs torch and
+    safetensors; without them (CI's environment) the check is skipped."""
+    name = "models/default-fp8 is tools/convert_release.py's output for models/default, byte for byte"
+    missing = [m for m in ("torch", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        t.n += 1
+        print("ok %d - %s # SKIP %s not installed" % (t.n, name, " and ".join(missing)), flush=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="dsv4-convert-") as tmp:
+        r = subprocess.run([sys.executable, os.path.join(TOP_SRCDIR, "tools", "convert_release.py"), BF16_MODEL, tmp],
+                           capture_output=True, text=True, timeout=TIMEOUT)
+        files = ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json"]
+        same = r.returncode == 0 and all(filecmp.cmp(os.path.join(tmp, f), os.path.join(FP8_MODEL, f), shallow=False)
+                                         for f in files)
+        t.ok(same, name, r.stdout + r.stderr)
+
+
 t = Tap()
+check_conversion(t)
 py = python_replies()
 t.ok(all(r is not None for r in py), "eval.json holds transformers' reply to every question and the same answers",
      [q for (_, q, _), r in zip(QUESTIONS, py) if r is None])
