@@ -32,7 +32,6 @@ legacy compress_ratios only takes 0/4/128, and this model's HCA ratio is 16).
 """
 import argparse
 import json
-import math
 import os
 import shutil
 import struct
