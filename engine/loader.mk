@@ -7,7 +7,7 @@ libdsv4engine_la_SOURCES += \
 
 check_PROGRAMS += tests/unit/test_weights
 TESTS += tests/unit/test_weights
-tests_unit_test_weights_SOURCES = tests/unit/test_weights.c tests/unit/st_writer.h
+tests_unit_test_weights_SOURCES = tests/unit/test_weights.c tests/unit/st_writer.h tests/unit/seed_util.h
 tests_unit_test_weights_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_weights_LDADD = $(TEST_ENGINE_LIBS)
 

@@ -6,7 +6,7 @@
 libdsv4engine_la_SOURCES += engine/cpu_twin_cuda.c engine/cpu_twin_cuda.h
 check_PROGRAMS += tests/unit/test_cpu_twin
 TESTS += tests/unit/test_cpu_twin
-tests_unit_test_cpu_twin_SOURCES = tests/unit/test_cpu_twin.c
+tests_unit_test_cpu_twin_SOURCES = tests/unit/test_cpu_twin.c tests/unit/seed_util.h
 tests_unit_test_cpu_twin_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_cpu_twin_LDADD = $(TEST_ENGINE_LIBS)
 

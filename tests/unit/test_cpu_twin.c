@@ -18,6 +18,7 @@
 #include "engine/cpu_twin_cuda.h"
 #include "engine/quant.h"
 #include "engine/weights.h"
+#include "tests/unit/seed_util.h"
 
 static uint64_t rng;
 
@@ -143,9 +144,7 @@ static void test_matvec(void **state)
 
 int main(void)
 {
-    const char *seed = getenv("DSV4_TEST_SEED");
-    rng = seed ? strtoull(seed, NULL, 0) : (uint64_t)time(NULL) * 2654435761u + 1;
-    print_message("# seed %llu\n", (unsigned long long)rng);
+    rng = dsv4_test_seed();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_codes),
         cmocka_unit_test(test_fp8_roundtrip),

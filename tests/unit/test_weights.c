@@ -21,6 +21,7 @@
 #include "engine/error.h"
 #include "engine/quant.h"
 #include "engine/weights.h"
+#include "tests/unit/seed_util.h"
 #include "tests/unit/st_writer.h"
 
 /* The test model: hc_mult 2 (not 4), one sliding, one CSA (ratio 4), one HCA (ratio 8) layer
@@ -1005,12 +1006,7 @@ static void test_linear_formats(void **state)
 
 static int setup(void **state)
 {
-    const char *env = getenv("DSV4_TEST_SEED");
-
-    test_seed = env ? strtoull(env, NULL, 0) : ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
-    if (!test_seed)
-        test_seed = 1;
-    print_message("seed %llu (DSV4_TEST_SEED reproduces)\n", (unsigned long long)test_seed);
+    test_seed = dsv4_test_seed();
     return 0;
 }
 
