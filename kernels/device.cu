@@ -36,6 +36,8 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_GEMV_FP4: return "gemv_fp4_b32_warprow";
     case DSV4_CUDA_V_EXPERTS_FP4: return "experts_fp4_grouped_swiglu";
     case DSV4_CUDA_V_EXPERTS_OTHER: return "experts_grouped_swiglu_f32_bf16_fp8";
+    case DSV4_CUDA_V_MHC_FN_SPLITK: return "mhc_fn_f32_splitk256_fixed_order";
+    case DSV4_CUDA_V_MHC_PRE: return "mhc_pre_cols1024_per_token_sinkhorn_regs";
     case DSV4_CUDA_V_COUNT: break;
     }
     return "?";
@@ -471,12 +473,15 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3)",
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8));
     vlog(dev, log, log_ctx, true, "op linear.bf16: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_BF16));
-    vlog(dev, log, log_ctx, true, "op linear.f32 (mHC fn): %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_F32));
+    vlog(dev, log, log_ctx, true, "op linear.f32: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_F32));
+    vlog(dev, log, log_ctx, true, "op mhc fn: %s (K chunks of %d, fixed-order sum)",
+         dsv4_cuda_variant_name(DSV4_CUDA_V_MHC_FN_SPLITK), DSV4_CUDA_MHC_FN_CHUNK);
     vlog(dev, log, log_ctx, true, "op linear.fp4: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP4));
     vlog(dev, log, log_ctx, true, "op experts: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_FP4));
     vlog(dev, log, log_ctx, true, "op router: warp-per-token sqrtsoftplus top-k / hash table");
     vlog(dev, log, log_ctx, true, "op rmsnorm: block-per-row");
-    vlog(dev, log, log_ctx, true, "op mhc: block-per-token, Sinkhorn in one thread");
+    vlog(dev, log, log_ctx, true, "op mhc pre: %s (blocks of 1024 columns per token, Sinkhorn in registers), "
+         "post: thread-per-value", dsv4_cuda_variant_name(DSV4_CUDA_V_MHC_PRE));
     vlog(dev, log, log_ctx, true, "op attention: split-K (%d) fp32 FMA, %d heads per KV tile, sinks, LSE combine + "
          "inverse RoPE", DSV4_CUDA_ATT_SPLITS, 32);
     vlog(dev, log, log_ctx, true, "op compressor: block-per-row update + emission (pool, norm, RoPE, FP8/FP4)");

@@ -63,6 +63,8 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_GEMV_FP4,
     DSV4_CUDA_V_EXPERTS_FP4,
     DSV4_CUDA_V_EXPERTS_OTHER,      /* F32/BF16/FP8 experts (small test models) */
+    DSV4_CUDA_V_MHC_FN_SPLITK,      /* the mHC fn GEMV split along K (dsv4_cuda_mhc_fn) */
+    DSV4_CUDA_V_MHC_PRE,            /* mHC pre: norm, gates, Sinkhorn, collapse */
     DSV4_CUDA_V_COUNT,
 };
 const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v);
@@ -159,6 +161,18 @@ int dsv4_cuda_swiglu(const float *d_gate, const float *d_up, int rows, int64_t n
 int dsv4_cuda_mhc_pre(const float *d_X, const float *d_m, const float *d_base, const float *d_scale,
                       int batch, int hc, int dim, int iters, float hc_eps, float norm_eps,
                       float *d_y, float *d_post, float *d_comb, void *stream);
+/* The mHC fn GEMV (hc_attn/hc_ffn/hc_head fn, F32 [out <= DSV4_CUDA_MHC_FN_MAX_OUT, hc * D]) split
+ * along K over the chip: d_y[b, r] = sum_k W[r, k] d_x[b, k], partial sums of fixed chunks of
+ * DSV4_CUDA_MHC_FN_CHUNK values in d_ws, added in a fixed order (deterministic, batch-invariant).
+ * d_ws holds at least dsv4_cuda_mhc_fn_ws_floats(batch, out, in) floats. */
+#define DSV4_CUDA_MHC_FN_CHUNK 256
+#define DSV4_CUDA_MHC_FN_MAX_OUT ((2 + DSV4_MAX_HC) * DSV4_MAX_HC)
+static inline int64_t dsv4_cuda_mhc_fn_ws_floats(int batch, int64_t out, int64_t in)
+{
+    return (int64_t)batch * out * ((in + DSV4_CUDA_MHC_FN_CHUNK - 1) / DSV4_CUDA_MHC_FN_CHUNK);
+}
+int dsv4_cuda_mhc_fn(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch,
+                     float *d_ws, int64_t ws_floats, float *d_y, int64_t ldy, void *stream);
 /* mHC post: d_Xo[b, k] = post_k * f_b + sum_j comb[j, k] X[b, j]; d_Xo must not alias d_X. */
 int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const float *d_post, const float *d_comb,
                        int batch, int hc, int dim, float *d_Xo, void *stream);

@@ -1,5 +1,5 @@
 /* RMSNorm and the manifold-constrained hyper-connections (mHC) around each sublayer.
- * Twins: dsv4_twin_rmsnorm, dsv4_twin_mhc_pre, dsv4_twin_mhc_post (engine/cpu_twin_cuda.c). */
+ * Twins: dsv4_twin_rmsnorm, dsv4_twin_linear_matvec (mHC fn), dsv4_twin_mhc_pre, dsv4_twin_mhc_post (engine/cpu_twin_cuda.c). */
 #include "kernels/cuda_util.cuh"
 
 #define NORM_THREADS 256
@@ -48,79 +48,226 @@ static __device__ __forceinline__ float sigmoidf_(float v)
     return 1.0f / (1.0f + expf(-v));
 }
 
-/* One block per token: the streams' RMS, pre/post gates, the combine matrix through Sinkhorn (one
- * thread: hc x hc is 16 values), then y = sum_j pre_j X[j] across the block. */
+/* mHC pre, split over the chip: grid (ceil(dim / MHC_COLS), batch). Every block of a token computes
+ * the same RMS of its hc * dim stream values (same threads, same order: identical r in every block)
+ * and the pre gates, then collapses its MHC_COLS columns, y = sum_j pre_j X[j]; block 0 of the token
+ * also writes the post gates and the combine matrix (softmax + Sinkhorn, registers of one thread,
+ * the twin's summation order) after its own columns. A token's arithmetic never depends on the
+ * batch. HC is the stream count (a template so that C[] lives in registers). */
+#define MHC_COLS 1024
+
+template <int HC>
 __global__ void __launch_bounds__(NORM_THREADS)
 mhc_pre_kernel(const float *__restrict__ X, const float *__restrict__ m, const float *__restrict__ base,
-               const float *__restrict__ scale, int hc, int dim, int iters, float hc_eps, float norm_eps,
+               const float *__restrict__ scale, int dim, int iters, float hc_eps, float norm_eps, bool vec4,
                float *__restrict__ y, float *__restrict__ post, float *__restrict__ comb)
 {
-    __shared__ float pre[DSV4_MAX_HC], C[DSV4_MAX_HC * DSV4_MAX_HC];
-    const int b = blockIdx.x;
-    const float *Xb = X + (int64_t)b * hc * dim, *mb = m + (int64_t)b * (2 + hc) * hc;
+    __shared__ float pre[HC];
+    const int b = blockIdx.y;
+    const int64_t n = (int64_t)HC * dim;
+    const float *Xb = X + (int64_t)b * n, *mb = m + (int64_t)b * (2 + HC) * HC;
     float ss = 0.0f;
 
-    for (int i = threadIdx.x; i < hc * dim; i += NORM_THREADS)
-        ss += Xb[i] * Xb[i];
-    const float r = 1.0f / sqrtf(block_sum(ss) / (hc * dim) + norm_eps);
-    if (threadIdx.x == 0) {
-        for (int j = 0; j < hc; j++) {
-            pre[j] = sigmoidf_(mb[j] * r * scale[0] + base[j]) + hc_eps;
-            post[b * hc + j] = 2.0f * sigmoidf_(mb[hc + j] * r * scale[1] + base[hc + j]);
+    if (vec4) {
+        const float4 *X4 = reinterpret_cast<const float4 *>(Xb);
+#pragma unroll 4
+        for (int64_t i = threadIdx.x; i < n / 4; i += NORM_THREADS) {
+            const float4 v = X4[i];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
-        for (int j = 0; j < hc; j++) {
-            float mx = -INFINITY, sum = 0.0f;
-            for (int k = 0; k < hc; k++) {
-                C[j * hc + k] = mb[2 * hc + j * hc + k] * r * scale[2] + base[2 * hc + j * hc + k];
-                mx = fmaxf(mx, C[j * hc + k]);
-            }
-            for (int k = 0; k < hc; k++) {
-                C[j * hc + k] = expf(C[j * hc + k] - mx);
-                sum += C[j * hc + k];
-            }
-            for (int k = 0; k < hc; k++)
-                C[j * hc + k] = C[j * hc + k] / sum + hc_eps;
-        }
-        for (int it = 0; it < iters; it++) {
-            if (it > 0)
-                for (int j = 0; j < hc; j++) {
-                    float s = 0.0f;
-                    for (int k = 0; k < hc; k++)
-                        s += C[j * hc + k];
-                    for (int k = 0; k < hc; k++)
-                        C[j * hc + k] /= s + hc_eps;
-                }
-            for (int k = 0; k < hc; k++) {
-                float s = 0.0f;
-                for (int j = 0; j < hc; j++)
-                    s += C[j * hc + k];
-                for (int j = 0; j < hc; j++)
-                    C[j * hc + k] /= s + hc_eps;
-            }
-        }
-        for (int i = 0; i < hc * hc; i++)
-            comb[(int64_t)b * hc * hc + i] = C[i];
+    } else {
+#pragma unroll 4
+        for (int64_t i = threadIdx.x; i < n; i += NORM_THREADS)
+            ss += Xb[i] * Xb[i];
     }
+    const float r = 1.0f / sqrtf(block_sum(ss) / n + norm_eps);
+    if (threadIdx.x < HC)
+        pre[threadIdx.x] = sigmoidf_(mb[threadIdx.x] * r * scale[0] + base[threadIdx.x]) + hc_eps;
     __syncthreads();
-    for (int d = threadIdx.x; d < dim; d += NORM_THREADS) {
+    const int d_end = min(dim, (int)(blockIdx.x + 1) * MHC_COLS);
+    for (int d = blockIdx.x * MHC_COLS + threadIdx.x; d < d_end; d += NORM_THREADS) {
         float acc = 0.0f;
-        for (int j = 0; j < hc; j++)
+#pragma unroll
+        for (int j = 0; j < HC; j++)
             acc += pre[j] * Xb[(int64_t)j * dim + d];
         y[(int64_t)b * dim + d] = acc;
     }
+    if (blockIdx.x != 0 || threadIdx.x != 0)
+        return;
+    float C[HC * HC];
+#pragma unroll
+    for (int j = 0; j < HC; j++)
+        post[b * HC + j] = 2.0f * sigmoidf_(mb[HC + j] * r * scale[1] + base[HC + j]);
+#pragma unroll
+    for (int j = 0; j < HC; j++) {
+        float mx = -INFINITY, sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < HC; k++) {
+            C[j * HC + k] = mb[2 * HC + j * HC + k] * r * scale[2] + base[2 * HC + j * HC + k];
+            mx = fmaxf(mx, C[j * HC + k]);
+        }
+#pragma unroll
+        for (int k = 0; k < HC; k++) {
+            C[j * HC + k] = expf(C[j * HC + k] - mx);
+            sum += C[j * HC + k];
+        }
+#pragma unroll
+        for (int k = 0; k < HC; k++)
+            C[j * HC + k] = C[j * HC + k] / sum + hc_eps;
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {
+#pragma unroll
+            for (int j = 0; j < HC; j++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int k = 0; k < HC; k++)
+                    s += C[j * HC + k];
+#pragma unroll
+                for (int k = 0; k < HC; k++)
+                    C[j * HC + k] /= s + hc_eps;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < HC; k++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < HC; j++)
+                s += C[j * HC + k];
+#pragma unroll
+            for (int j = 0; j < HC; j++)
+                C[j * HC + k] /= s + hc_eps;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < HC * HC; i++)
+        comb[(int64_t)b * HC * HC + i] = C[i];
+}
+
+template <int HC>
+static void launch_mhc_pre(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,
+                           int dim, int iters, float hc_eps, float norm_eps, float *d_y, float *d_post,
+                           float *d_comb, cudaStream_t s)
+{
+    const bool vec4 = ((int64_t)HC * dim) % 4 == 0 && (uintptr_t)d_X % 16 == 0;
+    dim3 grid((unsigned)((dim + MHC_COLS - 1) / MHC_COLS), (unsigned)batch);
+    mhc_pre_kernel<HC><<<grid, NORM_THREADS, 0, s>>>(d_X, d_m, d_base, d_scale, dim, iters, hc_eps, norm_eps, vec4,
+                                                     d_y, d_post, d_comb);
 }
 
 extern "C" int dsv4_cuda_mhc_pre(const float *d_X, const float *d_m, const float *d_base, const float *d_scale,
                                  int batch, int hc, int dim, int iters, float hc_eps, float norm_eps,
                                  float *d_y, float *d_post, float *d_comb, void *stream)
 {
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+
+    static void (*const launchers[])(const float *, const float *, const float *, const float *, int, int, int,
+                                     float, float, float *, float *, float *, cudaStream_t) = {
+        launch_mhc_pre<1>, launch_mhc_pre<2>, launch_mhc_pre<3>, launch_mhc_pre<4>,
+        launch_mhc_pre<5>, launch_mhc_pre<6>, launch_mhc_pre<7>, launch_mhc_pre<8>,
+    };
+    static_assert(sizeof(launchers) / sizeof(launchers[0]) == DSV4_MAX_HC, "one launcher per hc 1..DSV4_MAX_HC");
     if (hc < 1 || hc > DSV4_MAX_HC)
         return dsv4_error_set(-EINVAL, "mhc_pre: hc_mult %d outside 1..%d", hc, DSV4_MAX_HC);
-    if (batch < 1)
+    if (batch < 1 || dim < 1)
         return 0;
-    mhc_pre_kernel<<<batch, NORM_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
-        d_X, d_m, d_base, d_scale, hc, dim, iters, hc_eps, norm_eps, d_y, d_post, d_comb);
+    dsv4_cuda_count_launch(DSV4_CUDA_V_MHC_PRE);
+    launchers[hc - 1](d_X, d_m, d_base, d_scale, batch, dim, iters, hc_eps, norm_eps, d_y, d_post, d_comb, s);
     DSV4_CUDA_LAUNCHED("mhc_pre");
+    return 0;
+}
+
+/* The mHC fn GEMV, split along K: d_ws[b, c, r] = W[r, chunk c] . x_b[chunk c] for fixed chunks of
+ * DSV4_CUDA_MHC_FN_CHUNK values, then d_y[b, r] = sum over c (lane c % 32 sums its chunks in order,
+ * then a fixed butterfly). Both steps depend on row b alone: batch-invariant and deterministic.
+ * grid (chunks, ceil(batch / MHC_FN_NB)), one warp per weight row (rows strided over the warps);
+ * each lane holds MHC_FN_PER_LANE float4 of x per batch row. */
+#define MHC_FN_NB 8
+#define MHC_FN_PER_LANE (DSV4_CUDA_MHC_FN_CHUNK / (DSV4_CUDA_WARP * 4))
+
+static_assert(DSV4_CUDA_MHC_FN_CHUNK % (DSV4_CUDA_WARP * 4) == 0, "a chunk is whole float4 per lane");
+
+__global__ void __launch_bounds__(NORM_THREADS)
+mhc_fn_part_kernel(const float *__restrict__ W, int64_t ldw, int out, int64_t in, const float *__restrict__ x,
+                   int64_t ldx, int batch, int chunks, float *__restrict__ ws)
+{
+    const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
+    const int c = blockIdx.x, b0 = blockIdx.y * MHC_FN_NB, nb = min(MHC_FN_NB, batch - b0);
+    const int64_t k0 = (int64_t)c * DSV4_CUDA_MHC_FN_CHUNK;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 xv[MHC_FN_NB][MHC_FN_PER_LANE];
+
+#pragma unroll
+    for (int b = 0; b < MHC_FN_NB; b++)
+#pragma unroll
+        for (int i = 0; i < MHC_FN_PER_LANE; i++) {
+            const int64_t k = k0 + (int64_t)(i * DSV4_CUDA_WARP + lane) * 4;
+            xv[b][i] = b < nb && k < in ? *reinterpret_cast<const float4 *>(x + (int64_t)(b0 + b) * ldx + k) : zero;
+        }
+    for (int r = warp; r < out; r += NORM_THREADS / DSV4_CUDA_WARP) {
+        float4 wv[MHC_FN_PER_LANE];
+#pragma unroll
+        for (int i = 0; i < MHC_FN_PER_LANE; i++) {
+            const int64_t k = k0 + (int64_t)(i * DSV4_CUDA_WARP + lane) * 4;
+            wv[i] = k < in ? __ldg(reinterpret_cast<const float4 *>(W + (int64_t)r * ldw + k)) : zero;
+        }
+#pragma unroll
+        for (int b = 0; b < MHC_FN_NB; b++) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < MHC_FN_PER_LANE; i++)
+                acc += wv[i].x * xv[b][i].x + wv[i].y * xv[b][i].y + wv[i].z * xv[b][i].z + wv[i].w * xv[b][i].w;
+            acc = dsv4_warp_sum(acc);
+            if (lane == 0 && b < nb)
+                ws[((int64_t)(b0 + b) * chunks + c) * out + r] = acc;
+        }
+    }
+}
+
+/* grid batch: one warp per output row of token blockIdx.x. */
+__global__ void __launch_bounds__(NORM_THREADS)
+mhc_fn_sum_kernel(const float *__restrict__ ws, int out, int chunks, float *__restrict__ y, int64_t ldy)
+{
+    const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP, b = blockIdx.x;
+    const float *wb = ws + (int64_t)b * chunks * out;
+    for (int r = warp; r < out; r += NORM_THREADS / DSV4_CUDA_WARP) {
+        float acc = 0.0f;
+        for (int c = lane; c < chunks; c += DSV4_CUDA_WARP)
+            acc += wb[(int64_t)c * out + r];
+        acc = dsv4_warp_sum(acc);
+        if (lane == 0)
+            y[(int64_t)b * ldy + r] = acc;
+    }
+}
+
+extern "C" int dsv4_cuda_mhc_fn(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch,
+                                float *d_ws, int64_t ws_floats, float *d_y, int64_t ldy, void *stream)
+{
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+
+    if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH)
+        return dsv4_error_set(-EINVAL, "mhc_fn: batch %d outside 1..%d", batch, DSV4_CUDA_MAX_BATCH);
+    if (W->fmt != DSV4_W_F32 || W->out < 1 || W->out > DSV4_CUDA_MHC_FN_MAX_OUT)
+        return dsv4_error_set(-EINVAL, "mhc_fn: the fn weight must be F32 with 1..%d rows (format %d, %lld rows)",
+                              DSV4_CUDA_MHC_FN_MAX_OUT, (int)W->fmt, (long long)W->out);
+    /* 16-byte loads of weights and x */
+    if (W->in % 4 || W->row_stride % 4 || ldx % 4 || ((uintptr_t)W->w | (uintptr_t)d_x) % 16)
+        return dsv4_error_set(-EINVAL, "mhc_fn: in %lld, row stride %lld and ldx %lld must be multiples of 4, "
+                              "with 16-byte aligned pointers", (long long)W->in, (long long)W->row_stride,
+                              (long long)ldx);
+    if (dsv4_cuda_mhc_fn_ws_floats(batch, W->out, W->in) > ws_floats)
+        return dsv4_error_set(-EINVAL, "mhc_fn: workspace of %lld floats is short of the %lld that batch %d of a "
+                              "[%lld, %lld] fn needs", (long long)ws_floats,
+                              (long long)dsv4_cuda_mhc_fn_ws_floats(batch, W->out, W->in), batch,
+                              (long long)W->out, (long long)W->in);
+    const int chunks = (int)((W->in + DSV4_CUDA_MHC_FN_CHUNK - 1) / DSV4_CUDA_MHC_FN_CHUNK);
+    dsv4_cuda_count_launch(DSV4_CUDA_V_MHC_FN_SPLITK);
+    dim3 grid((unsigned)chunks, (unsigned)((batch + MHC_FN_NB - 1) / MHC_FN_NB));
+    mhc_fn_part_kernel<<<grid, NORM_THREADS, 0, s>>>(static_cast<const float *>(W->w), W->row_stride, (int)W->out,
+                                                     W->in, d_x, ldx, batch, chunks, d_ws);
+    DSV4_CUDA_LAUNCHED("mhc_fn_part");
+    mhc_fn_sum_kernel<<<batch, NORM_THREADS, 0, s>>>(d_ws, (int)W->out, chunks, d_y, ldy);
+    DSV4_CUDA_LAUNCHED("mhc_fn_sum");
     return 0;
 }
 

@@ -41,12 +41,13 @@ struct step_layer {
 /* Step buffers, each [rows of the largest bucket, ...]. */
 struct step_buf {
     int32_t *in;                /* tokens [B], slots [B], pos [B] */
-    float *X, *X2, *mix, *post, *comb, *y, *xn, *xq, *sub;
+    float *X, *X2, *mix, *mixws, *post, *comb, *y, *xn, *xq, *sub;
     float *qr, *q, *kv, *o, *z, *part, *cc, *cz, *ic, *iz, *iq, *iw, *iscores;
     int32_t *isel, *insel, *ridx;
     float *rlogits, *rw, *sg, *su, *sh, *sout, *hm, *logits;
     struct dsv4_cuda_moe_ws moe;
     float *inv_main, *inv_comp;
+    int64_t mixws_floats;       /* capacity of mixws */
 };
 
 struct cuda_backend {
@@ -153,6 +154,8 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.X = f(B * hc * D);
     t.X2 = f(B * hc * D);
     t.mix = f(B * (2 + hc) * hc);
+    t.mixws_floats = dsv4_cuda_mhc_fn_ws_floats((int)B, (2 + hc) * hc, hc * D);  /* covers hc_head's hc rows */
+    t.mixws = f(t.mixws_floats);
     t.post = f(B * hc);
     t.comb = f(B * hc * hc);
     t.y = f(B * D);
@@ -414,13 +417,24 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, cudaS
     return 0;
 }
 
+/* An mHC fn GEMV: F32 fn weights (both releases) take the split-K kernel; other formats (converted
+ * test checkpoints) the generic GEMV. The choice depends on the weight alone, never on the batch. */
+static int hc_fn(struct cuda_backend *cb, const struct dsv4_cuda_linear *fn, int B, float *y, cudaStream_t s)
+{
+    struct step_buf *t = &cb->b;
+    const int64_t ldx = (int64_t)cb->cfg->hc_mult * cb->cfg->dim;
+    if (fn->fmt == DSV4_W_F32)
+        return dsv4_cuda_mhc_fn(fn, t->X, ldx, B, t->mixws, t->mixws_floats, y, fn->out, s);
+    return dsv4_cuda_gemv(fn, t->X, ldx, B, y, fn->out, s);
+}
+
 static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *fn, const float *base,
                         const float *scale, const float *norm, int B, cudaStream_t s)
 {
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
     const int hc = c->hc_mult, D = c->dim;
-    STEP(dsv4_cuda_gemv(fn, t->X, (int64_t)hc * D, B, t->mix, (2 + hc) * hc, s));
+    STEP(hc_fn(cb, fn, B, t->mix, s));
     STEP(dsv4_cuda_mhc_pre(t->X, t->mix, base, scale, B, hc, D, c->hc_sinkhorn_iters > 0 ? c->hc_sinkhorn_iters : 1,
                            (float)c->hc_eps, (float)c->rms_norm_eps, t->y, t->post, t->comb, s));
     return dsv4_cuda_rmsnorm(t->y, norm, B, D, (float)c->rms_norm_eps, t->xn, s);
@@ -452,7 +466,7 @@ static int step_launches(struct cuda_backend *cb, int B, cudaStream_t s)
             break;
     }
     if (rc == 0)
-        rc = dsv4_cuda_gemv(&cb->hch_fn, t->X, (int64_t)c->hc_mult * c->dim, B, t->hm, c->hc_mult, s);
+        rc = hc_fn(cb, &cb->hch_fn, B, t->hm, s);
     if (rc == 0)
         rc = dsv4_cuda_hc_head(t->X, t->hm, cb->hch_base, cb->hch_scale, B, c->hc_mult, c->dim, (float)c->hc_eps,
                                (float)c->rms_norm_eps, t->y, s);

@@ -209,6 +209,14 @@ static int run_gemv(struct job *j, int rep, cudaStream_t s)
     return dsv4_cuda_gemv(l, j->x, l->in, j->batch, j->y, l->out, s);
 }
 
+/* The mHC fn through its split-K launcher; j->aux1 is the partial-sum workspace. */
+static int run_mhc_fn(struct job *j, int rep, cudaStream_t s)
+{
+    const struct dsv4_cuda_linear *l = &j->ls->l[rep % j->ls->n];
+    return dsv4_cuda_mhc_fn(l, j->x, l->in, j->batch, j->aux1, dsv4_cuda_mhc_fn_ws_floats(j->batch, l->out, l->in),
+                            j->y, l->out, s);
+}
+
 static int run_roundtrip(struct job *j, int rep, cudaStream_t s)
 {
     return dsv4_cuda_fp8_roundtrip(j->x, j->batch, 4096, DSV4_CUDA_ACT_BLOCK, j->y, s);
@@ -450,6 +458,16 @@ int main(int argc, char **argv)
             j.batch = batches[b];
             report(lshapes[s].what, batches[b], time_job(&j, reps),
                    (double)ls.bytes + (double)batches[b] * 4 * (lshapes[s].in + lshapes[s].out));
+            if (lshapes[s].fmt == DSV4_W_F32 && lshapes[s].out <= DSV4_CUDA_MHC_FN_MAX_OUT) {
+                char what[64];
+                TRY(cudaMalloc((void **)&j.aux1,
+                               dsv4_cuda_mhc_fn_ws_floats(batches[b], lshapes[s].out, lshapes[s].in) * sizeof(float)));
+                j.run = run_mhc_fn;
+                snprintf(what, sizeof(what), "%s split-K", lshapes[s].what);
+                report(what, batches[b], time_job(&j, reps),
+                       (double)ls.bytes + (double)batches[b] * 4 * (lshapes[s].in + lshapes[s].out));
+                cudaFree(j.aux1);
+            }
         }
         free_linears(&ls);
     }

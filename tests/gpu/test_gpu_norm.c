@@ -1,5 +1,6 @@
-/* GPU: RMSNorm and mHC pre (norm, gates, Sinkhorn, collapse) and post against their CPU twins at
- * V4-Flash shapes (D 4096, hc 4, 20 Sinkhorn iterations) and tiny ones. All fp32: bound 1e-5. */
+/* GPU: RMSNorm, the split-K mHC fn GEMV, mHC pre (norm, gates, Sinkhorn, collapse) and post against
+ * their CPU twins at V4-Flash shapes (D 4096, hc 4, 20 Sinkhorn iterations) and tiny ones. All fp32:
+ * bound 1e-5. */
 #include "build-config.h"
 
 #include <setjmp.h>
@@ -106,11 +107,54 @@ static void test_mhc(void **state)
     check_mhc(3, 2, 64, 3);
 }
 
+/* The split-K mHC fn GEMV against the twin's matvec, and batch invariance: a row computed in a batch
+ * of `batch` is bit-identical to the same row computed alone. */
+static void check_mhc_fn(int batch, int64_t out, int64_t in)
+{
+    const size_t NW = (size_t)(out * in), NX = (size_t)batch * in, NY = (size_t)batch * out;
+    float *w = malloc(NW * sizeof(float)), *x = malloc(NX * sizeof(float)), *ref = malloc(NY * sizeof(float));
+    float *dw, *dx, *dy, *dy1, *dws, *o, *o1;
+    const int64_t wsf = dsv4_cuda_mhc_fn_ws_floats(batch, out, in);
+    const int probe = batch / 2;
+    char what[96];
+
+    gt_fill_normal(w, NW, 0.02f);
+    gt_fill_normal(x, NX, 1.0f);
+    const struct dsv4_linear h = { .fmt = DSV4_W_F32, .out = out, .in = in, .row_stride = in, .w = w, .name = "fn" };
+    for (int b = 0; b < batch; b++)
+        dsv4_twin_linear_matvec(&h, x + (size_t)b * in, ref + (size_t)b * out);
+    dw = gt_dev_copy(w, NW * sizeof(float));
+    dx = gt_dev_copy(x, NX * sizeof(float));
+    dy = gt_dev_poisoned(NY);
+    dy1 = gt_dev_poisoned((size_t)out);
+    dws = gt_dev_poisoned((size_t)wsf);
+    const struct dsv4_cuda_linear d = { .fmt = DSV4_W_F32, .out = out, .in = in, .row_stride = in, .w = dw };
+    DSV4_OK(dsv4_cuda_mhc_fn(&d, dx, in, batch, dws, wsf, dy, out, NULL));
+    o = gt_host_from(dy, NY);
+    snprintf(what, sizeof(what), "mhc_fn split-K [%lld,%lld] batch %d", (long long)out, (long long)in, batch);
+    ASSERT_REL(what, o, ref, NY, FP32_BOUND);
+    DSV4_OK(dsv4_cuda_mhc_fn(&d, dx + (size_t)probe * in, in, 1, dws, wsf, dy1, out, NULL));
+    o1 = gt_host_from(dy1, (size_t)out);
+    assert_memory_equal(o1, o + (size_t)probe * out, (size_t)out * sizeof(float));
+    assert_int_equal(dsv4_cuda_mhc_fn(&d, dx, in, batch, dws, wsf - 1, dy, out, NULL), -EINVAL);
+    cudaFree(dw); cudaFree(dx); cudaFree(dy); cudaFree(dy1); cudaFree(dws);
+    free(w); free(x); free(ref); free(o); free(o1);
+}
+
+static void test_mhc_fn(void **state)
+{
+    check_mhc_fn(1, 24, 16384);     /* hc_attn / hc_ffn fn, hc 4, D 4096 */
+    check_mhc_fn(64, 24, 16384);
+    check_mhc_fn(3, 4, 16384);      /* hc_head fn */
+    check_mhc_fn(5, 12, 136);       /* hc 2, D 68: one partial chunk */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_mhc),
+        cmocka_unit_test(test_mhc_fn),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
 }
