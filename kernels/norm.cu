@@ -1,5 +1,6 @@
 /* RMSNorm and the manifold-constrained hyper-connections (mHC) around each sublayer.
- * Twins: dsv4_twin_rmsnorm, dsv4_twin_linear_matvec (mHC fn), dsv4_twin_mhc_pre, dsv4_twin_mhc_post (engine/cpu_twin_cuda.c). */
+ * Twins: dsv4_twin_rmsnorm, dsv4_twin_linear_matvec (mHC fn), dsv4_twin_mhc_pre, dsv4_twin_mhc_post
+ * (engine/cpu_twin_cuda.c). */
 #include "kernels/cuda_util.cuh"
 
 #define NORM_THREADS 256
