@@ -51,54 +51,62 @@ static __device__ __forceinline__ float sigmoidf_(float v)
 
 /* mHC pre, split over the chip: grid (ceil(dim / MHC_COLS), batch). Every block of a token computes
  * the same RMS of its hc * dim stream values (same threads, same order: identical r in every block)
- * and the pre gates, then collapses its MHC_COLS columns, y = sum_j pre_j X[j]; block 0 of the token
- * also writes the post gates and the combine matrix (softmax + Sinkhorn, registers of one thread,
- * the twin's summation order) after its own columns. A token's arithmetic never depends on the
- * batch. HC is the stream count (a template so that C[] lives in registers). */
+ * and the pre gates, then collapses its MHC_COLS columns, y = sum_j pre_j X[j]; warp 0 of block 0 of
+ * the token also writes the post gates and the combine matrix (softmax + Sinkhorn) after its own
+ * columns. A token's arithmetic never depends on the batch. HC is the stream count (a template so
+ * that the matrix lives in registers). */
 #define MHC_COLS 1024
 
+/* The combine matrix [HC, HC] of one token, one lane per element (e = j * HC + k) while HC * HC fits
+ * a warp: softmax along each row, then iters Sinkhorn rounds (rows from the second round on, then
+ * columns). Every row/column sum is gathered by shuffles and added serially from 0 in the twin's
+ * order (k = 0.. along a row, j = 0.. down a column), so each element is computed exactly as the
+ * one-thread loop computed it. Lanes past HC * HC mirror the last element and write nothing. */
 template <int HC>
-__global__ void __launch_bounds__(NORM_THREADS)
-mhc_pre_kernel(const float *__restrict__ X, const float *__restrict__ m, const float *__restrict__ base,
-               const float *__restrict__ scale, int dim, int iters, float hc_eps, float norm_eps, bool vec4,
-               float *__restrict__ y, float *__restrict__ post, float *__restrict__ comb)
+static __device__ __forceinline__ void mhc_comb_warp(const float *__restrict__ mb, float r,
+                                                     const float *__restrict__ scale,
+                                                     const float *__restrict__ base, int iters, float hc_eps,
+                                                     float *__restrict__ comb)
 {
-    __shared__ float pre[HC];
-    const int b = blockIdx.y;
-    const int64_t n = (int64_t)HC * dim;
-    const float *Xb = X + (int64_t)b * n, *mb = m + (int64_t)b * (2 + HC) * HC;
-    float ss = 0.0f;
+    static_assert(HC * HC <= DSV4_CUDA_WARP, "one lane per combine element");
+    const unsigned all = 0xffffffffu;
+    const int lane = threadIdx.x % DSV4_CUDA_WARP, e = min(lane, HC * HC - 1), j = e / HC, k = e % HC;
+    float c = mb[2 * HC + e] * r * scale[2] + base[2 * HC + e], mx = -INFINITY, sum = 0.0f;
 
-    if (vec4) {
-        const float4 *X4 = reinterpret_cast<const float4 *>(Xb);
-#pragma unroll 4
-        for (int64_t i = threadIdx.x; i < n / 4; i += NORM_THREADS) {
-            const float4 v = X4[i];
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+#pragma unroll
+    for (int q = 0; q < HC; q++)
+        mx = fmaxf(mx, __shfl_sync(all, c, j * HC + q));
+    c = expf(c - mx);
+#pragma unroll
+    for (int q = 0; q < HC; q++)
+        sum += __shfl_sync(all, c, j * HC + q);
+    c = c / sum + hc_eps;
+    for (int it = 0; it < iters; it++) {
+        float s = 0.0f;
+        if (it > 0) {
+#pragma unroll
+            for (int q = 0; q < HC; q++)
+                s += __shfl_sync(all, c, j * HC + q);
+            c /= s + hc_eps;
+            s = 0.0f;
         }
-    } else {
-#pragma unroll 4
-        for (int64_t i = threadIdx.x; i < n; i += NORM_THREADS)
-            ss += Xb[i] * Xb[i];
-    }
-    const float r = 1.0f / sqrtf(block_sum(ss) / n + norm_eps);
-    if (threadIdx.x < HC)
-        pre[threadIdx.x] = sigmoidf_(mb[threadIdx.x] * r * scale[0] + base[threadIdx.x]) + hc_eps;
-    __syncthreads();
-    const int d_end = min(dim, (int)(blockIdx.x + 1) * MHC_COLS);
-    for (int d = blockIdx.x * MHC_COLS + threadIdx.x; d < d_end; d += NORM_THREADS) {
-        float acc = 0.0f;
 #pragma unroll
-        for (int j = 0; j < HC; j++)
-            acc += pre[j] * Xb[(int64_t)j * dim + d];
-        y[(int64_t)b * dim + d] = acc;
+        for (int q = 0; q < HC; q++)
+            s += __shfl_sync(all, c, q * HC + k);
+        c /= s + hc_eps;
     }
-    if (blockIdx.x != 0 || threadIdx.x != 0)
-        return;
+    if (lane < HC * HC)
+        comb[lane] = c;
+}
+
+/* The same matrix in one thread's registers, for HC * HC past a warp (the twin's loops verbatim). */
+template <int HC>
+static __device__ __forceinline__ void mhc_comb_serial(const float *__restrict__ mb, float r,
+                                                       const float *__restrict__ scale,
+                                                       const float *__restrict__ base, int iters, float hc_eps,
+                                                       float *__restrict__ comb)
+{
     float C[HC * HC];
-#pragma unroll
-    for (int j = 0; j < HC; j++)
-        post[b * HC + j] = 2.0f * sigmoidf_(mb[HC + j] * r * scale[1] + base[HC + j]);
 #pragma unroll
     for (int j = 0; j < HC; j++) {
         float mx = -INFINITY, sum = 0.0f;
@@ -142,7 +150,53 @@ mhc_pre_kernel(const float *__restrict__ X, const float *__restrict__ m, const f
     }
 #pragma unroll
     for (int i = 0; i < HC * HC; i++)
-        comb[(int64_t)b * HC * HC + i] = C[i];
+        comb[i] = C[i];
+}
+
+template <int HC>
+__global__ void __launch_bounds__(NORM_THREADS)
+mhc_pre_kernel(const float *__restrict__ X, const float *__restrict__ m, const float *__restrict__ base,
+               const float *__restrict__ scale, int dim, int iters, float hc_eps, float norm_eps, bool vec4,
+               float *__restrict__ y, float *__restrict__ post, float *__restrict__ comb)
+{
+    __shared__ float pre[HC];
+    const int b = blockIdx.y;
+    const int64_t n = (int64_t)HC * dim;
+    const float *Xb = X + (int64_t)b * n, *mb = m + (int64_t)b * (2 + HC) * HC;
+    float ss = 0.0f;
+
+    if (vec4) {
+        const float4 *X4 = reinterpret_cast<const float4 *>(Xb);
+#pragma unroll 4
+        for (int64_t i = threadIdx.x; i < n / 4; i += NORM_THREADS) {
+            const float4 v = X4[i];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+#pragma unroll 4
+        for (int64_t i = threadIdx.x; i < n; i += NORM_THREADS)
+            ss += Xb[i] * Xb[i];
+    }
+    const float r = 1.0f / sqrtf(block_sum(ss) / n + norm_eps);
+    if (threadIdx.x < HC)
+        pre[threadIdx.x] = sigmoidf_(mb[threadIdx.x] * r * scale[0] + base[threadIdx.x]) + hc_eps;
+    __syncthreads();
+    const int d_end = min(dim, (int)(blockIdx.x + 1) * MHC_COLS);
+    for (int d = blockIdx.x * MHC_COLS + threadIdx.x; d < d_end; d += NORM_THREADS) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < HC; j++)
+            acc += pre[j] * Xb[(int64_t)j * dim + d];
+        y[(int64_t)b * dim + d] = acc;
+    }
+    if (blockIdx.x != 0 || threadIdx.x >= DSV4_CUDA_WARP)
+        return;
+    if (threadIdx.x < HC)
+        post[b * HC + threadIdx.x] = 2.0f * sigmoidf_(mb[HC + threadIdx.x] * r * scale[1] + base[HC + threadIdx.x]);
+    if constexpr (HC * HC <= DSV4_CUDA_WARP)
+        mhc_comb_warp<HC>(mb, r, scale, base, iters, hc_eps, comb + (int64_t)b * HC * HC);
+    else if (threadIdx.x == 0)
+        mhc_comb_serial<HC>(mb, r, scale, base, iters, hc_eps, comb + (int64_t)b * HC * HC);
 }
 
 template <int HC>
