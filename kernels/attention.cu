@@ -67,10 +67,10 @@ int dsv4_cuda_rope(float *d_x, int rows, int heads, int hd, int rd, const int32_
     return 0;
 }
 
-/* One block per batch row: v [B, hd] -> ring entry pos % window of the row's slot. */
+/* One block per batch row: v [B, hd] -> ring entry pos % ring of the row's slot. */
 __global__ void kv_store_kernel(const float *__restrict__ v, int hd, int rd, int kvf, int entry_bytes,
-                                const int32_t *__restrict__ pos, const int32_t *__restrict__ slot, uint8_t *ring,
-                                int64_t slot_stride, int window)
+                                const int32_t *__restrict__ pos, const int32_t *__restrict__ slot, uint8_t *entries,
+                                int64_t slot_stride, int ring)
 {
     extern __shared__ float sm[];
     float *v_s = sm, *sc_s = sm + hd;
@@ -78,17 +78,17 @@ __global__ void kv_store_kernel(const float *__restrict__ v, int hd, int rd, int
     for (int d = threadIdx.x; d < hd; d += blockDim.x)
         v_s[d] = v[(int64_t)b * hd + d];
     __syncthreads();
-    dsv4_entry_store(v_s, ring + slot[b] * slot_stride + (int64_t)(pos[b] % window) * entry_bytes, hd, rd, kvf, sc_s);
+    dsv4_entry_store(v_s, entries + slot[b] * slot_stride + (int64_t)(pos[b] % ring) * entry_bytes, hd, rd, kvf, sc_s);
 }
 
 int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, int kvf, const int32_t *d_pos,
-                       const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int window, void *stream)
+                       const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int ring, void *stream)
 {
     const size_t smem = (size_t)(hd + hd / KV_GROUP + 1) * sizeof(float);
     if (batch < 1)
         return 0;
     kv_store_kernel<<<batch, 128, smem, static_cast<cudaStream_t>(stream)>>>(
-        d_v, hd, rd, kvf, dsv4_cuda_kv_entry_bytes(hd, rd, kvf), d_pos, d_slot, d_ring, slot_stride, window);
+        d_v, hd, rd, kvf, dsv4_cuda_kv_entry_bytes(hd, rd, kvf), d_pos, d_slot, d_ring, slot_stride, ring);
     DSV4_CUDA_LAUNCHED("kv_store");
     return 0;
 }
@@ -132,7 +132,7 @@ attention_kernel(const struct dsv4_cuda_att_args a)
             const int j = i / hd, d = i % hd, kidx = t0 + j;
             const uint8_t *e;
             if (kidx < nw)
-                e = a.win + slot * a.win_slot_stride + (int64_t)((first + kidx) % a.window) * a.entry_bytes;
+                e = a.win + slot * a.win_slot_stride + (int64_t)((first + kidx) % a.ring) * a.entry_bytes;
             else
                 e = a.comp + slot * a.comp_slot_stride +
                     (int64_t)(a.sel ? a.sel[(int64_t)b * a.sel_stride + kidx - nw] : kidx - nw) * a.entry_bytes;

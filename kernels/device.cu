@@ -38,6 +38,8 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_EXPERTS_OTHER: return "experts_grouped_swiglu_f32_bf16_fp8";
     case DSV4_CUDA_V_MHC_FN_SPLITK: return "mhc_fn_f32_splitk256_fixed_order";
     case DSV4_CUDA_V_MHC_PRE: return "mhc_pre_cols1024_per_token_sinkhorn_regs";
+    case DSV4_CUDA_V_GEMM_FP8_MMA: return "gemm_fp8_f16mma_rows128_splitk_fixed_order";
+    case DSV4_CUDA_V_GEMM_BF16_MMA: return "gemm_bf16_hilo_mma_rows128_splitk_fixed_order";
     case DSV4_CUDA_V_COUNT: break;
     }
     return "?";
@@ -470,9 +472,11 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          cache / 1073741824.0, o->max_batch, o->max_context,
          o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV entries, indexer keys f32 after FP4 rounding" : "f32 entries",
          ws / 1073741824.0);
-    vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3)",
+    vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3; "
+         "exact numerics: %s)", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA),
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8));
-    vlog(dev, log, log_ctx, true, "op linear.bf16: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_BF16));
+    vlog(dev, log, log_ctx, true, "op linear.bf16: %s (K a multiple of 64; else %s)",
+         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_BF16_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_BF16));
     vlog(dev, log, log_ctx, true, "op linear.f32: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_F32));
     vlog(dev, log, log_ctx, true, "op mhc fn: %s (K chunks of %d, fixed-order sum)",
          dsv4_cuda_variant_name(DSV4_CUDA_V_MHC_FN_SPLITK), DSV4_CUDA_MHC_FN_CHUNK);

@@ -25,9 +25,11 @@ int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf);
 int dsv4_cuda_rope(float *d_x, int rows, int heads, int hd, int rd, const int32_t *d_pos, int rows_per_pos,
                    const float *d_inv_freq, bool inverse, void *stream);
 
-/* d_v [batch, hd] into the window ring of each row's slot at entry pos % window. */
+/* d_v [batch, hd] into the window ring of each row's slot at entry pos % ring. The ring holds
+ * window + (rows per step - 1) entries, so that a step whose rows are consecutive positions of one
+ * slot (a prefill chunk) stores all its entries before any row reads its window. */
 int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, int kvf, const int32_t *d_pos,
-                       const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int window, void *stream);
+                       const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int ring, void *stream);
 
 struct dsv4_cuda_att_args {
     const float *q;             /* [B, H, hd], normed and RoPE'd */
@@ -37,7 +39,8 @@ struct dsv4_cuda_att_args {
     const int32_t *pos, *slot;  /* [B] */
     const uint8_t *win;         /* window rings of slot 0 of this layer; slot s at + s * win_slot_stride */
     int64_t win_slot_stride;
-    int window;
+    int window;                 /* keys of the sliding window (the row's own included) */
+    int ring;                   /* entries in the ring: position p lives at p % ring */
     const uint8_t *comp;        /* compressed entries of slot 0 (ratio > 0) */
     int64_t comp_slot_stride;
     int ratio;                  /* 0: window only */

@@ -46,6 +46,7 @@ struct step_buf {
     int32_t *isel, *insel, *ridx;
     float *rlogits, *rw, *sg, *su, *sh, *sout, *hm, *logits;
     struct dsv4_cuda_moe_ws moe;
+    struct dsv4_cuda_gemm_ws gemm;
     float *inv_main, *inv_comp;
     int64_t mixws_floats;       /* capacity of mixws */
 };
@@ -69,6 +70,7 @@ struct cuda_backend {
     int buckets[STEP_MAX_BUCKETS], n_buckets;
     cudaGraphExec_t graphs[STEP_MAX_BUCKETS];
     bool use_graphs;
+    bool use_gemm;              /* tensor-core linears where the format allows (DSV4_CUDA_GEMM=0: GEMV only) */
     uint64_t captures;
 };
 
@@ -84,6 +86,13 @@ static int kv_format(const struct dsv4_backend_opts *o)
     return o->numerics == DSV4_NUMERICS_FP8 ? DSV4_KV_FP8 : DSV4_KV_F32;
 }
 
+/* Window ring entries: a step's rows may be max_batch consecutive positions of one slot (a prefill
+ * chunk), all stored before the first of them reads its window. */
+static int ring_entries(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
+{
+    return c->window + o->max_batch - 1;
+}
+
 static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o, struct layer_cache *lc)
 {
     const int eb = dsv4_cuda_kv_entry_bytes(c->head_dim, c->rope_dim, kv_format(o));
@@ -92,7 +101,7 @@ static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backen
         const int r = c->compress_ratio[i];
         struct layer_cache l = {};
         l.win = off;
-        off += a256((int64_t)c->window * eb);
+        off += a256((int64_t)ring_entries(c, o) * eb);
         if (r > 0) {
             const int64_t n = (o->max_context + r - 1) / r;
             const bool csa = r == c->csa_ratio;
@@ -189,6 +198,9 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.sout = f(B * D);
     t.hm = f(B * hc);
     t.logits = f(B * c->vocab_size);
+    void *g = take((int64_t)dsv4_cuda_gemm_ws_bytes((int)B, max_linear_in(c)));
+    if (base)
+        dsv4_cuda_gemm_ws_init(&t.gemm, g, (int)B, max_linear_in(c));
     t.inv_main = f(c->rope_dim / 2);
     t.inv_comp = f(c->rope_dim / 2);
     if (sb)
@@ -248,7 +260,10 @@ static bool quantized(const struct dsv4_cuda_linear *W)
 static int lin(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B, float *y,
                int64_t ldy, bool raw, cudaStream_t s)
 {
-    if (cb->fp8 && !raw && quantized(W)) {
+    const bool quant = cb->fp8 && !raw && quantized(W);
+    if (cb->use_gemm && dsv4_cuda_gemm_supports(W, quant))
+        return dsv4_cuda_gemm(W, x, ldx, B, quant, &cb->b.gemm, y, ldy, s);
+    if (quant) {
         if (W->in % DSV4_CUDA_ACT_BLOCK)
             return dsv4_error_set(-EINVAL, "cuda step: quantized linear of width %lld is not a multiple of %d",
                                   (long long)W->in, DSV4_CUDA_ACT_BLOCK);
@@ -280,7 +295,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     STEP(dsv4_cuda_rmsnorm(t->kv, L->kv_norm, B, hd, eps, t->kv, s));
     STEP(dsv4_cuda_rope(t->kv, B, 1, hd, rd, pos, 1, inv, false, s));
     STEP(dsv4_cuda_kv_store(t->kv, B, hd, rd, cb->kvf, pos, slot, cb->caches + L->cache.win, cb->slot_bytes,
-                            c->window, s));
+                            ring_entries(c, &cb->base.opts), s));
 
     struct dsv4_cuda_att_args a = {};
     a.q = t->q;
@@ -294,6 +309,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     a.win = cb->caches + L->cache.win;
     a.win_slot_stride = cb->slot_bytes;
     a.window = c->window;
+    a.ring = ring_entries(c, &cb->base.opts);
     a.scale = 1.0f / sqrtf((float)hd);
     a.part = t->part;
     if (L->ratio) {
@@ -384,7 +400,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
         v.w = static_cast<const uint8_t *>(v.w) + r0 * (v.fmt == DSV4_W_F32 ? 4 * v.row_stride :
                                                         v.fmt == DSV4_W_BF16 ? 2 * v.row_stride :
                                                         v.fmt == DSV4_W_FP8 ? v.row_stride : v.row_stride / 2);
-        STEP(dsv4_cuda_gemv(&v, t->o + g * gin, (int64_t)H * hd, B, t->z + (int64_t)g * R, (int64_t)G * R, s));
+        STEP(lin(cb, &v, t->o + g * gin, (int64_t)H * hd, B, t->z + (int64_t)g * R, (int64_t)G * R, true, s));
     }
     return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, s);
 }
@@ -717,7 +733,7 @@ static void log_stderr(void *ctx, const char *line)
 static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const struct dsv4_backend_opts *opts)
 {
     const struct dsv4_config *c = &w->cfg;
-    const char *g = getenv("DSV4_CUDA_GRAPHS");
+    const char *g = getenv("DSV4_CUDA_GRAPHS"), *gm = getenv("DSV4_CUDA_GEMM");
     float inv[2][DSV4_CUDA_MAX_HEAD_DIM / 2];
     void *p;
 
@@ -729,7 +745,9 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->kvf = kv_format(opts);
     cb->slots = opts->max_batch + 1;
     cb->use_graphs = !(g && strcmp(g, "0") == 0);
+    cb->use_gemm = !(gm && strcmp(gm, "0") == 0);
     STEP(dsv4_cuda_attention_prepare(c->head_dim));
+    STEP(dsv4_cuda_gemm_prepare());
     STEP(dsv4_cuda_dev_create(0, w, opts, log_stderr, NULL, &cb->dev));
     cb->L = static_cast<struct step_layer *>(calloc(c->n_layers, sizeof(*cb->L)));
     cb->pos = static_cast<int64_t *>(calloc(cb->slots, sizeof(*cb->pos)));

@@ -1,7 +1,10 @@
-/* GPU: the activation quantizer and the skinny-batch linears (F32, BF16, FP8 128x128, FP4 1x32)
- * against their CPU twins, at real V4-Flash shapes and tiny ones, batch 1, 3 and 64.
+/* GPU: the activation quantizer, the skinny-batch linears (F32, BF16, FP8 128x128, FP4 1x32) and
+ * the tensor-core linears (FP8 with in-kernel activation quantization, BF16 with hi/lo activations)
+ * against their CPU twins, at real V4-Flash shapes and tiny ones, batch 1, 3, 17 and 64.
  * Bounds: the quantizer must match bit for bit (same rounding rules); a linear sees the same FP8-
- * rounded x on both sides, so only f32 summation order differs: 1e-5 relative, every format. */
+ * rounded x on both sides, so only f32 summation order differs: 1e-5 relative, every format (the
+ * BF16 tensor-core path also carries the hi/lo split's 2^-17 relative error per activation). The
+ * tensor-core path must also give row 0 of a batch bit for bit what it gives row 0 alone. */
 #include "build-config.h"
 
 #include <setjmp.h>
@@ -37,7 +40,10 @@ static const struct shape shapes[] = {
     { "fp4 tiny [3,128]", DSV4_W_FP4, 3, 128, 64 },
 };
 
-static const int batches[] = { 1, 3, 64 };
+static const int batches[] = { 1, 3, 17, 64 };
+
+static struct dsv4_cuda_gemm_ws gemm_ws;
+#define GEMM_WS_MAX_K 16384
 
 /* A host linear with random weights in `fmt` and its device copy. */
 struct pair {
@@ -176,6 +182,23 @@ static void check_shape(const struct shape *s)
         ASSERT_REL(what, out, ref, (size_t)B * out_n, LINEAR_BOUND);
         free(out);
         cudaFree(dy);
+        if (!dsv4_cuda_gemm_supports(&p.d, quant))
+            continue;
+        /* tensor cores: quantization happens inside, from the raw x */
+        float *row0 = NULL;
+        dy = gt_dev_poisoned((size_t)B * out_n);
+        DSV4_OK(dsv4_cuda_gemm(&p.d, dx, s->in, B, quant, &gemm_ws, dy, s->out, NULL));
+        out = gt_host_from(dy, (size_t)B * out_n);
+        snprintf(what, sizeof(what), "%s batch %d (tensor cores)", s->what, B);
+        ASSERT_REL(what, out, ref, (size_t)B * out_n, LINEAR_BOUND);
+        cudaFree(dy);
+        dy = gt_dev_poisoned(out_n);
+        DSV4_OK(dsv4_cuda_gemm(&p.d, dx, s->in, 1, quant, &gemm_ws, dy, s->out, NULL));
+        row0 = gt_host_from(dy, out_n);
+        assert_memory_equal(row0, out, out_n * sizeof(float));
+        free(row0);
+        free(out);
+        cudaFree(dy);
     }
     cudaFree(dx);
     cudaFree(dxq);
@@ -188,8 +211,23 @@ static void check_shape(const struct shape *s)
 
 static void test_linears(void **state)
 {
+    void *ws;
+    DSV4_OK(dsv4_cuda_gemm_prepare());
+    assert_int_equal(cudaMalloc(&ws, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K)), cudaSuccess);
+    dsv4_cuda_gemm_ws_init(&gemm_ws, ws, DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K);
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
         check_shape(&shapes[i]);
+    /* refusals: FP8 with raw activations, more rows than the workspace */
+    struct pair p;
+    float *dx = gt_dev_poisoned(2 * 256), *dy = gt_dev_poisoned(256);
+    make_linear(&p, DSV4_W_FP8, 256, 256);
+    assert_false(dsv4_cuda_gemm_supports(&p.d, false));
+    assert_int_equal(dsv4_cuda_gemm(&p.d, dx, 256, 1, false, &gemm_ws, dy, 256, NULL), -EINVAL);
+    assert_int_equal(dsv4_cuda_gemm(&p.d, dx, 256, DSV4_CUDA_MAX_BATCH + 1, true, &gemm_ws, dy, 256, NULL), -EINVAL);
+    free_linear(&p);
+    cudaFree(dx);
+    cudaFree(dy);
+    cudaFree(ws);
 }
 
 /* A strided view (a stacked transformers expert) is refused when misaligned, never misread. */

@@ -1,0 +1,468 @@
+/* Tensor-core linears for a step's rows (decode batches and prefill chunks, up to
+ * DSV4_CUDA_MAX_BATCH rows): y[b] = W x[b] with W in its checkpoint format, streamed once per
+ * launch whatever the row count, through mma.sync (sm_80+, so every image we build runs it).
+ *
+ * Two modes:
+ *   fp8: e4m3 weights (128x128 UE8M0 scales) times activations quantized by the official 1x128
+ *        e4m3 quantizer. Both operands are e4m3 values, exact in f16, so each 128-wide k-tile is an
+ *        f16 MMA with f32 accumulation, then scaled by (weight scale x activation scale) and added:
+ *        the official fp8_gemm's arithmetic, in f32.
+ *   bf16: bf16 weights times f32 activations split into hi = bf16(x) and lo = bf16(x - hi), two
+ *        MMAs per tile: |x - hi - lo| <= 2^-17 |x|, so the result stays within ~1e-6 of f32 math.
+ * Twin: dsv4_twin_fp8_roundtrip + dsv4_twin_linear_row (engine/cpu_twin_cuda.c), checked in
+ * tests/gpu/test_gpu_linear.c.
+ *
+ * Layout: a CTA owns GEMM_ROWS output rows (one FP8 scale block) and a run of k-tiles; each of its
+ * 8 warps owns 16 rows (one m16 tile) and every batch row (n8 tiles). Weight and activation tiles
+ * move through a GEMM_STAGES-deep cp.async pipeline in shared memory, swizzled so the fragment
+ * loads are conflict-free. K is split over CTAs until the grid covers the chip; the split count
+ * depends only on W's shape, and splits are added in a fixed order, so a row's result is the same
+ * whatever else is in the batch.
+ *
+ * Fragment trick: a dot product does not care in which order k runs, so each thread takes 16
+ * contiguous bytes of its weight row and feeds them to consecutive MMAs as if they were the k
+ * indices the PTX fragment layout names; the activation fragments use the same permutation. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/cuda_util.cuh"
+
+#define GEMM_ROWS 128               /* output rows per CTA: one FP8 scale block */
+#define GEMM_WARPS 8                /* one m16 tile of rows each */
+#define GEMM_THREADS (GEMM_WARPS * DSV4_CUDA_WARP)
+#define GEMM_TILE_BYTES 128         /* weight bytes per row per k-tile: 128 e4m3 or 64 bf16 values */
+#define GEMM_STAGES 4
+#define GEMM_TARGET_CTAS 256        /* split K until tiles x splits reaches this */
+#define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
+#define GEMM_MAX_NT (DSV4_CUDA_MAX_BATCH / 8)
+
+enum { GEMM_FP8 = 0, GEMM_BF16 = 1 };
+
+/* Activation tile bytes per batch row: 128 f16 (fp8 mode) or 64 bf16 hi + 64 bf16 lo. */
+#define GEMM_XROW_BYTES 256
+
+static constexpr int kvals(int mode)
+{
+    return mode == GEMM_FP8 ? 128 : 64;
+}
+
+static size_t stage_bytes(int nt)
+{
+    return (size_t)GEMM_ROWS * GEMM_TILE_BYTES + (size_t)nt * 8 * GEMM_XROW_BYTES;
+}
+
+struct gemm_args {
+    const uint8_t *w;           /* [out, row_bytes] */
+    int64_t row_bytes;
+    const uint8_t *wscale;      /* fp8: [ceil(out/128), scale_stride] UE8M0 */
+    int64_t scale_stride;
+    int64_t out;
+    int nkt;                    /* k-tiles of K */
+    int per;                    /* k-tiles per split */
+    int rows;
+    const uint8_t *xa;          /* fp8: [rows, K] f16; bf16: hi [rows, K] then lo [rows, K] */
+    int64_t k;
+    const float *sa;            /* fp8: [rows, nkt] activation scales */
+    float *y;                   /* splits == 1: y[n * ldy + o] */
+    int64_t ldy;
+    float *part;                /* splits > 1: [splits, rows, out] */
+    int splits;
+};
+
+static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
+static __device__ __forceinline__ void cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N>
+static __device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+static __device__ __forceinline__ uint4 lds128(const uint8_t *p)
+{
+    return *reinterpret_cast<const uint4 *>(p);
+}
+
+/* two e4m3 bytes (low first) -> f16x2, exact */
+static __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t v)
+{
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
+    return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+static __device__ __forceinline__ void mma_f16(float *d, const uint32_t *a, uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ void mma_bf16(float *d, const uint32_t *a, uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Swizzles (16-byte chunk index within a smem row): weight rows and bf16 activation rows are
+ * 128 bytes, f16 activation rows 256; a quarter warp reads rows g and g+1 at chunks t (+4h), so
+ * odd rows move their chunks to the other half of the bank window. */
+static __device__ __forceinline__ int sw128(int row, int c)
+{
+    return c ^ ((row & 1) << 2);
+}
+
+static __device__ __forceinline__ int sw256(int row, int c)
+{
+    return c ^ (row & 1);
+}
+
+/* Issue the cp.async loads of k-tile kt into stage s. */
+template <int MODE, int NT>
+static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws, uint8_t *xs, int kt, int64_t row0)
+{
+    const int tid = threadIdx.x;
+    for (int i = tid; i < GEMM_ROWS * 8; i += GEMM_THREADS) {
+        const int r = i >> 3, c = i & 7;
+        const int64_t gr = min(row0 + r, a.out - 1);   /* rows past out load a valid row; not stored */
+        cp_async16(ws + r * GEMM_TILE_BYTES + sw128(r, c) * 16, a.w + gr * a.row_bytes + (int64_t)kt * GEMM_TILE_BYTES + c * 16);
+    }
+    if (MODE == GEMM_FP8) {
+        for (int i = tid; i < NT * 8 * 16; i += GEMM_THREADS) {
+            const int n = i >> 4, c = i & 15, gn = min(n, a.rows - 1);
+            cp_async16(xs + n * GEMM_XROW_BYTES + sw256(n, c) * 16, a.xa + ((int64_t)gn * a.k + (int64_t)kt * 128) * 2 + c * 16);
+        }
+    } else {
+        for (int i = tid; i < 2 * NT * 8 * 8; i += GEMM_THREADS) {
+            const int p = i / (NT * 64), n = (i >> 3) % (NT * 8), c = i & 7, gn = min(n, a.rows - 1);
+            const uint8_t *src = a.xa + (((int64_t)p * a.rows + gn) * a.k + (int64_t)kt * 64) * 2 + c * 16;
+            cp_async16(xs + p * (NT * 8 * 128) + n * 128 + sw128(n, c) * 16, src);
+        }
+    }
+}
+
+template <int MODE, int NT>
+__global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
+{
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP;
+    const int g = lane >> 2, t = lane & 3;
+    const int64_t row0 = (int64_t)blockIdx.x * GEMM_ROWS;
+    const int split = blockIdx.y, kt0 = split * a.per, nk = min(a.nkt, kt0 + a.per) - kt0;
+    const size_t sbytes = (size_t)GEMM_ROWS * GEMM_TILE_BYTES + (size_t)NT * 8 * GEMM_XROW_BYTES;
+    const int r0 = warp * 16 + g, r1 = r0 + 8;
+    float acc[NT][4], blk[NT][4];
+
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            acc[j][i] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < GEMM_STAGES - 1; s++) {
+        if (s < nk)
+            load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + s, row0);
+        cp_async_commit();
+    }
+    for (int i = 0; i < nk; i++) {
+        cp_async_wait<GEMM_STAGES - 2>();
+        __syncthreads();
+        {
+            const int nx = i + GEMM_STAGES - 1, s = nx % GEMM_STAGES;
+            if (nx < nk)
+                load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + nx,
+                                    row0);
+            cp_async_commit();
+        }
+        const uint8_t *ws = smem + (i % GEMM_STAGES) * sbytes, *xs = ws + GEMM_ROWS * GEMM_TILE_BYTES;
+        const int kt = kt0 + i;
+        if (MODE == GEMM_FP8) {
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    blk[j][q] = 0.0f;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int c = t + 4 * h;
+                const uint4 w0 = lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
+                const uint4 w1 = lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
+                const uint32_t w0v[4] = { w0.x, w0.y, w0.z, w0.w }, w1v[4] = { w1.x, w1.y, w1.z, w1.w };
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    const int n = j * 8 + g;
+                    const uint4 b0 = lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c) * 16);
+                    const uint4 b1 = lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c + 1) * 16);
+                    const uint32_t bv[8] = { b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w };
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        /* bytes 4q..4q+3 of each row: (4q, 4q+1) as k (2t, 2t+1), (4q+2, 4q+3) as (2t+8, 2t+9) */
+                        const uint32_t af[4] = { e4m3x2_f16x2(w0v[q]), e4m3x2_f16x2(w1v[q]), e4m3x2_f16x2(w0v[q] >> 16),
+                                                 e4m3x2_f16x2(w1v[q] >> 16) };
+                        mma_f16(blk[j], af, bv[2 * q], bv[2 * q + 1]);
+                    }
+                }
+            }
+            const float sw = dsv4_ue8m0(__ldg(a.wscale + (row0 / GEMM_ROWS) * a.scale_stride + kt));
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const int n0 = min(j * 8 + 2 * t, a.rows - 1), n1 = min(j * 8 + 2 * t + 1, a.rows - 1);
+                const float s0 = sw * __ldg(a.sa + (int64_t)n0 * a.nkt + kt), s1 = sw * __ldg(a.sa + (int64_t)n1 * a.nkt + kt);
+                acc[j][0] += blk[j][0] * s0;
+                acc[j][1] += blk[j][1] * s1;
+                acc[j][2] += blk[j][2] * s0;
+                acc[j][3] += blk[j][3] * s1;
+            }
+        } else {
+            const uint8_t *xl = xs + NT * 8 * 128;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int c = t + 4 * h;
+                const uint4 w0 = lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
+                const uint4 w1 = lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
+                const uint32_t w0v[4] = { w0.x, w0.y, w0.z, w0.w }, w1v[4] = { w1.x, w1.y, w1.z, w1.w };
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    const int n = j * 8 + g;
+                    const uint4 bh = lds128(xs + n * 128 + sw128(n, c) * 16);
+                    const uint4 bl = lds128(xl + n * 128 + sw128(n, c) * 16);
+                    const uint32_t hv[4] = { bh.x, bh.y, bh.z, bh.w }, lv[4] = { bl.x, bl.y, bl.z, bl.w };
+#pragma unroll
+                    for (int q = 0; q < 2; q++) {
+                        /* values 4q..4q+3 of each row's 8: (4q, 4q+1) as k (2t, 2t+1), (4q+2, 4q+3) as (2t+8, 2t+9) */
+                        const uint32_t af[4] = { w0v[2 * q], w1v[2 * q], w0v[2 * q + 1], w1v[2 * q + 1] };
+                        mma_bf16(acc[j], af, hv[2 * q], hv[2 * q + 1]);
+                        mma_bf16(acc[j], af, lv[2 * q], lv[2 * q + 1]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    /* c0 (row g, col 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1) of each m16n8 tile */
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int n = j * 8 + 2 * t + (q & 1);
+            const int64_t o = row0 + (q < 2 ? r0 : r1);
+            if (n >= a.rows || o >= a.out)
+                continue;
+            if (a.splits == 1)
+                a.y[(int64_t)n * a.ldy + o] = acc[j][q];
+            else
+                a.part[((int64_t)split * a.rows + n) * a.out + o] = acc[j][q];
+        }
+    }
+}
+
+/* y[n, o] = sum over splits in order */
+__global__ void gemm_reduce_kernel(const float *__restrict__ part, int splits, int rows, int64_t out,
+                                   float *__restrict__ y, int64_t ldy)
+{
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)rows * out)
+        return;
+    const int64_t n = i / out, o = i % out;
+    float v = 0.0f;
+    for (int s = 0; s < splits; s++)
+        v += part[(int64_t)s * rows * out + i];
+    y[n * ldy + o] = v;
+}
+
+/* One warp per (row, 128-block): the official quantizer (as fp8_roundtrip_kernel), written as the
+ * e4m3 values in f16 [rows, K] and the scale [rows, K/128]. */
+__global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k, __half *__restrict__ xa,
+                                  float *__restrict__ sa)
+{
+    const int lane = threadIdx.x % DSV4_CUDA_WARP;
+    const int64_t nkb = k / 128, blk = (int64_t)blockIdx.x * (blockDim.x / DSV4_CUDA_WARP) + threadIdx.x / DSV4_CUDA_WARP;
+    if (blk >= rows * nkb)
+        return;
+    const int64_t n = blk / nkb, kb = blk % nkb;
+    const float *src = x + n * ldx + kb * 128;
+    float v[4], amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[i] = src[i * DSV4_CUDA_WARP + lane];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    const float s = dsv4_act_scale(dsv4_warp_max(amax)), inv = 1.0f / s;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
+        __half_raw h = __nv_cvt_fp8_to_halfraw(q, __NV_E4M3);
+        xa[n * k + kb * 128 + i * DSV4_CUDA_WARP + lane] = *reinterpret_cast<__half *>(&h);
+    }
+    if (lane == 0)
+        sa[n * nkb + kb] = s;
+}
+
+/* x f32 [rows, ldx] -> hi [rows, K], lo [rows, K] bf16 */
+__global__ void gemm_split_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k,
+                                  __nv_bfloat16 *__restrict__ xa)
+{
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)rows * k)
+        return;
+    const float v = x[(i / k) * ldx + i % k];
+    const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+    xa[i] = hi;
+    xa[(int64_t)rows * k + i] = __float2bfloat16_rn(v - __bfloat162float(hi));
+}
+
+extern "C" size_t dsv4_cuda_gemm_ws_bytes(int rows, int64_t max_k)
+{
+    const size_t xa = (size_t)rows * (size_t)max_k * 4;         /* f16 values or bf16 hi + lo */
+    const size_t sa = (size_t)rows * (size_t)((max_k + 127) / 128) * 4;
+    const size_t part = (size_t)rows * DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW * 4;
+    return (xa + 255) / 256 * 256 + (sa + 255) / 256 * 256 + part;
+}
+
+extern "C" void dsv4_cuda_gemm_ws_init(struct dsv4_cuda_gemm_ws *ws, void *base, int rows, int64_t max_k)
+{
+    uint8_t *p = static_cast<uint8_t *>(base);
+    const size_t xa = (size_t)rows * (size_t)max_k * 4, sa = (size_t)rows * (size_t)((max_k + 127) / 128) * 4;
+    ws->xa = p;
+    ws->sa = reinterpret_cast<float *>(p + (xa + 255) / 256 * 256);
+    ws->part = reinterpret_cast<float *>(p + (xa + 255) / 256 * 256 + (sa + 255) / 256 * 256);
+    ws->rows = rows;
+    ws->max_k = max_k;
+}
+
+extern "C" bool dsv4_cuda_gemm_supports(const struct dsv4_cuda_linear *W, bool quant_act)
+{
+    const int64_t vb = W->fmt == DSV4_W_FP8 ? 1 : 2;
+    if (W->fmt == DSV4_W_FP8 ? !quant_act : W->fmt != DSV4_W_BF16 || quant_act)
+        return false;
+    return W->out >= 1 && W->in % kvals(W->fmt == DSV4_W_FP8 ? GEMM_FP8 : GEMM_BF16) == 0 &&
+           (W->row_stride * vb) % 16 == 0 && (uintptr_t)W->w % 16 == 0;
+}
+
+/* Splits of K: depends only on W's shape (batch invariance). */
+static void gemm_splits(int64_t out, int nkt, int *per, int *splits)
+{
+    const int64_t tiles = (out + GEMM_ROWS - 1) / GEMM_ROWS;
+    int64_t s = (GEMM_TARGET_CTAS + tiles - 1) / tiles;
+    s = s < nkt / GEMM_MIN_TILES_PER_SPLIT ? s : nkt / GEMM_MIN_TILES_PER_SPLIT;
+    s = s < DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW / out ? s : DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW / out;
+    s = s < 1 ? 1 : s;
+    *per = (int)((nkt + s - 1) / s);
+    *splits = (nkt + *per - 1) / *per;
+}
+
+template <int MODE, int NT>
+static int prepare_one()
+{
+    DSV4_CUDA_TRY(cudaFuncSetAttribute(gemm_kernel<MODE, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)(GEMM_STAGES * stage_bytes(NT))));
+    return 0;
+}
+
+extern "C" int dsv4_cuda_gemm_prepare(void)
+{
+    int rc = 0;
+    rc = rc ? rc : prepare_one<GEMM_FP8, 1>();
+    rc = rc ? rc : prepare_one<GEMM_FP8, 2>();
+    rc = rc ? rc : prepare_one<GEMM_FP8, 4>();
+    rc = rc ? rc : prepare_one<GEMM_FP8, GEMM_MAX_NT>();
+    rc = rc ? rc : prepare_one<GEMM_BF16, 1>();
+    rc = rc ? rc : prepare_one<GEMM_BF16, 2>();
+    rc = rc ? rc : prepare_one<GEMM_BF16, 4>();
+    rc = rc ? rc : prepare_one<GEMM_BF16, GEMM_MAX_NT>();
+    return rc;
+}
+
+template <int MODE, int NT>
+static int launch(const gemm_args &a, cudaStream_t s, const char *name)
+{
+    const size_t smem = GEMM_STAGES * stage_bytes(NT);
+    gemm_kernel<MODE, NT><<<dim3((unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS), (unsigned)a.splits), GEMM_THREADS,
+                            smem, s>>>(a);
+    DSV4_CUDA_LAUNCHED(name);
+    return 0;
+}
+
+template <int MODE>
+static int launch_nt(const gemm_args &a, cudaStream_t s)
+{
+    const char *name = MODE == GEMM_FP8 ? "gemm_fp8_mma" : "gemm_bf16x2_mma";
+    if (a.rows <= 8)
+        return launch<MODE, 1>(a, s, name);
+    if (a.rows <= 16)
+        return launch<MODE, 2>(a, s, name);
+    if (a.rows <= 32)
+        return launch<MODE, 4>(a, s, name);
+    return launch<MODE, GEMM_MAX_NT>(a, s, name);
+}
+
+extern "C" int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
+                              const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream)
+{
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int mode = W->fmt == DSV4_W_FP8 ? GEMM_FP8 : GEMM_BF16;
+    gemm_args a = {};
+
+    if (!dsv4_cuda_gemm_supports(W, quant_act))
+        return dsv4_error_set(-EINVAL, "gemm: a %s linear [%lld, %lld] (row stride %lld) with %s activations has no "
+                              "tensor-core path (FP8 needs quantized activations, BF16 raw ones; K a multiple of "
+                              "%d, rows 16-byte aligned)", W->fmt == DSV4_W_FP8 ? "FP8" : "non-FP8",
+                              (long long)W->out, (long long)W->in, (long long)W->row_stride,
+                              quant_act ? "quantized" : "raw", kvals(mode));
+    if (rows < 1 || rows > ws->rows || W->in > ws->max_k)
+        return dsv4_error_set(-EINVAL, "gemm: %d rows of width %lld exceed the workspace (%d rows, width %lld)", rows,
+                              (long long)W->in, ws->rows, (long long)ws->max_k);
+    a.w = static_cast<const uint8_t *>(W->w);
+    a.row_bytes = W->row_stride * (mode == GEMM_FP8 ? 1 : 2);
+    a.wscale = W->scale;
+    a.scale_stride = W->scale_stride;
+    a.out = W->out;
+    a.nkt = (int)(W->in / kvals(mode));
+    a.rows = rows;
+    a.xa = static_cast<const uint8_t *>(ws->xa);
+    a.k = W->in;
+    a.sa = ws->sa;
+    a.y = d_y;
+    a.ldy = ldy;
+    a.part = ws->part;
+    gemm_splits(W->out, a.nkt, &a.per, &a.splits);
+
+    if (mode == GEMM_FP8) {
+        const int warps = 8;
+        const int64_t nblk = (int64_t)rows * (W->in / 128);
+        gemm_quant_kernel<<<(unsigned)((nblk + warps - 1) / warps), warps * DSV4_CUDA_WARP, 0, s>>>(
+            d_x, ldx, rows, W->in, static_cast<__half *>(ws->xa), ws->sa);
+        DSV4_CUDA_LAUNCHED("gemm_quant");
+        dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8_MMA);
+        const int rc = launch_nt<GEMM_FP8>(a, s);
+        if (rc < 0)
+            return rc;
+    } else {
+        const int64_t n = (int64_t)rows * W->in;
+        gemm_split_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(d_x, ldx, rows, W->in,
+                                                                      static_cast<__nv_bfloat16 *>(ws->xa));
+        DSV4_CUDA_LAUNCHED("gemm_split");
+        dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_BF16_MMA);
+        const int rc = launch_nt<GEMM_BF16>(a, s);
+        if (rc < 0)
+            return rc;
+    }
+    if (a.splits > 1) {
+        const int64_t n = (int64_t)rows * W->out;
+        gemm_reduce_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(ws->part, a.splits, rows, W->out, d_y, ldy);
+        DSV4_CUDA_LAUNCHED("gemm_reduce");
+    }
+    return 0;
+}
