@@ -73,48 +73,72 @@ static __device__ void hadamard_fp4(float *x, int n, float *sc_s)
     __syncthreads();
 }
 
+/* Tokens a slot's state keeps: the block being filled and, for overlapping compressors, the one
+ * before it (its first d channels pool into the next entry). */
+static __host__ __device__ int comp_ring(int ratio, bool overlap)
+{
+    return overlap ? 2 * ratio : ratio;
+}
+
 int64_t dsv4_cuda_comp_state_floats(int ratio, int d, bool overlap)
 {
     const int64_t width = overlap ? 2 * d : d;
-    return 2 * ratio * width + (overlap ? 2 * (int64_t)ratio * d : 0);
+    return 2 * (int64_t)comp_ring(ratio, overlap) * width;
 }
 
-/* One block per row. */
-__global__ void __launch_bounds__(COMP_THREADS) compressor_kernel(const struct dsv4_cuda_comp_args a)
+/* Token q's projection (col of C) and score (col of Z + ape) for row b at position pos: from the
+ * step's own rows when q is at or after the first position of the row's run in this step (rows of
+ * one slot are consecutive and in position order), else from the slot's ring of earlier tokens. */
+struct comp_src {
+    const float *c, *z, *ape, *kv, *gate;
+    int b, pos, first, ratio, width, ring;
+};
+
+static __device__ __forceinline__ float comp_value(const comp_src &s, int q, int col)
+{
+    return q >= s.first ? s.c[(int64_t)(s.b - (s.pos - q)) * s.width + col]
+                        : s.kv[(int64_t)(q % s.ring) * s.width + col];
+}
+
+static __device__ __forceinline__ float comp_score(const comp_src &s, int q, int col)
+{
+    return q >= s.first ? s.z[(int64_t)(s.b - (s.pos - q)) * s.width + col] + s.ape[(int64_t)(q % s.ratio) * s.width + col]
+                        : s.gate[(int64_t)(q % s.ring) * s.width + col];
+}
+
+/* One block per row; only rows that complete a block (pos % ratio == ratio - 1) work: entry
+ * pos / ratio = softmax-pooled block (plus the previous block's first d channels when
+ * overlapping), RMSNormed, RoPE'd at the block's first position, stored. */
+__global__ void __launch_bounds__(COMP_THREADS) compressor_emit_kernel(const struct dsv4_cuda_comp_args a)
 {
     extern __shared__ float sm[];
     float *v_s = sm, *sc_s = sm + a.d, *red = sc_s + a.d / 16 + 8;
     const int b = blockIdx.x, d = a.d, r = a.ratio, width = a.overlap ? 2 * d : d;
-    const int pos = a.pos[b], row = pos % r;
-    float *st = a.state + a.slot[b] * a.state_slot_stride;
-    float *kv = st, *gate = st + (int64_t)r * width, *pkv = gate + (int64_t)r * width, *pgate = pkv + (int64_t)r * d;
-
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        kv[(int64_t)row * width + i] = a.c[(int64_t)b * width + i];
-        gate[(int64_t)row * width + i] = a.z[(int64_t)b * width + i] + a.ape[(int64_t)row * width + i];
-    }
-    if (row != r - 1)
+    const int pos = a.pos[b];
+    if (pos % r != r - 1)
         return;
-    __syncthreads();
-    const int own = a.overlap ? d : 0;
+    const float *st = a.state + a.slot[b] * a.state_slot_stride;
+    const int L = comp_ring(r, a.overlap);
+    const comp_src src = { a.c, a.z, a.ape, st, st + (int64_t)L * width, b, pos, a.first[b], r, width, L };
+    const int own = a.overlap ? d : 0, q0 = pos - r + 1;
     const bool prev = a.overlap && pos / r >= 1;
     for (int ch = threadIdx.x; ch < d; ch += blockDim.x) {
         float m = -INFINITY, den = 0.0f, num = 0.0f;
         if (prev)
             for (int j = 0; j < r; j++)
-                m = fmaxf(m, pgate[(int64_t)j * d + ch]);
+                m = fmaxf(m, comp_score(src, q0 - r + j, ch));
         for (int j = 0; j < r; j++)
-            m = fmaxf(m, gate[(int64_t)j * width + own + ch]);
+            m = fmaxf(m, comp_score(src, q0 + j, own + ch));
         if (prev)
             for (int j = 0; j < r; j++) {
-                const float e = expf(pgate[(int64_t)j * d + ch] - m);
+                const float e = expf(comp_score(src, q0 - r + j, ch) - m);
                 den += e;
-                num += e * pkv[(int64_t)j * d + ch];
+                num += e * comp_value(src, q0 - r + j, ch);
             }
         for (int j = 0; j < r; j++) {
-            const float e = expf(gate[(int64_t)j * width + own + ch] - m);
+            const float e = expf(comp_score(src, q0 + j, own + ch) - m);
             den += e;
-            num += e * kv[(int64_t)j * width + own + ch];
+            num += e * comp_value(src, q0 + j, own + ch);
         }
         v_s[ch] = num / den;
     }
@@ -127,7 +151,7 @@ __global__ void __launch_bounds__(COMP_THREADS) compressor_kernel(const struct d
         v_s[ch] = a.norm[ch] * (v_s[ch] * rs);
     __syncthreads();
     for (int i = threadIdx.x; i < a.rd / 2; i += blockDim.x)
-        rope_pair(&v_s[d - a.rd + 2 * i], &v_s[d - a.rd + 2 * i + 1], a.inv_freq[i], pos - (r - 1));
+        rope_pair(&v_s[d - a.rd + 2 * i], &v_s[d - a.rd + 2 * i + 1], a.inv_freq[i], q0);
     __syncthreads();
     uint8_t *dst = a.entries + a.slot[b] * a.entries_slot_stride + (int64_t)(pos / r) * a.entry_bytes;
     if (a.indexer) {
@@ -138,25 +162,36 @@ __global__ void __launch_bounds__(COMP_THREADS) compressor_kernel(const struct d
     } else {
         dsv4_entry_store(v_s, dst, d, a.rd, a.kvf, sc_s);
     }
-    if (a.overlap) {
-        __syncthreads();
-        for (int i = threadIdx.x; i < r * d; i += blockDim.x) {
-            const int j = i / d, ch = i % d;
-            pkv[i] = kv[(int64_t)j * width + ch];
-            pgate[i] = gate[(int64_t)j * width + ch];
-        }
+}
+
+/* After every emission of the step: rows among the last `ring` of their run leave their token in
+ * the slot's ring (earlier rows of a long run would be overwritten anyway). */
+__global__ void compressor_store_kernel(const struct dsv4_cuda_comp_args a)
+{
+    const int b = blockIdx.x, r = a.ratio, width = a.overlap ? 2 * a.d : a.d, L = comp_ring(r, a.overlap);
+    const int pos = a.pos[b];
+    if (pos <= a.last[b] - L)
+        return;
+    float *st = a.state + a.slot[b] * a.state_slot_stride;
+    float *kv = st + (int64_t)(pos % L) * width, *gate = st + (int64_t)L * width + (int64_t)(pos % L) * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        kv[i] = a.c[(int64_t)b * width + i];
+        gate[i] = a.z[(int64_t)b * width + i] + a.ape[(int64_t)(pos % r) * width + i];
     }
 }
 
 int dsv4_cuda_compressor(const struct dsv4_cuda_comp_args *a, int batch, void *stream)
 {
     const size_t smem = (size_t)(a->d + a->d / 16 + 8 + COMP_THREADS / DSV4_CUDA_WARP) * sizeof(float);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
     if (a->indexer && (a->d & (a->d - 1)))
         return dsv4_error_set(-EINVAL, "compressor: indexer width %d must be a power of two (Hadamard)", a->d);
     if (batch < 1)
         return 0;
-    compressor_kernel<<<batch, COMP_THREADS, smem, static_cast<cudaStream_t>(stream)>>>(*a);
-    DSV4_CUDA_LAUNCHED("compressor");
+    compressor_emit_kernel<<<batch, COMP_THREADS, smem, s>>>(*a);
+    DSV4_CUDA_LAUNCHED("compressor_emit");
+    compressor_store_kernel<<<batch, COMP_THREADS, 0, s>>>(*a);
+    DSV4_CUDA_LAUNCHED("compressor_store");
     return 0;
 }
 

@@ -488,9 +488,11 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          "post: thread-per-value", dsv4_cuda_variant_name(DSV4_CUDA_V_MHC_PRE));
     vlog(dev, log, log_ctx, true, "op attention: split-K (%d) fp32 FMA, %d heads per KV tile, sinks, LSE combine + "
          "inverse RoPE", DSV4_CUDA_ATT_SPLITS, 32);
-    vlog(dev, log, log_ctx, true, "op compressor: block-per-row update + emission (pool, norm, RoPE, FP8/FP4)");
+    vlog(dev, log, log_ctx, true, "op compressor: block-per-row emission (pool from the step's rows + the slot's "
+         "ring, norm, RoPE, FP8/FP4), then ring refresh");
     vlog(dev, log, log_ctx, true, "op indexer: thread-per-entry scores, bitwise radix top-k per row");
-    vlog(dev, log, log_ctx, true, "op prefill: loop of one-row decode steps (no chunked GEMM prefill yet)");
+    vlog(dev, log, log_ctx, true, "op prefill: chunks of up to %d positions of one slot through the bucket graphs",
+         o->max_batch);
     DSV4_CUDA_TRY(cudaStreamSynchronize(dev->stream));
     return 0;
 }

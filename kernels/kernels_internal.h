@@ -58,10 +58,13 @@ int dsv4_cuda_attention_prepare(int hd);
 int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const float *d_sink,
                         const float *d_inv_freq, float *d_o, void *stream);
 
-/* One compressor's decode update for `batch` rows: row pos % ratio of the slot's state takes
- * C = d_c[b] and Z = d_z[b] + ape; when the block completes (pos % ratio == ratio - 1) the entry
- * pos / ratio is pooled, RMSNormed, RoPE'd at pos - ratio + 1 and stored: as a KV entry (main
- * compressor, d_entries) or, for the indexer, as f32 (Hadamard + FP4 rounded in fp8 numerics). */
+/* One compressor's update for `batch` rows: when row b completes a block (pos % ratio == ratio - 1)
+ * the entry pos / ratio is pooled from the block's C = d_c and Z = d_z + ape (and the previous
+ * block's first d channels when overlapping), RMSNormed, RoPE'd at pos - ratio + 1 and stored: as a
+ * KV entry (main compressor, d_entries) or, for the indexer, as f32 (Hadamard + FP4 rounded in fp8
+ * numerics). Rows of one slot in one step (a prefill chunk) must be consecutive in position order:
+ * tokens from first[b] on come from the step's rows, earlier ones from the slot's ring of the last
+ * ratio (2 ratio when overlapping) tokens, which the rows then refresh. */
 struct dsv4_cuda_comp_args {
     const float *c, *z;         /* [B, coff*d] */
     const float *ape;           /* [ratio, coff*d] */
@@ -71,8 +74,9 @@ struct dsv4_cuda_comp_args {
     int kvf;                    /* entry format of the main compressor's output */
     float eps;
     const float *inv_freq;      /* compress frequencies [rd/2] */
-    const int32_t *pos, *slot;
-    float *state;               /* slot 0: kv [ratio, coff*d], gate [ratio, coff*d], prev kv, prev gate [ratio, d] */
+    const int32_t *pos, *slot;  /* [B] */
+    const int32_t *first, *last;    /* [B] first and last position of the row's slot in this step */
+    float *state;               /* slot 0: kv [ring, coff*d], gate + ape [ring, coff*d] */
     int64_t state_slot_stride;  /* floats */
     uint8_t *entries;           /* slot 0 of the entry cache */
     int64_t entries_slot_stride;    /* bytes */

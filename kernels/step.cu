@@ -9,8 +9,10 @@
  * DSV4_CUDA_LOG=1 prints the boot log (every op's variant) to stderr. stats.variant names the KV
  * format and the graph count in use.
  *
- * Prefill runs as a loop of one-row decode steps (the bucket-1 graph), which is exact but slow;
- * chunked tensor-core prefill is not built yet. */
+ * Prefill runs in chunks of up to max_batch consecutive positions of one slot, each chunk one step
+ * through the same bucket graphs: the chunk's rows are a batch for every linear (tensor cores), the
+ * window ring holds window + max_batch - 1 entries so a chunk stores all its KV before any row reads
+ * its window, and the compressors take the chunk's earlier tokens from its own rows. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +21,7 @@
 #include "kernels/kernels_internal.h"
 
 #define STEP_MAX_BUCKETS 8      /* 1, 2, 4, ..., 64 */
+#define STEP_IN_FIELDS 5        /* per row: token, slot, position, first and last position of its slot in the step */
 
 /* Per-slot cache layout of one layer: byte offsets within a slot's block. */
 struct layer_cache {
@@ -40,7 +43,7 @@ struct step_layer {
 
 /* Step buffers, each [rows of the largest bucket, ...]. */
 struct step_buf {
-    int32_t *in;                /* tokens [B], slots [B], pos [B] */
+    int32_t *in;                /* tokens [B], slots [B], pos [B], first [B], last [B] */
     float *X, *X2, *mix, *mixws, *post, *comb, *y, *xn, *xq, *sub;
     float *qr, *q, *kv, *o, *z, *part, *cc, *cz, *ic, *iz, *iq, *iw, *iscores;
     int32_t *isel, *insel, *ridx;
@@ -67,6 +70,7 @@ struct cuda_backend {
     int64_t max_in, max_entries;
     int64_t *pos;               /* host: tokens in each slot */
     int32_t *h_in;
+    int *h_slots;               /* [max_batch] a prefill chunk's slot column */
     int buckets[STEP_MAX_BUCKETS], n_buckets;
     cudaGraphExec_t graphs[STEP_MAX_BUCKETS];
     bool use_graphs;
@@ -159,7 +163,7 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     auto f = [&](int64_t n) { return static_cast<float *>(take(n * 4)); };
     auto i32 = [&](int64_t n) { return static_cast<int32_t *>(take(n * 4)); };
     struct step_buf t = {};
-    t.in = i32(3 * B);
+    t.in = i32(STEP_IN_FIELDS * B);
     t.X = f(B * hc * D);
     t.X2 = f(B * hc * D);
     t.mix = f(B * (2 + hc) * hc);
@@ -332,6 +336,8 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
         ca.inv_freq = t->inv_comp;
         ca.pos = pos;
         ca.slot = slot;
+        ca.first = t->in + 3 * B;
+        ca.last = t->in + 4 * B;
         ca.state = reinterpret_cast<float *>(cb->caches + L->cache.cstate);
         ca.state_slot_stride = cb->slot_bytes / 4;
         ca.entries = cb->caches + L->cache.comp;
@@ -512,20 +518,27 @@ static int bucket_for(const struct cuda_backend *cb, int n)
     return -1;
 }
 
-/* Rows [0, n) are the caller's; rows [n, bucket) replay on the padding slot at position 0. */
-static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens, float *logits)
+/* Rows [0, n) are the caller's: row i appends tokens[i] to slots[i]. Rows of one slot (a prefill
+ * chunk) are consecutive and take consecutive positions; rows [n, bucket) replay on the padding slot
+ * at position 0. Logits rows [lrow0, lrow0 + lrows) are copied to `logits` (NULL: none). */
+static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens, float *logits, int lrow0,
+                    int lrows)
 {
     const int bi = bucket_for(cb, n), B = cb->buckets[bi];
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
-    int32_t *tok = cb->h_in, *sl = cb->h_in + B, *pos = cb->h_in + 2 * B;
+    int32_t *tok = cb->h_in, *sl = tok + B, *pos = sl + B, *first = pos + B, *last = first + B;
 
     for (int i = 0; i < B; i++) {
+        const bool run = i > 0 && i < n && slots[i] == slots[i - 1];
         tok[i] = i < n ? tokens[i] : 0;
         sl[i] = i < n ? slots[i] : cb->slots - 1;
-        pos[i] = i < n ? (int32_t)cb->pos[slots[i]] : 0;
+        pos[i] = i >= n ? 0 : run ? pos[i - 1] + 1 : (int32_t)cb->pos[slots[i]];
+        first[i] = run ? first[i - 1] : pos[i];
     }
-    /* the buffer a bucket's launches read: t->in holds tokens [B] slots [B] pos [B] for that B */
-    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * 3 * B, cudaMemcpyHostToDevice, s));
+    for (int i = B - 1; i >= 0; i--)
+        last[i] = i + 1 < n && slots[i + 1] == slots[i] ? last[i + 1] : pos[i];
+    /* the buffer a bucket's launches read: t->in holds the STEP_IN_FIELDS arrays of B rows */
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * STEP_IN_FIELDS * B, cudaMemcpyHostToDevice, s));
     if (cb->use_graphs) {
         DSV4_CUDA_TRY(cudaGraphLaunch(cb->graphs[bi], s));
     } else {
@@ -533,12 +546,19 @@ static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int3
         if (rc < 0)
             return rc;
     }
-    if (logits)
-        DSV4_CUDA_TRY(cudaMemcpyAsync(logits, cb->b.logits, sizeof(float) * n * cb->cfg->vocab_size,
-                                      cudaMemcpyDeviceToHost, s));
+    if (logits && lrows > 0)
+        DSV4_CUDA_TRY(cudaMemcpyAsync(logits, cb->b.logits + (size_t)lrow0 * cb->cfg->vocab_size,
+                                      sizeof(float) * lrows * cb->cfg->vocab_size, cudaMemcpyDeviceToHost, s));
     DSV4_CUDA_TRY(cudaStreamSynchronize(s));
     for (int i = 0; i < n; i++)
-        cb->pos[slots[i]]++;
+        cb->pos[slots[i]] = pos[i] + 1;
+    return 0;
+}
+
+static int check_token(const struct cuda_backend *cb, const char *op, int32_t token)
+{
+    if (token < 0 || token >= cb->cfg->vocab_size)
+        return dsv4_error_set(-EINVAL, "cuda %s: token %d outside the vocabulary of %d", op, token, cb->cfg->vocab_size);
     return 0;
 }
 
@@ -553,9 +573,7 @@ static int check_rows(struct cuda_backend *cb, int n, const int *slots, const in
         for (int j = 0; j < i; j++)
             if (slots[j] == slots[i])
                 return dsv4_error_set(-EINVAL, "cuda decode: slot %d appears twice in one step", slots[i]);
-        if (tokens[i] < 0 || tokens[i] >= cb->cfg->vocab_size)
-            return dsv4_error_set(-EINVAL, "cuda decode: token %d outside the vocabulary of %d", tokens[i],
-                                  cb->cfg->vocab_size);
+        STEP(check_token(cb, "decode", tokens[i]));
         if (cb->pos[slots[i]] >= o->max_context)
             return dsv4_error_set(-ENOSPC, "cuda decode: slot %d is full (%d tokens)", slots[i], o->max_context);
     }
@@ -566,25 +584,30 @@ static int op_decode(struct dsv4_backend *b, int n, const int *slots, const int3
 {
     struct cuda_backend *cb = impl(b);
     int rc = check_rows(cb, n, slots, tokens);
-    return rc < 0 ? rc : run_rows(cb, n, slots, tokens, logits);
+    return rc < 0 ? rc : run_rows(cb, n, slots, tokens, logits, 0, n);
 }
 
+/* Chunks of up to max_batch consecutive positions, each one step through the bucket graphs: every
+ * linear sees the chunk as a batch of rows (tensor cores), attention and the compressors read the
+ * chunk's own earlier rows (see run_rows). */
 static int op_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, int n, float *logits, bool all_rows)
 {
     struct cuda_backend *cb = impl(b);
-    const int V = cb->cfg->vocab_size;
-    if (n < 0 || (slot >= 0 && slot < b->opts.max_batch && cb->pos[slot] + n > b->opts.max_context))
-        return dsv4_error_set(-ENOSPC, "cuda prefill: %d tokens do not fit slot %d", n, slot);
-    for (int i = 0; i < n; i++) {
-        int rc = check_rows(cb, 1, &slot, &tokens[i]);
-        if (rc < 0)
-            return rc;
-    }
-    for (int i = 0; i < n; i++) {
-        float *row = logits && all_rows ? logits + (size_t)i * V : logits && i == n - 1 ? logits : NULL;
-        int rc = run_rows(cb, 1, &slot, &tokens[i], row);
-        if (rc < 0)
-            return rc;
+    const int V = cb->cfg->vocab_size, chunk = b->opts.max_batch;
+    if (slot < 0 || slot >= b->opts.max_batch)
+        return dsv4_error_set(-EINVAL, "cuda prefill: slot %d outside 0..%d", slot, b->opts.max_batch - 1);
+    if (n < 0 || cb->pos[slot] + n > b->opts.max_context)
+        return dsv4_error_set(-ENOSPC, "cuda prefill: %d tokens do not fit slot %d (%lld of %d used)", n, slot,
+                              (long long)cb->pos[slot], b->opts.max_context);
+    for (int i = 0; i < n; i++)
+        STEP(check_token(cb, "prefill", tokens[i]));
+    for (int i = 0; i < chunk; i++)
+        cb->h_slots[i] = slot;
+    for (int i0 = 0; i0 < n; i0 += chunk) {
+        const int m = n - i0 < chunk ? n - i0 : chunk;
+        const bool tail = i0 + m == n;
+        float *dst = !logits ? NULL : all_rows ? logits + (size_t)i0 * V : tail ? logits : NULL;
+        STEP(run_rows(cb, m, cb->h_slots, tokens + i0, dst, all_rows ? 0 : m - 1, all_rows ? m : 1));
     }
     return 0;
 }
@@ -625,6 +648,7 @@ static void op_destroy(struct dsv4_backend *b)
     free(cb->L);
     free(cb->pos);
     free(cb->h_in);
+    free(cb->h_slots);
     free(cb);
 }
 
@@ -751,8 +775,9 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     STEP(dsv4_cuda_dev_create(0, w, opts, log_stderr, NULL, &cb->dev));
     cb->L = static_cast<struct step_layer *>(calloc(c->n_layers, sizeof(*cb->L)));
     cb->pos = static_cast<int64_t *>(calloc(cb->slots, sizeof(*cb->pos)));
-    cb->h_in = static_cast<int32_t *>(calloc(3 * (size_t)opts->max_batch, sizeof(*cb->h_in)));
-    if (!cb->L || !cb->pos || !cb->h_in)
+    cb->h_in = static_cast<int32_t *>(calloc(STEP_IN_FIELDS * (size_t)opts->max_batch, sizeof(*cb->h_in)));
+    cb->h_slots = static_cast<int *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_slots)));
+    if (!cb->L || !cb->pos || !cb->h_in || !cb->h_slots)
         return dsv4_error_set(-ENOMEM, "cuda: backend tables");
     struct layer_cache *lc = static_cast<struct layer_cache *>(calloc(c->n_layers, sizeof(*lc)));
     if (!lc)
@@ -786,10 +811,10 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->buckets[cb->n_buckets++] = opts->max_batch;
     /* the launches once eagerly (errors surface outside a capture), then the graphs */
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
-    DSV4_CUDA_TRY(cudaMemsetAsync(cb->b.in, 0, sizeof(int32_t) * 3 * opts->max_batch, s));
     for (int i = 0; i < opts->max_batch; i++)
         cb->h_in[opts->max_batch + i] = cb->slots - 1;
-    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * 3 * opts->max_batch, cudaMemcpyHostToDevice, s));
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * STEP_IN_FIELDS * opts->max_batch,
+                                  cudaMemcpyHostToDevice, s));
     STEP(step_launches(cb, opts->max_batch, s));
     DSV4_CUDA_TRY(cudaStreamSynchronize(s));
     if (cb->use_graphs)

@@ -38,6 +38,7 @@
 #define BENCH_COPY_BYTES (2ull << 30)       /* device-to-device copy for the bandwidth ceiling */
 #define BENCH_STEPS 21                      /* decode steps timed per batch size (--model) */
 #define BENCH_PROMPT 8                      /* tokens each slot holds before the timed steps */
+#define BENCH_PREFILL 1024                  /* prompt tokens of the timed prefill (--model) */
 
 #define TRY(call)                                                                              \
     do {                                                                                       \
@@ -201,6 +202,15 @@ static void report(const char *what, int batch, double us, double bytes)
     const double floor_us = bytes / (copy_gbs * 1e3);
     printf("%-34s %5d %10.2f %12.3f %10.2f %7.2f %8.0f\n", what, batch, us, bytes / 1e6, floor_us, us / floor_us,
            bytes / (us * 1e3));
+}
+
+static struct dsv4_cuda_gemm_ws gemm_ws;
+
+/* The tensor-core linear: FP8 with the 1x128 activation quantizer inside, BF16 with hi/lo x. */
+static int run_gemm(struct job *j, int rep, cudaStream_t s)
+{
+    const struct dsv4_cuda_linear *l = &j->ls->l[rep % j->ls->n];
+    return dsv4_cuda_gemm(l, j->x, l->in, j->batch, l->fmt == DSV4_W_FP8, &gemm_ws, j->y, l->out, s);
 }
 
 static int run_gemv(struct job *j, int rep, cudaStream_t s)
@@ -386,6 +396,29 @@ static int bench_model(const char *dir, const int *batches, int nb, int context)
         snprintf(what, sizeof(what), "%d-layer step (%.0f experts/layer)", c->n_layers, distinct);
         report(what, B, median(us, BENCH_STEPS), bytes);
     }
+    /* prefill: one slot, BENCH_PREFILL tokens in chunks of max_batch; the floor reads the weights once
+     * per chunk (the experts a chunk routes to, uniform estimate) */
+    {
+        int32_t *p = malloc(sizeof(int32_t) * BENCH_PREFILL);
+        const int chunk = DSV4_CUDA_MAX_BATCH, nchunks = (BENCH_PREFILL + chunk - 1) / chunk;
+        const double K = c->n_experts_per_tok, E = c->n_experts;
+        const double distinct = E * (1.0 - pow(1.0 - K / E, chunk));
+        float us[3];
+        for (int i = 0; i < BENCH_PREFILL; i++)
+            p[i] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+        for (int r = 0; r < 4; r++) {
+            b->ops->slot_reset(b, 0);
+            double a = now_us();
+            OK(b->ops->prefill(b, 0, p, BENCH_PREFILL, logits, false));
+            if (r > 0)
+                us[r - 1] = (float)(now_us() - a);
+        }
+        char what[64];
+        snprintf(what, sizeof(what), "prefill %d tokens (%d chunks)", BENCH_PREFILL, nchunks);
+        report(what, BENCH_PREFILL, median(us, 3), nchunks * (dense + c->n_layers * distinct * expert));
+        printf("# prefill: %.0f tokens/s\n", BENCH_PREFILL / (median(us, 3) / 1e6));
+        free(p);
+    }
     free(logits);
     dsv4_backend_destroy(b);
     dsv4_weights_free(w);
@@ -436,6 +469,12 @@ int main(int argc, char **argv)
     if (model)
         return bench_model(model, batches, nb, context);
 
+    {
+        void *g;
+        OK(dsv4_cuda_gemm_prepare());
+        TRY(cudaMalloc(&g, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, 32768)));
+        dsv4_cuda_gemm_ws_init(&gemm_ws, g, DSV4_CUDA_MAX_BATCH, 32768);
+    }
     /* activations and scratch for the largest batch */
     x = dev_random((size_t)DSV4_CUDA_MAX_BATCH * 32768 * sizeof(float), FILL_ACT);
     y = dev_random((size_t)DSV4_CUDA_MAX_BATCH * 129280 * sizeof(float), FILL_ACT);
@@ -458,6 +497,14 @@ int main(int argc, char **argv)
             j.batch = batches[b];
             report(lshapes[s].what, batches[b], time_job(&j, reps),
                    (double)ls.bytes + (double)batches[b] * 4 * (lshapes[s].in + lshapes[s].out));
+            if (dsv4_cuda_gemm_supports(&ls.l[0], lshapes[s].fmt == DSV4_W_FP8)) {
+                char what[64];
+                j.run = run_gemm;
+                snprintf(what, sizeof(what), "%s mma", lshapes[s].what);
+                report(what, batches[b], time_job(&j, reps),
+                       (double)ls.bytes + (double)batches[b] * 4 * (lshapes[s].in + lshapes[s].out));
+                j.run = run_gemv;
+            }
             if (lshapes[s].fmt == DSV4_W_F32 && lshapes[s].out <= DSV4_CUDA_MHC_FN_MAX_OUT) {
                 char what[64];
                 TRY(cudaMalloc((void **)&j.aux1,

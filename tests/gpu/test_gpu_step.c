@@ -1,12 +1,14 @@
 /* GPU: the whole decode step against the CPU reference backend on the committed fixtures
- * (tests/fixtures/tiny_*), in both numerics: the prompt (GPU prefill = one-row decode steps), then 16
- * greedy steps, each backend fed its own argmax.
+ * (tests/fixtures/tiny_*, F32 weights) and on the release-format default model (models/default-fp8:
+ * FP8 linears on tensor cores, FP4 experts, BF16 head), in both numerics: the prompt (GPU prefill in
+ * chunks of max_batch positions, 4 and 64), then 16 greedy steps, each backend fed its own argmax.
  *   - both numerics (fp8: the official KV layout, RoPE values bf16, as the CPU reference rounds them):
  *     greedy tokens identical over the 16 steps and every logits row within the bound,
  *     max |gpu - cpu| / max |cpu| (exact 1e-4: f32 summation order only, the GPU sums dots in f32 where
  *     the CPU uses double; fp8 1e-3: the same, where a value at an FP8/FP4 rounding boundary may
  *     round the other way);
- *   - rows of a batch bit-identical to the same rows decoded alone (batch invariance);
+ *   - rows of a batch bit-identical to the same rows decoded alone (batch invariance), and a prompt
+ *     prefilled in chunks bit-identical to the same prompt decoded one token at a time;
  *   - graph replay bit-identical to eager launches (DSV4_CUDA_GRAPHS=0);
  *   - 1000 short requests served with the device allocation and capture counters flat and the
  *     device's free memory unchanged. */
@@ -84,21 +86,41 @@ static void run_sequence(struct dsv4_backend *b, int slot, const struct prompt *
     }
 }
 
-static void check_fixture(const char *dir, enum dsv4_numerics num)
+/* A prompt of n random tokens (the default model has no fixture cases). */
+static void random_prompt(int V, int n, struct prompt *p)
+{
+    p->n = n;
+    p->tokens = malloc(sizeof(int32_t) * (size_t)n);
+    for (int i = 0; i < n; i++)
+        p->tokens[i] = (int32_t)(2 + gt_u64() % (uint64_t)(V - 2));
+}
+
+/* dir: a fixture name (tests/fixtures/DIR, prompt from its cases) or a path under the source tree
+ * (models/..., a random prompt of RANDOM_PROMPT tokens). */
+#define RANDOM_PROMPT 150
+static void check_model(const char *dir, enum dsv4_numerics num, int max_batch)
 {
     char path[1024];
     struct dsv4_weights *w = NULL;
     struct dsv4_backend *cpu = NULL, *gpu = NULL;
-    struct dsv4_backend_opts opts = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = num, .threads = 1 };
+    struct dsv4_backend_opts opts = { .max_batch = max_batch, .max_context = MAX_CTX, .numerics = num, .threads = 1 };
     struct prompt p;
     const double bound = num == DSV4_NUMERICS_EXACT ? EXACT_BOUND : FP8_BOUND;
     const char *nname = num == DSV4_NUMERICS_EXACT ? "exact" : "fp8";
+    const bool fixture = strchr(dir, '/') == NULL;
 
-    snprintf(path, sizeof(path), "%s/tests/fixtures/%s", DSV4_SRCDIR, dir);
+    if (fixture)
+        snprintf(path, sizeof(path), "%s/tests/fixtures/%s", DSV4_SRCDIR, dir);
+    else
+        snprintf(path, sizeof(path), "%s/%s", DSV4_SRCDIR, dir);
     DSV4_OK(dsv4_weights_load(path, &w));
     DSV4_OK(dsv4_backend_cpu_create(w, &opts, &cpu));
     DSV4_OK(dsv4_backend_cuda_create(w, &opts, &gpu));
-    load_prompt(dir, 0, &p);
+    if (fixture)
+        load_prompt(dir, 0, &p);
+    else
+        random_prompt(w->cfg.vocab_size, RANDOM_PROMPT, &p);
+    printf("# %s %s, max_batch %d (prefill chunks of %d):\n", dir, nname, max_batch, max_batch);
     const int V = w->cfg.vocab_size, rows = p.n + DECODE_STEPS;
     float *lc = malloc(sizeof(float) * (size_t)rows * V), *lg = malloc(sizeof(float) * (size_t)rows * V);
     int32_t gc[DECODE_STEPS], gg[DECODE_STEPS];
@@ -139,14 +161,62 @@ static void check_fixture(const char *dir, enum dsv4_numerics num)
 
 static void test_fixtures_exact(void **state)
 {
-    for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++)
-        check_fixture(fixtures[i], DSV4_NUMERICS_EXACT);
+    for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++) {
+        check_model(fixtures[i], DSV4_NUMERICS_EXACT, BATCH);
+        check_model(fixtures[i], DSV4_NUMERICS_EXACT, DSV4_CUDA_MAX_BATCH);
+    }
 }
 
 static void test_fixtures_fp8(void **state)
 {
-    for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++)
-        check_fixture(fixtures[i], DSV4_NUMERICS_FP8);
+    for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++) {
+        check_model(fixtures[i], DSV4_NUMERICS_FP8, BATCH);
+        check_model(fixtures[i], DSV4_NUMERICS_FP8, DSV4_CUDA_MAX_BATCH);
+    }
+}
+
+static void test_default_models(void **state)
+{
+    check_model("models/default-fp8", DSV4_NUMERICS_FP8, DSV4_CUDA_MAX_BATCH);
+    check_model("models/default-fp8", DSV4_NUMERICS_EXACT, BATCH);
+    check_model("models/default", DSV4_NUMERICS_FP8, DSV4_CUDA_MAX_BATCH);
+}
+
+/* A prompt prefilled in chunks (max_batch 64: one chunk spans several windows and compressed
+ * blocks) against the same tokens decoded one at a time: every logits row bit-identical. */
+static void test_prefill_chunks_vs_tokens(void **state)
+{
+    char path[1024];
+    struct dsv4_weights *w = NULL;
+    struct dsv4_backend *b = NULL;
+    struct dsv4_backend_opts opts = { .max_batch = DSV4_CUDA_MAX_BATCH, .max_context = MAX_CTX,
+                                      .numerics = DSV4_NUMERICS_FP8 };
+    const char *models[] = { "tests/fixtures/tiny_a", "tests/fixtures/tiny_c", "models/default-fp8" };
+
+    for (size_t m = 0; m < sizeof(models) / sizeof(models[0]); m++) {
+        struct prompt p;
+        snprintf(path, sizeof(path), "%s/%s", DSV4_SRCDIR, models[m]);
+        DSV4_OK(dsv4_weights_load(path, &w));
+        DSV4_OK(dsv4_backend_cuda_create(w, &opts, &b));
+        const int V = w->cfg.vocab_size, n = 200;
+        random_prompt(V, n, &p);
+        float *a = malloc(sizeof(float) * (size_t)n * V), *t = malloc(sizeof(float) * (size_t)n * V);
+        int slot = 1;
+        DSV4_OK(b->ops->prefill(b, 0, p.tokens, n, a, true));
+        for (int i = 0; i < n; i++)
+            DSV4_OK(b->ops->decode(b, 1, &slot, &p.tokens[i], t + (size_t)i * V));
+        size_t rows_differ = 0;
+        for (int i = 0; i < n; i++)
+            rows_differ += memcmp(a + (size_t)i * V, t + (size_t)i * V, sizeof(float) * V) != 0;
+        printf("# %s: %d-token prompt in chunks of %d vs one token at a time: %zu rows differ\n", models[m], n,
+               opts.max_batch, rows_differ);
+        assert_int_equal(rows_differ, 0);
+        dsv4_backend_destroy(b);
+        dsv4_weights_free(w);
+        free(a);
+        free(t);
+        free(p.tokens);
+    }
 }
 
 /* BATCH slots each with their own prompt (different lengths), decoded together; then the same
@@ -283,6 +353,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fixtures_exact),
         cmocka_unit_test(test_fixtures_fp8),
+        cmocka_unit_test(test_default_models),
+        cmocka_unit_test(test_prefill_chunks_vs_tokens),
         cmocka_unit_test(test_batch_and_graphs),
         cmocka_unit_test(test_no_allocation_after_ready),
         cmocka_unit_test(test_one_step),
