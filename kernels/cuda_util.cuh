@@ -161,7 +161,7 @@ template <typename WF>
 static __device__ __forceinline__ float wscale(const struct dsv4_cuda_linear &W, int64_t row, int64_t k)
 {
     if constexpr (WF::vals == wf_fp8::vals)
-        return dsv4_ue8m0(W.scale[(row / DSV4_CUDA_FP8_BLOCK) * W.scale_stride + k / DSV4_CUDA_FP8_BLOCK]);
+        return dsv4_ue8m0(W.scale[((W.scale_row0 + row) / DSV4_CUDA_FP8_BLOCK) * W.scale_stride + k / DSV4_CUDA_FP8_BLOCK]);
     else if constexpr (WF::vals == wf_fp4::vals)
         return dsv4_ue8m0(W.scale[row * W.scale_stride + k / DSV4_CUDA_FP4_BLOCK]);
     else

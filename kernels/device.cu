@@ -40,6 +40,8 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_MHC_PRE: return "mhc_pre_cols1024_per_token_sinkhorn_regs";
     case DSV4_CUDA_V_GEMM_FP8_MMA: return "gemm_fp8_f16mma_rows128_splitk_fixed_order";
     case DSV4_CUDA_V_GEMM_BF16_MMA: return "gemm_bf16_hilo_mma_rows128_splitk_fixed_order";
+    case DSV4_CUDA_V_ATTENTION_MMA: return "attention_mma_bf16_hilo_heads64_keys64_split16";
+    case DSV4_CUDA_V_ATTENTION_F32: return "attention_f32_fma_heads32_keys12_split16";
     case DSV4_CUDA_V_COUNT: break;
     }
     return "?";

@@ -30,6 +30,8 @@ struct dsv4_cuda_linear {
     const void *w;
     const uint8_t *scale;       /* FP8: [ceil(out/128), ceil(in/128)]; FP4: [out, in/32]; else NULL */
     int64_t scale_stride;       /* bytes between scale rows */
+    int64_t scale_row0;         /* FP8: rows of the 128x128 scale grid above row 0 (a view starting
+                                 * mid-block, e.g. one group of wo_a); 0 otherwise */
 };
 
 /* One layer's routed experts on the device: a table of E entries of three linears, w1/w3 [I, D]
@@ -67,6 +69,8 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_MHC_PRE,            /* mHC pre: norm, gates, Sinkhorn, collapse */
     DSV4_CUDA_V_GEMM_FP8_MMA,       /* FP8 weights x 1x128 e4m3 activations on tensor cores (dsv4_cuda_gemm) */
     DSV4_CUDA_V_GEMM_BF16_MMA,      /* BF16 weights x f32 activations as bf16 hi + lo on tensor cores */
+    DSV4_CUDA_V_ATTENTION_MMA,      /* decode attention over FP8 KV entries on tensor cores (bf16 hi + lo) */
+    DSV4_CUDA_V_ATTENTION_F32,      /* decode attention over f32 KV entries (exact numerics), FMA */
     DSV4_CUDA_V_COUNT,
 };
 const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v);

@@ -347,7 +347,7 @@ extern "C" bool dsv4_cuda_gemm_supports(const struct dsv4_cuda_linear *W, bool q
     const int64_t vb = W->fmt == DSV4_W_FP8 ? 1 : 2;
     if (W->fmt == DSV4_W_FP8 ? !quant_act : W->fmt != DSV4_W_BF16 || quant_act)
         return false;
-    return W->out >= 1 && W->in % kvals(W->fmt == DSV4_W_FP8 ? GEMM_FP8 : GEMM_BF16) == 0 &&
+    return W->out >= 1 && W->scale_row0 % GEMM_ROWS == 0 && W->in % kvals(W->fmt == DSV4_W_FP8 ? GEMM_FP8 : GEMM_BF16) == 0 &&
            (W->row_stride * vb) % 16 == 0 && (uintptr_t)W->w % 16 == 0;
 }
 
@@ -426,7 +426,7 @@ extern "C" int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x
                               (long long)W->in, ws->rows, (long long)ws->max_k);
     a.w = static_cast<const uint8_t *>(W->w);
     a.row_bytes = W->row_stride * (mode == GEMM_FP8 ? 1 : 2);
-    a.wscale = W->scale;
+    a.wscale = W->scale + (W->scale_row0 / GEMM_ROWS) * W->scale_stride;
     a.scale_stride = W->scale_stride;
     a.out = W->out;
     a.nkt = (int)(W->in / kvals(mode));

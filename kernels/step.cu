@@ -397,9 +397,8 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
         const int64_t r0 = (int64_t)g * R;
         v.out = R;
         if (v.fmt == DSV4_W_FP8) {
-            if (r0 % 128)
-                return dsv4_error_set(-EINVAL, "cuda step: o_lora_rank %d is not a multiple of 128 (FP8 wo_a)", R);
             v.scale += (r0 / 128) * v.scale_stride;
+            v.scale_row0 = r0 % 128;        /* groups of o_lora_rank rows may start mid scale block */
         } else if (v.fmt == DSV4_W_FP4) {
             v.scale += r0 * v.scale_stride;
         }

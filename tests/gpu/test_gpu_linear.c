@@ -230,6 +230,44 @@ static void test_linears(void **state)
     cudaFree(ws);
 }
 
+/* A view of rows [64, 128) of an FP8 linear (one wo_a group of 64 rows: it starts mid scale block)
+ * gives bit for bit those rows of the whole linear's result. */
+static void test_fp8_view_mid_block(void **state)
+{
+    struct pair p;
+    const int64_t out = 256, in = 512, r0 = 64, n = 64;
+    const int B = 3;
+    float *x = malloc(sizeof(float) * B * in), *full, *part;
+    float *dx, *dxq, *dy, *dv;
+
+    make_linear(&p, DSV4_W_FP8, out, in);
+    fill_activations(x, (size_t)B * in);
+    dx = gt_dev_copy(x, sizeof(float) * B * in);
+    dxq = gt_dev_poisoned((size_t)B * in);
+    dy = gt_dev_poisoned((size_t)B * out);
+    dv = gt_dev_poisoned((size_t)B * n);
+    DSV4_OK(dsv4_cuda_fp8_roundtrip(dx, B, in, 128, dxq, NULL));
+    DSV4_OK(dsv4_cuda_gemv(&p.d, dxq, in, B, dy, out, NULL));
+    struct dsv4_cuda_linear v = p.d;
+    v.out = n;
+    v.w = (const uint8_t *)p.d.w + r0 * in;
+    v.scale_row0 = r0;
+    DSV4_OK(dsv4_cuda_gemv(&v, dxq, in, B, dv, n, NULL));
+    full = gt_host_from(dy, (size_t)B * out);
+    part = gt_host_from(dv, (size_t)B * n);
+    for (int b = 0; b < B; b++)
+        assert_memory_equal(part + b * n, full + b * out + r0, sizeof(float) * n);
+    assert_false(dsv4_cuda_gemm_supports(&v, true));   /* the tensor-core path takes whole blocks only */
+    free_linear(&p);
+    cudaFree(dx);
+    cudaFree(dxq);
+    cudaFree(dy);
+    cudaFree(dv);
+    free(x);
+    free(full);
+    free(part);
+}
+
 /* A strided view (a stacked transformers expert) is refused when misaligned, never misread. */
 static void test_refuses_misaligned(void **state)
 {
@@ -249,6 +287,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fp8_roundtrip),
         cmocka_unit_test(test_linears),
+        cmocka_unit_test(test_fp8_view_mid_block),
         cmocka_unit_test(test_refuses_misaligned),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
