@@ -1,9 +1,10 @@
-/* Compressors (decode update and entry emission), the lightning indexer (query prep, scores, top-k),
+/* Compressors (decode update and entry emission), the lightning indexer's query prep,
  * and the small pieces around the layers: embedding into the streams, hc_head, add. CPU twins:
  * dsv4_cpu_compressor_push, dsv4_cpu_indexer_select, dsv4_cpu_hc_head (engine/cpu_*.c), checked
  * through the whole decode step (tests/gpu/test_gpu_step.c). */
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
+#include "kernels/index_key.cuh"
 #include "kernels/kv_entry.cuh"
 
 #define COMP_THREADS 256
@@ -154,9 +155,10 @@ __global__ void __launch_bounds__(COMP_THREADS) compressor_emit_kernel(const str
         rope_pair(&v_s[d - a.rd + 2 * i], &v_s[d - a.rd + 2 * i + 1], a.inv_freq[i], q0);
     __syncthreads();
     uint8_t *dst = a.entries + a.slot[b] * a.entries_slot_stride + (int64_t)(pos / r) * a.entry_bytes;
-    if (a.indexer) {
-        if (a.fp8)
-            hadamard_fp4(v_s, d, sc_s);
+    if (a.indexer && a.fp8) {
+        hadamard_fp4(v_s, d, sc_s);
+        dsv4_index_key_store(v_s, sc_s, dst, d);
+    } else if (a.indexer) {
         for (int ch = threadIdx.x; ch < d; ch += blockDim.x)
             reinterpret_cast<float *>(dst)[ch] = v_s[ch];
     } else {
@@ -223,131 +225,6 @@ int dsv4_cuda_indexer_q(float *d_q, int batch, int nI, int dI, int rd, bool fp8,
     indexer_q_kernel<<<dim3(batch, nI), 128, (size_t)(dI + dI / FP4_GROUP + 2) * sizeof(float),
                        static_cast<cudaStream_t>(stream)>>>(d_q, nI, dI, rd, fp8, d_pos, d_inv_freq);
     DSV4_CUDA_LAUNCHED("indexer_q");
-    return 0;
-}
-
-/* grid (B, ceil(max_entries / 256)): one thread per entry; the row's queries in shared memory.
- * Rows whose count fits topk skip (every entry is selected). */
-__global__ void indexer_scores_kernel(const struct dsv4_cuda_index_args a)
-{
-    extern __shared__ float q_s[];
-    const int b = blockIdx.x, n = (a.pos[b] + 1) / a.ratio;
-    const int s = blockIdx.y * blockDim.x + threadIdx.x;
-    if (n <= a.topk || blockIdx.y * blockDim.x >= n)
-        return;
-    for (int i = threadIdx.x; i < a.nI * a.dI; i += blockDim.x)
-        q_s[i] = a.q[(int64_t)b * a.nI * a.dI + i];
-    __syncthreads();
-    if (s >= n)
-        return;
-    const float *k = a.keys + a.slot[b] * a.keys_slot_stride + (int64_t)s * a.dI;
-    const float qscale = 1.0f / sqrtf((float)a.dI), wscale = 1.0f / sqrtf((float)a.nI);
-    float score = 0.0f;
-    for (int h = 0; h < a.nI; h++) {
-        float dot = 0.0f;
-        for (int i = 0; i < a.dI; i++)
-            dot += q_s[h * a.dI + i] * k[i];
-        score += (dot > 0.0f ? dot : 0.0f) * qscale * (a.w[(int64_t)b * a.nI + h] * wscale);
-    }
-    a.scores[(int64_t)b * a.max_entries + s] = score;
-}
-
-/* Order-preserving key of a float: larger float, larger key. */
-static __device__ __forceinline__ uint32_t fkey(float f)
-{
-    const uint32_t u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-/* Block-wide exclusive scan of one int per thread (DSV4_CUDA_TOPK_THREADS threads); returns the total. */
-static __device__ int block_scan(int v, int *excl, int *buf)
-{
-    buf[threadIdx.x] = v;
-    __syncthreads();
-    for (int off = 1; off < (int)blockDim.x; off *= 2) {
-        const int t = threadIdx.x >= (unsigned)off ? buf[threadIdx.x - off] : 0;
-        __syncthreads();
-        buf[threadIdx.x] += t;
-        __syncthreads();
-    }
-    *excl = buf[threadIdx.x] - v;
-    const int total = buf[blockDim.x - 1];
-    __syncthreads();
-    return total;
-}
-
-/* One block per row: the topk largest scores (ties: lower index), written in ascending index
- * order. The threshold key is found bit by bit (32 counting passes over the row's n scores). */
-__global__ void __launch_bounds__(DSV4_CUDA_TOPK_THREADS) indexer_topk_kernel(const struct dsv4_cuda_index_args a)
-{
-    __shared__ int buf[DSV4_CUDA_TOPK_THREADS];
-    __shared__ int cnt;
-    const int b = blockIdx.x, n = (a.pos[b] + 1) / a.ratio, k = a.topk, T = blockDim.x;
-    const float *sc = a.scores + (int64_t)b * a.max_entries;
-    int32_t *sel = a.sel + (int64_t)b * k;
-
-    if (n <= k) {
-        for (int i = threadIdx.x; i < n; i += T)
-            sel[i] = i;
-        if (threadIdx.x == 0)
-            a.nsel[b] = n;
-        return;
-    }
-    uint32_t thr = 0;
-    for (int bit = 31; bit >= 0; bit--) {
-        const uint32_t cand = thr | (1u << bit);
-        int c = 0;
-        for (int i = threadIdx.x; i < n; i += T)
-            c += fkey(sc[i]) >= cand;
-        if (threadIdx.x == 0)
-            cnt = 0;
-        __syncthreads();
-        atomicAdd(&cnt, c);
-        __syncthreads();
-        if (cnt >= k)
-            thr = cand;
-        __syncthreads();
-    }
-    /* each thread owns a contiguous run of indices, so scans give ascending order */
-    const int per = (n + T - 1) / T, beg = min(n, threadIdx.x * per), end = min(n, beg + per);
-    int gt = 0, eq = 0, gt_total, eq_before, sel_before;
-    for (int i = beg; i < end; i++) {
-        const uint32_t key = fkey(sc[i]);
-        gt += key > thr;
-        eq += key == thr;
-    }
-    int dummy;
-    gt_total = block_scan(gt, &dummy, buf);
-    block_scan(eq, &eq_before, buf);
-    const int need = k - gt_total;      /* ties taken, lowest indices first */
-    int take = gt, e = eq_before;
-    for (int i = beg; i < end; i++)
-        if (fkey(sc[i]) == thr && e++ < need)
-            take++;
-    block_scan(take, &sel_before, buf);
-    e = eq_before;
-    for (int i = beg, o = sel_before; i < end; i++) {
-        const uint32_t key = fkey(sc[i]);
-        if (key > thr || (key == thr && e++ < need))
-            sel[o++] = i;
-    }
-    if (threadIdx.x == 0)
-        a.nsel[b] = k;
-}
-
-int dsv4_cuda_indexer(const struct dsv4_cuda_index_args *a, int batch, void *stream)
-{
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const int threads = 256;
-    const size_t qsmem = (size_t)a->nI * a->dI * sizeof(float);
-    if (batch < 1)
-        return 0;
-    if (qsmem > 48 * 1024)
-        return dsv4_error_set(-EINVAL, "indexer: %d heads x %d dims exceed the 48 KiB query tile", a->nI, a->dI);
-    indexer_scores_kernel<<<dim3(batch, (a->max_entries + threads - 1) / threads), threads, qsmem, s>>>(*a);
-    DSV4_CUDA_LAUNCHED("indexer_scores");
-    indexer_topk_kernel<<<batch, DSV4_CUDA_TOPK_THREADS, 0, s>>>(*a);
-    DSV4_CUDA_LAUNCHED("indexer_topk");
     return 0;
 }
 
@@ -451,8 +328,12 @@ __global__ void hadamard_fp4_kernel(const float *x, int n, float *y)
         v_s[i] = x[(int64_t)blockIdx.x * n + i];
     __syncthreads();
     hadamard_fp4(v_s, n, sc_s);
+    /* through the stored key format, as the indexer reads it back */
+    uint8_t *key = reinterpret_cast<uint8_t *>(sc_s + n / FP4_GROUP + 2);
+    dsv4_index_key_store(v_s, sc_s, key, n);
+    __syncthreads();
     for (int i = threadIdx.x; i < n; i += blockDim.x)
-        y[(int64_t)blockIdx.x * n + i] = v_s[i];
+        y[(int64_t)blockIdx.x * n + i] = dsv4_index_key_load(key, i, n);
 }
 
 extern "C" int dsv4_cuda_hadamard_fp4(const float *d_x, int rows, int n, float *d_y, void *stream)
@@ -461,7 +342,7 @@ extern "C" int dsv4_cuda_hadamard_fp4(const float *d_x, int rows, int n, float *
         return dsv4_error_set(-EINVAL, "hadamard_fp4: n %d must be a power of two", n);
     if (rows < 1)
         return 0;
-    hadamard_fp4_kernel<<<rows, 128, (size_t)(n + n / FP4_GROUP + 2) * sizeof(float),
+    hadamard_fp4_kernel<<<rows, 128, (size_t)(n + n / FP4_GROUP + 2) * sizeof(float) + dsv4_index_key_bytes(n) + 16,
                           static_cast<cudaStream_t>(stream)>>>(d_x, n, d_y);
     DSV4_CUDA_LAUNCHED("hadamard_fp4");
     return 0;

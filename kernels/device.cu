@@ -42,6 +42,8 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_GEMM_BF16_MMA: return "gemm_bf16_hilo_mma_rows128_splitk_fixed_order";
     case DSV4_CUDA_V_ATTENTION_MMA: return "attention_mma_bf16_hilo_heads64_keys64_split16";
     case DSV4_CUDA_V_ATTENTION_F32: return "attention_f32_fma_heads32_keys12_split16";
+    case DSV4_CUDA_V_INDEXER_MMA: return "indexer_scores_fp4keys_bf16mma_entries1024";
+    case DSV4_CUDA_V_INDEXER_FMA: return "indexer_scores_fma_thread_per_entry";
     case DSV4_CUDA_V_COUNT: break;
     }
     return "?";
@@ -472,7 +474,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          "vectors, checkpoint formats), caches %.2f GiB (%d+1 slots x %d tokens, %s), workspace %.2f GiB",
          dev->arena_size / 1073741824.0, dev->stats.weight_bytes / 1073741824.0, dev->n_linears, dev->n_vectors,
          cache / 1073741824.0, o->max_batch, o->max_context,
-         o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV entries, indexer keys f32 after FP4 rounding" : "f32 entries",
+         o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV entries, FP4 indexer keys" : "f32 entries",
          ws / 1073741824.0);
     vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3; "
          "exact numerics: %s)", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA),
@@ -492,7 +494,9 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          "inverse RoPE", DSV4_CUDA_ATT_SPLITS, 32);
     vlog(dev, log, log_ctx, true, "op compressor: block-per-row emission (pool from the step's rows + the slot's "
          "ring, norm, RoPE, FP8/FP4), then ring refresh");
-    vlog(dev, log, log_ctx, true, "op indexer: thread-per-entry scores, bitwise radix top-k per row");
+    vlog(dev, log, log_ctx, true, "op indexer: keys %s; scores %s (FP4 keys of width 32/64/128, else %s), "
+         "bitwise radix top-k per row", o->numerics == DSV4_NUMERICS_FP8 ? "FP4 68 B at 128 (official)" : "f32",
+         dsv4_cuda_variant_name(DSV4_CUDA_V_INDEXER_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_INDEXER_FMA));
     vlog(dev, log, log_ctx, true, "op prefill: chunks of up to %d positions of one slot through the bucket graphs",
          o->max_batch);
     DSV4_CUDA_TRY(cudaStreamSynchronize(dev->stream));

@@ -71,6 +71,8 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_GEMM_BF16_MMA,      /* BF16 weights x f32 activations as bf16 hi + lo on tensor cores */
     DSV4_CUDA_V_ATTENTION_MMA,      /* decode attention over FP8 KV entries on tensor cores (bf16 hi + lo) */
     DSV4_CUDA_V_ATTENTION_F32,      /* decode attention over f32 KV entries (exact numerics), FMA */
+    DSV4_CUDA_V_INDEXER_MMA,        /* indexer scores over FP4 keys on tensor cores */
+    DSV4_CUDA_V_INDEXER_FMA,        /* indexer scores, thread per entry (f32 keys, other FP4 widths) */
     DSV4_CUDA_V_COUNT,
 };
 const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v);

@@ -98,14 +98,19 @@ struct dsv4_cuda_index_args {
     const float *w;             /* [B, nI] */
     int nI, dI, ratio, topk;
     const int32_t *pos, *slot;
-    const float *keys;          /* slot 0 of this layer's indexer keys [max_entries, dI] */
-    int64_t keys_slot_stride;   /* floats */
+    const uint8_t *keys;        /* slot 0 of this layer's indexer keys [max_entries] of
+                                 * dsv4_cuda_index_key_bytes(dI, packed) bytes */
+    int64_t keys_slot_stride;   /* bytes */
+    bool packed;                /* keys in the official FP4 layout (fp8 numerics), else f32 */
     int max_entries;
     float *scores;              /* [B, max_entries] workspace */
     int32_t *sel;               /* [B, topk] */
     int32_t *nsel;              /* [B] */
 };
 int dsv4_cuda_indexer(const struct dsv4_cuda_index_args *a, int batch, void *stream);
+/* Bytes of one stored indexer key: the official FP4 layout (dI/2 + ceil(dI/32); 68 at dI = 128) or
+ * dI f32 values. */
+int dsv4_cuda_index_key_bytes(int dI, bool packed);
 
 /* hc_head: d_y [B, D] = sum_j pre_j X[j], pre = sigmoid(m * rsqrt(mean(X^2)+eps) * scale + base) + hc_eps. */
 int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,

@@ -10,9 +10,9 @@ tests_unit_test_cpu_twin_SOURCES = tests/unit/test_cpu_twin.c tests/unit/seed_ut
 tests_unit_test_cpu_twin_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_cpu_twin_LDADD = $(TEST_ENGINE_LIBS)
 
-DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/gemm.cu kernels/moe.cu kernels/norm.cu kernels/attention.cu \
+DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/gemm.cu kernels/indexer.cu kernels/moe.cu kernels/norm.cu kernels/attention.cu \
 	kernels/compressor.cu kernels/step.cu
-DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/kernels_internal.h kernels/kv_entry.cuh
+DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/kernels_internal.h kernels/kv_entry.cuh kernels/index_key.cuh
 EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES) kernels/NOTES.md
 
 GPU_TEST_COMMON = tests/gpu/gpu_test.h

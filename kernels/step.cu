@@ -115,7 +115,7 @@ static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backen
             off += a256(dsv4_cuda_comp_state_floats(r, c->head_dim, csa) * 4);
             if (csa) {
                 l.ikeys = off;
-                off += a256(n * c->index_head_dim * 4);
+                off += a256(n * dsv4_cuda_index_key_bytes(c->index_head_dim, o->numerics == DSV4_NUMERICS_FP8));
                 l.istate = off;
                 off += a256(dsv4_cuda_comp_state_floats(r, c->index_head_dim, true) * 4);
             }
@@ -360,7 +360,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
             ca.indexer = true;
             ca.state = reinterpret_cast<float *>(cb->caches + L->cache.istate);
             ca.entries = cb->caches + L->cache.ikeys;
-            ca.entry_bytes = dI * 4;
+            ca.entry_bytes = dsv4_cuda_index_key_bytes(dI, cb->fp8);
             STEP(dsv4_cuda_compressor(&ca, B, s));
             STEP(lin(cb, &L->i_wq_b, t->qr, c->q_lora_rank, B, t->iq, (int64_t)nI * dI, false, s));
             STEP(dsv4_cuda_indexer_q(t->iq, B, nI, dI, rd, cb->fp8, pos, t->inv_comp, s));
@@ -374,8 +374,9 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
             ia.topk = c->index_topk;
             ia.pos = pos;
             ia.slot = slot;
-            ia.keys = reinterpret_cast<const float *>(cb->caches + L->cache.ikeys);
-            ia.keys_slot_stride = cb->slot_bytes / 4;
+            ia.keys = cb->caches + L->cache.ikeys;
+            ia.keys_slot_stride = cb->slot_bytes;
+            ia.packed = cb->fp8;
             ia.max_entries = (int)cb->max_entries;
             ia.scores = t->iscores;
             ia.sel = t->isel;

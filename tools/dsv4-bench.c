@@ -529,10 +529,14 @@ int main(int argc, char **argv)
         tab = malloc(sizeof(*tab) * E);
         for (int e = 0; e < E; e++) {
             uint8_t *p = blob + per * e;
-            tab[e].w1 = (struct dsv4_cuda_linear){ DSV4_W_FP4, I, D, D, p, p + w13, D / 32 };
-            tab[e].w3 = (struct dsv4_cuda_linear){ DSV4_W_FP4, I, D, D, p + w13 + s13, p + 2 * w13 + s13, D / 32 };
-            tab[e].w2 = (struct dsv4_cuda_linear){ DSV4_W_FP4, D, I, I, p + 2 * (w13 + s13), p + 2 * (w13 + s13) + w2b,
-                                                   I / 32 };
+            tab[e].w1 = (struct dsv4_cuda_linear){ .fmt = DSV4_W_FP4, .out = I, .in = D, .row_stride = D, .w = p,
+                                                   .scale = p + w13, .scale_stride = D / 32 };
+            tab[e].w3 = (struct dsv4_cuda_linear){ .fmt = DSV4_W_FP4, .out = I, .in = D, .row_stride = D,
+                                                   .w = p + w13 + s13, .scale = p + 2 * w13 + s13,
+                                                   .scale_stride = D / 32 };
+            tab[e].w2 = (struct dsv4_cuda_linear){ .fmt = DSV4_W_FP4, .out = D, .in = I, .row_stride = I,
+                                                   .w = p + 2 * (w13 + s13), .scale = p + 2 * (w13 + s13) + w2b,
+                                                   .scale_stride = I / 32 };
         }
         /* scales of every expert set to plausible exponents */
         for (int e = 0; e < E; e++) {

@@ -1,0 +1,42 @@
+/* The official indexer key (SPEC §5): dI values in e2m1 (two a byte, low nibble first) followed by
+ * ceil(dI/32) UE8M0 scales, one per 32 values: 68 bytes at dI = 128. Written by the indexer
+ * compressor (kernels/compressor.cu) after the Hadamard rotation and FP4 rounding, read by the
+ * indexer scores (kernels/indexer.cu). */
+#ifndef DSV4_KERNELS_INDEX_KEY_CUH
+#define DSV4_KERNELS_INDEX_KEY_CUH
+
+#include "kernels/cuda_util.cuh"
+
+#define DSV4_INDEX_KEY_GROUP 32
+
+static __host__ __device__ __forceinline__ int dsv4_index_key_bytes(int dI)
+{
+    return dI / 2 + (dI + DSV4_INDEX_KEY_GROUP - 1) / DSV4_INDEX_KEY_GROUP;
+}
+
+/* e2m1 code of x, an exact e2m1 value (magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6). */
+static __device__ __forceinline__ uint32_t dsv4_e2m1_code(float x)
+{
+    const float a = fabsf(x);
+    const uint32_t m = a < 2.0f ? (uint32_t)(a * 2.0f) : a < 4.0f ? 2u + (uint32_t)a : a < 6.0f ? 6u : 7u;
+    return m | (signbit(x) ? 8u : 0u);
+}
+
+/* Block-cooperative: v [dI] already FP4-rounded with scales sc [ceil(dI/32)] (powers of two). */
+static __device__ void dsv4_index_key_store(const float *v, const float *sc, uint8_t *dst, int dI)
+{
+    for (int i = threadIdx.x; i < dI / 2; i += blockDim.x) {
+        const float s = sc[2 * i / DSV4_INDEX_KEY_GROUP];
+        dst[i] = (uint8_t)(dsv4_e2m1_code(v[2 * i] / s) | (dsv4_e2m1_code(v[2 * i + 1] / s) << 4));
+    }
+    for (int g = threadIdx.x; g < (dI + DSV4_INDEX_KEY_GROUP - 1) / DSV4_INDEX_KEY_GROUP; g += blockDim.x)
+        dst[dI / 2 + g] = (uint8_t)(__float_as_uint(sc[g]) >> 23);
+}
+
+/* Value i of a stored key. */
+static __device__ __forceinline__ float dsv4_index_key_load(const uint8_t *key, int i, int dI)
+{
+    return dsv4_e2m1(key[i / 2] >> (4 * (i & 1))) * dsv4_ue8m0(key[dI / 2 + i / DSV4_INDEX_KEY_GROUP]);
+}
+
+#endif
