@@ -2,7 +2,7 @@
  * bytes it must move over the measured device copy bandwidth: the floor no version can beat.
  *
  *   dsv4-bench [--batch 1,64] [--reps N]
- *   dsv4-bench --model DIR [--batch 1,16,64] [--context N]    (the whole decode step)
+ *   dsv4-bench --model DIR [--batch 1,16,64] [--context N] [--prefill N]   (the whole step, prefill)
  *
  * Each kernel is captured REPS times into one CUDA graph (launch gaps out of the numbers), reading
  * rotating copies of its weights that together exceed the L2 several times over, so the numbers
@@ -38,7 +38,7 @@
 #define BENCH_COPY_BYTES (2ull << 30)       /* device-to-device copy for the bandwidth ceiling */
 #define BENCH_STEPS 21                      /* decode steps timed per batch size (--model) */
 #define BENCH_PROMPT 8                      /* tokens each slot holds before the timed steps */
-#define BENCH_PREFILL 1024                  /* prompt tokens of the timed prefill (--model) */
+#define BENCH_PREFILL 1024                  /* default prompt tokens of the timed prefill (--model --prefill N) */
 
 #define TRY(call)                                                                              \
     do {                                                                                       \
@@ -339,7 +339,7 @@ static double linear_bytes(const struct dsv4_linear *l)
     return 0.0;
 }
 
-static int bench_model(const char *dir, const int *batches, int nb, int context)
+static int bench_model(const char *dir, const int *batches, int nb, int context, int prefill)
 {
     struct dsv4_weights *w = NULL;
     struct dsv4_backend *b = NULL;
@@ -396,27 +396,38 @@ static int bench_model(const char *dir, const int *batches, int nb, int context)
         snprintf(what, sizeof(what), "%d-layer step (%.0f experts/layer)", c->n_layers, distinct);
         report(what, B, median(us, BENCH_STEPS), bytes);
     }
-    /* prefill: one slot, BENCH_PREFILL tokens in chunks of max_batch; the floor reads the weights once
-     * per chunk (the experts a chunk routes to, uniform estimate) */
+    /* prefill: one slot, `prefill` tokens in chunks of max_batch; the floor reads the weights once
+     * per chunk (the experts a chunk routes to, uniform estimate). Then batch-1 decode steps at that
+     * context (attention over the window and the selected entries, the indexer over every entry). */
     {
-        int32_t *p = malloc(sizeof(int32_t) * BENCH_PREFILL);
-        const int chunk = DSV4_CUDA_MAX_BATCH, nchunks = (BENCH_PREFILL + chunk - 1) / chunk;
+        int32_t *p = malloc(sizeof(int32_t) * (size_t)prefill);
+        const int chunk = DSV4_CUDA_MAX_BATCH, nchunks = (prefill + chunk - 1) / chunk;
         const double K = c->n_experts_per_tok, E = c->n_experts;
         const double distinct = E * (1.0 - pow(1.0 - K / E, chunk));
         float us[3];
-        for (int i = 0; i < BENCH_PREFILL; i++)
+        for (int i = 0; i < prefill; i++)
             p[i] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
         for (int r = 0; r < 4; r++) {
             b->ops->slot_reset(b, 0);
             double a = now_us();
-            OK(b->ops->prefill(b, 0, p, BENCH_PREFILL, logits, false));
+            OK(b->ops->prefill(b, 0, p, prefill, logits, false));
             if (r > 0)
                 us[r - 1] = (float)(now_us() - a);
         }
         char what[64];
-        snprintf(what, sizeof(what), "prefill %d tokens (%d chunks)", BENCH_PREFILL, nchunks);
-        report(what, BENCH_PREFILL, median(us, 3), nchunks * (dense + c->n_layers * distinct * expert));
-        printf("# prefill: %.0f tokens/s\n", BENCH_PREFILL / (median(us, 3) / 1e6));
+        snprintf(what, sizeof(what), "prefill %d tokens (%d chunks)", prefill, nchunks);
+        report(what, prefill, median(us, 3), nchunks * (dense + c->n_layers * distinct * expert));
+        printf("# prefill: %.0f tokens/s\n", prefill / (median(us, 3) / 1e6));
+        float ds[BENCH_STEPS];
+        int slot = 0;
+        for (int step = 0; step < BENCH_STEPS; step++) {
+            int32_t tok = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+            double a = now_us();
+            OK(b->ops->decode(b, 1, &slot, &tok, logits));
+            ds[step] = (float)(now_us() - a);
+        }
+        snprintf(what, sizeof(what), "%d-layer step at context %d", c->n_layers, prefill);
+        report(what, 1, median(ds, BENCH_STEPS), dense + c->n_layers * K * expert + c->dim * 2 + 4.0 * V);
         free(p);
     }
     free(logits);
@@ -427,7 +438,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context)
 
 int main(int argc, char **argv)
 {
-    int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096;
+    int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096, prefill = BENCH_PREFILL;
     const char *model = NULL;
     const int topk = 6, E = 256, D = 4096, I = 2048;
     struct job j;
@@ -446,6 +457,8 @@ int main(int argc, char **argv)
             model = argv[++i];
         } else if (!strcmp(argv[i], "--context") && i + 1 < argc) {
             context = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) {
+            prefill = atoi(argv[++i]);
             if (context < BENCH_PROMPT + BENCH_STEPS + 1) {
                 fprintf(stderr, "dsv4-bench: --context must be at least %d\n", BENCH_PROMPT + BENCH_STEPS + 1);
                 return 2;
@@ -457,7 +470,7 @@ int main(int argc, char **argv)
                 return 2;
             }
         } else {
-            fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N]\n");
+            fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N] [--prefill N]\n");
             return 2;
         }
     }
@@ -467,7 +480,14 @@ int main(int argc, char **argv)
     }
     measure_copy();
     if (model)
-        return bench_model(model, batches, nb, context);
+        {
+        if (prefill < 1 || prefill + BENCH_STEPS > context) {
+            fprintf(stderr, "dsv4-bench: --prefill %d must leave %d tokens of the context %d\n", prefill, BENCH_STEPS,
+                    context);
+            return 2;
+        }
+        return bench_model(model, batches, nb, context, prefill);
+    }
 
     {
         void *g;
