@@ -132,7 +132,8 @@ const char *dsv4_cuda_dev_variants(const struct dsv4_cuda_dev *dev);
 
 
 /* d_y[b, i] = round through e4m3 of d_x[b, i] in 1x`block` groups with a UE8M0 scale (the official
- * activation quantizer), b < rows, i < k; k must be a multiple of block. d_y may equal d_x. */
+ * activation quantizer), b < rows, i < k; when block does not divide k the last group of a row is
+ * shorter (as engine/quant.c; only small test models have such widths). d_y may equal d_x. */
 int dsv4_cuda_fp8_roundtrip(const float *d_x, int rows, int64_t k, int block, float *d_y, void *stream);
 
 /* d_y[b, n] = sum_k W[n, k] d_x[b, k] for b < batch (<= DSV4_CUDA_MAX_BATCH), f32 accumulation,

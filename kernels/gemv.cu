@@ -96,31 +96,37 @@ extern "C" int dsv4_cuda_gemv(const struct dsv4_cuda_linear *W, const float *d_x
     }
 }
 
-/* One warp per block of `block` values (block a multiple of 32, at most 32 * ROUNDTRIP_PER_LANE). */
+/* One warp per block of `block` values (block a multiple of 32, at most 32 * ROUNDTRIP_PER_LANE);
+ * a row of k values ends in a shorter block when block does not divide k (as engine/quant.c). */
 #define ROUNDTRIP_PER_LANE 8
 
-__global__ void fp8_roundtrip_kernel(const float *__restrict__ x, int64_t nblocks, int block,
+__global__ void fp8_roundtrip_kernel(const float *__restrict__ x, int64_t nblocks, int64_t k, int block,
                                      float *__restrict__ y)
 {
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
     const int64_t blk = (int64_t)blockIdx.x * (blockDim.x / DSV4_CUDA_WARP) + threadIdx.x / DSV4_CUDA_WARP;
-    const int per = block / DSV4_CUDA_WARP;
+    const int64_t per_row = (k + block - 1) / block;
     float v[ROUNDTRIP_PER_LANE], amax = 0.0f;
 
     if (blk >= nblocks)
         return;
+    const int64_t row = blk / per_row, k0 = blk % per_row * block;
+    const int len = (int)(k - k0 < block ? k - k0 : block);
+    const float *src = x + row * k + k0;
 #pragma unroll
     for (int i = 0; i < ROUNDTRIP_PER_LANE; i++) {
-        v[i] = i < per ? x[blk * block + i * DSV4_CUDA_WARP + lane] : 0.0f;
+        const int j = i * DSV4_CUDA_WARP + lane;
+        v[i] = j < len ? src[j] : 0.0f;
         amax = fmaxf(amax, fabsf(v[i]));
     }
     const float s = dsv4_act_scale(dsv4_warp_max(amax)), inv = 1.0f / s;
 #pragma unroll
     for (int i = 0; i < ROUNDTRIP_PER_LANE; i++) {
-        if (i < per) {
+        const int j = i * DSV4_CUDA_WARP + lane;
+        if (j < len) {
             __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
             __half_raw h = __nv_cvt_fp8_to_halfraw(q, __NV_E4M3);
-            y[blk * block + i * DSV4_CUDA_WARP + lane] = __half2float(*reinterpret_cast<__half *>(&h)) * s;
+            y[row * k + k0 + j] = __half2float(*reinterpret_cast<__half *>(&h)) * s;
         }
     }
 }
@@ -131,14 +137,14 @@ extern "C" int dsv4_cuda_fp8_roundtrip(const float *d_x, int rows, int64_t k, in
     const int warps = 8;
     int64_t nblocks;
 
-    if (block <= 0 || block % DSV4_CUDA_WARP || block > DSV4_CUDA_WARP * ROUNDTRIP_PER_LANE || k % block)
-        return dsv4_error_set(-EINVAL, "fp8_roundtrip: block %d must divide k %lld and be a multiple of "
-                              "32 up to %d", block, (long long)k, DSV4_CUDA_WARP * ROUNDTRIP_PER_LANE);
-    nblocks = (int64_t)rows * (k / block);
+    if (block <= 0 || block % DSV4_CUDA_WARP || block > DSV4_CUDA_WARP * ROUNDTRIP_PER_LANE || k < 1)
+        return dsv4_error_set(-EINVAL, "fp8_roundtrip: block %d must be a multiple of 32 up to %d (k %lld)", block,
+                              DSV4_CUDA_WARP * ROUNDTRIP_PER_LANE, (long long)k);
+    nblocks = (int64_t)rows * ((k + block - 1) / block);
     if (nblocks == 0)
         return 0;
     fp8_roundtrip_kernel<<<(unsigned)((nblocks + warps - 1) / warps), warps * DSV4_CUDA_WARP, 0,
-                           static_cast<cudaStream_t>(stream)>>>(d_x, nblocks, block, d_y);
+                           static_cast<cudaStream_t>(stream)>>>(d_x, nblocks, k, block, d_y);
     DSV4_CUDA_LAUNCHED("fp8_roundtrip");
     return 0;
 }
