@@ -1,23 +1,32 @@
 /* Attention for the decode step: interleaved RoPE, the KV entry codec of SPEC §5, the window-ring
  * store, and sparse MQA over window + compressed entries with per-head sinks, split over keys with a
  * log-sum-exp combine that also undoes RoPE on the output. The CPU twin is dsv4_cpu_attention
- * (engine/cpu_attention.c), checked through the whole decode step (tests/gpu/test_gpu_step.c).
+ * (engine/cpu_attention.c), checked through the whole decode step (tests/gpu/test_gpu_step.c); the
+ * attention itself against a double-precision reference in tests/gpu/test_gpu_attention.c.
  *
  * KV entry (one vector of head_dim values; keys and values are the same vectors):
  *   fp8 numerics: [nope e4m3][rope_dim bf16][ceil(nope/64) UE8M0][pad to 8 bytes] = 584 B at 512/64;
- *   exact numerics: head_dim f32. */
+ *   exact numerics: head_dim f32.
+ *
+ * Two attention kernels write the same per-split partials, merged by one combine kernel:
+ *   attention_mma_kernel (FP8 entries, DSV4_CUDA_V_ATTENTION_MMA): tensor cores, all heads of a row
+ *     (up to 64 per block) sharing one decode of each entry; see the comment above it.
+ *   attention_f32_kernel (f32 entries, DSV4_CUDA_V_ATTENTION_F32): FMA dot products, 32 heads per
+ *     block. Exact numerics keep it: their keys are f32 and would need bf16 terms of their own (several
+ *     times the MMAs and the key tile), for the numerics of the test fixtures. */
 #include <cuda_bf16.h>
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
 #include "kernels/kv_entry.cuh"
 
-#define ATT_TILE 16             /* keys per shared-memory tile */
+#define ATT_TILE 12             /* keys per shared-memory tile: 92.7 KB at hd 512, within the 99 KB of sm_86/89/120 */
 #define ATT_HB 32               /* heads per block: their queries stay in shared memory */
 #define ATT_THREADS 256
 #define ATT_CHUNKS (ATT_THREADS / ATT_HB)           /* dim chunks per head in the value sum */
 #define ATT_MAX_PER (DSV4_CUDA_MAX_HEAD_DIM / ATT_CHUNKS)
 #define ATT_PAD 4               /* floats of padding per shared row (bank spread, float4 alignment) */
+#define ATT_F32_HD_ALIGN (4 * ATT_CHUNKS)           /* f32 kernel: float4 dots, ATT_CHUNKS dim chunks */
 
 int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf)
 {
@@ -93,23 +102,51 @@ int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, int kvf, con
     return 0;
 }
 
+/* The keys row b attends to, in order: the window (positions first .. pos, entry p at p % ring of
+ * the row's slot) then the compressed entries (the indexer's picks, or every complete one). Split
+ * `split` of `splits` takes the run [k0, k1) of equal length ceil(nk / splits). */
+struct att_run {
+    int nw, first, k0, k1;
+    int64_t slot;
+};
+
+static __device__ __forceinline__ att_run att_key_run(const struct dsv4_cuda_att_args &a, int b, int split,
+                                                       int splits)
+{
+    att_run r;
+    const int pos = a.pos[b];
+    r.slot = a.slot[b];
+    r.nw = min(pos + 1, a.window);
+    r.first = pos - r.nw + 1;
+    const int nc = a.ratio ? (a.sel ? a.nsel[b] : (pos + 1) / a.ratio) : 0;
+    const int nk = r.nw + nc, per = (nk + splits - 1) / splits;
+    r.k0 = split * per;
+    r.k1 = min(nk, r.k0 + per);
+    return r;
+}
+
+/* Entry of key kidx (< nw + nc) of row b. */
+static __device__ __forceinline__ const uint8_t *att_entry(const struct dsv4_cuda_att_args &a, const att_run &r,
+                                                           int b, int kidx)
+{
+    if (kidx < r.nw)
+        return a.win + r.slot * a.win_slot_stride + (int64_t)((r.first + kidx) % a.ring) * a.entry_bytes;
+    const int c = kidx - r.nw;
+    return a.comp + r.slot * a.comp_slot_stride + (int64_t)(a.sel ? a.sel[(int64_t)b * a.sel_stride + c] : c) * a.entry_bytes;
+}
+
 /* grid (B, DSV4_CUDA_ATT_SPLITS, ceil(H / ATT_HB)): the keys of row b split in equal runs; each
  * block keeps its heads' queries in shared memory, streams its run of keys through a tile shared
  * by all those heads, and leaves (max, sum, unnormalized output) per head for the combine. */
-__global__ void __launch_bounds__(ATT_THREADS)
-attention_kernel(const struct dsv4_cuda_att_args a)
+__global__ void __launch_bounds__(ATT_THREADS, 1)   /* one block per SM: 12-key tiles spilled at 128 registers */
+attention_f32_kernel(const struct dsv4_cuda_att_args a)
 {
     extern __shared__ float sm[];
     const int hd = a.hd, row = hd + ATT_PAD;
     float *q_s = sm, *k_s = q_s + ATT_HB * row, *p_s = k_s + ATT_TILE * row;
     float *m_s = p_s + ATT_HB * ATT_TILE, *l_s = m_s + ATT_HB, *a_s = l_s + ATT_HB;
     const int b = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * ATT_HB, tid = threadIdx.x;
-    const int pos = a.pos[b];
-    const int64_t slot = a.slot[b];
-    const int nw = min(pos + 1, a.window), first = pos - nw + 1;
-    const int nc = a.ratio ? (a.sel ? a.nsel[b] : (pos + 1) / a.ratio) : 0;
-    const int nk = nw + nc, per = (nk + gridDim.y - 1) / gridDim.y;
-    const int k0 = split * per, k1 = min(nk, k0 + per);
+    const att_run r = att_key_run(a, b, split, gridDim.y);
     const int per_d = hd / ATT_CHUNKS, hh = tid / ATT_CHUNKS, dc = tid % ATT_CHUNKS;
     float acc[ATT_MAX_PER];
 
@@ -126,17 +163,11 @@ attention_kernel(const struct dsv4_cuda_att_args a)
         acc[i] = 0.0f;
     __syncthreads();
 
-    for (int t0 = k0; t0 < k1; t0 += ATT_TILE) {
-        const int nt = min(ATT_TILE, k1 - t0);
+    for (int t0 = r.k0; t0 < r.k1; t0 += ATT_TILE) {
+        const int nt = min(ATT_TILE, r.k1 - t0);
         for (int i = tid; i < nt * hd; i += ATT_THREADS) {
-            const int j = i / hd, d = i % hd, kidx = t0 + j;
-            const uint8_t *e;
-            if (kidx < nw)
-                e = a.win + slot * a.win_slot_stride + (int64_t)((first + kidx) % a.ring) * a.entry_bytes;
-            else
-                e = a.comp + slot * a.comp_slot_stride +
-                    (int64_t)(a.sel ? a.sel[(int64_t)b * a.sel_stride + kidx - nw] : kidx - nw) * a.entry_bytes;
-            k_s[j * row + d] = dsv4_entry_load(e, d, hd, a.rd, a.kvf);
+            const int j = i / hd, d = i % hd;
+            k_s[j * row + d] = dsv4_entry_load(att_entry(a, r, b, t0 + j), d, hd, a.rd, a.kvf);
         }
         __syncthreads();
         for (int p = tid; p < ATT_HB * ATT_TILE; p += ATT_THREADS) {
@@ -203,6 +234,448 @@ attention_kernel(const struct dsv4_cuda_att_args a)
     }
 }
 
+/* ---- tensor-core attention over FP8 KV entries ----
+ *
+ * grid (B, DSV4_CUDA_ATT_SPLITS, ceil(H / 64)), 8 warps. A block takes row b's run of keys for up
+ * to 64 heads (four m16 tiles; V4-Flash's 64 heads are one block, V4-Pro's 128 two, a head count
+ * that is not a multiple of 16 gets zero queries in its last tile) and streams the run through
+ * shared memory ATT_MMA_KEYS keys at a time:
+ *   1. decode: the tile's entries -> k_s [64 keys, hd] bf16, once for all the block's heads. Every
+ *      value of an FP8 entry is exact in bf16 (e4m3 times a power-of-two scale >= 2^-117, or a bf16
+ *      RoPE value), so the keys (= values) lose nothing.
+ *   2. scores: S [heads, keys] = scale * Q K^T with m16n8k16 bf16 MMAs, f32 accumulation (M = heads,
+ *      N = keys, K = hd); warp w: heads of m16 tile w % 4 x every key of the tile x half w / 4 of
+ *      head_dim, the two halves added in a fixed order.
+ *   3. online softmax per head in f32 (4 threads a head); P = e^(s - m) goes to shared memory as
+ *      bf16 terms (over S, once every score is in registers).
+ *   4. O [heads, hd] = alpha O + P V with MMAs (M = heads, N = hd, K = keys): warp w owns output dims
+ *      8 (w + 8 i) of every head, 4 x 8 x 4 = 128 f32 accumulators a thread at hd 512.
+ *
+ * Precision (f32 operands through bf16 MMAs): an f32 x is split into bf16 terms, each rounding what
+ * the previous left (exact in f32), |x - sum| <= 2^(-8 terms) |x|, one MMA per term. Queries take
+ * three terms (2^-24): with two, the 2^-16 error per query value moves the logits by up to ~1e-5
+ * of |q||k| and measured 1.2e-5 relative on the H200, over the test's bound. Probabilities take two
+ * (2^-16 each, not amplified; a third changed nothing measurable). The tensor cores' running f32
+ * accumulation does not round to nearest, which over a 512-long dot cost 7e-6; so each k-step's
+ * MMAs start from zero and are added to the score in an ordinary f32 add (<= 1.4e-6 over several
+ * seeds; the f32 kernel's FMA dots: <= 2.6e-6). The P V sums are at most ATT_MMA_KEYS long per tile
+ * and need no such care.
+ *
+ * Memory: the block's queries (64 x 512 f32 = 128 KB; as bf16 terms 192 KB) cannot sit in shared
+ * memory beside the key tile on 99 KB parts (sm_86/89/120), so each warp loads its query fragments
+ * from global memory (L1/L2) while it computes scores. A split's run of up to ATT_MMA_KEYS keys is
+ * one tile and reads them once, as the f32 kernel did; that covers 1024 keys a row (CSA's 128 + 512,
+ * HCA below ~115k tokens). Shared memory at hd 512: keys 66.5 KB + S/P 18 KB + 1.3 KB = 86.3 KB.
+ * 231-246 registers a thread (no spills on sm_80/90a/100a/120a) allow one block per SM, so within a
+ * block nothing overlaps (a run is one or two tiles); the other SMs' blocks carry the traffic.
+ * Entries are read with plain loads: the decode needs them in registers anyway, and cp.async would
+ * need a raw staging tile (37 KB) that does not fit beside the rest.
+ * The partials [B, SPLITS, H, hd + 2] are those of the f32 kernel; attention_combine_kernel merges
+ * them. They are the largest traffic left (131 KB a block, written and read back: 134 MB each way
+ * at B 64) next to the per-block fixed cost; on an H200 the whole attention (with the combine) took
+ * 31/40/231 us at B 1 and 250/349/2281 us at B 64 for 128/640/8320 keys, 2.5x-16x faster than the
+ * f32 kernel on the same FP8 entries. */
+#define ATT_MMA_HEADS 64            /* heads per block: four m16 tiles */
+#define ATT_MMA_MT (ATT_MMA_HEADS / 16)
+#define ATT_MMA_KEYS 64             /* keys per shared tile */
+#define ATT_MMA_WARPS 8
+#define ATT_MMA_THREADS (ATT_MMA_WARPS * DSV4_CUDA_WARP)
+#define ATT_MMA_HD_ALIGN 16         /* head_dim: whole MMA k-steps */
+#define ATT_MMA_RD_ALIGN 8          /* rope_dim (and nope): whole 8-value decode chunks */
+#define ATT_MMA_VEC 8               /* entry values a thread decodes at once: 16 bytes of bf16 */
+#define ATT_MMA_KPAD 8              /* bf16 padding of a key row: stride an odd multiple of 16 B (ldmatrix) */
+#define ATT_MMA_SSTR (ATT_MMA_KEYS + 8)     /* floats per score row: conflict-free float2 stores */
+#define ATT_MMA_PSTR (ATT_MMA_KEYS + 8)     /* bf16 per probability row: 144 B, odd multiple of 16 B */
+#define ATT_MMA_OWN (DSV4_CUDA_MAX_HEAD_DIM / 8 / ATT_MMA_WARPS)  /* n8 tiles of output dims a warp */
+#define ATT_MMA_QTERMS 3            /* bf16 terms of a query: 2^-24, f32's own precision */
+#define ATT_MMA_QPF 2               /* k-steps of query loads issued ahead (4 spills on sm_100a) */
+#define ATT_MMA_PAIRS (ATT_MMA_KEYS / 16)   /* pairs of n8 key tiles in a key tile */
+#define ATT_MMA_PTERMS 2            /* bf16 terms of a probability: 2^-16, not amplified */
+#define ATT_MMA_ENTRY_ALIGN 8       /* bytes: entries and slot strides, for 8-byte loads */
+
+static_assert(ATT_MMA_OWN % 2 == 0, "value fragments are loaded for pairs of n8 tiles");
+static_assert(ATT_MMA_THREADS == 4 * ATT_MMA_HEADS, "softmax: four threads a head");
+static_assert(ATT_MMA_WARPS == 2 * ATT_MMA_MT, "scores: two warps (halves of head_dim) per m16 tile");
+
+static __host__ __device__ size_t att_mma_kbytes(int hd)
+{
+    return (size_t)ATT_MMA_KEYS * (hd + ATT_MMA_KPAD) * sizeof(__nv_bfloat16);
+}
+
+static __host__ __device__ constexpr size_t att_mma_spbytes()
+{
+    return (size_t)ATT_MMA_HEADS * ATT_MMA_SSTR * sizeof(float) >
+                   (size_t)ATT_MMA_PTERMS * ATT_MMA_HEADS * ATT_MMA_PSTR * sizeof(__nv_bfloat16)
+               ? (size_t)ATT_MMA_HEADS * ATT_MMA_SSTR * sizeof(float)
+               : (size_t)ATT_MMA_PTERMS * ATT_MMA_HEADS * ATT_MMA_PSTR * sizeof(__nv_bfloat16);
+}
+
+/* keys [64, hd + 8] bf16 | S [64, SSTR] f32, later P [PTERMS, 64, PSTR] bf16 | entry pointers [64] |
+ * m, l, alpha [64] f32 */
+static size_t att_mma_smem(int hd)
+{
+    return att_mma_kbytes(hd) + att_mma_spbytes() + ATT_MMA_KEYS * sizeof(void *) +
+           3 * ATT_MMA_HEADS * sizeof(float);
+}
+
+static __device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v)
+{
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
+/* (x, y) -> TERMS bf16x2 terms t[0] + t[1] + ...: each rounds what the previous ones left (exact in
+ * f32), so |x - sum| <= 2^(-8 TERMS) |x|. */
+template <int TERMS>
+static __device__ __forceinline__ void att_split(float x, float y, uint32_t *t)
+{
+#pragma unroll
+    for (int i = 0; i < TERMS; i++) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+        const float2 hf = __bfloat1622float2(h);
+        t[i] = bf16x2_bits(h);
+        x -= hf.x;
+        y -= hf.y;
+    }
+}
+
+static __device__ __forceinline__ void att_mma(float *d, const uint32_t *a, uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ void att_ldsm_x4(uint32_t *r, const __nv_bfloat16 *p)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+static __device__ __forceinline__ void att_ldsm_x4_trans(uint32_t *r, const __nv_bfloat16 *p)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+/* Values d .. d+7 of an FP8 entry as 8 bf16 (exact). nope and rd are multiples of 8, so a chunk is
+ * all e4m3 (one UE8M0 scale: 64 is a multiple of 8) or all bf16. */
+static __device__ __forceinline__ uint4 att_decode8(const uint8_t *e, int d, int hd, int rd)
+{
+    const int nope = hd - rd;
+    if (d >= nope) {
+        const uint2 *p = reinterpret_cast<const uint2 *>(e + nope + 2 * (d - nope));
+        const uint2 x = p[0], y = p[1];
+        return make_uint4(x.x, x.y, y.x, y.y);
+    }
+    const uint2 raw = *reinterpret_cast<const uint2 *>(e + d);
+    const float s = dsv4_ue8m0(e[nope + 2 * rd + d / KV_GROUP]);
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t word = i < 2 ? raw.x : raw.y;
+        const float2 f = dsv4_e4m3x2((uint16_t)(word >> (16 * (i & 1))));
+        w[i] = bf16x2_bits(__floats2bfloat162_rn(f.x * s, f.y * s));
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/* Phase 1: keys [ntp, hd] bf16 of the tile's nt entries; rows nt .. ntp-1 zero (P is 0 there, and
+ * 0 x garbage could be NaN). */
+static __device__ __forceinline__ void att_decode_tile(const struct dsv4_cuda_att_args &a, const uint8_t *const *e_s,
+                                                       int nt, int ntp, __nv_bfloat16 *k_s, int kstr)
+{
+    const int cpr = a.hd / ATT_MMA_VEC;
+#pragma unroll 4
+    for (int c = threadIdx.x; c < ntp * cpr; c += ATT_MMA_THREADS) {
+        const int j = c / cpr, d = (c - j * cpr) * ATT_MMA_VEC;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (j < nt)
+            v = att_decode8(e_s[j], d, a.hd, a.rd);
+        *reinterpret_cast<uint4 *>(k_s + j * kstr + d) = v;
+    }
+}
+
+/* Phase 2: s_s [16 mts, ntp] = scale * Q K^T. Warp w: heads [16 mt, +16) (mt = w % 4), every key
+ * pair (two n8 tiles) below ntp, over half kh = w / 4 of head_dim's k-steps: a split's run is
+ * mostly a few dozen keys, so halving the keys would idle half the warps, while halving head_dim
+ * halves every warp's query loads and splits (measured ~10% faster at V4-Flash shapes). Half kh = 0 is stored first and
+ * half kh = 1 added to it after a barrier: a fixed order. Query fragments come from global memory
+ * ATT_MMA_QPF k-steps ahead, split into ATT_MMA_QTERMS bf16 terms; each k-step's MMAs accumulate
+ * from zero and are added to the score with a rounded f32 add. Every thread must call it. */
+static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_args &a, int b, int h0, int mts,
+                                                  int ntp, const __nv_bfloat16 *k_s, int kstr, float *s_s)
+{
+    const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP;
+    const int g = lane / 4, t = lane % 4, mt = warp % ATT_MMA_MT, kh = warp / ATT_MMA_MT;
+    const int hd = a.hd, nks = hd / 16, half = (nks + 1) / 2;
+    const int k_lo = 16 * kh * half, k_hi = 16 * min(nks, (kh + 1) * half), pairs = ntp / 16;
+    const bool act = mt < mts;
+    const int ha = h0 + 16 * mt + g, hb = ha + 8;
+    const bool va = act && ha < a.H, vb = act && hb < a.H;
+    /* A fragment: rows g and g + 8 of the m16 tile, dims 2t, 2t+1 and 2t+8, 2t+9 of each k-step */
+    const float *qa = a.q + ((int64_t)b * a.H + (va ? ha : 0)) * hd + 2 * t;
+    const float *qb = a.q + ((int64_t)b * a.H + (vb ? hb : 0)) * hd + 2 * t;
+    /* B fragments by ldmatrix: matrices (keys +0..7, dims +0..7), (+0..7, +8..15), (+8..15, +0..7),
+     * (+8..15, +8..15) of a pair; lane l addresses row l % 8 of matrix l / 8 */
+    const __nv_bfloat16 *kl = k_s + ((lane & 7) + ((lane >> 4) << 3)) * kstr + ((lane >> 3) & 1) * 8;
+    const float2 zero = make_float2(0.0f, 0.0f);
+    float acc[2 * ATT_MMA_PAIRS][4];
+#pragma unroll
+    for (int i = 0; i < 2 * ATT_MMA_PAIRS; i++)
+        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+    for (int k0 = act ? k_lo : k_hi; k0 < k_hi; k0 += 16 * ATT_MMA_QPF) {
+        float2 xq[ATT_MMA_QPF][4];
+#pragma unroll
+        for (int u = 0; u < ATT_MMA_QPF; u++) {
+            const int k = k0 + 16 * u;
+            const bool in = k < k_hi;
+            xq[u][0] = in && va ? __ldg(reinterpret_cast<const float2 *>(qa + k)) : zero;
+            xq[u][1] = in && vb ? __ldg(reinterpret_cast<const float2 *>(qb + k)) : zero;
+            xq[u][2] = in && va ? __ldg(reinterpret_cast<const float2 *>(qa + k + 8)) : zero;
+            xq[u][3] = in && vb ? __ldg(reinterpret_cast<const float2 *>(qb + k + 8)) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_MMA_QPF; u++) {
+            const int k = k0 + 16 * u;
+            if (k >= k_hi)
+                break;
+            uint32_t t0[ATT_MMA_QTERMS], t1[ATT_MMA_QTERMS], t2[ATT_MMA_QTERMS], t3[ATT_MMA_QTERMS];
+            att_split<ATT_MMA_QTERMS>(xq[u][0].x, xq[u][0].y, t0);
+            att_split<ATT_MMA_QTERMS>(xq[u][1].x, xq[u][1].y, t1);
+            att_split<ATT_MMA_QTERMS>(xq[u][2].x, xq[u][2].y, t2);
+            att_split<ATT_MMA_QTERMS>(xq[u][3].x, xq[u][3].y, t3);
+#pragma unroll
+            for (int pr = 0; pr < ATT_MMA_PAIRS; pr++) {
+                if (pr < pairs) {
+                    uint32_t kf[4];
+                    float part[2][4] = {};
+                    att_ldsm_x4(kf, kl + pr * 16 * kstr + k);
+#pragma unroll
+                    for (int i = 0; i < ATT_MMA_QTERMS; i++) {
+                        const uint32_t qf[4] = { t0[i], t1[i], t2[i], t3[i] };
+                        att_mma(part[0], qf, kf[0], kf[1]);
+                        att_mma(part[1], qf, kf[2], kf[3]);
+                    }
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        acc[2 * pr][c] += part[0][c];
+                        acc[2 * pr + 1][c] += part[1][c];
+                    }
+                }
+            }
+        }
+    }
+    /* C fragment: rows g, g + 8, keys 2t, 2t+1 of each n8 tile; half 0 stores, half 1 adds and scales */
+    for (int h = 0; h < 2; h++) {
+        if (act && kh == h) {
+#pragma unroll
+            for (int n = 0; n < 2 * ATT_MMA_PAIRS; n++) {
+                if (n / 2 < pairs) {
+                    float2 *s0 = reinterpret_cast<float2 *>(s_s + (16 * mt + g) * ATT_MMA_SSTR + 8 * n + 2 * t);
+                    float2 *s1 = reinterpret_cast<float2 *>(reinterpret_cast<float *>(s0) + 8 * ATT_MMA_SSTR);
+                    if (h == 0) {
+                        *s0 = make_float2(acc[n][0], acc[n][1]);
+                        *s1 = make_float2(acc[n][2], acc[n][3]);
+                    } else {
+                        const float2 x0 = *s0, x1 = *s1;
+                        *s0 = make_float2((x0.x + acc[n][0]) * a.scale, (x0.y + acc[n][1]) * a.scale);
+                        *s1 = make_float2((x1.x + acc[n][2]) * a.scale, (x1.y + acc[n][3]) * a.scale);
+                    }
+                }
+            }
+        }
+        if (h == 0)
+            __syncthreads();
+    }
+}
+
+/* Phase 3: online softmax over the tile's nt keys, four threads a head (keys 2q + 8i, +1). Leaves
+ * P = e^(s - m_new) as ATT_MMA_PTERMS bf16 terms [PTERMS, 64, PSTR] (zero past nt) over the scores,
+ * and per head the new max, the running sum (of the f32 P) and alpha = e^(m_old - m_new) for
+ * rescaling the output. Every thread must call it. */
+static __device__ __forceinline__ void att_softmax(int nt, int ntp, int mts, float *s_s, __nv_bfloat16 *p_s,
+                                                   float *m_s, float *l_s, float *al_s)
+{
+    const int hl = threadIdx.x / 4, q = threadIdx.x % 4;
+    const bool act = hl < 16 * mts;
+    float v[ATT_MMA_KEYS / 4];
+    float mx = -INFINITY, m_old = -INFINITY, m_new = -INFINITY, sum = 0.0f;
+
+#pragma unroll
+    for (int i = 0; i < ATT_MMA_KEYS / 8; i++) {
+        const int j = 2 * q + 8 * i;
+        float2 s = make_float2(-INFINITY, -INFINITY);
+        if (act && j < ntp)
+            s = *reinterpret_cast<const float2 *>(s_s + hl * ATT_MMA_SSTR + j);
+        v[2 * i] = j < nt ? s.x : -INFINITY;
+        v[2 * i + 1] = j + 1 < nt ? s.y : -INFINITY;
+        mx = fmaxf(mx, fmaxf(v[2 * i], v[2 * i + 1]));
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    if (act) {
+        m_old = m_s[hl];
+        m_new = fmaxf(m_old, mx);       /* finite: the tile has a key */
+#pragma unroll
+        for (int i = 0; i < ATT_MMA_KEYS / 4; i++) {
+            v[i] = 2 * q + 8 * (i / 2) + (i & 1) < nt ? expf(v[i] - m_new) : 0.0f;
+            sum += v[i];
+        }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    __syncthreads();                    /* every score is in registers: P may overwrite them */
+    if (act) {
+#pragma unroll
+        for (int i = 0; i < ATT_MMA_KEYS / 8; i++) {
+            const int j = 2 * q + 8 * i;
+            if (j < ntp) {
+                uint32_t pt[ATT_MMA_PTERMS];
+                att_split<ATT_MMA_PTERMS>(v[2 * i], v[2 * i + 1], pt);
+#pragma unroll
+                for (int x = 0; x < ATT_MMA_PTERMS; x++)
+                    *reinterpret_cast<uint32_t *>(p_s + (x * ATT_MMA_HEADS + hl) * ATT_MMA_PSTR + j) = pt[x];
+            }
+        }
+        if (q == 0) {
+            const float alpha = expf(m_old - m_new);    /* 0 on the first tile (m_old = -inf) */
+            l_s[hl] = l_s[hl] * alpha + sum;
+            m_s[hl] = m_new;
+            al_s[hl] = alpha;
+        }
+    }
+    __syncthreads();
+}
+
+/* Phase 4: o = alpha o + P V for the warp's output dims 8 (w + 8 i), i < nown, every m16 tile.
+ * Value fragments by ldmatrix.trans from the key tile (keys [keys, dims] row-major is the
+ * column-major B the MMA wants for V); probability fragments by ldmatrix from P's terms. */
+static __device__ __forceinline__ void att_pv(float (&o)[ATT_MMA_MT][ATT_MMA_OWN][4], int hd, int ntp, int mts,
+                                              const __nv_bfloat16 *k_s, int kstr, const __nv_bfloat16 *p_s,
+                                              const float *al_s)
+{
+    const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP, g = lane / 4;
+    const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
+#pragma unroll
+    for (int mt = 0; mt < ATT_MMA_MT; mt++) {
+        if (mt < mts) {
+            const float aa = al_s[16 * mt + g], ab = al_s[16 * mt + g + 8];
+#pragma unroll
+            for (int i = 0; i < ATT_MMA_OWN; i++) {
+                o[mt][i][0] *= aa;
+                o[mt][i][1] *= aa;
+                o[mt][i][2] *= ab;
+                o[mt][i][3] *= ab;
+            }
+        }
+    }
+    /* matrices (keys +0..7, tile i), (+8..15, tile i), (+0..7, tile i+1), (+8..15, tile i+1) */
+    const __nv_bfloat16 *vl = k_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * kstr + 8 * warp;
+    const int second = lane >> 4;
+    /* matrices (heads +0..7, keys +0..7), (+8..15, +0..7), (+0..7, +8..15), (+8..15, +8..15) */
+    const int prow = (lane & 15) * ATT_MMA_PSTR + (lane >> 4) * 8;
+
+    for (int k = 0; k < ntp; k += 16) {
+        uint32_t vf[ATT_MMA_OWN][2];
+#pragma unroll
+        for (int i = 0; i < ATT_MMA_OWN; i += 2) {
+            if (i < nown) {
+                const int ti = second && i + 1 < nown ? i + 1 : i;
+                uint32_t r[4];
+                att_ldsm_x4_trans(r, vl + k * kstr + 8 * ATT_MMA_WARPS * ti);
+                vf[i][0] = r[0];
+                vf[i][1] = r[1];
+                vf[i + 1][0] = r[2];
+                vf[i + 1][1] = r[3];
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < ATT_MMA_MT; mt++) {
+            if (mt < mts) {
+                uint32_t pf[ATT_MMA_PTERMS][4];
+#pragma unroll
+                for (int x = 0; x < ATT_MMA_PTERMS; x++)
+                    att_ldsm_x4(pf[x], p_s + (x * ATT_MMA_HEADS + 16 * mt) * ATT_MMA_PSTR + prow + k);
+#pragma unroll
+                for (int i = 0; i < ATT_MMA_OWN; i++)
+                    if (i < nown)
+#pragma unroll
+                        for (int x = 0; x < ATT_MMA_PTERMS; x++)
+                            att_mma(o[mt][i], pf[x], vf[i][0], vf[i][1]);
+            }
+        }
+    }
+}
+
+__global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
+attention_mma_kernel(const struct dsv4_cuda_att_args a)
+{
+    extern __shared__ __align__(16) uint8_t att_sm[];
+    const int hd = a.hd, kstr = hd + ATT_MMA_KPAD;
+    __nv_bfloat16 *k_s = reinterpret_cast<__nv_bfloat16 *>(att_sm);
+    float *s_s = reinterpret_cast<float *>(att_sm + att_mma_kbytes(hd));
+    __nv_bfloat16 *p_s = reinterpret_cast<__nv_bfloat16 *>(s_s);
+    const uint8_t **e_s = reinterpret_cast<const uint8_t **>(att_sm + att_mma_kbytes(hd) + att_mma_spbytes());
+    float *m_s = reinterpret_cast<float *>(e_s + ATT_MMA_KEYS), *l_s = m_s + ATT_MMA_HEADS, *al_s = l_s + ATT_MMA_HEADS;
+    const int b = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * ATT_MMA_HEADS, tid = threadIdx.x;
+    const int mts = min(ATT_MMA_MT, (a.H - h0 + 15) / 16);
+    const att_run r = att_key_run(a, b, split, gridDim.y);
+    float o[ATT_MMA_MT][ATT_MMA_OWN][4];
+
+#pragma unroll
+    for (int mt = 0; mt < ATT_MMA_MT; mt++)
+#pragma unroll
+        for (int i = 0; i < ATT_MMA_OWN; i++)
+            o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+    if (tid < ATT_MMA_HEADS) {
+        m_s[tid] = -INFINITY;
+        l_s[tid] = 0.0f;
+    }
+
+    for (int t0 = r.k0; t0 < r.k1; t0 += ATT_MMA_KEYS) {
+        const int nt = min(ATT_MMA_KEYS, r.k1 - t0), ntp = (nt + 15) / 16 * 16;
+        if (tid < nt)
+            e_s[tid] = att_entry(a, r, b, t0 + tid);
+        __syncthreads();                /* also: the last tile's P V is done with k_s and P */
+        att_decode_tile(a, e_s, nt, ntp, k_s, kstr);
+        __syncthreads();
+        att_scores(a, b, h0, mts, ntp, k_s, kstr, s_s);
+        __syncthreads();
+        att_softmax(nt, ntp, mts, s_s, p_s, m_s, l_s, al_s);
+        att_pv(o, hd, ntp, mts, k_s, kstr, p_s, al_s);
+    }
+    __syncthreads();
+
+    /* partials: o (C fragments: heads g, g + 8 of each m16 tile, dims 2t, 2t+1 of each n8 tile), m, l */
+    const int warp = tid / DSV4_CUDA_WARP, lane = tid % DSV4_CUDA_WARP, g = lane / 4, t = lane % 4;
+    const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
+    float *part = a.part + ((int64_t)b * gridDim.y + split) * a.H * (hd + 2);
+#pragma unroll
+    for (int mt = 0; mt < ATT_MMA_MT; mt++) {
+        const int ha = h0 + 16 * mt + g, hb = ha + 8;
+#pragma unroll
+        for (int i = 0; i < ATT_MMA_OWN; i++) {
+            if (mt < mts && i < nown) {
+                const int d = 8 * (warp + ATT_MMA_WARPS * i) + 2 * t;
+                if (ha < a.H)
+                    *reinterpret_cast<float2 *>(part + (int64_t)ha * (hd + 2) + d) = make_float2(o[mt][i][0], o[mt][i][1]);
+                if (hb < a.H)
+                    *reinterpret_cast<float2 *>(part + (int64_t)hb * (hd + 2) + d) = make_float2(o[mt][i][2], o[mt][i][3]);
+            }
+        }
+    }
+    if (tid < 16 * mts && h0 + tid < a.H) {
+        part[(int64_t)(h0 + tid) * (hd + 2) + hd] = m_s[tid];
+        part[(int64_t)(h0 + tid) * (hd + 2) + hd + 1] = l_s[tid];
+    }
+}
+
 /* grid (B, H): o_h = sum_s acc_s e^(m_s - M) / (e^(sink - M) + sum_s l_s e^(m_s - M)), then RoPE^-1
  * on its last rd values at the row's position. */
 __global__ void attention_combine_kernel(const float *__restrict__ part, int splits, int H, int hd, int rd,
@@ -240,18 +713,63 @@ __global__ void attention_combine_kernel(const float *__restrict__ part, int spl
         o[((int64_t)b * H + h) * hd + d] = o_s[d];
 }
 
-size_t dsv4_cuda_attention_smem(int hd)
+static size_t att_f32_smem(int hd)
 {
     return (size_t)((ATT_HB + ATT_TILE) * (hd + ATT_PAD) + ATT_HB * ATT_TILE + 3 * ATT_HB) * sizeof(float);
 }
 
+size_t dsv4_cuda_attention_smem(int hd)
+{
+    const size_t f = att_f32_smem(hd), m = att_mma_smem(hd);
+    return f > m ? f : m;
+}
+
 int dsv4_cuda_attention_prepare(int hd)
 {
-    if (hd % (4 * ATT_CHUNKS) || hd > DSV4_CUDA_MAX_HEAD_DIM)
+    int dev, optin;
+    if (hd < ATT_MMA_HD_ALIGN || hd % ATT_MMA_HD_ALIGN || hd > DSV4_CUDA_MAX_HEAD_DIM)
         return dsv4_error_set(-EINVAL, "attention: head_dim %d must be a multiple of %d and at most %d", hd,
-                              4 * ATT_CHUNKS, DSV4_CUDA_MAX_HEAD_DIM);
-    DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)dsv4_cuda_attention_smem(hd)));
+                              ATT_MMA_HD_ALIGN, DSV4_CUDA_MAX_HEAD_DIM);
+    DSV4_CUDA_TRY(cudaGetDevice(&dev));
+    DSV4_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if (dsv4_cuda_attention_smem(hd) > (size_t)optin)
+        return dsv4_error_set(-ENOTSUP, "attention: head_dim %d needs %zu bytes of shared memory per block, "
+                              "device %d allows %d", hd, dsv4_cuda_attention_smem(hd), dev, optin);
+    DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_f32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)att_f32_smem(hd)));
+    DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)att_mma_smem(hd)));
+    return 0;
+}
+
+/* The shapes and alignment each kernel relies on; -EINVAL with what to change. */
+static int att_check(const struct dsv4_cuda_att_args *a)
+{
+    const int hd = a->hd, rd = a->rd;
+    if (a->H < 1 || hd < 1 || hd > DSV4_CUDA_MAX_HEAD_DIM || rd < 2 || rd % 2 || rd > hd)
+        return dsv4_error_set(-EINVAL, "attention: %d heads of head_dim %d (max %d) with rope dims %d", a->H, hd,
+                              DSV4_CUDA_MAX_HEAD_DIM, rd);
+    if (a->kvf != DSV4_KV_F32 && a->kvf != DSV4_KV_FP8)
+        return dsv4_error_set(-EINVAL, "attention: unknown KV entry format %d", a->kvf);
+    if (a->entry_bytes != dsv4_cuda_kv_entry_bytes(hd, rd, a->kvf))
+        return dsv4_error_set(-EINVAL, "attention: entries of %d bytes, format %d at head_dim %d rope %d has %d",
+                              a->entry_bytes, a->kvf, hd, rd, dsv4_cuda_kv_entry_bytes(hd, rd, a->kvf));
+    if (a->window < 1 || a->ring < a->window)
+        return dsv4_error_set(-EINVAL, "attention: ring of %d entries for a window of %d", a->ring, a->window);
+    if (a->kvf == DSV4_KV_F32) {
+        if (hd % ATT_F32_HD_ALIGN)
+            return dsv4_error_set(-EINVAL, "attention (f32 entries): head_dim %d must be a multiple of %d", hd,
+                                  ATT_F32_HD_ALIGN);
+        return 0;
+    }
+    if (hd % ATT_MMA_HD_ALIGN || rd % ATT_MMA_RD_ALIGN)
+        return dsv4_error_set(-EINVAL, "attention (FP8 entries): head_dim %d must be a multiple of %d and rope "
+                              "dims %d of %d", hd, ATT_MMA_HD_ALIGN, rd, ATT_MMA_RD_ALIGN);
+    if ((uintptr_t)a->q % sizeof(float2) || (uintptr_t)a->part % sizeof(float2) ||
+        (uintptr_t)a->win % ATT_MMA_ENTRY_ALIGN || a->win_slot_stride % ATT_MMA_ENTRY_ALIGN ||
+        (a->ratio && ((uintptr_t)a->comp % ATT_MMA_ENTRY_ALIGN || a->comp_slot_stride % ATT_MMA_ENTRY_ALIGN)))
+        return dsv4_error_set(-EINVAL, "attention (FP8 entries): queries and partials must be 8-byte aligned, "
+                              "entry caches and their slot strides multiples of %d bytes", ATT_MMA_ENTRY_ALIGN);
     return 0;
 }
 
@@ -259,15 +777,35 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
                         const float *d_inv_freq, float *d_o, void *stream)
 {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    int rc;
     if (batch < 1)
         return 0;
-    attention_kernel<<<dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + ATT_HB - 1) / ATT_HB), ATT_THREADS,
-                       dsv4_cuda_attention_smem(a->hd), s>>>(*a);
-    DSV4_CUDA_LAUNCHED("attention");
+    if ((rc = att_check(a)) < 0)
+        return rc;
+    if (a->kvf == DSV4_KV_FP8) {
+        attention_mma_kernel<<<dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + ATT_MMA_HEADS - 1) / ATT_MMA_HEADS),
+                               ATT_MMA_THREADS, att_mma_smem(a->hd), s>>>(*a);
+        DSV4_CUDA_LAUNCHED("attention_mma");
+        dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_MMA);
+    } else {
+        attention_f32_kernel<<<dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + ATT_HB - 1) / ATT_HB), ATT_THREADS,
+                               att_f32_smem(a->hd), s>>>(*a);
+        DSV4_CUDA_LAUNCHED("attention_f32");
+        dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_F32);
+    }
     attention_combine_kernel<<<dim3(batch, a->H), 128, a->hd * sizeof(float), s>>>(
         a->part, DSV4_CUDA_ATT_SPLITS, a->H, a->hd, a->rd, d_sink, a->pos, d_inv_freq, d_o);
     DSV4_CUDA_LAUNCHED("attention_combine");
     return 0;
+}
+
+/* For C callers (tests/gpu/test_gpu_attention.c; kernels_internal.h has C++ linkage): prepare for
+ * a->hd, then dsv4_cuda_attention. Not for use under graph capture. */
+extern "C" int dsv4_cuda_attention_once(const struct dsv4_cuda_att_args *a, int batch, const float *d_sink,
+                                        const float *d_inv_freq, float *d_o, void *stream)
+{
+    const int rc = dsv4_cuda_attention_prepare(a->hd);
+    return rc < 0 ? rc : dsv4_cuda_attention(a, batch, d_sink, d_inv_freq, d_o, stream);
 }
 
 /* One block per row: encode into a scratch entry in shared memory, decode back. */
