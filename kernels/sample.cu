@@ -17,8 +17,8 @@
  *   3. (top-n / top_k / top_p) gather the tokens of the bin where the count or mass crosses its
  *      target into block 0's shared memory, sort them there by key (each block a copy) and read the
  *      exact boundary; a bin too large for the list is searched bit by bit over the row instead;
- *   4. (sampled rows) tile sums of the kept mass, a scan over tiles, then one warp walks the tile
- *      holding u * mass in ascending id.
+ *   4. (sampled rows) tile sums of the kept mass (in pass 2 for rows without top_k / top_p), a
+ *      scan over tiles, then one warp walks the tile holding u * mass in ascending id.
  * Rank order is the composite key (float order of the value << 32 | ~id): larger value first, then
  * lower id, exactly sampler.c's ranks_before. */
 #include "kernels/cuda_util.cuh"
@@ -784,16 +784,26 @@ __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(const sample_
         chosen = key_id(v[2]);  /* greedy (step 4): the largest l, lowest id on ties */
     }
 
-    /* Pass 2: the raw row's mass (log-sum-exp, in fixed point) and the coarse histograms. */
+    /* Pass 2: the raw row's mass (log-sum-exp, in fixed point) and the coarse histograms; rows
+     * without top_k / top_p also take the draw's tile sums here (every token with p >= min_p is
+     * kept), which saves them a pass. */
+    const bool tiles_in_p2 = sampling && !topk && !topp;
+    const int lane = threadIdx.x % DSV4_CUDA_WARP, spt = r.tile_w / SAMPLE_STEP;
+    auto kept_p = [&](float p) -> uint64_t { return minp && !(p >= P.min_p) ? 0 : fixed_mass(p); };
     double lse;
     {
         uint64_t v[4] = { 0, 0, 0, 0 };         /* raw mass, last bin: count, mass, raw count */
-        for_each_step(r, [&](int, int v0, const float4 &q) {
+        uint64_t tsum = 0;
+        int step = 0;
+        for_each_step(r, [&](int t, int v0, const float4 &q) {
             float x[4], l[4];
             const int n = load4(r, v0, q, x, l);
             for (int i = 0; i < n; i++) {
-                const uint64_t wr = fixed_mass(prob(x[i], r.m_raw));
+                const float pr = prob(x[i], r.m_raw);
+                const uint64_t wr = fixed_mass(pr);
                 v[0] += wr;
+                if (tiles_in_p2)
+                    tsum += kept_p(transformed ? prob(l[i], r.m_l) : pr);
                 if (rhist) {
                     const int b = coarse_bin(r.m_raw, x[i]);
                     if (b < SAMPLE_BINS - 1)
@@ -812,6 +822,14 @@ __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(const sample_
                         v[2] += w;
                     }
                 }
+            }
+            if (tiles_in_p2 && ++step == spt) {     /* the tile's last step */
+                for (int o = DSV4_CUDA_WARP / 2; o > 0; o >>= 1)
+                    tsum += __shfl_xor_sync(SAMPLE_FULL, tsum, o);
+                if (lane == 0)
+                    S.tile[t - r.t_begin] = tsum;
+                tsum = 0;
+                step = 0;
             }
         });
         if (r.C > 1 && (lhist || rhist)) {
@@ -942,31 +960,28 @@ __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(const sample_
          * Tile sums of the kept mass, a scan over the row's tiles, then the tile holding the target
          * is walked by one warp of the block that has it. */
         if (tau < rank_key(r.m_l, chosen)) {
-            const float m = r.m_l, mp = P.min_p;
+            const float m = r.m_l;
             auto kept_mass = [&](float l, int v) -> uint64_t {
-                if (tau && rank_key(l, v) < tau)
-                    return 0;
-                const float p = prob(l, m);
-                return minp && !(p >= mp) ? 0 : fixed_mass(p);
+                return tau && rank_key(l, v) < tau ? 0 : kept_p(prob(l, m));
             };
-            const int lane = threadIdx.x % DSV4_CUDA_WARP, spt = r.tile_w / SAMPLE_STEP;
-            uint64_t tsum = 0;
-            int step = 0;
-            for_each_step(r, [&](int t, int v0, const float4 &q) {
-                float x[4], l[4];
-                const int n = load4(r, v0, q, x, l);
-                for (int i = 0; i < n; i++)
-                    tsum += kept_mass(l[i], v0 + i);
-                if (++step == spt) {    /* the tile's last step */
-                    uint64_t ts = tsum;
-                    for (int o = DSV4_CUDA_WARP / 2; o > 0; o >>= 1)
-                        ts += __shfl_xor_sync(SAMPLE_FULL, ts, o);
-                    if (lane == 0)
-                        S.tile[t - r.t_begin] = ts;
-                    tsum = 0;
-                    step = 0;
-                }
-            });
+            if (!tiles_in_p2) {
+                uint64_t tsum = 0;
+                int step = 0;
+                for_each_step(r, [&](int t, int v0, const float4 &q) {
+                    float x[4], l[4];
+                    const int n = load4(r, v0, q, x, l);
+                    for (int i = 0; i < n; i++)
+                        tsum += kept_mass(l[i], v0 + i);
+                    if (++step == spt) {    /* the tile's last step */
+                        for (int o = DSV4_CUDA_WARP / 2; o > 0; o >>= 1)
+                            tsum += __shfl_xor_sync(SAMPLE_FULL, tsum, o);
+                        if (lane == 0)
+                            S.tile[t - r.t_begin] = tsum;
+                        tsum = 0;
+                        step = 0;
+                    }
+                });
+            }
             for (int t = r.t_end - r.t_begin + threadIdx.x; t < SAMPLE_TILES; t += SAMPLE_THREADS)
                 S.tile[t] = 0;
             __syncthreads();
