@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "engine/sampler.h"
 #include "engine/weights.h"
 
 enum dsv4_numerics {
@@ -25,10 +26,20 @@ struct dsv4_backend_stats {
     uint64_t device_allocs;     /* allocations made since create (must stay flat after boot) */
     uint64_t graph_captures;
     uint64_t bytes_reserved;    /* caches + workspaces */
-    char variant[128];          /* kernels in use, for stats and logs */
+    char variant[192];          /* kernels in use, for stats and logs */
 };
 
 struct dsv4_backend;
+
+/* One row for a backend that samples where its logits are (the optional `sample` op). */
+struct dsv4_backend_sample_req {
+    int slot;
+    const struct dsv4_sampling *params;     /* validated by the caller */
+    uint64_t seed;                          /* Philox key */
+    uint64_t index;                         /* output index of the token (0 for the first) */
+};
+
+#define DSV4_BACKEND_MSG_MAX 160            /* a row's error message, with its terminating NUL */
 
 struct dsv4_backend_ops {
     const char *name;           /* "cpu", "cuda" */
@@ -39,6 +50,15 @@ struct dsv4_backend_ops {
     /* One token for each of n slots (distinct); logits [n, V] f32, row i for slots[i]. */
     int (*decode)(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens,
                   float *logits);
+    /* Optional (NULL: the engine samples the copied-back logits on the host, engine/sampler.c).
+     * Sample the rows of the call just made, without copying logits back: after prefill, n == 1
+     * and req[0].slot is that prefill's slot (its last prompt token); after decode, the decode's n
+     * rows in its order. Same semantics as dsv4_sampler_sample; the backend keeps each slot's
+     * penalty history itself (prefill marks prompt tokens seen, sampled tokens are counted,
+     * slot_reset clears it). rc[i]: 0, or -errno with msgs + i * DSV4_BACKEND_MSG_MAX saying why
+     * (a non-finite logit, ...); the return value is for failures of the whole call. */
+    int (*sample)(struct dsv4_backend *b, int n, const struct dsv4_backend_sample_req *req,
+                  struct dsv4_sample *out, int *rc, char *msgs);
     /* Forget slot's sequence (position 0, caches cleared logically). */
     void (*slot_reset)(struct dsv4_backend *b, int slot);
     int64_t (*slot_position)(const struct dsv4_backend *b, int slot);

@@ -137,6 +137,9 @@ struct dsv4_sched {
     struct dsv4_sample *row_sample; /* [max_batch] */
     int *row_rc;                    /* [max_batch] */
     char (*row_err)[DSV4_SCHED_ERROR_MAX];  /* [max_batch] messages of failed rows */
+    bool device_sampling;           /* the backend samples where its logits are (ops->sample) */
+    struct dsv4_backend_sample_req *sreq;   /* [max_batch] its rows */
+    char *smsg;                     /* [max_batch, DSV4_BACKEND_MSG_MAX] its row messages */
     char *scratch;                  /* [4 + TOKEN_BYTES_MAX] raw bytes awaiting UTF-8 repair */
 
     bool stop_asked, draining;
@@ -308,6 +311,26 @@ static void *pool_worker(void *arg)
     return NULL;
 }
 
+/* Device sampling of rows [0, n): request reqs[k] (running-list indices) for row k of the call just
+ * made, into row_sample/row_rc/row_err. */
+static int sample_on_device(struct dsv4_sched *s, int n, const int *reqs)
+{
+    for (int k = 0; k < n; k++) {
+        const struct sched_req *q = &s->reqs[reqs[k]];
+        s->sreq[k] = (struct dsv4_backend_sample_req){ .slot = q->slot, .params = &q->sampling, .seed = q->seed,
+                                                       .index = (uint64_t)q->result.n_tokens };
+    }
+    int r = s->backend->ops->sample(s->backend, n, s->sreq, s->row_sample, s->row_rc, s->smsg);
+    for (int k = 0; k < n; k++) {
+        if (r < 0)
+            s->row_rc[k] = r;
+        if (s->row_rc[k] < 0)
+            snprintf(s->row_err[k], DSV4_SCHED_ERROR_MAX, "sampling: %s",
+                     r < 0 ? dsv4_error_message() : s->smsg + (size_t)k * DSV4_BACKEND_MSG_MAX);
+    }
+    return r;
+}
+
 /* Sample the decode step's n rows into row_sample/row_rc, on every pool thread. */
 static void sample_decode_rows(struct dsv4_sched *s, int n)
 {
@@ -428,10 +451,16 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->workers = sched_alloc(s, (size_t)s->n_threads, sizeof(*s->workers));
     s->row_sample = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_sample));
     s->row_rc = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_rc));
+    s->device_sampling = b->ops->sample != NULL;
+    if (s->device_sampling) {
+        s->sreq = sched_alloc(s, (size_t)max_batch, sizeof(*s->sreq));
+        s->smsg = sched_alloc(s, (size_t)max_batch, DSV4_BACKEND_MSG_MAX);
+    }
     s->row_err = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_err));
     if (!s->reqs || !s->outs || !s->slot_req || !s->running || !s->counts || !s->seen || !s->events ||
         !s->logits || !s->dec_slots || !s->dec_tokens || !s->dec_reqs || !s->scratch || !s->samplers ||
-        !s->workers || !s->row_sample || !s->row_rc || !s->row_err) {
+        !s->workers || !s->row_sample || !s->row_rc || !s->row_err ||
+        (s->device_sampling && (!s->sreq || !s->smsg))) {
         r = dsv4_error_set(-ENOMEM, "scheduler: out of memory for %d slots x vocab %d", max_batch, vocab);
         goto fail;
     }
@@ -533,6 +562,8 @@ void dsv4_sched_destroy(struct dsv4_sched *s)
     free(s->row_sample);
     free(s->row_rc);
     free(s->row_err);
+    free(s->sreq);
+    free(s->smsg);
     pthread_cond_destroy(&s->pool_go);
     pthread_cond_destroy(&s->pool_done);
     pthread_mutex_destroy(&s->pool_lock);
@@ -1121,7 +1152,8 @@ int dsv4_sched_step(struct dsv4_sched *s)
         int left = q->n_prompt - q->n_prefilled;
         int chunk = left < budget ? left : budget;
         bool last = chunk == left;
-        int r = b->ops->prefill(b, q->slot, q->prompt + q->n_prefilled, chunk, last ? s->logits : NULL, false);
+        float *lg = last && !s->device_sampling ? s->logits : NULL;
+        int r = b->ops->prefill(b, q->slot, q->prompt + q->n_prefilled, chunk, lg, false);
         if (r < 0) {
             fail_request(s, q, r, "prefill");
             continue;
@@ -1136,7 +1168,16 @@ int dsv4_sched_step(struct dsv4_sched *s)
         if (last) {
             q->generating = true;
             q->fresh = true;
-            sample_row(s, q, s->logits);
+            if (s->device_sampling) {
+                int ri = s->running[k];
+                sample_on_device(s, 1, &ri);
+                if (s->row_rc[0] < 0)
+                    finish(s, q, DSV4_FINISH_ERROR, s->row_rc[0], s->row_err[0]);
+                else
+                    take_token(s, q, &s->row_sample[0]);
+            } else {
+                sample_row(s, q, s->logits);
+            }
         }
     }
 
@@ -1152,8 +1193,10 @@ int dsv4_sched_step(struct dsv4_sched *s)
         n++;
     }
     if (n > 0) {
-        int r = b->ops->decode(b, n, s->dec_slots, s->dec_tokens, s->logits);
-        if (r >= 0)
+        int r = b->ops->decode(b, n, s->dec_slots, s->dec_tokens, s->device_sampling ? NULL : s->logits);
+        if (r >= 0 && s->device_sampling)
+            sample_on_device(s, n, s->dec_reqs);
+        else if (r >= 0)
             sample_decode_rows(s, n);
         for (int k = 0; k < n; k++) {
             struct sched_req *q = &s->reqs[s->dec_reqs[k]];

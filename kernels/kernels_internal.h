@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DSV4_CUDA_MAX_HEAD_DIM 512  /* attention keeps a head's output in 64 registers per thread */
+#define DSV4_CUDA_MAX_HEAD_DIM 512  /* widest head the attention kernels and KV codec take */
 #define DSV4_CUDA_ATT_SPLITS 16     /* key runs per row, combined by log-sum-exp */
 #define DSV4_CUDA_TOPK_THREADS 1024
 

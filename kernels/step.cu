@@ -19,6 +19,7 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
+#include "kernels/sample.h"
 
 #define STEP_MAX_BUCKETS 8      /* 1, 2, 4, ..., 64 */
 #define STEP_IN_FIELDS 5        /* per row: token, slot, position, first and last position of its slot in the step */
@@ -50,6 +51,10 @@ struct step_buf {
     float *rlogits, *rw, *sg, *su, *sh, *sout, *hm, *logits;
     struct dsv4_cuda_moe_ws moe;
     struct dsv4_cuda_gemm_ws gemm;
+    void *shist;                /* device sampling: penalty history of max_batch slots */
+    struct dsv4_sample_row *sparams;        /* [B] */
+    struct dsv4_sample_result *sres;        /* [B] */
+    int32_t *sslots, *stokens;              /* [B] */
     float *inv_main, *inv_comp;
     int64_t mixws_floats;       /* capacity of mixws */
 };
@@ -76,6 +81,15 @@ struct cuda_backend {
     bool use_graphs;
     bool use_gemm;              /* tensor-core linears where the format allows (DSV4_CUDA_GEMM=0: GEMV only) */
     uint64_t captures;
+    /* device sampling (ops->sample; DSV4_CUDA_SAMPLE=0 leaves it to the host) */
+    struct dsv4_sample_history hist;            /* [max_batch slots, V] */
+    struct dsv4_sample_row *d_sparams, *h_sparams;      /* [max_batch] */
+    struct dsv4_sample_result *d_sres, *h_sres;         /* [max_batch] */
+    int32_t *d_sslots, *h_sslots, *d_stokens;   /* [max_batch] */
+    int last_rows;              /* rows of the last prefill chunk or decode */
+    bool last_prefill;
+    int last_slot;              /* the last prefill's slot */
+    bool hist_broken;           /* a history clear failed: sampling refuses until the next create */
 };
 
 /* ---- sizes shared with the device boot ---- */
@@ -205,6 +219,11 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     void *g = take((int64_t)dsv4_cuda_gemm_ws_bytes((int)B, max_linear_in(c)));
     if (base)
         dsv4_cuda_gemm_ws_init(&t.gemm, g, (int)B, max_linear_in(c));
+    t.shist = take((int64_t)dsv4_sample_history_bytes((int)B, c->vocab_size));
+    t.sparams = static_cast<struct dsv4_sample_row *>(take(B * (int64_t)sizeof(struct dsv4_sample_row)));
+    t.sres = static_cast<struct dsv4_sample_result *>(take(B * (int64_t)sizeof(struct dsv4_sample_result)));
+    t.sslots = i32(B);
+    t.stokens = i32(B);
     t.inv_main = f(c->rope_dim / 2);
     t.inv_comp = f(c->rope_dim / 2);
     if (sb)
@@ -543,12 +562,17 @@ static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int3
         if (rc < 0)
             return rc;
     }
+    /* every row's token is now in its slot's history (prompt tokens: seen; a decode row's token was
+     * counted when it was sampled); padding rows name no history slot and are skipped */
+    STEP(dsv4_sample_history_record(&cb->hist, cb->b.in + B, cb->b.in, n, false, s));
     if (logits && lrows > 0)
         DSV4_CUDA_TRY(cudaMemcpyAsync(logits, cb->b.logits + (size_t)lrow0 * cb->cfg->vocab_size,
                                       sizeof(float) * lrows * cb->cfg->vocab_size, cudaMemcpyDeviceToHost, s));
     DSV4_CUDA_TRY(cudaStreamSynchronize(s));
     for (int i = 0; i < n; i++)
         cb->pos[slots[i]] = pos[i] + 1;
+    cb->last_rows = n;
+    cb->last_prefill = false;
     return 0;
 }
 
@@ -606,13 +630,66 @@ static int op_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, i
         float *dst = !logits ? NULL : all_rows ? logits + (size_t)i0 * V : tail ? logits : NULL;
         STEP(run_rows(cb, m, cb->h_slots, tokens + i0, dst, all_rows ? 0 : m - 1, all_rows ? m : 1));
     }
+    cb->last_prefill = n > 0;
+    cb->last_slot = slot;
+    return 0;
+}
+
+/* Sample the rows of the last call on the device (engine/backend.h): one launch over the rows'
+ * logits in the step buffer, the sampled tokens counted into their slots' histories, and only the
+ * small per-row results copied back. */
+static int op_sample(struct dsv4_backend *b, int n, const struct dsv4_backend_sample_req *req, struct dsv4_sample *out,
+                     int *rc, char *msgs)
+{
+    struct cuda_backend *cb = impl(b);
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    const int V = cb->cfg->vocab_size;
+    const float *rows = cb->b.logits;
+
+    if (cb->hist_broken)
+        return dsv4_error_set(-EIO, "cuda sample: clearing a slot's penalty history failed earlier");
+    if (cb->last_prefill) {
+        if (n != 1 || req[0].slot != cb->last_slot)
+            return dsv4_error_set(-EINVAL, "cuda sample: after a prefill of slot %d, sample that one slot "
+                                  "(asked %d rows, slot %d)", cb->last_slot, n, n > 0 ? req[0].slot : -1);
+        rows += (size_t)(cb->last_rows - 1) * V;
+    } else if (n < 1 || n != cb->last_rows) {
+        return dsv4_error_set(-EINVAL, "cuda sample: %d rows asked after a decode of %d", n, cb->last_rows);
+    }
+    for (int i = 0; i < n; i++) {
+        if (req[i].slot < 0 || req[i].slot >= b->opts.max_batch)
+            return dsv4_error_set(-EINVAL, "cuda sample: slot %d outside 0..%d", req[i].slot, b->opts.max_batch - 1);
+        dsv4_sample_row_set(&cb->h_sparams[i], req[i].params, req[i].seed, req[i].index, req[i].slot);
+        cb->h_sslots[i] = req[i].slot;
+    }
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->d_sparams, cb->h_sparams, sizeof(*cb->h_sparams) * n, cudaMemcpyHostToDevice, s));
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->d_sslots, cb->h_sslots, sizeof(*cb->h_sslots) * n, cudaMemcpyHostToDevice, s));
+    STEP(dsv4_sample_rows(rows, V, n, V, cb->d_sparams, &cb->hist, cb->d_sres, cb->d_stokens, s));
+    STEP(dsv4_sample_history_record(&cb->hist, cb->d_sslots, cb->d_stokens, n, true, s));
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->h_sres, cb->d_sres, sizeof(*cb->h_sres) * n, cudaMemcpyDeviceToHost, s));
+    DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+    for (int i = 0; i < n; i++) {
+        rc[i] = dsv4_sample_result_get(&cb->h_sres[i], &out[i]);
+        if (rc[i] < 0)
+            snprintf(msgs + (size_t)i * DSV4_BACKEND_MSG_MAX, DSV4_BACKEND_MSG_MAX, "%s", dsv4_error_message());
+    }
+    cb->last_prefill = false;
+    cb->last_rows = 0;      /* a row is sampled once */
     return 0;
 }
 
 static void op_slot_reset(struct dsv4_backend *b, int slot)
 {
-    if (slot >= 0 && slot < b->opts.max_batch)
-        impl(b)->pos[slot] = 0;
+    struct cuda_backend *cb = impl(b);
+    if (slot < 0 || slot >= b->opts.max_batch)
+        return;
+    cb->pos[slot] = 0;
+    /* the penalty history starts empty; the copy reads h_sslots before it returns (pageable memory) */
+    cb->h_sslots[0] = slot;
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    if (cudaMemcpyAsync(cb->d_sslots, cb->h_sslots, sizeof(int32_t), cudaMemcpyHostToDevice, s) != cudaSuccess ||
+        dsv4_sample_history_clear(&cb->hist, cb->d_sslots, 1, s) < 0)
+        cb->hist_broken = true;     /* reported by the next sample call */
 }
 
 static int64_t op_slot_position(const struct dsv4_backend *b, int slot)
@@ -629,10 +706,10 @@ static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats
     ret->device_allocs = st.device_allocs;
     ret->graph_captures = cb->captures;
     ret->bytes_reserved = st.cache_bytes + st.workspace_bytes;
-    snprintf(ret->variant, sizeof(ret->variant), "cuda %.24s, %.24s, %s numerics, KV %s, %d graphs", st.kernel_build,
-             st.device_name, cb->fp8 ? "fp8" : "exact",
+    snprintf(ret->variant, sizeof(ret->variant), "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, sampling on %s",
+             st.kernel_build, st.device_name, cb->fp8 ? "fp8" : "exact",
              cb->kvf == DSV4_KV_FP8 ? "fp8 e4m3+bf16 (584 B at 512/64)" : "f32",
-             cb->use_graphs ? cb->n_buckets : 0);
+             cb->use_graphs ? cb->n_buckets : 0, b->ops->sample ? "device" : "host");
 }
 
 static void op_destroy(struct dsv4_backend *b)
@@ -646,11 +723,21 @@ static void op_destroy(struct dsv4_backend *b)
     free(cb->pos);
     free(cb->h_in);
     free(cb->h_slots);
+    free(cb->h_sparams);
+    free(cb->h_sres);
+    free(cb->h_sslots);
     free(cb);
 }
 
 static const struct dsv4_backend_ops cuda_ops = {
-    "cuda", op_prefill, op_decode, op_slot_reset, op_slot_position, op_get_stats, op_destroy,
+    .name = "cuda", .prefill = op_prefill, .decode = op_decode, .sample = op_sample, .slot_reset = op_slot_reset,
+    .slot_position = op_slot_position, .get_stats = op_get_stats, .destroy = op_destroy,
+};
+
+/* DSV4_CUDA_SAMPLE=0: the engine samples copied-back logits on the host instead. */
+static const struct dsv4_backend_ops cuda_ops_host_sampling = {
+    .name = "cuda", .prefill = op_prefill, .decode = op_decode, .sample = nullptr, .slot_reset = op_slot_reset,
+    .slot_position = op_slot_position, .get_stats = op_get_stats, .destroy = op_destroy,
 };
 
 /* ---- create ---- */
@@ -745,6 +832,26 @@ static int capture(struct cuda_backend *cb)
     return 0;
 }
 
+/* Device sampling state (carved with the step buffers): the penalty history of every slot,
+ * cleared; per-row parameters, results and token/slot columns. */
+static int sampling_boot(struct cuda_backend *cb)
+{
+    const int B = cb->base.opts.max_batch, V = cb->cfg->vocab_size;
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    STEP(dsv4_sample_prepare());
+    STEP(dsv4_sample_history_init(&cb->hist, cb->b.shist, B, V));
+    cb->d_sparams = cb->b.sparams;
+    cb->d_sres = cb->b.sres;
+    cb->d_sslots = cb->b.sslots;
+    cb->d_stokens = cb->b.stokens;
+    for (int i = 0; i < B; i++)
+        cb->h_sslots[i] = i;
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->d_sslots, cb->h_sslots, sizeof(int32_t) * B, cudaMemcpyHostToDevice, s));
+    STEP(dsv4_sample_history_clear(&cb->hist, cb->d_sslots, B, s));
+    DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+    return 0;
+}
+
 static void log_stderr(void *ctx, const char *line)
 {
     if (getenv("DSV4_CUDA_LOG"))
@@ -774,7 +881,10 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->pos = static_cast<int64_t *>(calloc(cb->slots, sizeof(*cb->pos)));
     cb->h_in = static_cast<int32_t *>(calloc(STEP_IN_FIELDS * (size_t)opts->max_batch, sizeof(*cb->h_in)));
     cb->h_slots = static_cast<int *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_slots)));
-    if (!cb->L || !cb->pos || !cb->h_in || !cb->h_slots)
+    cb->h_sparams = static_cast<struct dsv4_sample_row *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_sparams)));
+    cb->h_sres = static_cast<struct dsv4_sample_result *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_sres)));
+    cb->h_sslots = static_cast<int32_t *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_sslots)));
+    if (!cb->L || !cb->pos || !cb->h_in || !cb->h_slots || !cb->h_sparams || !cb->h_sres || !cb->h_sslots)
         return dsv4_error_set(-ENOMEM, "cuda: backend tables");
     struct layer_cache *lc = static_cast<struct layer_cache *>(calloc(c->n_layers, sizeof(*lc)));
     if (!lc)
@@ -787,6 +897,7 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->max_entries = max_csa_entries(c, opts);
     STEP(dsv4_cuda_dev_carve(cb->dev, (size_t)buffers(c, opts, NULL, NULL), &p));
     buffers(c, opts, static_cast<uint8_t *>(p), &cb->b);
+    STEP(sampling_boot(cb));
     inv_freq(&c->rope_main, c->rope_dim, inv[0]);
     inv_freq(&c->rope_compress, c->rope_dim, inv[1]);
     DSV4_CUDA_TRY(cudaMemcpy(cb->b.inv_main, inv[0], sizeof(float) * c->rope_dim / 2, cudaMemcpyHostToDevice));
@@ -831,7 +942,8 @@ extern "C" int dsv4_backend_cuda_create(const struct dsv4_weights *w, const stru
     cb = static_cast<struct cuda_backend *>(calloc(1, sizeof(*cb)));
     if (!cb)
         return dsv4_error_set(-ENOMEM, "cuda: backend state");
-    cb->base.ops = &cuda_ops;
+    const char *smp = getenv("DSV4_CUDA_SAMPLE");
+    cb->base.ops = smp && strcmp(smp, "0") == 0 ? &cuda_ops_host_sampling : &cuda_ops;
     cb->base.weights = w;
     cb->base.opts = *opts;
     cb->base.impl = cb;
