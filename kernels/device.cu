@@ -34,7 +34,7 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_GEMV_BF16: return "gemv_bf16_warprow";
     case DSV4_CUDA_V_GEMV_FP8: return "gemv_fp8_b128_warprow";
     case DSV4_CUDA_V_GEMV_FP4: return "gemv_fp4_b32_warprow";
-    case DSV4_CUDA_V_EXPERTS_FP4: return "experts_fp4_grouped_swiglu";
+    case DSV4_CUDA_V_EXPERTS_FP4: return "experts_fp4_grouped_swiglu_bf16mma_rows64";
     case DSV4_CUDA_V_EXPERTS_OTHER: return "experts_grouped_swiglu_f32_bf16_fp8";
     case DSV4_CUDA_V_MHC_FN_SPLITK: return "mhc_fn_f32_splitk256_fixed_order";
     case DSV4_CUDA_V_MHC_PRE: return "mhc_pre_cols1024_per_token_sinkhorn_regs";
@@ -44,6 +44,7 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_ATTENTION_F32: return "attention_f32_fma_heads32_keys12_split16";
     case DSV4_CUDA_V_INDEXER_MMA: return "indexer_scores_fp4keys_bf16mma_entries1024";
     case DSV4_CUDA_V_INDEXER_FMA: return "indexer_scores_fma_thread_per_entry";
+    case DSV4_CUDA_V_EXPERTS_FP4_FMA: return "experts_fp4_grouped_swiglu_fma_warprow";
     case DSV4_CUDA_V_COUNT: break;
     }
     return "?";

@@ -63,7 +63,7 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_GEMV_BF16,
     DSV4_CUDA_V_GEMV_FP8,
     DSV4_CUDA_V_GEMV_FP4,
-    DSV4_CUDA_V_EXPERTS_FP4,
+    DSV4_CUDA_V_EXPERTS_FP4,        /* FP4 experts with fp8 numerics on tensor cores (bf16 MMA) */
     DSV4_CUDA_V_EXPERTS_OTHER,      /* F32/BF16/FP8 experts (small test models) */
     DSV4_CUDA_V_MHC_FN_SPLITK,      /* the mHC fn GEMV split along K (dsv4_cuda_mhc_fn) */
     DSV4_CUDA_V_MHC_PRE,            /* mHC pre: norm, gates, Sinkhorn, collapse */
@@ -73,6 +73,7 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_ATTENTION_F32,      /* decode attention over f32 KV entries (exact numerics), FMA */
     DSV4_CUDA_V_INDEXER_MMA,        /* indexer scores over FP4 keys on tensor cores */
     DSV4_CUDA_V_INDEXER_FMA,        /* indexer scores, thread per entry (f32 keys, other FP4 widths) */
+    DSV4_CUDA_V_EXPERTS_FP4_FMA,    /* FP4 experts without activation quantization (exact numerics), FMA */
     DSV4_CUDA_V_COUNT,
 };
 const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v);

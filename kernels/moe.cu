@@ -1,14 +1,21 @@
-/* MoE on the device: router (sqrtsoftplus, biased top-k or hash table), routed experts from FP4
- * weights grouped by expert over the batch with the SwiGLU clamp fused, the weighted combine, and
- * the elementwise SwiGLU of the shared expert. Twins: dsv4_twin_router, dsv4_twin_expert.
+/* MoE on the device: router (sqrtsoftplus, biased top-k or hash table), routed experts grouped by
+ * expert over the batch with the SwiGLU clamp fused, the weighted combine, and the elementwise
+ * SwiGLU of the shared expert. Twins: dsv4_twin_router, dsv4_twin_expert.
  *
- * Experts run in five launches with grids fixed by batch and topk only (graph-capturable):
- *   group    one thread sorts the batch*topk (token, expert) pairs by expert, stable by pair;
- *   gate_up  block (group, 8 rows of I): warps read w1 and w3 rows once per 8 tokens of the group;
- *   quant    (fp8 numerics) the SwiGLU output goes through the 1x128 e4m3 activation quantizer;
- *   down     block (group, 8 rows of D) over w2;
+ * Experts run in five launches with grids fixed by the shapes, batch and topk (graph-capturable):
+ *   prep     block 0 sorts the batch*topk (token, expert) pairs by expert, stable by pair; for the
+ *            tensor-core path the other blocks write x as bf16 MMA operands;
+ *   gate_up  FP4 with fp8 numerics: bf16 MMAs, CTA (64 weight rows = 32 rows of I of w1 and of w3,
+ *            group), the clamped SwiGLU in registers (see "tensor-core path" below); otherwise
+ *            block (group, 8 rows of I), warps reading w1 and w3 rows once per 8 tokens;
+ *   quant    (fp8 numerics) the SwiGLU output goes through the 1x128 e4m3 activation quantizer
+ *            (in place into bf16 operands on the tensor-core path);
+ *   down     over w2, CTA (64 rows of D, group) on tensor cores, else block (group, 8 rows of D);
  *   combine  y[b] = sum_j w[b,j] out[b*topk+j] in j order, so a row's result never depends on the
  *            rest of the batch. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "kernels/cuda_util.cuh"
 
 #define MOE_ROWS 8              /* warps (weight rows) per block */
@@ -101,25 +108,63 @@ extern "C" int dsv4_cuda_router(const float *d_logits, int batch, int n_experts,
     return 0;
 }
 
-/* groups layout (int32, P = pairs): [0] group count G; [1 + g] expert of group g; [1 + P + g]
- * start of group g in the pair list (G + 1 entries); [2 + 2P + i] pair list. Pairs naming no valid
- * expert join no group; combine skips them. */
-__global__ void moe_group_kernel(const int32_t *__restrict__ idx, int pairs, int n_experts,
-                                 int32_t *__restrict__ groups)
-{
-    extern __shared__ int32_t pos[];    /* [E] */
-    int32_t *expert = groups + 1, *start = groups + 1 + pairs, *list = groups + 2 + 2 * pairs;
-    int ng = 0, off = 0;
+/* ---- grouping, and the activations in bf16 for the tensor-core path ---- */
 
-    if (threadIdx.x != 0)
-        return;
-    for (int e = 0; e < n_experts; e++)
+/* groups layout (int32, P = pairs): [0] group count G; [1 + g] expert of group g, ascending;
+ * [1 + P + g] start of group g in the pair list (G + 1 entries); [2 + 2P + i] pair list, the pairs
+ * of one expert in pair order. Pairs naming no valid expert join no group; combine skips them. */
+#define MOE_PREP_THREADS 256
+
+static __device__ __forceinline__ bool moe_valid(int e, int n_experts)
+{
+    return e >= 0 && e < n_experts;
+}
+
+/* Block 0 of moe_prep_kernel: the expert ids staged in shared memory, per-expert counts (integer
+ * atomics: the same counts in any order), group starts from a scan over 32 lanes, then warp 0
+ * places the pairs 32 at a time, each ranked among the equal experts of its chunk by
+ * __match_any_sync, which keeps pair order within a group. */
+#define MOE_MAX_PAIRS (DSV4_CUDA_MAX_BATCH * DSV4_MAX_TOPK)
+static __device__ void moe_group(const int32_t *__restrict__ idx, int pairs, int n_experts, int32_t *__restrict__ groups)
+{
+    __shared__ int32_t pos[MOE_MAX_EXPERTS];    /* count, then the next free list slot, per expert */
+    __shared__ int32_t eid[MOE_MAX_PAIRS];      /* expert of each pair, -1 when invalid */
+    int32_t *expert = groups + 1, *start = groups + 1 + pairs, *list = groups + 2 + 2 * pairs;
+    const int tid = threadIdx.x, lane = tid % DSV4_CUDA_WARP;
+    const unsigned full = 0xffffffffu;
+
+    for (int e = tid; e < n_experts; e += blockDim.x)
         pos[e] = 0;
-    for (int p = 0; p < pairs; p++)
-        if (idx[p] >= 0 && idx[p] < n_experts)
-            pos[idx[p]]++;
-    for (int e = 0; e < n_experts; e++) {
-        int c = pos[e];
+    for (int p = tid; p < pairs; p += blockDim.x)
+        eid[p] = moe_valid(idx[p], n_experts) ? idx[p] : -1;
+    __syncthreads();
+    for (int p = tid; p < pairs; p += blockDim.x)
+        if (eid[p] >= 0)
+            atomicAdd(&pos[eid[p]], 1);
+    __syncthreads();
+    if (tid >= DSV4_CUDA_WARP)
+        return;
+    /* lane l owns experts [lo, hi): its pair and group totals, scanned across the warp */
+    const int per = (n_experts + DSV4_CUDA_WARP - 1) / DSV4_CUDA_WARP;
+    const int lo = min(n_experts, lane * per), hi = min(n_experts, lo + per);
+    int mine = 0, mine_g = 0, off, ng;
+    for (int e = lo; e < hi; e++) {
+        mine += pos[e];
+        mine_g += pos[e] > 0;
+    }
+    off = mine;
+    ng = mine_g;
+    for (int o = 1; o < DSV4_CUDA_WARP; o <<= 1) {
+        const int a = __shfl_up_sync(full, off, o), b = __shfl_up_sync(full, ng, o);
+        if (lane >= o) {
+            off += a;
+            ng += b;
+        }
+    }
+    off -= mine;
+    ng -= mine_g;
+    for (int e = lo; e < hi; e++) {
+        const int c = pos[e];
         pos[e] = off;
         if (c) {
             expert[ng] = e;
@@ -127,12 +172,58 @@ __global__ void moe_group_kernel(const int32_t *__restrict__ idx, int pairs, int
             off += c;
         }
     }
-    start[ng] = off;
-    groups[0] = ng;
-    for (int p = 0; p < pairs; p++)
-        if (idx[p] >= 0 && idx[p] < n_experts)
-            list[pos[idx[p]]++] = p;
+    if (lane == DSV4_CUDA_WARP - 1) {
+        start[ng] = off;
+        groups[0] = ng;
+    }
+    __syncwarp();
+    for (int p0 = 0; p0 < pairs; p0 += DSV4_CUDA_WARP) {
+        const int p = p0 + lane, e = p < pairs ? eid[p] : -1;
+        const bool ok = e >= 0;
+        const unsigned same = __match_any_sync(full, e);
+        const int rank = __popc(same & ((1u << lane) - 1u));
+        if (ok)
+            list[pos[e] + rank] = p;
+        __syncwarp();
+        if (ok && rank == 0)
+            pos[e] += __popc(same);
+        __syncwarp();
+    }
 }
+
+static __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi)
+{
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+/* 8 consecutive values of K as bf16 in the order the FP4 decoder pairs nibbles (fp4x8_bf16):
+ * [3, 7, 2, 6, 1, 5, 0, 4]. Exact for e4m3 x power-of-two values. */
+static __device__ __forceinline__ uint4 bf16x8_operand(const float (&v)[8])
+{
+    return make_uint4(bf16x2_bits(v[3], v[7]), bf16x2_bits(v[2], v[6]), bf16x2_bits(v[1], v[5]),
+                      bf16x2_bits(v[0], v[4]));
+}
+
+/* grid 1 + ceil(n8 / MOE_PREP_THREADS): block 0 groups the pairs; the others write x [batch, D]
+ * (already FP8-rounded) as bf16 operands xa, 8 values a thread (n8 = batch * D / 8; 0 = none). */
+__global__ void __launch_bounds__(MOE_PREP_THREADS)
+moe_prep_kernel(const int32_t *__restrict__ idx, int pairs, int n_experts, int32_t *__restrict__ groups,
+                const float *__restrict__ x, int64_t n8, uint4 *__restrict__ xa)
+{
+    if (blockIdx.x == 0) {
+        moe_group(idx, pairs, n_experts, groups);
+        return;
+    }
+    const int64_t q = (int64_t)(blockIdx.x - 1) * blockDim.x + threadIdx.x;
+    if (q >= n8)
+        return;
+    const float4 a = reinterpret_cast<const float4 *>(x)[2 * q], b = reinterpret_cast<const float4 *>(x)[2 * q + 1];
+    const float v[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+    xa[q] = bf16x8_operand(v);
+}
+
+/* ---- FMA path: F32/BF16/FP8 experts, and FP4 without activation quantization ---- */
 
 /* NW weight rows [K] (one format) against up to MOE_NB activation rows: a lane covers 16 weight
  * bytes a step; acc[r][t] ends warp-reduced in every lane. */
@@ -233,8 +324,8 @@ moe_down_kernel(const struct dsv4_cuda_experts ex, const float *__restrict__ h, 
 }
 
 template <typename WF>
-static int launch_experts(const struct dsv4_cuda_experts *ex, const float *d_x, int topk, int pairs,
-                          const struct dsv4_cuda_moe_ws *ws, cudaStream_t s, void *stream)
+static int launch_experts_fma(const struct dsv4_cuda_experts *ex, const float *d_x, int topk, int pairs,
+                              const struct dsv4_cuda_moe_ws *ws, cudaStream_t s, void *stream)
 {
     moe_gate_up_kernel<WF><<<dim3(pairs, (ex->inter + MOE_ROWS - 1) / MOE_ROWS), MOE_ROWS * DSV4_CUDA_WARP, 0, s>>>(
         *ex, d_x, topk, pairs, ws->d_groups, ws->d_h);
@@ -247,6 +338,415 @@ static int launch_experts(const struct dsv4_cuda_experts *ex, const float *d_x, 
     moe_down_kernel<WF><<<dim3(pairs, (ex->dim + MOE_ROWS - 1) / MOE_ROWS), MOE_ROWS * DSV4_CUDA_WARP, 0, s>>>(
         *ex, ws->d_h, pairs, ws->d_groups, ws->d_out);
     DSV4_CUDA_LAUNCHED("moe_down");
+    return 0;
+}
+
+/* ---- tensor-core path: FP4 experts with fp8 numerics ----
+ *
+ * Operands. The activations entering w1/w3 are e4m3 x a power-of-two scale (the caller rounded x
+ * through the 1x128 quantizer), as are the SwiGLU outputs entering w2 after moe_quant_kernel: exact
+ * in bf16. An FP4 weight e2m1 x UE8M0 is exact in bf16 too. So m16n8k16 bf16 MMAs with f32
+ * accumulation form exact products and f32 sums: the twin's arithmetic up to summation order.
+ *
+ * Decoding e2m1 (no hardware convert before sm_100): a nibble s|e1 e0|m moved to bf16 bits 15|8 7|6
+ * is the value x 2^-126 (e = 0 lands on the bf16 subnormals 0 and 2^-127, which bf16 multiplies keep),
+ * so one bf16x2 multiply by 2^126 x scale = 2^(s - 1) decodes two values and applies their scale
+ * exactly, for UE8M0 s <= 128 (scale <= 2); larger scales take a second multiply by 2^(s - 128).
+ * The decoder pairs nibbles (3, 7), (2, 6), (1, 5), (0, 4) of each 32-bit word; the activations are
+ * stored in that order (bf16x8_operand), so MMA fragments come straight from 16-byte loads.
+ *
+ * Fragment trick (as kernels/gemm.cu): a dot product does not care in which order k runs, so each
+ * thread takes 16 contiguous weight bytes of its row (32 values, one scale block) per k-tile and
+ * feeds them to 8 consecutive MMAs as if they were the k indices the PTX fragment layout names; its
+ * activation loads cover the same 32 values of its token row.
+ *
+ * Layout. A CTA of 4 warps owns 64 weight rows (one m16 tile a warp) of one group's expert and all of
+ * the group's tokens (up to 64 a pass, n8 tiles; beyond that, further passes). gate_up interleaves
+ * w1 and w3: a warp's fragment rows g are w1 row i and rows g + 8 are w3 row i, so each thread holds
+ * gate and up of the same (i, token) and applies the clamped SwiGLU in registers. k-tiles of 128
+ * values (a thread's 32, four threads a quad) move through a cp.async ring in shared memory: 64 rows
+ * x 64 weight bytes, 64 x 4 scale bytes, tokens x 256 activation bytes (swizzled so the fragment
+ * loads are conflict-free). The ring is 2..7 stages deep, as many as fit 48 KB for the pass's n8
+ * tile count. Grid (output rows / CTA rows, min(pairs, E)) is fixed by the shapes and batch; CTAs
+ * past the group count exit. Every output is one CTA's fixed-order sum: batch-invariant, no atomics.
+ * Weight rows must start on 16 bytes and scale rows on 4 (device.cu uploads rows contiguously from
+ * 256-byte carve-outs; K is a multiple of 128). */
+#define MOE_TC_WARPS 4
+#define MOE_TC_THREADS (MOE_TC_WARPS * DSV4_CUDA_WARP)
+#define MOE_TC_ROWS (MOE_TC_WARPS * 16)         /* weight rows per CTA */
+#define MOE_TC_UP_ROWS (MOE_TC_ROWS / 2)        /* rows of I per gate_up CTA (w1 and w3 each) */
+#define MOE_TC_KT 128                           /* K values per k-tile */
+#define MOE_TC_WROW (MOE_TC_KT / 2)             /* FP4 bytes per weight row per k-tile */
+#define MOE_TC_XROW (MOE_TC_KT * 2)             /* bf16 activation bytes per token per k-tile */
+#define MOE_TC_PASS 64                          /* tokens per pass: 8 n8 tiles */
+#define MOE_TC_BUDGET (47 * 1024)               /* ring bytes; the pass's row tables take the rest of 48 KB */
+#define MOE_TC_MAX_STAGES 7
+#define MOE_TC_MAX_INTER 8192                   /* moe_quant_kernel: one thread per 8 values of a row */
+#define MOE_TC_CTAS_PER_SM 4                    /* 4 x ~45 KB of shared memory */
+
+enum { MOE_UP = 0, MOE_DOWN = 1 };
+
+static __host__ __device__ constexpr int tc_stage_bytes(int nt)
+{
+    return MOE_TC_ROWS * MOE_TC_WROW + MOE_TC_ROWS * 4 + nt * 8 * MOE_TC_XROW;
+}
+
+static __host__ __device__ constexpr int tc_stages(int nt)
+{
+    return MOE_TC_BUDGET / tc_stage_bytes(nt) < MOE_TC_MAX_STAGES ? MOE_TC_BUDGET / tc_stage_bytes(nt)
+                                                                   : MOE_TC_MAX_STAGES;
+}
+
+static __host__ __device__ constexpr int tc_ring_bytes(int nt)
+{
+    return tc_stages(nt) * tc_stage_bytes(nt);
+}
+
+static __host__ __device__ constexpr int cmax(int a, int b)
+{
+    return a > b ? a : b;
+}
+
+#define MOE_TC_RING cmax(cmax(tc_ring_bytes(1), tc_ring_bytes(2)), cmax(tc_ring_bytes(4), tc_ring_bytes(8)))
+static_assert(tc_stages(8) >= 2, "two stages of 64 tokens must fit the ring");
+
+struct moe_tc_args {
+    const struct dsv4_cuda_expert *table;
+    const int32_t *groups;
+    int pairs, topk;
+    const uint8_t *xa;          /* activations as bf16 operands: row r at xa + r * lda */
+    int64_t lda;                /* bytes; gate_up rows are tokens (pair / topk), down rows are pairs */
+    int nk;                     /* k-tiles of K */
+    float limit;                /* SwiGLU clamp (gate_up) */
+    float *y;                   /* gate_up: h [pairs, ldy] f32; down: out [pairs, ldy] */
+    int64_t ldy;
+};
+
+static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
+static __device__ __forceinline__ void cp_async4(void *smem, const void *gmem)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+
+static __device__ __forceinline__ void cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N>
+static __device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+static __device__ __forceinline__ uint4 lds128(const uint8_t *p)
+{
+    return *reinterpret_cast<const uint4 *>(p);
+}
+
+static __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* bf16x2 a * b, exact here (powers of two times values of at most 3 significant bits) */
+static __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b)
+{
+    uint32_t d;
+#if __CUDA_ARCH__ >= 900
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+#else
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));    /* + (-0) */
+#endif
+    return d;
+}
+
+/* nibbles at bits 12-15 and 28-31 -> bf16x2 of their e2m1 values x 2^-126 */
+static __device__ __forceinline__ uint32_t e2m1x2_raw(uint32_t v)
+{
+    return (v & 0x80008000u) | ((v >> 6) & 0x01c001c0u);
+}
+
+/* bf16x2 2^(e - 127) for a bf16 exponent field e in 1..254 */
+static __device__ __forceinline__ uint32_t bf16x2_pow2(uint32_t e)
+{
+    return (e << 7) | (e << 23);
+}
+
+/* 8 e2m1 values (one 32-bit word, low nibble first) x 2^(s-127) as bf16 pairs (3, 7), (2, 6), (1, 5),
+ * (0, 4); exact for s <= 128 (the caller finishes larger s). */
+static __device__ __forceinline__ void fp4x8_bf16(uint32_t w, uint32_t s, uint32_t (&p)[4])
+{
+    const uint32_t f = bf16x2_pow2(min(s, 128u) + 126u);
+    p[0] = bf16x2_mul(e2m1x2_raw(w), f);
+    p[1] = bf16x2_mul(e2m1x2_raw(w << 4), f);
+    p[2] = bf16x2_mul(e2m1x2_raw(w << 8), f);
+    p[3] = bf16x2_mul(e2m1x2_raw(w << 12), f);
+}
+
+/* Activation tiles: 16 chunks of 16 bytes per token row; thread (g, t) reads chunk 4t + i of rows
+ * g + 8j. XORing the chunk's bits 1 and 0 with t's bit 1 and the row's bit 0 spreads the 8 reads of
+ * a quarter warp (rows g, g + 1, t = 0..3) over all 8 bank groups. */
+static __device__ __forceinline__ int tc_xswz(int row, int c)
+{
+    return c ^ ((c >> 2) & 2) ^ (row & 1);
+}
+
+/* Shared-memory row sr (0..63) of a CTA's weight tile: gate_up tile rows [16w, 16w + 8) are w1 rows
+ * and [16w + 8, 16w + 16) the w3 rows of the same I indices; down rows are w2 rows in order. */
+template <int MODE>
+static __device__ __forceinline__ const struct dsv4_cuda_linear *tc_row(const struct dsv4_cuda_expert *ex, int tile,
+                                                                       int sr, int64_t *row)
+{
+    if (MODE == MOE_UP) {
+        *row = (int64_t)tile * MOE_TC_UP_ROWS + (sr / 16) * 8 + sr % 8;
+        return sr % 16 < 8 ? &ex->w1 : &ex->w3;
+    }
+    *row = (int64_t)tile * MOE_TC_ROWS + sr;
+    return &ex->w2;
+}
+
+/* One k-tile of a warp's m16 tile against NT n8 tiles: st is the stage, xo[i] this thread's
+ * activation offsets (word i of its 32 values, n8 tile 0). BIG: a scale of the tile exceeds 2. */
+template <int NT, bool BIG>
+static __device__ __forceinline__ void tc_tile(const uint8_t *st, int wo0, int wo1, int so0, int so1, const int (&xo)[4],
+                                               float (&acc)[NT][4])
+{
+    const uint4 w0 = lds128(st + wo0), w1 = lds128(st + wo1);
+    const uint32_t s0 = st[so0], s1 = st[so1];
+    const uint32_t w0v[4] = { w0.x, w0.y, w0.z, w0.w }, w1v[4] = { w1.x, w1.y, w1.z, w1.w };
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint32_t p0[4], p1[4];
+        fp4x8_bf16(w0v[i], s0, p0);
+        fp4x8_bf16(w1v[i], s1, p1);
+        if (BIG) {      /* the rest of 2^(s-1) */
+            const uint32_t f0 = bf16x2_pow2(s0 > 128u ? s0 - 1u : 127u), f1 = bf16x2_pow2(s1 > 128u ? s1 - 1u : 127u);
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                p0[q] = bf16x2_mul(p0[q], f0);
+                p1[q] = bf16x2_mul(p1[q], f1);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const uint4 b = lds128(st + xo[i] + j * 8 * MOE_TC_XROW);
+            /* a0/a2: row g, k (2t, 2t+1) / (2t+8, 2t+9); a1/a3: row g + 8; b0/b1 the same k */
+            mma_bf16(acc[j], p0[0], p1[0], p0[1], p1[1], b.x, b.y);
+            mma_bf16(acc[j], p0[2], p1[2], p0[3], p1[3], b.z, b.w);
+        }
+    }
+}
+
+/* One pass: n (<= 8 NT) tokens of the group, rows rowoff[] of the activations, outputs to pairs pid[]. */
+template <int MODE, int NT>
+static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struct dsv4_cuda_expert *ex, int n,
+                                               uint8_t *smem, const int64_t *rowoff, const int32_t *pid)
+{
+    constexpr int STAGES = tc_stages(NT), SB = tc_stage_bytes(NT);
+    constexpr int WB = MOE_TC_ROWS * MOE_TC_WROW, XOFF = WB + MOE_TC_ROWS * 4;
+    const int tid = threadIdx.x, warp = tid / DSV4_CUDA_WARP, lane = tid % DSV4_CUDA_WARP;
+    const int g = lane >> 2, t = lane & 3, tile = blockIdx.x, nk = a.nk;
+    const int r0 = warp * 16 + g, r1 = r0 + 8;
+    const uint8_t *wsrc[2], *ssrc = nullptr;
+    int xo[4];
+    float acc[NT][4];
+
+    /* the weight chunks tid and tid + 128 (row i / 4, 16 bytes i % 4) and row tid's scale word */
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        const int i = tid + q * MOE_TC_THREADS;
+        int64_t row;
+        const struct dsv4_cuda_linear *W = tc_row<MODE>(ex, tile, i / 4, &row);
+        wsrc[q] = static_cast<const uint8_t *>(W->w) + row * (W->row_stride / 2) + (i % 4) * 16;
+    }
+    if (tid < MOE_TC_ROWS) {
+        int64_t row;
+        const struct dsv4_cuda_linear *W = tc_row<MODE>(ex, tile, tid, &row);
+        ssrc = W->scale + row * W->scale_stride;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        xo[i] = XOFF + g * MOE_TC_XROW + tc_xswz(g, 4 * t + i) * 16;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            acc[j][q] = 0.0f;
+
+    /* stage s <- k-tile kt: weights, scales, and the n token rows (rows past n keep stale bytes,
+     * which only reach MMA columns that are never stored) */
+    auto load = [&](int s, int kt) {
+        uint8_t *st = smem + s * SB;
+        cp_async16(st + tid * 16, wsrc[0] + (int64_t)kt * MOE_TC_WROW);
+        cp_async16(st + (tid + MOE_TC_THREADS) * 16, wsrc[1] + (int64_t)kt * MOE_TC_WROW);
+        if (tid < MOE_TC_ROWS)
+            cp_async4(st + WB + tid * 4, ssrc + kt * 4);
+#pragma unroll
+        for (int q = 0; q < NT; q++) {
+            const int i = tid + q * MOE_TC_THREADS, r = i >> 4, c = i & 15;
+            if (r < n)
+                cp_async16(st + XOFF + r * MOE_TC_XROW + tc_xswz(r, c) * 16,
+                           a.xa + rowoff[r] + (int64_t)kt * MOE_TC_XROW + c * 16);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < nk)
+            load(s, s);
+        cp_async_commit();
+    }
+    int rs = 0, ls = STAGES - 1;    /* stages read and loaded this iteration */
+#pragma unroll 1
+    for (int kt = 0; kt < nk; kt++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (kt + STAGES - 1 < nk)
+            load(ls, kt + STAGES - 1);
+        cp_async_commit();
+        const uint8_t *st = smem + rs * SB;
+        const int wo0 = r0 * MOE_TC_WROW + t * 16, wo1 = r1 * MOE_TC_WROW + t * 16;
+        if (st[WB + r0 * 4 + t] > 128u || st[WB + r1 * 4 + t] > 128u)
+            tc_tile<NT, true>(st, wo0, wo1, WB + r0 * 4 + t, WB + r1 * 4 + t, xo, acc);
+        else
+            tc_tile<NT, false>(st, wo0, wo1, WB + r0 * 4 + t, WB + r1 * 4 + t, xo, acc);
+        rs = rs + 1 == STAGES ? 0 : rs + 1;
+        ls = ls + 1 == STAGES ? 0 : ls + 1;
+    }
+    cp_async_wait<0>();
+
+    /* c0 (row g, token 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1) of each m16n8 tile */
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int nn = j * 8 + 2 * t + h;
+            if (nn >= n)
+                continue;
+            float *y = a.y + (int64_t)pid[nn] * a.ldy;
+            if (MODE == MOE_UP) {
+                y[(int64_t)tile * MOE_TC_UP_ROWS + warp * 8 + g] = swiglu(acc[j][h], acc[j][2 + h], a.limit);
+            } else {
+                y[(int64_t)tile * MOE_TC_ROWS + r0] = acc[j][h];
+                y[(int64_t)tile * MOE_TC_ROWS + r1] = acc[j][2 + h];
+            }
+        }
+}
+
+/* grid (I / 32 or D / 64, min(pairs, E)), MOE_TC_THREADS threads. */
+template <int MODE>
+__global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_kernel(const moe_tc_args a)
+{
+    __shared__ __align__(16) uint8_t smem[MOE_TC_RING];
+    __shared__ int64_t rowoff[MOE_TC_PASS];
+    __shared__ int32_t pid[MOE_TC_PASS];
+    const int gi = blockIdx.y;
+
+    if (gi >= a.groups[0])
+        return;
+    const struct dsv4_cuda_expert *ex = &a.table[a.groups[1 + gi]];
+    const int32_t *list = a.groups + 2 + 2 * a.pairs;
+    const int beg = a.groups[1 + a.pairs + gi], end = a.groups[2 + a.pairs + gi];
+
+    for (int p0 = beg; p0 < end; p0 += MOE_TC_PASS) {
+        const int n = min(MOE_TC_PASS, end - p0);
+        __syncthreads();        /* the previous pass is done with the tables and the ring */
+        if (threadIdx.x < n) {
+            const int p = list[p0 + threadIdx.x];
+            pid[threadIdx.x] = p;
+            rowoff[threadIdx.x] = (int64_t)(MODE == MOE_UP ? p / a.topk : p) * a.lda;
+        }
+        __syncthreads();
+        if (n <= 8)
+            tc_pass<MODE, 1>(a, ex, n, smem, rowoff, pid);
+        else if (n <= 16)
+            tc_pass<MODE, 2>(a, ex, n, smem, rowoff, pid);
+        else if (n <= 32)
+            tc_pass<MODE, 4>(a, ex, n, smem, rowoff, pid);
+        else
+            tc_pass<MODE, 8>(a, ex, n, smem, rowoff, pid);
+    }
+}
+
+/* One CTA per pair row of h [pairs, I] (the SwiGLU output, f32), one thread per 8 values, 16 threads
+ * per 1x128 block: the official quantizer (the arithmetic of fp8_roundtrip_kernel), the e4m3 values
+ * x scale written back in place as bf16 operands (bf16x8_operand). Row p's bf16 values fill the
+ * first half of its own f32 row, so every thread reads before any writes. */
+__global__ void moe_quant_kernel(float *__restrict__ h, int inter)
+{
+    const int q = threadIdx.x;
+    const bool on = q < inter / 8;
+    float *row = h + (int64_t)blockIdx.x * inter;
+    float v[8] = {}, amax = 0.0f;
+
+    if (on) {
+        const float4 a = reinterpret_cast<const float4 *>(row)[2 * q], b = reinterpret_cast<const float4 *>(row)[2 * q + 1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        amax = fmaxf(amax, fabsf(v[i]));
+    for (int o = 8; o > 0; o >>= 1)     /* the 16 threads of this 128-block (aligned half warp) */
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = dsv4_act_scale(amax), inv = 1.0f / s;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
+        __half_raw hr = __nv_cvt_fp8_to_halfraw(e, __NV_E4M3);
+        v[i] = __half2float(*reinterpret_cast<__half *>(&hr)) * s;
+    }
+    __syncthreads();
+    if (on)
+        reinterpret_cast<uint4 *>(row)[q] = bf16x8_operand(v);
+}
+
+static bool tc_supported(const struct dsv4_cuda_experts *ex)
+{
+    return ex->fmt == DSV4_W_FP4 && ex->quant_act && ex->dim % MOE_TC_KT == 0 && ex->inter % MOE_TC_KT == 0 &&
+           ex->inter <= MOE_TC_MAX_INTER;
+}
+
+/* d_out holds x as bf16 operands (moe_prep_kernel) until down overwrites it; h goes f32 -> bf16 in d_h. */
+static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int pairs, const struct dsv4_cuda_moe_ws *ws,
+                             cudaStream_t s)
+{
+    const unsigned slots = (unsigned)min(pairs, ex->n_experts);     /* groups <= distinct experts */
+    moe_tc_args a = {};
+
+    a.table = ex->d_table;
+    a.groups = ws->d_groups;
+    a.pairs = pairs;
+    a.topk = topk;
+    a.limit = ex->swiglu_limit;
+    a.xa = reinterpret_cast<const uint8_t *>(ws->d_out);
+    a.lda = (int64_t)ex->dim * 2;
+    a.nk = ex->dim / MOE_TC_KT;
+    a.y = ws->d_h;
+    a.ldy = ex->inter;
+    moe_tc_kernel<MOE_UP><<<dim3(ex->inter / MOE_TC_UP_ROWS, slots), MOE_TC_THREADS, 0, s>>>(a);
+    DSV4_CUDA_LAUNCHED("moe_gate_up_mma");
+    moe_quant_kernel<<<pairs, (ex->inter / 8 + DSV4_CUDA_WARP - 1) / DSV4_CUDA_WARP * DSV4_CUDA_WARP, 0, s>>>(
+        ws->d_h, ex->inter);
+    DSV4_CUDA_LAUNCHED("moe_quant");
+    a.xa = reinterpret_cast<const uint8_t *>(ws->d_h);
+    a.lda = (int64_t)ex->inter * 4;
+    a.nk = ex->inter / MOE_TC_KT;
+    a.y = ws->d_out;
+    a.ldy = ex->dim;
+    moe_tc_kernel<MOE_DOWN><<<dim3(ex->dim / MOE_TC_ROWS, slots), MOE_TC_THREADS, 0, s>>>(a);
+    DSV4_CUDA_LAUNCHED("moe_down_mma");
     return 0;
 }
 
@@ -286,28 +786,35 @@ extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const f
         return dsv4_error_set(-EINVAL, "moe_experts: %d experts (max %d), dim %d and inter %d must be multiples "
                               "of %d (inter of %d with activation quantization)", ex->n_experts, MOE_MAX_EXPERTS,
                               ex->dim, ex->inter, vals, DSV4_CUDA_ACT_BLOCK);
-    moe_group_kernel<<<1, DSV4_CUDA_WARP, ex->n_experts * sizeof(int32_t), s>>>(d_idx, pairs, ex->n_experts,
-                                                                                 ws->d_groups);
-    DSV4_CUDA_LAUNCHED("moe_group");
-    switch (ex->fmt) {
-    case DSV4_W_FP4:
+    const bool tc = tc_supported(ex);
+    const int64_t n8 = tc ? (int64_t)batch * ex->dim / 8 : 0;
+    moe_prep_kernel<<<(unsigned)(1 + (n8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS), MOE_PREP_THREADS, 0, s>>>(
+        d_idx, pairs, ex->n_experts, ws->d_groups, d_x, n8, reinterpret_cast<uint4 *>(ws->d_out));
+    DSV4_CUDA_LAUNCHED("moe_prep");
+    if (tc) {
         dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_FP4);
-        rc = launch_experts<wf_fp4>(ex, d_x, topk, pairs, ws, s, stream);
-        break;
-    case DSV4_W_FP8:
-        dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_OTHER);
-        rc = launch_experts<wf_fp8>(ex, d_x, topk, pairs, ws, s, stream);
-        break;
-    case DSV4_W_BF16:
-        dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_OTHER);
-        rc = launch_experts<wf_bf16>(ex, d_x, topk, pairs, ws, s, stream);
-        break;
-    case DSV4_W_F32:
-        dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_OTHER);
-        rc = launch_experts<wf_f32>(ex, d_x, topk, pairs, ws, s, stream);
-        break;
-    default:
-        return dsv4_error_set(-ENOTSUP, "moe_experts: expert weight format %d has no CUDA kernel", (int)ex->fmt);
+        rc = launch_experts_tc(ex, topk, pairs, ws, s);
+    } else {
+        switch (ex->fmt) {
+        case DSV4_W_FP4:
+            dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_FP4_FMA);
+            rc = launch_experts_fma<wf_fp4>(ex, d_x, topk, pairs, ws, s, stream);
+            break;
+        case DSV4_W_FP8:
+            dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_OTHER);
+            rc = launch_experts_fma<wf_fp8>(ex, d_x, topk, pairs, ws, s, stream);
+            break;
+        case DSV4_W_BF16:
+            dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_OTHER);
+            rc = launch_experts_fma<wf_bf16>(ex, d_x, topk, pairs, ws, s, stream);
+            break;
+        case DSV4_W_F32:
+            dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_OTHER);
+            rc = launch_experts_fma<wf_f32>(ex, d_x, topk, pairs, ws, s, stream);
+            break;
+        default:
+            return dsv4_error_set(-ENOTSUP, "moe_experts: expert weight format %d has no CUDA kernel", (int)ex->fmt);
+        }
     }
     if (rc < 0)
         return rc;
