@@ -486,13 +486,17 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     vlog(dev, log, log_ctx, true, "op mhc fn: %s (K chunks of %d, fixed-order sum)",
          dsv4_cuda_variant_name(DSV4_CUDA_V_MHC_FN_SPLITK), DSV4_CUDA_MHC_FN_CHUNK);
     vlog(dev, log, log_ctx, true, "op linear.fp4: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP4));
-    vlog(dev, log, log_ctx, true, "op experts: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_FP4));
+    vlog(dev, log, log_ctx, true, "op experts: %s (FP4, fp8 numerics, dim and inter multiples of 128); else %s / %s",
+         dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_FP4), dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_FP4_FMA),
+         dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_OTHER));
     vlog(dev, log, log_ctx, true, "op router: warp-per-token sqrtsoftplus top-k / hash table");
     vlog(dev, log, log_ctx, true, "op rmsnorm: block-per-row");
     vlog(dev, log, log_ctx, true, "op mhc pre: %s (blocks of 1024 columns per token, Sinkhorn in registers), "
          "post: thread-per-value", dsv4_cuda_variant_name(DSV4_CUDA_V_MHC_PRE));
-    vlog(dev, log, log_ctx, true, "op attention: split-K (%d) fp32 FMA, %d heads per KV tile, sinks, LSE combine + "
-         "inverse RoPE", DSV4_CUDA_ATT_SPLITS, 32);
+    vlog(dev, log, log_ctx, true, "op attention: %s (FP8 entries) / %s (f32 entries), %d key splits, sinks, LSE "
+         "combine + inverse RoPE", dsv4_cuda_variant_name(DSV4_CUDA_V_ATTENTION_MMA),
+         dsv4_cuda_variant_name(DSV4_CUDA_V_ATTENTION_F32), DSV4_CUDA_ATT_SPLITS);
+    vlog(dev, log, log_ctx, true, "op sampling: on the device, one block per row (DSV4_CUDA_SAMPLE=0: on the host)");
     vlog(dev, log, log_ctx, true, "op compressor: block-per-row emission (pool from the step's rows + the slot's "
          "ring, norm, RoPE, FP8/FP4), then ring refresh");
     vlog(dev, log, log_ctx, true, "op indexer: keys %s; scores %s (FP4 keys of width 32/64/128, else %s), "
