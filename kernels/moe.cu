@@ -16,6 +16,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "kernels/cuda_util.cuh"
 
 #define MOE_ROWS 8              /* warps (weight rows) per block */
@@ -712,10 +715,22 @@ __global__ void moe_quant_kernel(float *__restrict__ h, int inter)
         reinterpret_cast<uint4 *>(row)[q] = bf16x8_operand(v);
 }
 
+/* The tensor-core path has not yet run on a GPU: until tests/gpu/test_gpu_moe passes with it on a
+ * device, it is taken only with DSV4_CUDA_MOE_MMA=1 (read once); the FMA kernels are the default. */
+static bool tc_enabled(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("DSV4_CUDA_MOE_MMA");
+        on = e && strcmp(e, "1") == 0;
+    }
+    return on;
+}
+
 static bool tc_supported(const struct dsv4_cuda_experts *ex)
 {
-    return ex->fmt == DSV4_W_FP4 && ex->quant_act && ex->dim % MOE_TC_KT == 0 && ex->inter % MOE_TC_KT == 0 &&
-           ex->inter <= MOE_TC_MAX_INTER;
+    return tc_enabled() && ex->fmt == DSV4_W_FP4 && ex->quant_act && ex->dim % MOE_TC_KT == 0 &&
+           ex->inter % MOE_TC_KT == 0 && ex->inter <= MOE_TC_MAX_INTER;
 }
 
 /* d_out holds x as bf16 operands (moe_prep_kernel) until down overwrites it; h goes f32 -> bf16 in d_h. */
