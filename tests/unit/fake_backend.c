@@ -2,6 +2,7 @@
 #include "build-config.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,7 +22,22 @@ struct fake_impl {
     struct dsv4_weights w;      /* only cfg is filled */
     struct fake_slot *slots;
     struct fake_backend_counters c;
+    /* device_sampling: the backend-side penalty history and the rows of the last call */
+    uint32_t *counts;           /* [slots, vocab] */
+    uint8_t *seen;              /* [slots, seen_stride] */
+    size_t seen_stride;
+    struct dsv4_sampler *sampler;
+    float *row;                 /* [vocab] */
+    int *last_slots;            /* [max_batch] the last decode's slots */
+    int last_rows;              /* rows the last call left to sample (0: none) */
+    bool last_prefill;
 };
+
+static void mark_seen(struct fake_impl *f, int slot, int32_t tok)
+{
+    if (f->seen)
+        f->seen[(size_t)slot * f->seen_stride + (size_t)tok / 8] |= (uint8_t)(1u << (tok % 8));
+}
 
 static uint64_t hash_step(uint64_t h, int32_t tok)
 {
@@ -66,12 +82,16 @@ static int fake_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens,
         if (tokens[i] < 0 || tokens[i] >= f->fo.vocab)
             return dsv4_error_set(-EINVAL, "fake prefill: token %d", tokens[i]);
         sl->h = hash_step(sl->h, tokens[i]);
+        mark_seen(f, slot, tokens[i]);
         if (logits && all_rows)
             row_from_hash(&f->fo, sl->h, logits + (size_t)i * (size_t)f->fo.vocab);
     }
     sl->pos += n;
     if (logits && !all_rows)
         row_from_hash(&f->fo, sl->h, logits);
+    f->last_prefill = true;
+    f->last_rows = 1;
+    f->last_slots[0] = slot;
     f->c.prefill_calls++;
     f->c.tokens_in += n;
     if (n > f->c.max_prefill_chunk)
@@ -101,12 +121,47 @@ static int fake_decode(struct dsv4_backend *b, int n, const int *slots, const in
         struct fake_slot *sl = &f->slots[slots[i]];
         sl->h = hash_step(sl->h, tokens[i]);
         sl->pos++;
-        row_from_hash(&f->fo, sl->h, logits + (size_t)i * (size_t)f->fo.vocab);
+        mark_seen(f, slots[i], tokens[i]);
+        f->last_slots[i] = slots[i];
+        if (logits)
+            row_from_hash(&f->fo, sl->h, logits + (size_t)i * (size_t)f->fo.vocab);
     }
+    f->last_prefill = false;
+    f->last_rows = n;
     f->c.decode_calls++;
     f->c.tokens_in += n;
     if (n > f->c.max_decode_batch)
         f->c.max_decode_batch = n;
+    return 0;
+}
+
+/* The CUDA backend's contract (engine/backend.h): the rows of the call just made, each once. */
+static int fake_sample(struct dsv4_backend *b, int n, const struct dsv4_backend_sample_req *req, struct dsv4_sample *out,
+                       int *rc, char *msgs)
+{
+    struct fake_impl *f = b->impl;
+    const int V = f->fo.vocab;
+    if (n < 1 || n != f->last_rows || (f->last_prefill && n != 1))
+        return dsv4_error_set(-EINVAL, "fake sample: %d rows after a %s of %d", n,
+                              f->last_prefill ? "prefill" : "decode", f->last_rows);
+    for (int i = 0; i < n; i++)
+        if (req[i].slot != f->last_slots[i])
+            return dsv4_error_set(-EINVAL, "fake sample: row %d is slot %d, the call's row was slot %d", i,
+                                  req[i].slot, f->last_slots[i]);
+    for (int i = 0; i < n; i++) {
+        const int slot = req[i].slot;
+        struct dsv4_sampler_history hist = { .counts = f->counts + (size_t)slot * (size_t)V,
+                                             .seen = f->seen + (size_t)slot * f->seen_stride };
+        row_from_hash(&f->fo, f->slots[slot].h, f->row);
+        rc[i] = dsv4_sampler_sample(f->sampler, req[i].params, f->row, &hist, req[i].seed, req[i].index, &out[i]);
+        if (rc[i] < 0) {
+            snprintf(msgs + (size_t)i * DSV4_BACKEND_MSG_MAX, DSV4_BACKEND_MSG_MAX, "%s", dsv4_error_message());
+            continue;
+        }
+        f->counts[(size_t)slot * (size_t)V + (size_t)out[i].token]++;
+        mark_seen(f, slot, out[i].token);
+    }
+    f->last_rows = 0;
     return 0;
 }
 
@@ -116,6 +171,10 @@ static void fake_slot_reset(struct dsv4_backend *b, int slot)
     f->slots[slot].pos = 0;
     f->slots[slot].h = FAKE_HASH_START;
     f->c.resets++;
+    if (f->counts) {
+        memset(f->counts + (size_t)slot * (size_t)f->fo.vocab, 0, sizeof(*f->counts) * (size_t)f->fo.vocab);
+        memset(f->seen + (size_t)slot * f->seen_stride, 0, f->seen_stride);
+    }
 }
 
 static int64_t fake_slot_position(const struct dsv4_backend *b, int slot)
@@ -134,6 +193,11 @@ static void fake_destroy(struct dsv4_backend *b)
 {
     struct fake_impl *f = b->impl;
     free(f->slots);
+    free(f->counts);
+    free(f->seen);
+    free(f->row);
+    free(f->last_slots);
+    dsv4_sampler_destroy(f->sampler);
     free(f);
     free(b);
 }
@@ -148,26 +212,51 @@ static const struct dsv4_backend_ops fake_ops = {
     .destroy = fake_destroy,
 };
 
+static const struct dsv4_backend_ops fake_ops_sampling = {
+    .name = "fake",
+    .prefill = fake_prefill,
+    .decode = fake_decode,
+    .sample = fake_sample,
+    .slot_reset = fake_slot_reset,
+    .slot_position = fake_slot_position,
+    .get_stats = fake_get_stats,
+    .destroy = fake_destroy,
+};
+
 int fake_backend_create(const struct fake_backend_opts *fo, const struct dsv4_backend_opts *opts,
                         struct dsv4_backend **ret)
 {
     struct dsv4_backend *b = calloc(1, sizeof(*b));
     struct fake_impl *f = calloc(1, sizeof(*f));
     struct fake_slot *slots = calloc((size_t)opts->max_batch, sizeof(*slots));
-    if (!b || !f || !slots) {
+    int *last_slots = calloc((size_t)opts->max_batch, sizeof(*last_slots));
+    if (!b || !f || !slots || !last_slots) {
         free(b);
         free(f);
         free(slots);
+        free(last_slots);
         return -ENOMEM;
+    }
+    f->last_slots = last_slots;
+    f->slots = slots;
+    if (fo->device_sampling) {
+        f->seen_stride = ((size_t)fo->vocab + 7) / 8;
+        f->counts = calloc((size_t)opts->max_batch * (size_t)fo->vocab, sizeof(*f->counts));
+        f->seen = calloc((size_t)opts->max_batch, f->seen_stride);
+        f->row = calloc((size_t)fo->vocab, sizeof(*f->row));
+        if (!f->counts || !f->seen || !f->row || dsv4_sampler_create(fo->vocab, &f->sampler) < 0) {
+            b->impl = f;
+            fake_destroy(b);
+            return -ENOMEM;
+        }
     }
     f->fo = *fo;
     f->w.cfg.vocab_size = fo->vocab;
     f->w.cfg.eos_id = fo->eos_id;
     f->w.cfg.bos_id = 0;
-    f->slots = slots;
     for (int i = 0; i < opts->max_batch; i++)
         slots[i].h = FAKE_HASH_START;
-    b->ops = &fake_ops;
+    b->ops = fo->device_sampling ? &fake_ops_sampling : &fake_ops;
     b->weights = &f->w;
     b->opts = *opts;
     b->impl = f;

@@ -60,8 +60,10 @@ void *__wrap_realloc(void *p, size_t n)
 #define OUT_MAX 512
 #define TEXT_MAX 4096
 
-static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0 };  /* EOS never wins */
-static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0 };      /* EOS like any */
+static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0, false };  /* EOS never wins */
+static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0, false };      /* EOS like any */
+/* The same, sampling inside the backend (ops->sample), as the CUDA backend does. */
+static const struct fake_backend_opts FAKE_EOS_DEVICE = { VOCAB, EOS, 0.0f, 6.0f, 0, true };
 
 struct outcome {
     bool finished;
@@ -565,7 +567,7 @@ static void test_limits(void **state)
 /* EOS and stop_token_ids end a request with STOP; the token counts, its text does not. */
 static void test_stop_tokens(void **state)
 {
-    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0 };
+    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0, false };
     struct env e;
     env_open(&e, &eos_first, 1, 64, 64, 4);
     int32_t prompt[6] = { 5, 6, 7, 8, 9, 10 };
@@ -724,13 +726,15 @@ static void test_drain(void **state)
 
 /* 200 requests of every kind arriving at random, some cancelled at random moments, a few submits
  * refused while the engine is full: at the end every slot is free, nothing is queued or held, and
- * no scheduler call allocated. Seeded ones are checked against the oracle. */
-static void test_random_workload(void **state)
+ * no scheduler call allocated. Finished answers are checked against the oracle (the request alone).
+ * Run with the host sampler pool and with the backend sampling its own rows (the CUDA backend's
+ * path: no logits copied to the scheduler). */
+static void random_workload(const struct fake_backend_opts *fo)
 {
     enum { N = 200 };
     struct env e;
-    env_sampler_threads = 3;    /* decode rows sampled on three threads */
-    env_open(&e, &FAKE_EOS, 8, 192, 40, 24);
+    env_sampler_threads = 3;    /* decode rows sampled on three threads (host sampling) */
+    env_open(&e, fo, 8, 192, 40, 24);
     env_sampler_threads = 0;
     struct dsv4_sched_stats st0;
     dsv4_sched_get_stats(e.s, &st0);
@@ -818,6 +822,16 @@ static void test_random_workload(void **state)
     env_close(&e);
 }
 
+static void test_random_workload(void **state)
+{
+    random_workload(&FAKE_EOS);
+}
+
+static void test_random_workload_device_sampling(void **state)
+{
+    random_workload(&FAKE_EOS_DEVICE);
+}
+
 /* Unseeded requests report the seed they used; resubmitting with it repeats the tokens. */
 static void test_reported_seed(void **state)
 {
@@ -887,7 +901,7 @@ static void test_tokenizer_text(void **state)
     if (r < 0)
         fail_msg("tokenizer: %s", dsv4_error_message());
 
-    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0 };
+    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0, false };
     struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = 256 };
     struct dsv4_backend *b;
     assert_int_equal(fake_backend_create(&fo, &bo, &b), 0);
@@ -934,7 +948,7 @@ static void test_tokenizer_text(void **state)
  * the next requests run (here the failure is injected once 30 tokens went in). */
 static void test_backend_error(void **state)
 {
-    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30 };
+    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30, false };
     struct env e;
     env_open(&e, &failing, 2, 128, 64, 8);
     int32_t prompt[10] = { 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
@@ -1108,6 +1122,7 @@ int main(void)
         cmocka_unit_test(test_prefill_interleave),
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_random_workload),
+        cmocka_unit_test(test_random_workload_device_sampling),
         cmocka_unit_test(test_reported_seed),
         cmocka_unit_test(test_backend_error),
         cmocka_unit_test(test_tokenizer_text),
