@@ -87,6 +87,7 @@ struct cuda_backend {
     struct dsv4_sample_result *d_sres, *h_sres;         /* [max_batch] */
     int32_t *d_sslots, *h_sslots, *d_stokens;   /* [max_batch] */
     int last_rows;              /* rows of the last prefill chunk or decode */
+    const int32_t *last_sl;     /* their slots (in h_in, until the next step) */
     bool last_prefill;
     int last_slot;              /* the last prefill's slot */
     bool hist_broken;           /* a history clear failed: sampling refuses until the next create */
@@ -572,6 +573,7 @@ static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int3
     for (int i = 0; i < n; i++)
         cb->pos[slots[i]] = pos[i] + 1;
     cb->last_rows = n;
+    cb->last_sl = sl;
     cb->last_prefill = false;
     return 0;
 }
@@ -657,8 +659,9 @@ static int op_sample(struct dsv4_backend *b, int n, const struct dsv4_backend_sa
         return dsv4_error_set(-EINVAL, "cuda sample: %d rows asked after a decode of %d", n, cb->last_rows);
     }
     for (int i = 0; i < n; i++) {
-        if (req[i].slot < 0 || req[i].slot >= b->opts.max_batch)
-            return dsv4_error_set(-EINVAL, "cuda sample: slot %d outside 0..%d", req[i].slot, b->opts.max_batch - 1);
+        if (!cb->last_prefill && req[i].slot != cb->last_sl[i])
+            return dsv4_error_set(-EINVAL, "cuda sample: row %d names slot %d, the decode's row %d was slot %d", i,
+                                  req[i].slot, i, cb->last_sl[i]);
         dsv4_sample_row_set(&cb->h_sparams[i], req[i].params, req[i].seed, req[i].index, req[i].slot);
         cb->h_sslots[i] = req[i].slot;
     }
