@@ -442,7 +442,9 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->counts = sched_alloc(s, (size_t)max_batch * (size_t)vocab, sizeof(*s->counts));
     s->seen = sched_alloc(s, (size_t)max_batch * s->seen_stride, 1);
     s->events = sched_alloc(s, (size_t)s->n_events, sizeof(*s->events));
-    s->logits = sched_alloc(s, (size_t)max_batch * (size_t)vocab, sizeof(*s->logits));
+    s->device_sampling = b->ops->sample != NULL;
+    /* logits come back to the host only when the host samples */
+    s->logits = sched_alloc(s, s->device_sampling ? 1 : (size_t)max_batch * (size_t)vocab, sizeof(*s->logits));
     s->dec_slots = sched_alloc(s, (size_t)max_batch, sizeof(*s->dec_slots));
     s->dec_tokens = sched_alloc(s, (size_t)max_batch, sizeof(*s->dec_tokens));
     s->dec_reqs = sched_alloc(s, (size_t)max_batch, sizeof(*s->dec_reqs));
@@ -451,7 +453,6 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->workers = sched_alloc(s, (size_t)s->n_threads, sizeof(*s->workers));
     s->row_sample = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_sample));
     s->row_rc = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_rc));
-    s->device_sampling = b->ops->sample != NULL;
     if (s->device_sampling) {
         s->sreq = sched_alloc(s, (size_t)max_batch, sizeof(*s->sreq));
         s->smsg = sched_alloc(s, (size_t)max_batch, DSV4_BACKEND_MSG_MAX);
