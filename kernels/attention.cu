@@ -19,6 +19,7 @@
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
 #include "kernels/kv_entry.cuh"
+#include "kernels/mma.cuh"
 
 #define ATT_TILE 12             /* keys per shared-memory tile: 92.7 KB at hd 512, within the 99 KB of sm_86/89/120 */
 #define ATT_HB 32               /* heads per block: their queries stay in shared memory */
@@ -338,14 +339,6 @@ static __device__ __forceinline__ void att_split(float x, float y, uint32_t *t)
     }
 }
 
-static __device__ __forceinline__ void att_mma(float *d, const uint32_t *a, uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 static __device__ __forceinline__ void att_ldsm_x4(uint32_t *r, const __nv_bfloat16 *p)
 {
     const unsigned s = (unsigned)__cvta_generic_to_shared(p);
@@ -379,7 +372,7 @@ static __device__ __forceinline__ uint4 att_decode8(const uint8_t *e, int d, int
     for (int i = 0; i < 4; i++) {
         const uint32_t word = i < 2 ? raw.x : raw.y;
         const float2 f = dsv4_e4m3x2((uint16_t)(word >> (16 * (i & 1))));
-        w[i] = bf16x2_bits(__floats2bfloat162_rn(f.x * s, f.y * s));
+        w[i] = dsv4_bf16x2(f.x * s, f.y * s);
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
@@ -459,8 +452,8 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
 #pragma unroll
                     for (int i = 0; i < ATT_MMA_QTERMS; i++) {
                         const uint32_t qf[4] = { t0[i], t1[i], t2[i], t3[i] };
-                        att_mma(part[0], qf, kf[0], kf[1]);
-                        att_mma(part[1], qf, kf[2], kf[3]);
+                        dsv4_mma_bf16(part[0], qf, kf[0], kf[1]);
+                        dsv4_mma_bf16(part[1], qf, kf[2], kf[3]);
                     }
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
@@ -607,7 +600,7 @@ static __device__ __forceinline__ void att_pv(float (&o)[ATT_MMA_MT][ATT_MMA_OWN
                     if (i < nown)
 #pragma unroll
                         for (int x = 0; x < ATT_MMA_PTERMS; x++)
-                            att_mma(o[mt][i], pf[x], vf[i][0], vf[i][1]);
+                            dsv4_mma_bf16(o[mt][i], pf[x], vf[i][0], vf[i][1]);
             }
         }
     }

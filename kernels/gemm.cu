@@ -26,6 +26,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/cuda_util.cuh"
+#include "kernels/mma.cuh"
 
 #define GEMM_ROWS 128               /* output rows per CTA: one FP8 scale block */
 #define GEMM_WARPS 8                /* one m16 tile of rows each */
@@ -69,49 +70,11 @@ struct gemm_args {
     int splits;
 };
 
-static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-
-static __device__ __forceinline__ void cp_async_commit()
-{
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <int N>
-static __device__ __forceinline__ void cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-static __device__ __forceinline__ uint4 lds128(const uint8_t *p)
-{
-    return *reinterpret_cast<const uint4 *>(p);
-}
-
 /* two e4m3 bytes (low first) -> f16x2, exact */
 static __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t v)
 {
     __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
     return (uint32_t)h.x | ((uint32_t)h.y << 16);
-}
-
-static __device__ __forceinline__ void mma_f16(float *d, const uint32_t *a, uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-static __device__ __forceinline__ void mma_bf16(float *d, const uint32_t *a, uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 /* Swizzles (16-byte chunk index within a smem row): weight rows and bf16 activation rows are
@@ -135,18 +98,18 @@ static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws
     for (int i = tid; i < GEMM_ROWS * 8; i += GEMM_THREADS) {
         const int r = i >> 3, c = i & 7;
         const int64_t gr = min(row0 + r, a.out - 1);   /* rows past out load a valid row; not stored */
-        cp_async16(ws + r * GEMM_TILE_BYTES + sw128(r, c) * 16, a.w + gr * a.row_bytes + (int64_t)kt * GEMM_TILE_BYTES + c * 16);
+        dsv4_cp_async16(ws + r * GEMM_TILE_BYTES + sw128(r, c) * 16, a.w + gr * a.row_bytes + (int64_t)kt * GEMM_TILE_BYTES + c * 16);
     }
     if (MODE == GEMM_FP8) {
         for (int i = tid; i < NT * 8 * 16; i += GEMM_THREADS) {
             const int n = i >> 4, c = i & 15, gn = min(n, a.rows - 1);
-            cp_async16(xs + n * GEMM_XROW_BYTES + sw256(n, c) * 16, a.xa + ((int64_t)gn * a.k + (int64_t)kt * 128) * 2 + c * 16);
+            dsv4_cp_async16(xs + n * GEMM_XROW_BYTES + sw256(n, c) * 16, a.xa + ((int64_t)gn * a.k + (int64_t)kt * 128) * 2 + c * 16);
         }
     } else {
         for (int i = tid; i < 2 * NT * 8 * 8; i += GEMM_THREADS) {
             const int p = i / (NT * 64), n = (i >> 3) % (NT * 8), c = i & 7, gn = min(n, a.rows - 1);
             const uint8_t *src = a.xa + (((int64_t)p * a.rows + gn) * a.k + (int64_t)kt * 64) * 2 + c * 16;
-            cp_async16(xs + p * (NT * 8 * 128) + n * 128 + sw128(n, c) * 16, src);
+            dsv4_cp_async16(xs + p * (NT * 8 * 128) + n * 128 + sw128(n, c) * 16, src);
         }
     }
 }
@@ -173,17 +136,17 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
     for (int s = 0; s < GEMM_STAGES - 1; s++) {
         if (s < nk)
             load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + s, row0);
-        cp_async_commit();
+        dsv4_cp_async_commit();
     }
     for (int i = 0; i < nk; i++) {
-        cp_async_wait<GEMM_STAGES - 2>();
+        dsv4_cp_async_wait<GEMM_STAGES - 2>();
         __syncthreads();
         {
             const int nx = i + GEMM_STAGES - 1, s = nx % GEMM_STAGES;
             if (nx < nk)
                 load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + nx,
                                     row0);
-            cp_async_commit();
+            dsv4_cp_async_commit();
         }
         const uint8_t *ws = smem + (i % GEMM_STAGES) * sbytes, *xs = ws + GEMM_ROWS * GEMM_TILE_BYTES;
         const int kt = kt0 + i;
@@ -196,21 +159,21 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int c = t + 4 * h;
-                const uint4 w0 = lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
-                const uint4 w1 = lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
+                const uint4 w0 = dsv4_lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
+                const uint4 w1 = dsv4_lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
                 const uint32_t w0v[4] = { w0.x, w0.y, w0.z, w0.w }, w1v[4] = { w1.x, w1.y, w1.z, w1.w };
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
                     const int n = j * 8 + g;
-                    const uint4 b0 = lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c) * 16);
-                    const uint4 b1 = lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c + 1) * 16);
+                    const uint4 b0 = dsv4_lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c) * 16);
+                    const uint4 b1 = dsv4_lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c + 1) * 16);
                     const uint32_t bv[8] = { b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w };
 #pragma unroll
                     for (int q = 0; q < 4; q++) {
                         /* bytes 4q..4q+3 of each row: (4q, 4q+1) as k (2t, 2t+1), (4q+2, 4q+3) as (2t+8, 2t+9) */
                         const uint32_t af[4] = { e4m3x2_f16x2(w0v[q]), e4m3x2_f16x2(w1v[q]), e4m3x2_f16x2(w0v[q] >> 16),
                                                  e4m3x2_f16x2(w1v[q] >> 16) };
-                        mma_f16(blk[j], af, bv[2 * q], bv[2 * q + 1]);
+                        dsv4_mma_f16(blk[j], af, bv[2 * q], bv[2 * q + 1]);
                     }
                 }
             }
@@ -229,27 +192,27 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int c = t + 4 * h;
-                const uint4 w0 = lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
-                const uint4 w1 = lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
+                const uint4 w0 = dsv4_lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
+                const uint4 w1 = dsv4_lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
                 const uint32_t w0v[4] = { w0.x, w0.y, w0.z, w0.w }, w1v[4] = { w1.x, w1.y, w1.z, w1.w };
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
                     const int n = j * 8 + g;
-                    const uint4 bh = lds128(xs + n * 128 + sw128(n, c) * 16);
-                    const uint4 bl = lds128(xl + n * 128 + sw128(n, c) * 16);
+                    const uint4 bh = dsv4_lds128(xs + n * 128 + sw128(n, c) * 16);
+                    const uint4 bl = dsv4_lds128(xl + n * 128 + sw128(n, c) * 16);
                     const uint32_t hv[4] = { bh.x, bh.y, bh.z, bh.w }, lv[4] = { bl.x, bl.y, bl.z, bl.w };
 #pragma unroll
                     for (int q = 0; q < 2; q++) {
                         /* values 4q..4q+3 of each row's 8: (4q, 4q+1) as k (2t, 2t+1), (4q+2, 4q+3) as (2t+8, 2t+9) */
                         const uint32_t af[4] = { w0v[2 * q], w1v[2 * q], w0v[2 * q + 1], w1v[2 * q + 1] };
-                        mma_bf16(acc[j], af, hv[2 * q], hv[2 * q + 1]);
-                        mma_bf16(acc[j], af, lv[2 * q], lv[2 * q + 1]);
+                        dsv4_mma_bf16(acc[j], af, hv[2 * q], hv[2 * q + 1]);
+                        dsv4_mma_bf16(acc[j], af, lv[2 * q], lv[2 * q + 1]);
                     }
                 }
             }
         }
     }
-    cp_async_wait<0>();
+    dsv4_cp_async_wait<0>();
 
     /* c0 (row g, col 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1) of each m16n8 tile */
 #pragma unroll

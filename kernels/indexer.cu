@@ -18,6 +18,7 @@
 #include "kernels/cuda_util.cuh"
 #include "kernels/index_key.cuh"
 #include "kernels/kernels_internal.h"
+#include "kernels/mma.cuh"
 
 #define IDX_FMA_THREADS 256
 #define IDX_MMA_WARPS 8
@@ -73,12 +74,6 @@ __global__ void indexer_scores_fma_kernel(const struct dsv4_cuda_index_args a)
     a.scores[(int64_t)b * a.max_entries + s] = score;
 }
 
-static __device__ __forceinline__ uint32_t bf16x2(float lo, float hi)
-{
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t *>(&v);
-}
-
 /* grid (B, ceil(max_entries / IDX_MMA_ENTRIES)), IDX_MMA_WARPS warps. Thread (g = lane/4, t = lane%4)
  * of a warp decodes values [t dI/4, (t+1) dI/4) of entry g of each n8 tile (one FP4 scale: dI/4 <= 32
  * values never straddle a group) and feeds them as the B fragment's k indices of dI/16 MMAs; the
@@ -119,7 +114,7 @@ __global__ void __launch_bounds__(IDX_MMA_WARPS * DSV4_CUDA_WARP) indexer_scores
 #pragma unroll
         for (int i = 0; i < PER / 2; i++) {
             const uint32_t byte = key[t * PER / 2 + i];
-            kf[i] = bf16x2(dsv4_e2m1(byte) * sc, dsv4_e2m1(byte >> 4) * sc);
+            kf[i] = dsv4_bf16x2(dsv4_e2m1(byte) * sc, dsv4_e2m1(byte >> 4) * sc);
         }
         float part[2] = { 0.0f, 0.0f };
         for (int mt = 0; mt < MT; mt++) {
@@ -129,10 +124,8 @@ __global__ void __launch_bounds__(IDX_MMA_WARPS * DSV4_CUDA_WARP) indexer_scores
             for (int s = 0; s < KS; s++) {
                 const uint2 x0 = *reinterpret_cast<const uint2 *>(q0 + 4 * s);
                 const uint2 x1 = *reinterpret_cast<const uint2 *>(q1 + 4 * s);
-                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-                             "{%8,%9}, {%0,%1,%2,%3};\n"
-                             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                             : "r"(x0.x), "r"(x1.x), "r"(x0.y), "r"(x1.y), "r"(kf[2 * s]), "r"(kf[2 * s + 1]));
+                const uint32_t qa[4] = { x0.x, x1.x, x0.y, x1.y };
+                dsv4_mma_bf16(d, qa, kf[2 * s], kf[2 * s + 1]);
             }
             const float w0 = w_s[mt * 16 + g], w1 = w_s[mt * 16 + g + 8];
             part[0] += fmaxf(d[0], 0.0f) * qscale * w0 + fmaxf(d[2], 0.0f) * qscale * w1;

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "kernels/cuda_util.cuh"
+#include "kernels/mma.cuh"
 
 #define MOE_ROWS 8              /* warps (weight rows) per block */
 #define MOE_NB 8                /* tokens per pass over a weight row */
@@ -194,18 +195,12 @@ static __device__ void moe_group(const int32_t *__restrict__ idx, int pairs, int
     }
 }
 
-static __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi)
-{
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&h);
-}
-
 /* 8 consecutive values of K as bf16 in the order the FP4 decoder pairs nibbles (fp4x8_bf16):
  * [3, 7, 2, 6, 1, 5, 0, 4]. Exact for e4m3 x power-of-two values. */
 static __device__ __forceinline__ uint4 bf16x8_operand(const float (&v)[8])
 {
-    return make_uint4(bf16x2_bits(v[3], v[7]), bf16x2_bits(v[2], v[6]), bf16x2_bits(v[1], v[5]),
-                      bf16x2_bits(v[0], v[4]));
+    return make_uint4(dsv4_bf16x2(v[3], v[7]), dsv4_bf16x2(v[2], v[6]), dsv4_bf16x2(v[1], v[5]),
+                      dsv4_bf16x2(v[0], v[4]));
 }
 
 /* grid 1 + ceil(n8 / MOE_PREP_THREADS): block 0 groups the pairs; the others write x [batch, D]
@@ -425,43 +420,6 @@ struct moe_tc_args {
     int64_t ldy;
 };
 
-static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-
-static __device__ __forceinline__ void cp_async4(void *smem, const void *gmem)
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
-}
-
-static __device__ __forceinline__ void cp_async_commit()
-{
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <int N>
-static __device__ __forceinline__ void cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-static __device__ __forceinline__ uint4 lds128(const uint8_t *p)
-{
-    return *reinterpret_cast<const uint4 *>(p);
-}
-
-static __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 /* bf16x2 a * b, exact here (powers of two times values of at most 3 significant bits) */
 static __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b)
 {
@@ -525,7 +483,7 @@ template <int NT, bool BIG>
 static __device__ __forceinline__ void tc_tile(const uint8_t *st, int wo0, int wo1, int so0, int so1, const int (&xo)[4],
                                                float (&acc)[NT][4])
 {
-    const uint4 w0 = lds128(st + wo0), w1 = lds128(st + wo1);
+    const uint4 w0 = dsv4_lds128(st + wo0), w1 = dsv4_lds128(st + wo1);
     const uint32_t s0 = st[so0], s1 = st[so1];
     const uint32_t w0v[4] = { w0.x, w0.y, w0.z, w0.w }, w1v[4] = { w1.x, w1.y, w1.z, w1.w };
 #pragma unroll
@@ -543,10 +501,11 @@ static __device__ __forceinline__ void tc_tile(const uint8_t *st, int wo0, int w
         }
 #pragma unroll
         for (int j = 0; j < NT; j++) {
-            const uint4 b = lds128(st + xo[i] + j * 8 * MOE_TC_XROW);
+            const uint4 b = dsv4_lds128(st + xo[i] + j * 8 * MOE_TC_XROW);
             /* a0/a2: row g, k (2t, 2t+1) / (2t+8, 2t+9); a1/a3: row g + 8; b0/b1 the same k */
-            mma_bf16(acc[j], p0[0], p1[0], p0[1], p1[1], b.x, b.y);
-            mma_bf16(acc[j], p0[2], p1[2], p0[3], p1[3], b.z, b.w);
+            const uint32_t a0[4] = { p0[0], p1[0], p0[1], p1[1] }, a1[4] = { p0[2], p1[2], p0[3], p1[3] };
+            dsv4_mma_bf16(acc[j], a0, b.x, b.y);
+            dsv4_mma_bf16(acc[j], a1, b.z, b.w);
         }
     }
 }
@@ -591,15 +550,15 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
      * which only reach MMA columns that are never stored) */
     auto load = [&](int s, int kt) {
         uint8_t *st = smem + s * SB;
-        cp_async16(st + tid * 16, wsrc[0] + (int64_t)kt * MOE_TC_WROW);
-        cp_async16(st + (tid + MOE_TC_THREADS) * 16, wsrc[1] + (int64_t)kt * MOE_TC_WROW);
+        dsv4_cp_async16(st + tid * 16, wsrc[0] + (int64_t)kt * MOE_TC_WROW);
+        dsv4_cp_async16(st + (tid + MOE_TC_THREADS) * 16, wsrc[1] + (int64_t)kt * MOE_TC_WROW);
         if (tid < MOE_TC_ROWS)
-            cp_async4(st + WB + tid * 4, ssrc + kt * 4);
+            dsv4_cp_async4(st + WB + tid * 4, ssrc + kt * 4);
 #pragma unroll
         for (int q = 0; q < NT; q++) {
             const int i = tid + q * MOE_TC_THREADS, r = i >> 4, c = i & 15;
             if (r < n)
-                cp_async16(st + XOFF + r * MOE_TC_XROW + tc_xswz(r, c) * 16,
+                dsv4_cp_async16(st + XOFF + r * MOE_TC_XROW + tc_xswz(r, c) * 16,
                            a.xa + rowoff[r] + (int64_t)kt * MOE_TC_XROW + c * 16);
         }
     };
@@ -608,16 +567,16 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < nk)
             load(s, s);
-        cp_async_commit();
+        dsv4_cp_async_commit();
     }
     int rs = 0, ls = STAGES - 1;    /* stages read and loaded this iteration */
 #pragma unroll 1
     for (int kt = 0; kt < nk; kt++) {
-        cp_async_wait<STAGES - 2>();
+        dsv4_cp_async_wait<STAGES - 2>();
         __syncthreads();
         if (kt + STAGES - 1 < nk)
             load(ls, kt + STAGES - 1);
-        cp_async_commit();
+        dsv4_cp_async_commit();
         const uint8_t *st = smem + rs * SB;
         const int wo0 = r0 * MOE_TC_WROW + t * 16, wo1 = r1 * MOE_TC_WROW + t * 16;
         if (st[WB + r0 * 4 + t] > 128u || st[WB + r1 * 4 + t] > 128u)
@@ -627,7 +586,7 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
         rs = rs + 1 == STAGES ? 0 : rs + 1;
         ls = ls + 1 == STAGES ? 0 : ls + 1;
     }
-    cp_async_wait<0>();
+    dsv4_cp_async_wait<0>();
 
     /* c0 (row g, token 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1) of each m16n8 tile */
 #pragma unroll
