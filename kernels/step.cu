@@ -61,6 +61,7 @@ struct step_buf {
 
 struct cuda_backend {
     struct dsv4_backend base;
+    struct dsv4_backend_ops ops;    /* cuda_ops, less `sample` with DSV4_CUDA_SAMPLE=0 */
     struct dsv4_cuda_dev *dev;
     const struct dsv4_config *cfg;
     bool fp8;
@@ -737,12 +738,6 @@ static const struct dsv4_backend_ops cuda_ops = {
     .slot_position = op_slot_position, .get_stats = op_get_stats, .destroy = op_destroy,
 };
 
-/* DSV4_CUDA_SAMPLE=0: the engine samples copied-back logits on the host instead. */
-static const struct dsv4_backend_ops cuda_ops_host_sampling = {
-    .name = "cuda", .prefill = op_prefill, .decode = op_decode, .sample = nullptr, .slot_reset = op_slot_reset,
-    .slot_position = op_slot_position, .get_stats = op_get_stats, .destroy = op_destroy,
-};
-
 /* ---- create ---- */
 
 static int dev_lin(struct cuda_backend *cb, const struct dsv4_linear *h, struct dsv4_cuda_linear *ret, bool required)
@@ -946,7 +941,11 @@ extern "C" int dsv4_backend_cuda_create(const struct dsv4_weights *w, const stru
     if (!cb)
         return dsv4_error_set(-ENOMEM, "cuda: backend state");
     const char *smp = getenv("DSV4_CUDA_SAMPLE");
-    cb->base.ops = smp && strcmp(smp, "0") == 0 ? &cuda_ops_host_sampling : &cuda_ops;
+    /* DSV4_CUDA_SAMPLE=0: no sample op, so the engine samples copied-back logits on the host */
+    cb->ops = cuda_ops;
+    if (smp && strcmp(smp, "0") == 0)
+        cb->ops.sample = nullptr;
+    cb->base.ops = &cb->ops;
     cb->base.weights = w;
     cb->base.opts = *opts;
     cb->base.impl = cb;

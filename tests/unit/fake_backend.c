@@ -19,6 +19,7 @@ struct fake_slot {
 
 struct fake_impl {
     struct fake_backend_opts fo;
+    struct dsv4_backend_ops ops;    /* fake_ops, less `sample` unless device_sampling */
     struct dsv4_weights w;      /* only cfg is filled */
     struct fake_slot *slots;
     struct fake_backend_counters c;
@@ -206,16 +207,6 @@ static const struct dsv4_backend_ops fake_ops = {
     .name = "fake",
     .prefill = fake_prefill,
     .decode = fake_decode,
-    .slot_reset = fake_slot_reset,
-    .slot_position = fake_slot_position,
-    .get_stats = fake_get_stats,
-    .destroy = fake_destroy,
-};
-
-static const struct dsv4_backend_ops fake_ops_sampling = {
-    .name = "fake",
-    .prefill = fake_prefill,
-    .decode = fake_decode,
     .sample = fake_sample,
     .slot_reset = fake_slot_reset,
     .slot_position = fake_slot_position,
@@ -256,7 +247,10 @@ int fake_backend_create(const struct fake_backend_opts *fo, const struct dsv4_ba
     f->w.cfg.bos_id = 0;
     for (int i = 0; i < opts->max_batch; i++)
         slots[i].h = FAKE_HASH_START;
-    b->ops = fo->device_sampling ? &fake_ops_sampling : &fake_ops;
+    f->ops = fake_ops;
+    if (!fo->device_sampling)
+        f->ops.sample = NULL;
+    b->ops = &f->ops;
     b->weights = &f->w;
     b->opts = *opts;
     b->impl = f;
