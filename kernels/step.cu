@@ -54,7 +54,7 @@ struct step_buf {
     void *shist;                /* device sampling: penalty history of max_batch slots */
     struct dsv4_sample_row *sparams;        /* [B] */
     struct dsv4_sample_result *sres;        /* [B] */
-    int32_t *sslots, *stokens;              /* [B] */
+    int32_t *sslots, *stokens;              /* [B] slots to clear, sampled tokens */
     float *inv_main, *inv_comp;
     int64_t mixws_floats;       /* capacity of mixws */
 };
@@ -73,7 +73,7 @@ struct cuda_backend {
     struct dsv4_cuda_linear embed, head, hch_fn;
     const float *norm, *hch_base, *hch_scale;
     struct step_buf b;
-    int64_t max_in, max_entries;
+    int64_t max_entries;
     int64_t *pos;               /* host: tokens in each slot */
     int32_t *h_in;
     int *h_slots;               /* [max_batch] a prefill chunk's slot column */
@@ -84,13 +84,13 @@ struct cuda_backend {
     uint64_t captures;
     /* device sampling (ops->sample; DSV4_CUDA_SAMPLE=0 leaves it to the host) */
     struct dsv4_sample_history hist;            /* [max_batch slots, V] */
-    struct dsv4_sample_row *d_sparams, *h_sparams;      /* [max_batch] */
-    struct dsv4_sample_result *d_sres, *h_sres;         /* [max_batch] */
-    int32_t *d_sslots, *h_sslots, *d_stokens;   /* [max_batch] */
+    struct dsv4_sample_row *h_sparams;          /* [max_batch], uploaded to b.sparams */
+    struct dsv4_sample_result *h_sres;          /* [max_batch], copied back from b.sres */
+    int32_t *h_sslots;                          /* [max_batch] slots whose history is cleared */
     int last_rows;              /* rows of the last prefill chunk or decode */
-    const int32_t *last_sl;     /* their slots (in h_in, until the next step) */
+    const int32_t *last_sl;     /* their slots (h_in's column, until the next step) */
+    const int32_t *last_d_sl;   /* the same column on the device (b.in's) */
     bool last_prefill;
-    int last_slot;              /* the last prefill's slot */
     bool hist_broken;           /* a history clear failed: sampling refuses until the next create */
 };
 
@@ -575,6 +575,7 @@ static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int3
         cb->pos[slots[i]] = pos[i] + 1;
     cb->last_rows = n;
     cb->last_sl = sl;
+    cb->last_d_sl = cb->b.in + B;
     cb->last_prefill = false;
     return 0;
 }
@@ -634,7 +635,6 @@ static int op_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, i
         STEP(run_rows(cb, m, cb->h_slots, tokens + i0, dst, all_rows ? 0 : m - 1, all_rows ? m : 1));
     }
     cb->last_prefill = n > 0;
-    cb->last_slot = slot;
     return 0;
 }
 
@@ -648,14 +648,17 @@ static int op_sample(struct dsv4_backend *b, int n, const struct dsv4_backend_sa
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
     const int V = cb->cfg->vocab_size;
     const float *rows = cb->b.logits;
+    const int32_t *d_slots = cb->last_d_sl;     /* the sampled rows' slot column */
 
     if (cb->hist_broken)
         return dsv4_error_set(-EIO, "cuda sample: clearing a slot's penalty history failed earlier");
     if (cb->last_prefill) {
-        if (n != 1 || req[0].slot != cb->last_slot)
+        /* the prefill's last row: every row of its last chunk names its slot */
+        if (n != 1 || req[0].slot != cb->last_sl[0])
             return dsv4_error_set(-EINVAL, "cuda sample: after a prefill of slot %d, sample that one slot "
-                                  "(asked %d rows, slot %d)", cb->last_slot, n, n > 0 ? req[0].slot : -1);
+                                  "(asked %d rows, slot %d)", cb->last_sl[0], n, n > 0 ? req[0].slot : -1);
         rows += (size_t)(cb->last_rows - 1) * V;
+        d_slots += cb->last_rows - 1;
     } else if (n < 1 || n != cb->last_rows) {
         return dsv4_error_set(-EINVAL, "cuda sample: %d rows asked after a decode of %d", n, cb->last_rows);
     }
@@ -664,13 +667,11 @@ static int op_sample(struct dsv4_backend *b, int n, const struct dsv4_backend_sa
             return dsv4_error_set(-EINVAL, "cuda sample: row %d names slot %d, the decode's row %d was slot %d", i,
                                   req[i].slot, i, cb->last_sl[i]);
         dsv4_sample_row_set(&cb->h_sparams[i], req[i].params, req[i].seed, req[i].index, req[i].slot);
-        cb->h_sslots[i] = req[i].slot;
     }
-    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->d_sparams, cb->h_sparams, sizeof(*cb->h_sparams) * n, cudaMemcpyHostToDevice, s));
-    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->d_sslots, cb->h_sslots, sizeof(*cb->h_sslots) * n, cudaMemcpyHostToDevice, s));
-    STEP(dsv4_sample_rows(rows, V, n, V, cb->d_sparams, &cb->hist, cb->d_sres, cb->d_stokens, s));
-    STEP(dsv4_sample_history_record(&cb->hist, cb->d_sslots, cb->d_stokens, n, true, s));
-    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->h_sres, cb->d_sres, sizeof(*cb->h_sres) * n, cudaMemcpyDeviceToHost, s));
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.sparams, cb->h_sparams, sizeof(*cb->h_sparams) * n, cudaMemcpyHostToDevice, s));
+    STEP(dsv4_sample_rows(rows, V, n, V, cb->b.sparams, &cb->hist, cb->b.sres, cb->b.stokens, s));
+    STEP(dsv4_sample_history_record(&cb->hist, d_slots, cb->b.stokens, n, true, s));
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->h_sres, cb->b.sres, sizeof(*cb->h_sres) * n, cudaMemcpyDeviceToHost, s));
     DSV4_CUDA_TRY(cudaStreamSynchronize(s));
     for (int i = 0; i < n; i++) {
         rc[i] = dsv4_sample_result_get(&cb->h_sres[i], &out[i]);
@@ -691,8 +692,8 @@ static void op_slot_reset(struct dsv4_backend *b, int slot)
     /* the penalty history starts empty; the copy reads h_sslots before it returns (pageable memory) */
     cb->h_sslots[0] = slot;
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
-    if (cudaMemcpyAsync(cb->d_sslots, cb->h_sslots, sizeof(int32_t), cudaMemcpyHostToDevice, s) != cudaSuccess ||
-        dsv4_sample_history_clear(&cb->hist, cb->d_sslots, 1, s) < 0)
+    if (cudaMemcpyAsync(cb->b.sslots, cb->h_sslots, sizeof(int32_t), cudaMemcpyHostToDevice, s) != cudaSuccess ||
+        dsv4_sample_history_clear(&cb->hist, cb->b.sslots, 1, s) < 0)
         cb->hist_broken = true;     /* reported by the next sample call */
 }
 
@@ -838,14 +839,10 @@ static int sampling_boot(struct cuda_backend *cb)
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
     STEP(dsv4_sample_prepare());
     STEP(dsv4_sample_history_init(&cb->hist, cb->b.shist, B, V));
-    cb->d_sparams = cb->b.sparams;
-    cb->d_sres = cb->b.sres;
-    cb->d_sslots = cb->b.sslots;
-    cb->d_stokens = cb->b.stokens;
     for (int i = 0; i < B; i++)
         cb->h_sslots[i] = i;
-    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->d_sslots, cb->h_sslots, sizeof(int32_t) * B, cudaMemcpyHostToDevice, s));
-    STEP(dsv4_sample_history_clear(&cb->hist, cb->d_sslots, B, s));
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.sslots, cb->h_sslots, sizeof(int32_t) * B, cudaMemcpyHostToDevice, s));
+    STEP(dsv4_sample_history_clear(&cb->hist, cb->b.sslots, B, s));
     DSV4_CUDA_TRY(cudaStreamSynchronize(s));
     return 0;
 }
