@@ -312,8 +312,8 @@ static void *pool_worker(void *arg)
 }
 
 /* Device sampling of rows [0, n): request reqs[k] (running-list indices) for row k of the call just
- * made, into row_sample/row_rc/row_err. */
-static int sample_on_device(struct dsv4_sched *s, int n, const int *reqs)
+ * made, into row_sample/row_rc/row_err (a failure of the whole call fails every row). */
+static void sample_on_device(struct dsv4_sched *s, int n, const int *reqs)
 {
     for (int k = 0; k < n; k++) {
         const struct sched_req *q = &s->reqs[reqs[k]];
@@ -328,7 +328,6 @@ static int sample_on_device(struct dsv4_sched *s, int n, const int *reqs)
             snprintf(s->row_err[k], DSV4_SCHED_ERROR_MAX, "sampling: %s",
                      r < 0 ? dsv4_error_message() : s->smsg + (size_t)k * DSV4_BACKEND_MSG_MAX);
     }
-    return r;
 }
 
 /* Sample the decode step's n rows into row_sample/row_rc, on every pool thread. */
