@@ -486,8 +486,8 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     vlog(dev, log, log_ctx, true, "op mhc fn: %s (K chunks of %d, fixed-order sum)",
          dsv4_cuda_variant_name(DSV4_CUDA_V_MHC_FN_SPLITK), DSV4_CUDA_MHC_FN_CHUNK);
     vlog(dev, log, log_ctx, true, "op linear.fp4: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP4));
-    vlog(dev, log, log_ctx, true, "op experts: %s (FP4, fp8 numerics, dim and inter multiples of 128, only with "
-         "DSV4_CUDA_MOE_MMA=1); else %s / %s",
+    vlog(dev, log, log_ctx, true, "op experts: %s (FP4, fp8 numerics, dim and inter multiples of 128; "
+         "DSV4_CUDA_MOE_MMA=0 turns it off); else %s / %s",
          dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_FP4), dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_FP4_FMA),
          dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_OTHER));
     vlog(dev, log, log_ctx, true, "op router: warp-per-token sqrtsoftplus top-k / hash table");

@@ -144,10 +144,14 @@ __global__ void __launch_bounds__(IDX_MMA_WARPS * DSV4_CUDA_WARP) indexer_scores
     }
 }
 
-/* Order-preserving key of a float: larger float, larger key. */
+/* Order-preserving key of a float: larger float, larger key. -0 and +0 get one key: a score of
+ * zero (every head's dot clipped by ReLU) is -0 when a head weight is negative, and the twin's
+ * float comparisons treat the two as a tie, broken by the lower index. */
 static __device__ __forceinline__ uint32_t fkey(float f)
 {
-    const uint32_t u = __float_as_uint(f);
+    uint32_t u = __float_as_uint(f);
+    if ((u << 1) == 0)
+        u = 0;
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 

@@ -579,7 +579,9 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
         dsv4_cp_async_commit();
         const uint8_t *st = smem + rs * SB;
         const int wo0 = r0 * MOE_TC_WROW + t * 16, wo1 = r1 * MOE_TC_WROW + t * 16;
-        if (st[WB + r0 * 4 + t] > 128u || st[WB + r1 * 4 + t] > 128u)
+        /* warp-uniform: mma.sync needs every lane at the same instruction, so one lane's large
+         * scale sends the whole warp down the BIG path (a factor of 1 for the others) */
+        if (__any_sync(0xffffffffu, st[WB + r0 * 4 + t] > 128u || st[WB + r1 * 4 + t] > 128u))
             tc_tile<NT, true>(st, wo0, wo1, WB + r0 * 4 + t, WB + r1 * 4 + t, xo, acc);
         else
             tc_tile<NT, false>(st, wo0, wo1, WB + r0 * 4 + t, WB + r1 * 4 + t, xo, acc);
@@ -674,14 +676,14 @@ __global__ void moe_quant_kernel(float *__restrict__ h, int inter)
         reinterpret_cast<uint4 *>(row)[q] = bf16x8_operand(v);
 }
 
-/* The tensor-core path has not yet run on a GPU: until tests/gpu/test_gpu_moe passes with it on a
- * device, it is taken only with DSV4_CUDA_MOE_MMA=1 (read once); the FMA kernels are the default. */
+/* The tensor-core path is the default where the shapes allow; DSV4_CUDA_MOE_MMA=0 (read once) keeps
+ * the FMA kernels, for comparison. */
 static bool tc_enabled(void)
 {
     static int on = -1;
     if (on < 0) {
         const char *e = getenv("DSV4_CUDA_MOE_MMA");
-        on = e && strcmp(e, "1") == 0;
+        on = !(e && strcmp(e, "0") == 0);
     }
     return on;
 }

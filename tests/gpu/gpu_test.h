@@ -164,6 +164,7 @@ static inline int gt_main(const struct CMUnitTest *tests, size_t n)
         printf("# SKIP: %s\n", dsv4_error_message());
         return GPU_SKIP;
     }
+    setvbuf(stdout, NULL, _IOLBF, 0);   /* a test killed by a timeout still leaves its lines */
     gt_seed();
     if (getenv("DSV4_TEST_FILTER"))     /* run one test, e.g. under compute-sanitizer */
         cmocka_set_test_filter(getenv("DSV4_TEST_FILTER"));

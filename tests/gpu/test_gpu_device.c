@@ -224,7 +224,7 @@ static void test_boot_and_experts(void **state)
 
     dsv4_cuda_dev_get_stats(dev, &st);
     assert_int_equal(st.device_allocs, 1);
-    /* FP4 experts: the tensor-core variant when enabled (DSV4_CUDA_MOE_MMA=1), else the FMA one */
+    /* FP4 experts: the tensor-core variant unless DSV4_CUDA_MOE_MMA=0, else the FMA one */
     assert_true(st.launches[DSV4_CUDA_V_EXPERTS_FP4] + st.launches[DSV4_CUDA_V_EXPERTS_FP4_FMA] >= 1);
     assert_int_equal(st.graph_captures, 0);
 
@@ -235,11 +235,13 @@ static void test_boot_and_experts(void **state)
     free(m);
 }
 
-/* A plan larger than the device fails before allocating, with the numbers. */
+/* A plan larger than the device fails before allocating, with the numbers: 65 slots of 2^30 tokens
+ * (about 27 GB of caches each at this shape) exceed any single GPU. */
 static void test_too_big(void **state)
 {
     struct model *m = calloc(1, sizeof(*m));
-    struct dsv4_backend_opts opts = { .max_batch = BATCH, .max_context = 1 << 30, .numerics = DSV4_NUMERICS_FP8 };
+    struct dsv4_backend_opts opts = { .max_batch = DSV4_CUDA_MAX_BATCH, .max_context = 1 << 30,
+                                      .numerics = DSV4_NUMERICS_FP8 };
     struct dsv4_cuda_dev *dev = NULL;
     assert_non_null(m);
     make_model(m);

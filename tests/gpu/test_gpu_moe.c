@@ -476,8 +476,7 @@ static void test_swiglu(void **state)
 
 int main(void)
 {
-    /* the tensor-core experts are opt-in until this test has passed on a GPU (kernels/moe.cu) */
-    setenv("DSV4_CUDA_MOE_MMA", "1", 1);
+    unsetenv("DSV4_CUDA_MOE_MMA");     /* the tensor-core experts are under test: never switched off */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_router),
         cmocka_unit_test(test_experts_tiny),

@@ -99,7 +99,7 @@ static void submit(struct env *e, const int32_t *prompt, int n, const struct dsv
 {
     memset(a, 0, sizeof(*a));
     struct dsv4_sched_request rq = { .prompt = prompt, .n_prompt = n, .max_tokens = GEN, .sampling = *sp,
-                                     .user = a };
+                                     .ignore_eos = true, .user = a };
     DSV4_OK(dsv4_sched_submit(e->s, &rq, &a->id));
 }
 

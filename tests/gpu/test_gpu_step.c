@@ -6,7 +6,15 @@
  *     greedy tokens identical over the 16 steps and every logits row within the bound,
  *     max |gpu - cpu| / max |cpu| (exact 1e-4: f32 summation order only, the GPU sums dots in f32 where
  *     the CPU uses double; fp8 1e-3: the same, where a value at an FP8/FP4 rounding boundary may
- *     round the other way);
+ *     round the other way). One exception: the trained default models (models/default, and its
+ *     release-format copy models/default-fp8) in fp8 numerics on a random prompt are chaotic. The
+ *     CPU reference against itself with rms_norm_eps moved by 1e-9 or 1e-8 (its exact-numerics
+ *     logits then move by about 1e-6) moves their fp8 logits by up to 0.11 (default) and 0.15
+ *     (default-fp8) over 166 rows, with FP4 index selection on or off: one e4m3 activation rounding
+ *     the other way grows through the layers and positions. No implementation that sums in another
+ *     order can stay within 1e-3 there, so those cases assert the greedy tokens and print their
+ *     error beside that probe's; default-fp8 in exact numerics (FP8 weights, FP4 experts) keeps the
+ *     1e-4 bound;
  *   - rows of a batch bit-identical to the same rows decoded alone (batch invariance), and a prompt
  *     prefilled in chunks bit-identical to the same prompt decoded one token at a time;
  *   - graph replay bit-identical to eager launches (DSV4_CUDA_GRAPHS=0);
@@ -28,6 +36,7 @@
 #define MAX_CTX 512
 #define BATCH 4
 #define REQUESTS 1000
+#define PROBE_EPS 1e-9       /* the chaos probe's change to rms_norm_eps */
 
 static const char *const fixtures[] = { "tiny_a", "tiny_b", "tiny_c" };
 
@@ -98,7 +107,40 @@ static void random_prompt(int V, int n, struct prompt *p)
 /* dir: a fixture name (tests/fixtures/DIR, prompt from its cases) or a path under the source tree
  * (models/..., a random prompt of RANDOM_PROMPT tokens). */
 #define RANDOM_PROMPT 150
-static void check_model(const char *dir, enum dsv4_numerics num, int max_batch)
+/* Largest row error of a [rows, V] against c. */
+static double worst_err(const float *g, const float *c, int rows, int V)
+{
+    double worst = 0.0;
+    for (int r = 0; r < rows; r++) {
+        double e = row_err(g + (size_t)r * V, c + (size_t)r * V, V);
+        if (!(e <= worst))
+            worst = e;
+    }
+    return worst;
+}
+
+/* The chaos probe: the CPU reference against itself with rms_norm_eps moved by PROBE_EPS. */
+static double cpu_probe(const char *path, const struct dsv4_backend_opts *opts, const struct prompt *p,
+                        const float *ref, int V)
+{
+    struct dsv4_weights *w = NULL;
+    struct dsv4_backend *cpu = NULL;
+    int32_t g[DECODE_STEPS];
+    const int rows = p->n + DECODE_STEPS;
+    float *l = malloc(sizeof(float) * (size_t)rows * V);
+    DSV4_OK(dsv4_weights_load(path, &w));
+    w->cfg.rms_norm_eps += PROBE_EPS;
+    DSV4_OK(dsv4_backend_cpu_create(w, opts, &cpu));
+    run_sequence(cpu, 0, p, V, l, g);
+    const double worst = worst_err(l, ref, rows, V);
+    dsv4_backend_destroy(cpu);
+    dsv4_weights_free(w);
+    free(l);
+    return worst;
+}
+
+/* chaotic: assert the greedy tokens only, and print the logits error beside the chaos probe's. */
+static void check_model(const char *dir, enum dsv4_numerics num, int max_batch, bool chaotic)
 {
     char path[1024];
     struct dsv4_weights *w = NULL;
@@ -147,8 +189,14 @@ static void check_model(const char *dir, enum dsv4_numerics num, int max_batch)
     printf("# %s %s: %d prompt + %d greedy rows, worst row error %.3g (row %d; prompt rows %.3g), bound %.0e, "
            "greedy %d/%d identical\n", dir, nname, p.n, DECODE_STEPS, worst, worst_row, prompt_worst, bound, same,
            DECODE_STEPS);
-    if (!(worst <= bound))
+    if (chaotic) {
+        const double probe = cpu_probe(path, &opts, &p, lc, V);
+        printf("# %s %s: the CPU reference against itself with rms_norm_eps + %.0e: worst row error %.3g "
+               "(chaotic: the GPU's %.3g is reported, not bounded)\n", dir, nname, PROBE_EPS, probe, worst);
+        assert_true(isfinite(worst));
+    } else if (!(worst <= bound)) {
         fail_msg("%s %s: logits row %d differs by %g (bound %g)", dir, nname, worst_row, worst, bound);
+    }
     assert_int_equal(same, DECODE_STEPS);
 
     dsv4_backend_destroy(gpu);
@@ -162,24 +210,32 @@ static void check_model(const char *dir, enum dsv4_numerics num, int max_batch)
 static void test_fixtures_exact(void **state)
 {
     for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++) {
-        check_model(fixtures[i], DSV4_NUMERICS_EXACT, BATCH);
-        check_model(fixtures[i], DSV4_NUMERICS_EXACT, DSV4_CUDA_MAX_BATCH);
+        check_model(fixtures[i], DSV4_NUMERICS_EXACT, BATCH, false);
+        check_model(fixtures[i], DSV4_NUMERICS_EXACT, DSV4_CUDA_MAX_BATCH, false);
     }
 }
 
 static void test_fixtures_fp8(void **state)
 {
     for (size_t i = 0; i < sizeof(fixtures) / sizeof(fixtures[0]); i++) {
-        check_model(fixtures[i], DSV4_NUMERICS_FP8, BATCH);
-        check_model(fixtures[i], DSV4_NUMERICS_FP8, DSV4_CUDA_MAX_BATCH);
+        check_model(fixtures[i], DSV4_NUMERICS_FP8, BATCH, false);
+        check_model(fixtures[i], DSV4_NUMERICS_FP8, DSV4_CUDA_MAX_BATCH, false);
     }
 }
 
-static void test_default_models(void **state)
+static void test_release_model_exact(void **state)
 {
-    check_model("models/default-fp8", DSV4_NUMERICS_FP8, DSV4_CUDA_MAX_BATCH);
-    check_model("models/default-fp8", DSV4_NUMERICS_EXACT, BATCH);
-    check_model("models/default", DSV4_NUMERICS_FP8, DSV4_CUDA_MAX_BATCH);
+    check_model("models/default-fp8", DSV4_NUMERICS_EXACT, BATCH, false);
+}
+
+static void test_release_model_fp8(void **state)
+{
+    check_model("models/default-fp8", DSV4_NUMERICS_FP8, DSV4_CUDA_MAX_BATCH, true);
+}
+
+static void test_bf16_model_fp8(void **state)
+{
+    check_model("models/default", DSV4_NUMERICS_FP8, DSV4_CUDA_MAX_BATCH, true);
 }
 
 /* A prompt prefilled in chunks (max_batch 64: one chunk spans several windows and compressed
@@ -353,7 +409,9 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fixtures_exact),
         cmocka_unit_test(test_fixtures_fp8),
-        cmocka_unit_test(test_default_models),
+        cmocka_unit_test(test_release_model_exact),
+        cmocka_unit_test(test_release_model_fp8),
+        cmocka_unit_test(test_bf16_model_fp8),
         cmocka_unit_test(test_prefill_chunks_vs_tokens),
         cmocka_unit_test(test_batch_and_graphs),
         cmocka_unit_test(test_no_allocation_after_ready),
