@@ -40,6 +40,7 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_MHC_PRE: return "mhc_pre_cols1024_per_token_sinkhorn_regs";
     case DSV4_CUDA_V_GEMM_FP8_MMA: return "gemm_fp8_f16mma_rows128_splitk_fixed_order";
     case DSV4_CUDA_V_GEMM_BF16_MMA: return "gemm_bf16_hilo_mma_rows128_splitk_fixed_order";
+    case DSV4_CUDA_V_GEMM_FP8RAW_MMA: return "gemm_fp8_f16hilo_mma_rows128_splitk_fixed_order";
     case DSV4_CUDA_V_ATTENTION_MMA: return "attention_mma_bf16_hilo_heads64_keys64_split16";
     case DSV4_CUDA_V_ATTENTION_F32: return "attention_f32_fma_heads32_keys12_split16";
     case DSV4_CUDA_V_INDEXER_MMA: return "indexer_scores_fp4keys_bf16mma_entries1024";
@@ -477,8 +478,9 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          cache / 1073741824.0, o->max_batch, o->max_context,
          o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV entries, FP4 indexer keys" : "f32 entries",
          ws / 1073741824.0);
-    vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3; "
-         "exact numerics: %s)", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA),
+    vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3); "
+         "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s",
+         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8RAW_MMA),
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8));
     vlog(dev, log, log_ctx, true, "op linear.bf16: %s (K a multiple of 64; else %s)",
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_BF16_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_BF16));

@@ -69,6 +69,7 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_MHC_PRE,            /* mHC pre: norm, gates, Sinkhorn, collapse */
     DSV4_CUDA_V_GEMM_FP8_MMA,       /* FP8 weights x 1x128 e4m3 activations on tensor cores (dsv4_cuda_gemm) */
     DSV4_CUDA_V_GEMM_BF16_MMA,      /* BF16 weights x f32 activations as bf16 hi + lo on tensor cores */
+    DSV4_CUDA_V_GEMM_FP8RAW_MMA,    /* FP8 weights x raw f32 activations as f16 hi + lo on tensor cores */
     DSV4_CUDA_V_ATTENTION_MMA,      /* decode attention over FP8 KV entries on tensor cores (bf16 hi + lo) */
     DSV4_CUDA_V_ATTENTION_F32,      /* decode attention over f32 KV entries (exact numerics), FMA */
     DSV4_CUDA_V_INDEXER_MMA,        /* indexer scores over FP4 keys on tensor cores */
@@ -144,15 +145,16 @@ int dsv4_cuda_gemv(const struct dsv4_cuda_linear *W, const float *d_x, int64_t l
                    float *d_y, int64_t ldy, void *stream);
 
 /* Tensor-core linears (kernels/gemm.cu) for 1..DSV4_CUDA_MAX_BATCH rows: FP8 weights with the
- * official 1x128 e4m3 activation quantization done inside (quant_act; d_x is the raw f32 input),
- * or BF16 weights with raw f32 activations (split into bf16 hi + lo: within ~1e-6 of f32 math).
- * Other formats, or FP8 with raw activations, stay on dsv4_cuda_gemv. The weights are read once per
+ * official 1x128 e4m3 activation quantization done inside (quant_act; d_x is the raw f32 input) or
+ * with raw f32 activations (f16 hi + lo per power-of-two-scaled 1x128 block), or BF16 weights with
+ * raw f32 activations (bf16 hi + lo); both raw forms stay within ~1e-6 of f32 math. F32 and FP4
+ * linears stay on dsv4_cuda_gemv. The weights are read once per
  * call whatever the row count; K is split over CTAs by a count that depends only on W's shape and
  * partial sums are added in a fixed order, so each row's result is independent of the batch.
  * The workspace is carved once at boot for `rows` rows of width up to `max_k`. */
 #define DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW 65536   /* split-K partials per row: splits x out */
 struct dsv4_cuda_gemm_ws {
-    void *xa;                   /* [rows, K] f16 e4m3 values, or bf16 hi [rows, K] + lo [rows, K] */
+    void *xa;                   /* [rows, K] f16 e4m3 values, or hi [rows, K] + lo [rows, K] (f16 or bf16) */
     float *sa;                  /* [rows, K/128] activation scales */
     float *part;                /* [splits, rows, out] */
     int rows;
@@ -165,6 +167,11 @@ int dsv4_cuda_gemm_prepare(void);
 bool dsv4_cuda_gemm_supports(const struct dsv4_cuda_linear *W, bool quant_act);
 int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
                    const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
+/* The grouped output projection in one launch: W [groups R, K] FP8 with raw activations,
+ * d_y[n, g R + r] = sum_k W[g R + r, k] d_x[n, g K + k]; R a multiple of 128 (one scale block). */
+bool dsv4_cuda_gemm_grouped_supports(const struct dsv4_cuda_linear *W, int groups);
+int dsv4_cuda_gemm_grouped(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx, int rows,
+                           const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
 
 /* RMSNorm: d_y[b] = w * x / sqrt(mean(x^2) + eps) per row of n values; d_w NULL = no weight. */
 int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, int n, float eps, float *d_y,

@@ -2,11 +2,17 @@
  * DSV4_CUDA_MAX_BATCH rows): y[b] = W x[b] with W in its checkpoint format, streamed once per
  * launch whatever the row count, through mma.sync (sm_80+, so every image we build runs it).
  *
- * Two modes:
+ * Three modes:
  *   fp8: e4m3 weights (128x128 UE8M0 scales) times activations quantized by the official 1x128
  *        e4m3 quantizer. Both operands are e4m3 values, exact in f16, so each 128-wide k-tile is an
  *        f16 MMA with f32 accumulation, then scaled by (weight scale x activation scale) and added:
  *        the official fp8_gemm's arithmetic, in f32.
+ *   fp8raw: the same weights times unquantized f32 activations (wo_a, which the reference runs in
+ *        BF16, and every FP8 linear in exact numerics): each 1x128 block of x is divided by the
+ *        power of two at or below its amax and split into f16 hi + lo, two MMAs per tile; the
+ *        split loses at most 2^-22 of the block's amax per value, so the result stays within ~1e-6
+ *        of f32 math. The grouped form (dsv4_cuda_gemm_grouped) runs all o_groups of wo_a in one
+ *        launch, each 128-row tile reading its group's slice of x.
  *   bf16: bf16 weights times f32 activations split into hi = bf16(x) and lo = bf16(x - hi), two
  *        MMAs per tile: |x - hi - lo| <= 2^-17 |x|, so the result stays within ~1e-6 of f32 math.
  * Twin: dsv4_twin_fp8_roundtrip + dsv4_twin_linear_row (engine/cpu_twin_cuda.c), checked in
@@ -37,19 +43,25 @@
 #define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
 #define GEMM_MAX_NT (DSV4_CUDA_MAX_BATCH / 8)
 
-enum { GEMM_FP8 = 0, GEMM_BF16 = 1 };
+enum { GEMM_FP8 = 0, GEMM_BF16 = 1, GEMM_FP8RAW = 2 };
 
-/* Activation tile bytes per batch row: 128 f16 (fp8 mode) or 64 bf16 hi + 64 bf16 lo. */
+/* Activation tile bytes per batch row and plane: 128 f16 (fp8: one plane; fp8raw: hi and lo
+ * planes) or 64 bf16 hi + 64 bf16 lo (bf16: one plane holding both halves). */
 #define GEMM_XROW_BYTES 256
 
-static constexpr int kvals(int mode)
+static __host__ __device__ constexpr int kvals(int mode)
 {
-    return mode == GEMM_FP8 ? 128 : 64;
+    return mode == GEMM_BF16 ? 64 : 128;
 }
 
-static size_t stage_bytes(int nt)
+static __host__ __device__ constexpr int xplanes(int mode)
 {
-    return (size_t)GEMM_ROWS * GEMM_TILE_BYTES + (size_t)nt * 8 * GEMM_XROW_BYTES;
+    return mode == GEMM_FP8RAW ? 2 : 1;
+}
+
+static __host__ __device__ constexpr size_t stage_bytes(int mode, int nt)
+{
+    return (size_t)GEMM_ROWS * GEMM_TILE_BYTES + (size_t)xplanes(mode) * nt * 8 * GEMM_XROW_BYTES;
 }
 
 struct gemm_args {
@@ -61,9 +73,11 @@ struct gemm_args {
     int nkt;                    /* k-tiles of K */
     int per;                    /* k-tiles per split */
     int rows;
-    const uint8_t *xa;          /* fp8: [rows, K] f16; bf16: hi [rows, K] then lo [rows, K] */
-    int64_t k;
-    const float *sa;            /* fp8: [rows, nkt] activation scales */
+    const uint8_t *xa;          /* fp8: [rows, k] f16; fp8raw: hi [rows, k] then lo [rows, k] f16;
+                                 * bf16: hi [rows, k] then lo [rows, k] bf16 */
+    int64_t k;                  /* width of x: K, or groups x K (grouped) */
+    int64_t grp_rows;           /* output rows per group (multiple of GEMM_ROWS); out when ungrouped */
+    const float *sa;            /* fp8, fp8raw: [rows, k / 128] activation scales */
     float *y;                   /* splits == 1: y[n * ldy + o] */
     int64_t ldy;
     float *part;                /* splits > 1: [splits, rows, out] */
@@ -90,9 +104,10 @@ static __device__ __forceinline__ int sw256(int row, int c)
     return c ^ (row & 1);
 }
 
-/* Issue the cp.async loads of k-tile kt into stage s. */
+/* Issue the cp.async loads of k-tile kt into stage s; xk0 is the group's first column of x. */
 template <int MODE, int NT>
-static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws, uint8_t *xs, int kt, int64_t row0)
+static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws, uint8_t *xs, int kt, int64_t row0,
+                                                 int64_t xk0)
 {
     const int tid = threadIdx.x;
     for (int i = tid; i < GEMM_ROWS * 8; i += GEMM_THREADS) {
@@ -100,10 +115,11 @@ static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws
         const int64_t gr = min(row0 + r, a.out - 1);   /* rows past out load a valid row; not stored */
         dsv4_cp_async16(ws + r * GEMM_TILE_BYTES + sw128(r, c) * 16, a.w + gr * a.row_bytes + (int64_t)kt * GEMM_TILE_BYTES + c * 16);
     }
-    if (MODE == GEMM_FP8) {
-        for (int i = tid; i < NT * 8 * 16; i += GEMM_THREADS) {
-            const int n = i >> 4, c = i & 15, gn = min(n, a.rows - 1);
-            dsv4_cp_async16(xs + n * GEMM_XROW_BYTES + sw256(n, c) * 16, a.xa + ((int64_t)gn * a.k + (int64_t)kt * 128) * 2 + c * 16);
+    if (MODE != GEMM_BF16) {
+        for (int i = tid; i < xplanes(MODE) * NT * 8 * 16; i += GEMM_THREADS) {
+            const int p = i / (NT * 128), n = (i >> 4) % (NT * 8), c = i & 15, gn = min(n, a.rows - 1);
+            const uint8_t *src = a.xa + (((int64_t)p * a.rows + gn) * a.k + xk0 + (int64_t)kt * 128) * 2 + c * 16;
+            dsv4_cp_async16(xs + p * (NT * 8 * GEMM_XROW_BYTES) + n * GEMM_XROW_BYTES + sw256(n, c) * 16, src);
         }
     } else {
         for (int i = tid; i < 2 * NT * 8 * 8; i += GEMM_THREADS) {
@@ -122,7 +138,8 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
     const int g = lane >> 2, t = lane & 3;
     const int64_t row0 = (int64_t)blockIdx.x * GEMM_ROWS;
     const int split = blockIdx.y, kt0 = split * a.per, nk = min(a.nkt, kt0 + a.per) - kt0;
-    const size_t sbytes = (size_t)GEMM_ROWS * GEMM_TILE_BYTES + (size_t)NT * 8 * GEMM_XROW_BYTES;
+    constexpr size_t sbytes = stage_bytes(MODE, NT);
+    const int64_t xk0 = (row0 / a.grp_rows) * a.nkt * 128;     /* grouped: this tile's slice of x */
     const int r0 = warp * 16 + g, r1 = r0 + 8;
     float acc[NT][4], blk[NT][4];
 
@@ -135,7 +152,7 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
 #pragma unroll
     for (int s = 0; s < GEMM_STAGES - 1; s++) {
         if (s < nk)
-            load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + s, row0);
+            load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + s, row0, xk0);
         dsv4_cp_async_commit();
     }
     for (int i = 0; i < nk; i++) {
@@ -145,12 +162,12 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
             const int nx = i + GEMM_STAGES - 1, s = nx % GEMM_STAGES;
             if (nx < nk)
                 load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + nx,
-                                    row0);
+                                    row0, xk0);
             dsv4_cp_async_commit();
         }
         const uint8_t *ws = smem + (i % GEMM_STAGES) * sbytes, *xs = ws + GEMM_ROWS * GEMM_TILE_BYTES;
         const int kt = kt0 + i;
-        if (MODE == GEMM_FP8) {
+        if (MODE != GEMM_BF16) {
 #pragma unroll
             for (int j = 0; j < NT; j++)
 #pragma unroll
@@ -168,20 +185,31 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
                     const uint4 b0 = dsv4_lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c) * 16);
                     const uint4 b1 = dsv4_lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c + 1) * 16);
                     const uint32_t bv[8] = { b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w };
+                    uint32_t lv[8] = {};
+                    if (MODE == GEMM_FP8RAW) {      /* the lo plane */
+                        const uint8_t *xl = xs + NT * 8 * GEMM_XROW_BYTES;
+                        const uint4 l0 = dsv4_lds128(xl + n * GEMM_XROW_BYTES + sw256(n, 2 * c) * 16);
+                        const uint4 l1 = dsv4_lds128(xl + n * GEMM_XROW_BYTES + sw256(n, 2 * c + 1) * 16);
+                        lv[0] = l0.x; lv[1] = l0.y; lv[2] = l0.z; lv[3] = l0.w;
+                        lv[4] = l1.x; lv[5] = l1.y; lv[6] = l1.z; lv[7] = l1.w;
+                    }
 #pragma unroll
                     for (int q = 0; q < 4; q++) {
                         /* bytes 4q..4q+3 of each row: (4q, 4q+1) as k (2t, 2t+1), (4q+2, 4q+3) as (2t+8, 2t+9) */
                         const uint32_t af[4] = { e4m3x2_f16x2(w0v[q]), e4m3x2_f16x2(w1v[q]), e4m3x2_f16x2(w0v[q] >> 16),
                                                  e4m3x2_f16x2(w1v[q] >> 16) };
                         dsv4_mma_f16(blk[j], af, bv[2 * q], bv[2 * q + 1]);
+                        if (MODE == GEMM_FP8RAW)
+                            dsv4_mma_f16(blk[j], af, lv[2 * q], lv[2 * q + 1]);
                     }
                 }
             }
             const float sw = dsv4_ue8m0(__ldg(a.wscale + (row0 / GEMM_ROWS) * a.scale_stride + kt));
+            const int64_t sab = a.k / 128, sk = xk0 / 128 + kt;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const int n0 = min(j * 8 + 2 * t, a.rows - 1), n1 = min(j * 8 + 2 * t + 1, a.rows - 1);
-                const float s0 = sw * __ldg(a.sa + (int64_t)n0 * a.nkt + kt), s1 = sw * __ldg(a.sa + (int64_t)n1 * a.nkt + kt);
+                const float s0 = sw * __ldg(a.sa + (int64_t)n0 * sab + sk), s1 = sw * __ldg(a.sa + (int64_t)n1 * sab + sk);
                 acc[j][0] += blk[j][0] * s0;
                 acc[j][1] += blk[j][1] * s1;
                 acc[j][2] += blk[j][2] * s0;
@@ -273,6 +301,38 @@ __global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int 
         sa[n * nkb + kb] = s;
 }
 
+/* One warp per (row, 128-block) of x f32 [rows, ldx] (k columns): the block divided by s, the power
+ * of two at or below its amax (1 for a zero, subnormal or non-finite amax), as f16 hi [rows, k]
+ * then lo [rows, k] with hi + lo = x / s to 2^-22; s -> sa [rows, k / 128]. */
+__global__ void gemm_split16_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k,
+                                    __half *__restrict__ xa, float *__restrict__ sa)
+{
+    const int lane = threadIdx.x % DSV4_CUDA_WARP;
+    const int64_t nkb = k / 128, blk = (int64_t)blockIdx.x * (blockDim.x / DSV4_CUDA_WARP) + threadIdx.x / DSV4_CUDA_WARP;
+    if (blk >= rows * nkb)
+        return;
+    const int64_t n = blk / nkb, kb = blk % nkb;
+    const float *src = x + n * ldx + kb * 128;
+    float v[4], amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[i] = src[i * DSV4_CUDA_WARP + lane];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    const uint32_t e = __float_as_uint(dsv4_warp_max(amax)) & 0x7f800000u;
+    const float s = e == 0u || e == 0x7f800000u ? 1.0f : __uint_as_float(e), inv = 1.0f / s;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float u = v[i] * inv;
+        const __half hi = __float2half_rn(u);
+        const int64_t o = n * k + kb * 128 + i * DSV4_CUDA_WARP + lane;
+        xa[o] = hi;
+        xa[(int64_t)rows * k + o] = __float2half_rn(u - __half2float(hi));
+    }
+    if (lane == 0)
+        sa[n * nkb + kb] = s;
+}
+
 /* x f32 [rows, ldx] -> hi [rows, K], lo [rows, K] bf16 */
 __global__ void gemm_split_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k,
                                   __nv_bfloat16 *__restrict__ xa)
@@ -305,13 +365,24 @@ extern "C" void dsv4_cuda_gemm_ws_init(struct dsv4_cuda_gemm_ws *ws, void *base,
     ws->max_k = max_k;
 }
 
+static int gemm_mode(const struct dsv4_cuda_linear *W, bool quant_act)
+{
+    return W->fmt == DSV4_W_FP8 ? (quant_act ? GEMM_FP8 : GEMM_FP8RAW) : GEMM_BF16;
+}
+
 extern "C" bool dsv4_cuda_gemm_supports(const struct dsv4_cuda_linear *W, bool quant_act)
 {
     const int64_t vb = W->fmt == DSV4_W_FP8 ? 1 : 2;
-    if (W->fmt == DSV4_W_FP8 ? !quant_act : W->fmt != DSV4_W_BF16 || quant_act)
+    if (W->fmt != DSV4_W_FP8 && (W->fmt != DSV4_W_BF16 || quant_act))
         return false;
-    return W->out >= 1 && W->scale_row0 % GEMM_ROWS == 0 && W->in % kvals(W->fmt == DSV4_W_FP8 ? GEMM_FP8 : GEMM_BF16) == 0 &&
+    return W->out >= 1 && W->scale_row0 % GEMM_ROWS == 0 && W->in % kvals(gemm_mode(W, quant_act)) == 0 &&
            (W->row_stride * vb) % 16 == 0 && (uintptr_t)W->w % 16 == 0;
+}
+
+extern "C" bool dsv4_cuda_gemm_grouped_supports(const struct dsv4_cuda_linear *W, int groups)
+{
+    return W->fmt == DSV4_W_FP8 && groups >= 1 && W->out % groups == 0 && (W->out / groups) % GEMM_ROWS == 0 &&
+           dsv4_cuda_gemm_supports(W, false);
 }
 
 /* Splits of K: depends only on W's shape (batch invariance). */
@@ -330,7 +401,7 @@ template <int MODE, int NT>
 static int prepare_one()
 {
     DSV4_CUDA_TRY(cudaFuncSetAttribute(gemm_kernel<MODE, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)(GEMM_STAGES * stage_bytes(NT))));
+                                       (int)(GEMM_STAGES * stage_bytes(MODE, NT))));
     return 0;
 }
 
@@ -345,13 +416,17 @@ extern "C" int dsv4_cuda_gemm_prepare(void)
     rc = rc ? rc : prepare_one<GEMM_BF16, 2>();
     rc = rc ? rc : prepare_one<GEMM_BF16, 4>();
     rc = rc ? rc : prepare_one<GEMM_BF16, GEMM_MAX_NT>();
+    rc = rc ? rc : prepare_one<GEMM_FP8RAW, 1>();
+    rc = rc ? rc : prepare_one<GEMM_FP8RAW, 2>();
+    rc = rc ? rc : prepare_one<GEMM_FP8RAW, 4>();
+    rc = rc ? rc : prepare_one<GEMM_FP8RAW, GEMM_MAX_NT>();
     return rc;
 }
 
 template <int MODE, int NT>
 static int launch(const gemm_args &a, cudaStream_t s, const char *name)
 {
-    const size_t smem = GEMM_STAGES * stage_bytes(NT);
+    const size_t smem = GEMM_STAGES * stage_bytes(MODE, NT);
     gemm_kernel<MODE, NT><<<dim3((unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS), (unsigned)a.splits), GEMM_THREADS,
                             smem, s>>>(a);
     DSV4_CUDA_LAUNCHED(name);
@@ -361,7 +436,7 @@ static int launch(const gemm_args &a, cudaStream_t s, const char *name)
 template <int MODE>
 static int launch_nt(const gemm_args &a, cudaStream_t s)
 {
-    const char *name = MODE == GEMM_FP8 ? "gemm_fp8_mma" : "gemm_bf16x2_mma";
+    const char *name = MODE == GEMM_FP8 ? "gemm_fp8_mma" : MODE == GEMM_FP8RAW ? "gemm_fp8raw_mma" : "gemm_bf16x2_mma";
     if (a.rows <= 8)
         return launch<MODE, 1>(a, s, name);
     if (a.rows <= 16)
@@ -371,61 +446,88 @@ static int launch_nt(const gemm_args &a, cudaStream_t s)
     return launch<MODE, GEMM_MAX_NT>(a, s, name);
 }
 
-extern "C" int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
-                              const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream)
+/* groups > 1: fp8raw only (checked by the callers) */
+static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx, int rows, bool quant_act,
+                    const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, cudaStream_t s)
 {
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const int mode = W->fmt == DSV4_W_FP8 ? GEMM_FP8 : GEMM_BF16;
+    const int mode = gemm_mode(W, quant_act);
+    const int64_t k = W->in * groups;
     gemm_args a = {};
 
-    if (!dsv4_cuda_gemm_supports(W, quant_act))
-        return dsv4_error_set(-EINVAL, "gemm: a %s linear [%lld, %lld] (row stride %lld) with %s activations has no "
-                              "tensor-core path (FP8 needs quantized activations, BF16 raw ones; K a multiple of "
-                              "%d, rows 16-byte aligned)", W->fmt == DSV4_W_FP8 ? "FP8" : "non-FP8",
-                              (long long)W->out, (long long)W->in, (long long)W->row_stride,
-                              quant_act ? "quantized" : "raw", kvals(mode));
-    if (rows < 1 || rows > ws->rows || W->in > ws->max_k)
+    if (rows < 1 || rows > ws->rows || k > ws->max_k)
         return dsv4_error_set(-EINVAL, "gemm: %d rows of width %lld exceed the workspace (%d rows, width %lld)", rows,
-                              (long long)W->in, ws->rows, (long long)ws->max_k);
+                              (long long)k, ws->rows, (long long)ws->max_k);
     a.w = static_cast<const uint8_t *>(W->w);
-    a.row_bytes = W->row_stride * (mode == GEMM_FP8 ? 1 : 2);
+    a.row_bytes = W->row_stride * (mode == GEMM_BF16 ? 2 : 1);
     a.wscale = W->scale + (W->scale_row0 / GEMM_ROWS) * W->scale_stride;
     a.scale_stride = W->scale_stride;
     a.out = W->out;
     a.nkt = (int)(W->in / kvals(mode));
     a.rows = rows;
     a.xa = static_cast<const uint8_t *>(ws->xa);
-    a.k = W->in;
+    a.k = k;
+    a.grp_rows = W->out / groups;
     a.sa = ws->sa;
     a.y = d_y;
     a.ldy = ldy;
     a.part = ws->part;
     gemm_splits(W->out, a.nkt, &a.per, &a.splits);
 
-    if (mode == GEMM_FP8) {
-        const int warps = 8;
-        const int64_t nblk = (int64_t)rows * (W->in / 128);
-        gemm_quant_kernel<<<(unsigned)((nblk + warps - 1) / warps), warps * DSV4_CUDA_WARP, 0, s>>>(
-            d_x, ldx, rows, W->in, static_cast<__half *>(ws->xa), ws->sa);
-        DSV4_CUDA_LAUNCHED("gemm_quant");
-        dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8_MMA);
-        const int rc = launch_nt<GEMM_FP8>(a, s);
-        if (rc < 0)
-            return rc;
-    } else {
+    int rc;
+    if (mode == GEMM_BF16) {
         const int64_t n = (int64_t)rows * W->in;
         gemm_split_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(d_x, ldx, rows, W->in,
                                                                       static_cast<__nv_bfloat16 *>(ws->xa));
         DSV4_CUDA_LAUNCHED("gemm_split");
         dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_BF16_MMA);
-        const int rc = launch_nt<GEMM_BF16>(a, s);
-        if (rc < 0)
-            return rc;
+        rc = launch_nt<GEMM_BF16>(a, s);
+    } else {
+        const int warps = 8;
+        const int64_t nblk = (int64_t)rows * (k / 128);
+        const unsigned grid = (unsigned)((nblk + warps - 1) / warps);
+        if (mode == GEMM_FP8) {
+            gemm_quant_kernel<<<grid, warps * DSV4_CUDA_WARP, 0, s>>>(d_x, ldx, rows, k, static_cast<__half *>(ws->xa),
+                                                                      ws->sa);
+            DSV4_CUDA_LAUNCHED("gemm_quant");
+            dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8_MMA);
+            rc = launch_nt<GEMM_FP8>(a, s);
+        } else {
+            gemm_split16_kernel<<<grid, warps * DSV4_CUDA_WARP, 0, s>>>(d_x, ldx, rows, k,
+                                                                        static_cast<__half *>(ws->xa), ws->sa);
+            DSV4_CUDA_LAUNCHED("gemm_split16");
+            dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8RAW_MMA);
+            rc = launch_nt<GEMM_FP8RAW>(a, s);
+        }
     }
+    if (rc < 0)
+        return rc;
     if (a.splits > 1) {
         const int64_t n = (int64_t)rows * W->out;
         gemm_reduce_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(ws->part, a.splits, rows, W->out, d_y, ldy);
         DSV4_CUDA_LAUNCHED("gemm_reduce");
     }
     return 0;
+}
+
+extern "C" int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
+                              const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream)
+{
+    if (!dsv4_cuda_gemm_supports(W, quant_act))
+        return dsv4_error_set(-EINVAL, "gemm: a %s linear [%lld, %lld] (row stride %lld) with %s activations has no "
+                              "tensor-core path (FP8 takes either, BF16 raw ones only; K a multiple of %d, rows "
+                              "16-byte aligned)", W->fmt == DSV4_W_FP8 ? "FP8" : W->fmt == DSV4_W_BF16 ? "BF16" :
+                              "F32/FP4", (long long)W->out, (long long)W->in, (long long)W->row_stride,
+                              quant_act ? "quantized" : "raw", kvals(gemm_mode(W, quant_act)));
+    return gemm_run(W, 1, d_x, ldx, rows, quant_act, ws, d_y, ldy, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int dsv4_cuda_gemm_grouped(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx,
+                                      int rows, const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy,
+                                      void *stream)
+{
+    if (!dsv4_cuda_gemm_grouped_supports(W, groups))
+        return dsv4_error_set(-EINVAL, "gemm: linear [%lld, %lld] in %d groups has no grouped tensor-core path (FP8, "
+                              "%d-row multiples per group, K a multiple of 128)", (long long)W->out, (long long)W->in,
+                              groups, GEMM_ROWS);
+    return gemm_run(W, groups, d_x, ldx, rows, false, ws, d_y, ldy, static_cast<cudaStream_t>(stream));
 }

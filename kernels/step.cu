@@ -150,7 +150,7 @@ size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4
 static int64_t max_linear_in(const struct dsv4_config *c)
 {
     int64_t m = (int64_t)c->hc_mult * c->dim;
-    const int64_t cand[] = { c->q_lora_rank, (int64_t)c->n_heads * c->head_dim / c->o_groups,
+    const int64_t cand[] = { c->q_lora_rank, (int64_t)c->n_heads * c->head_dim,
                              (int64_t)c->o_groups * c->o_lora_rank, c->moe_inter,
                              (int64_t)c->moe_inter * (c->n_shared_experts ? c->n_shared_experts : 1) };
     for (int64_t v : cand)
@@ -408,24 +408,28 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     STEP(dsv4_cuda_attention(&a, B, L->sink, inv, t->o, s));
 
     /* grouped output projection: group g maps heads [g H/G, (g+1) H/G) through rows [g R, (g+1) R) of
-     * wo_a (run unquantized, as the reference runs wo_a in BF16) */
+     * wo_a (run unquantized, as the reference runs wo_a in BF16); one launch where R is whole scale
+     * blocks, else a view per group */
     const int G = c->o_groups, R = c->o_lora_rank;
     const int64_t gin = (int64_t)H * hd / G;
-    for (int g = 0; g < G; g++) {
-        struct dsv4_cuda_linear v = L->wo_a;
-        const int64_t r0 = (int64_t)g * R;
-        v.out = R;
-        if (v.fmt == DSV4_W_FP8) {
-            v.scale += (r0 / 128) * v.scale_stride;
-            v.scale_row0 = r0 % 128;        /* groups of o_lora_rank rows may start mid scale block */
-        } else if (v.fmt == DSV4_W_FP4) {
-            v.scale += r0 * v.scale_stride;
+    if (cb->use_gemm && dsv4_cuda_gemm_grouped_supports(&L->wo_a, G))
+        STEP(dsv4_cuda_gemm_grouped(&L->wo_a, G, t->o, (int64_t)H * hd, B, &cb->b.gemm, t->z, (int64_t)G * R, s));
+    else
+        for (int g = 0; g < G; g++) {
+            struct dsv4_cuda_linear v = L->wo_a;
+            const int64_t r0 = (int64_t)g * R;
+            v.out = R;
+            if (v.fmt == DSV4_W_FP8) {
+                v.scale += (r0 / 128) * v.scale_stride;
+                v.scale_row0 = r0 % 128;        /* groups of o_lora_rank rows may start mid scale block */
+            } else if (v.fmt == DSV4_W_FP4) {
+                v.scale += r0 * v.scale_stride;
+            }
+            v.w = static_cast<const uint8_t *>(v.w) + r0 * (v.fmt == DSV4_W_F32 ? 4 * v.row_stride :
+                                                            v.fmt == DSV4_W_BF16 ? 2 * v.row_stride :
+                                                            v.fmt == DSV4_W_FP8 ? v.row_stride : v.row_stride / 2);
+            STEP(lin(cb, &v, t->o + g * gin, (int64_t)H * hd, B, t->z + (int64_t)g * R, (int64_t)G * R, true, s));
         }
-        v.w = static_cast<const uint8_t *>(v.w) + r0 * (v.fmt == DSV4_W_F32 ? 4 * v.row_stride :
-                                                        v.fmt == DSV4_W_BF16 ? 2 * v.row_stride :
-                                                        v.fmt == DSV4_W_FP8 ? v.row_stride : v.row_stride / 2);
-        STEP(lin(cb, &v, t->o + g * gin, (int64_t)H * hd, B, t->z + (int64_t)g * R, (int64_t)G * R, true, s));
-    }
     return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, s);
 }
 

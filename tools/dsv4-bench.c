@@ -143,6 +143,7 @@ struct job {
     struct linear_set *ls;
     float *x, *y;
     int batch;
+    int groups;                 /* wo_a: output groups, each reading its own slice of x */
     struct dsv4_cuda_experts ex[BENCH_MAX_COPIES];
     int n_ex;
     int32_t *idx;
@@ -219,6 +220,30 @@ static int run_gemv(struct job *j, int rep, cudaStream_t s)
     return dsv4_cuda_gemv(l, j->x, l->in, j->batch, j->y, l->out, s);
 }
 
+/* wo_a as the step ran it before the grouped launch: one GEMV per group over a view of the rows
+ * (whole 128-row scale blocks here) and that group's slice of x (raw activations). */
+static int run_gemv_groups(struct job *j, int rep, cudaStream_t s)
+{
+    const struct dsv4_cuda_linear *l = &j->ls->l[rep % j->ls->n];
+    const int64_t R = l->out / j->groups, xw = l->in * j->groups;
+    for (int g = 0; g < j->groups; g++) {
+        struct dsv4_cuda_linear v = *l;
+        v.out = R;
+        v.w = (const uint8_t *)l->w + g * R * l->row_stride;
+        v.scale = l->scale + (g * R / 128) * l->scale_stride;
+        int rc = dsv4_cuda_gemv(&v, j->x + g * l->in, xw, j->batch, j->y + g * R, l->out, s);
+        if (rc < 0)
+            return rc;
+    }
+    return 0;
+}
+
+static int run_gemm_grouped(struct job *j, int rep, cudaStream_t s)
+{
+    const struct dsv4_cuda_linear *l = &j->ls->l[rep % j->ls->n];
+    return dsv4_cuda_gemm_grouped(l, j->groups, j->x, l->in * j->groups, j->batch, &gemm_ws, j->y, l->out, s);
+}
+
 /* The mHC fn through its split-K launcher; j->aux1 is the partial-sum workspace. */
 static int run_mhc_fn(struct job *j, int rep, cudaStream_t s)
 {
@@ -261,22 +286,24 @@ struct lshape {
     const char *what;
     enum dsv4_wfmt fmt;
     int64_t out, in;
+    int groups;                 /* > 0: raw activations, `groups` slices of x (wo_a) */
 };
 
 static const struct lshape lshapes[] = {
-    { "fp8 wq_a [1024,4096]", DSV4_W_FP8, 1024, 4096 },
-    { "fp8 wq_b [32768,1024]", DSV4_W_FP8, 32768, 1024 },
-    { "fp8 wkv [512,4096]", DSV4_W_FP8, 512, 4096 },
-    { "fp8 wo_b [4096,8192]", DSV4_W_FP8, 4096, 8192 },
-    { "fp8 idx wq_b [8192,1024]", DSV4_W_FP8, 8192, 1024 },
-    { "fp8 shared w1 [2048,4096]", DSV4_W_FP8, 2048, 4096 },
-    { "fp8 shared w2 [4096,2048]", DSV4_W_FP8, 4096, 2048 },
-    { "bf16 wo_a [8192,4096]", DSV4_W_BF16, 8192, 4096 },
-    { "bf16 comp wkv [1024,4096]", DSV4_W_BF16, 1024, 4096 },
-    { "bf16 gate [256,4096]", DSV4_W_BF16, 256, 4096 },
-    { "bf16 head [129280,4096]", DSV4_W_BF16, 129280, 4096 },
-    { "f32 hc fn [24,16384]", DSV4_W_F32, 24, 16384 },
-    { "fp4 expert w1 [2048,4096]", DSV4_W_FP4, 2048, 4096 },
+    { "fp8 wq_a [1024,4096]", DSV4_W_FP8, 1024, 4096, 0 },
+    { "fp8 wq_b [32768,1024]", DSV4_W_FP8, 32768, 1024, 0 },
+    { "fp8 wkv [512,4096]", DSV4_W_FP8, 512, 4096, 0 },
+    { "fp8 wo_b [4096,8192]", DSV4_W_FP8, 4096, 8192, 0 },
+    { "fp8 idx wq_b [8192,1024]", DSV4_W_FP8, 8192, 1024, 0 },
+    { "fp8 shared w1 [2048,4096]", DSV4_W_FP8, 2048, 4096, 0 },
+    { "fp8 shared w2 [4096,2048]", DSV4_W_FP8, 4096, 2048, 0 },
+    { "fp8 wo_a [8192,4096] x8 raw", DSV4_W_FP8, 8192, 4096, 8 },
+    { "bf16 wo_a [8192,4096]", DSV4_W_BF16, 8192, 4096, 0 },
+    { "bf16 comp wkv [1024,4096]", DSV4_W_BF16, 1024, 4096, 0 },
+    { "bf16 gate [256,4096]", DSV4_W_BF16, 256, 4096, 0 },
+    { "bf16 head [129280,4096]", DSV4_W_BF16, 129280, 4096, 0 },
+    { "f32 hc fn [24,16384]", DSV4_W_F32, 24, 16384, 0 },
+    { "fp4 expert w1 [2048,4096]", DSV4_W_FP4, 2048, 4096, 0 },
 };
 
 static void measure_copy(void)
@@ -509,12 +536,25 @@ int main(int argc, char **argv)
         struct linear_set ls;
         make_linears(&ls, lshapes[s].fmt, lshapes[s].out, lshapes[s].in);
         for (int b = 0; b < nb; b++) {
+            const int G = lshapes[s].groups;
             memset(&j, 0, sizeof(j));
-            j.run = run_gemv;
+            j.run = G ? run_gemv_groups : run_gemv;
             j.ls = &ls;
             j.x = x;
             j.y = y;
             j.batch = batches[b];
+            j.groups = G;
+            if (G) {
+                const double bytes = (double)ls.bytes + (double)batches[b] * 4 * (lshapes[s].in * G + lshapes[s].out);
+                char what[64];
+                report(lshapes[s].what, batches[b], time_job(&j, reps), bytes);
+                if (dsv4_cuda_gemm_grouped_supports(&ls.l[0], G)) {
+                    j.run = run_gemm_grouped;
+                    snprintf(what, sizeof(what), "%s mma", lshapes[s].what);
+                    report(what, batches[b], time_job(&j, reps), bytes);
+                }
+                continue;
+            }
             report(lshapes[s].what, batches[b], time_job(&j, reps),
                    (double)ls.bytes + (double)batches[b] * 4 * (lshapes[s].in + lshapes[s].out));
             if (dsv4_cuda_gemm_supports(&ls.l[0], lshapes[s].fmt == DSV4_W_FP8)) {

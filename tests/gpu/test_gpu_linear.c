@@ -1,6 +1,7 @@
 /* GPU: the activation quantizer, the skinny-batch linears (F32, BF16, FP8 128x128, FP4 1x32) and
- * the tensor-core linears (FP8 with in-kernel activation quantization, BF16 with hi/lo activations)
- * against their CPU twins, at real V4-Flash shapes and tiny ones, batch 1, 3, 17 and 64.
+ * the tensor-core linears (FP8 with in-kernel activation quantization, FP8 with raw activations as
+ * f16 hi/lo, alone and as wo_a's 8 groups in one launch, BF16 with hi/lo activations) against their
+ * CPU twins, at real V4-Flash shapes and tiny ones, batch 1, 3, 17 and 64.
  * Bounds: the quantizer must match bit for bit (same rounding rules); a linear sees the same FP8-
  * rounded x on both sides, so only f32 summation order differs: 1e-5 relative, every format (the
  * BF16 tensor-core path also carries the hi/lo split's 2^-17 relative error per activation). The
@@ -43,7 +44,7 @@ static const struct shape shapes[] = {
 static const int batches[] = { 1, 3, 17, 64 };
 
 static struct dsv4_cuda_gemm_ws gemm_ws;
-#define GEMM_WS_MAX_K 16384
+#define GEMM_WS_MAX_K 32768        /* wo_a's grouped input: 64 heads x 512 */
 
 /* A host linear with random weights in `fmt` and its device copy. */
 struct pair {
@@ -151,6 +152,7 @@ static void check_shape(const struct shape *s)
     const bool quant = s->fmt == DSV4_W_FP8 || s->fmt == DSV4_W_FP4;
     float *x = malloc((size_t)bmax * in * sizeof(float)), *xq = malloc((size_t)bmax * in * sizeof(float));
     float *row = malloc(in * sizeof(float)), *ref = malloc((size_t)bmax * out_n * sizeof(float));
+    float *ref_raw = s->fmt == DSV4_W_FP8 ? malloc((size_t)bmax * out_n * sizeof(float)) : NULL;
     float *dx, *dxq, *dy;
 
     make_linear(&p, s->fmt, s->out, s->in);
@@ -166,6 +168,12 @@ static void check_shape(const struct shape *s)
             for (size_t k = 0; k < in; k++)
                 acc += (double)row[k] * xq[(size_t)b * in + k];
             ref[(size_t)b * out_n + r] = (float)acc;
+            if (ref_raw) {      /* FP8 weights with raw activations (wo_a; exact numerics) */
+                acc = 0.0;
+                for (size_t k = 0; k < in; k++)
+                    acc += (double)row[k] * x[(size_t)b * in + k];
+                ref_raw[(size_t)b * out_n + r] = (float)acc;
+            }
         }
     }
     dx = gt_dev_copy(x, (size_t)bmax * in * sizeof(float));
@@ -200,6 +208,21 @@ static void check_shape(const struct shape *s)
         free(row0);
         free(out);
         cudaFree(dy);
+        if (!ref_raw || !dsv4_cuda_gemm_supports(&p.d, false))
+            continue;
+        dy = gt_dev_poisoned((size_t)B * out_n);
+        DSV4_OK(dsv4_cuda_gemm(&p.d, dx, s->in, B, false, &gemm_ws, dy, s->out, NULL));
+        out = gt_host_from(dy, (size_t)B * out_n);
+        snprintf(what, sizeof(what), "%s batch %d (raw x, tensor cores)", s->what, B);
+        ASSERT_REL(what, out, ref_raw, (size_t)B * out_n, LINEAR_BOUND);
+        cudaFree(dy);
+        dy = gt_dev_poisoned(out_n);
+        DSV4_OK(dsv4_cuda_gemm(&p.d, dx, s->in, 1, false, &gemm_ws, dy, s->out, NULL));
+        row0 = gt_host_from(dy, out_n);
+        assert_memory_equal(row0, out, out_n * sizeof(float));
+        free(row0);
+        free(out);
+        cudaFree(dy);
     }
     cudaFree(dx);
     cudaFree(dxq);
@@ -208,6 +231,7 @@ static void check_shape(const struct shape *s)
     free(xq);
     free(row);
     free(ref);
+    free(ref_raw);
 }
 
 static void test_linears(void **state)
@@ -218,17 +242,77 @@ static void test_linears(void **state)
     dsv4_cuda_gemm_ws_init(&gemm_ws, ws, DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K);
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
         check_shape(&shapes[i]);
-    /* refusals: FP8 with raw activations, more rows than the workspace */
-    struct pair p;
+    /* refusals: FP4 weights, BF16 with quantized activations, more rows than the workspace, groups
+     * that split a scale block */
+    struct pair p, q;
     float *dx = gt_dev_poisoned(2 * 256), *dy = gt_dev_poisoned(256);
     make_linear(&p, DSV4_W_FP8, 256, 256);
-    assert_false(dsv4_cuda_gemm_supports(&p.d, false));
-    assert_int_equal(dsv4_cuda_gemm(&p.d, dx, 256, 1, false, &gemm_ws, dy, 256, NULL), -EINVAL);
+    make_linear(&q, DSV4_W_FP4, 256, 256);
+    assert_false(dsv4_cuda_gemm_supports(&q.d, true));
+    assert_int_equal(dsv4_cuda_gemm(&q.d, dx, 256, 1, true, &gemm_ws, dy, 256, NULL), -EINVAL);
+    free_linear(&q);
+    make_linear(&q, DSV4_W_BF16, 256, 256);
+    assert_false(dsv4_cuda_gemm_supports(&q.d, true));
+    free_linear(&q);
     assert_int_equal(dsv4_cuda_gemm(&p.d, dx, 256, DSV4_CUDA_MAX_BATCH + 1, true, &gemm_ws, dy, 256, NULL), -EINVAL);
+    assert_false(dsv4_cuda_gemm_grouped_supports(&p.d, 4));
+    assert_int_equal(dsv4_cuda_gemm_grouped(&p.d, 4, dx, 256, 1, &gemm_ws, dy, 256, NULL), -EINVAL);
     free_linear(&p);
     cudaFree(dx);
     cudaFree(dy);
     cudaFree(ws);
+}
+
+/* wo_a at V4-Flash's shape in one grouped launch: W [8 x 1024, 4096] FP8, x [B, 8 x 4096] raw;
+ * output row o reads x's group o / 1024. Against a double reference; a row alone bit-identical. */
+static void test_wo_a_grouped(void **state)
+{
+    const int G = 8, R = 1024, K = 4096, B = DSV4_CUDA_MAX_BATCH, ob = G * R, xw = G * K;
+    const int bs[3] = { 1, 17, 64 };
+    struct pair p;
+    float *x = malloc((size_t)B * xw * sizeof(float)), *row = malloc((size_t)K * sizeof(float));
+    float *ref = malloc((size_t)B * ob * sizeof(float)), *dx, *dy, *out, *row0;
+    void *ws;
+    char what[96];
+
+    DSV4_OK(dsv4_cuda_gemm_prepare());
+    assert_int_equal(cudaMalloc(&ws, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K)), cudaSuccess);
+    dsv4_cuda_gemm_ws_init(&gemm_ws, ws, DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K);
+    make_linear(&p, DSV4_W_FP8, ob, K);
+    assert_true(dsv4_cuda_gemm_grouped_supports(&p.d, G));
+    fill_activations(x, (size_t)B * xw);
+    for (int o = 0; o < ob; o++) {
+        dsv4_twin_linear_row(&p.h, o, row);
+        for (int b = 0; b < B; b++) {
+            const float *xg = x + (size_t)b * xw + (size_t)(o / R) * K;
+            double acc = 0.0;
+            for (int k = 0; k < K; k++)
+                acc += (double)row[k] * xg[k];
+            ref[(size_t)b * ob + o] = (float)acc;
+        }
+    }
+    dx = gt_dev_copy(x, (size_t)B * xw * sizeof(float));
+    for (int i = 0; i < 3; i++) {
+        dy = gt_dev_poisoned((size_t)bs[i] * ob);
+        DSV4_OK(dsv4_cuda_gemm_grouped(&p.d, G, dx, xw, bs[i], &gemm_ws, dy, ob, NULL));
+        out = gt_host_from(dy, (size_t)bs[i] * ob);
+        snprintf(what, sizeof(what), "fp8 wo_a [8192,4096] in 8 groups, raw x, batch %d", bs[i]);
+        ASSERT_REL(what, out, ref, (size_t)bs[i] * ob, LINEAR_BOUND);
+        cudaFree(dy);
+        dy = gt_dev_poisoned(ob);
+        DSV4_OK(dsv4_cuda_gemm_grouped(&p.d, G, dx, xw, 1, &gemm_ws, dy, ob, NULL));
+        row0 = gt_host_from(dy, ob);
+        assert_memory_equal(row0, out, (size_t)ob * sizeof(float));
+        free(row0);
+        free(out);
+        cudaFree(dy);
+    }
+    cudaFree(dx);
+    cudaFree(ws);
+    free_linear(&p);
+    free(x);
+    free(row);
+    free(ref);
 }
 
 /* A view of rows [64, 128) of an FP8 linear (one wo_a group of 64 rows: it starts mid scale block)
@@ -288,6 +372,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fp8_roundtrip),
         cmocka_unit_test(test_linears),
+        cmocka_unit_test(test_wo_a_grouped),
         cmocka_unit_test(test_fp8_view_mid_block),
         cmocka_unit_test(test_refuses_misaligned),
     };
