@@ -13,7 +13,12 @@
  * every slot of the batch holds a short prompt, each step is timed on the host around the backend
  * call (input upload, graph replay, logits download), median of BENCH_STEPS. The floor counts the
  * weights every step reads (everything but the routed experts, plus the experts the batch routes
- * to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy bandwidth. */
+ * to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy bandwidth.
+ *
+ * The peer: each BF16 shape is also run through cuBLASLt (bf16 x bf16 -> f32, f32 compute, its own
+ * heuristic choice), the vendor GEMM a user would otherwise call, in the same run and graph
+ * harness. It reads x already in bf16 (no hi/lo split: half the math of ours, not the same
+ * precision), so it is a throughput peer, not a numerics one. */
 #include "build-config.h"
 
 #include <errno.h>
@@ -24,6 +29,10 @@
 #include <string.h>
 #include <time.h>
 
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstrict-prototypes"    /* cublasLt.h declares f() in C */
+#include <cublasLt.h>
+#pragma GCC diagnostic pop
 #include <cuda_runtime_api.h>
 
 #include "engine/backend.h"
@@ -236,6 +245,40 @@ static int run_gemv_groups(struct job *j, int rep, cudaStream_t s)
             return rc;
     }
     return 0;
+}
+
+/* The cuBLASLt peer: y^T [out, batch] = W [out, K] (column-major [K, out], transposed) x^T [K, batch],
+ * bf16 inputs, f32 output and compute. */
+#define PEER_WS_BYTES (32u << 20)
+static cublasLtHandle_t peer_lt;
+static void *peer_ws, *peer_xb;     /* workspace; x as bf16 [DSV4_CUDA_MAX_BATCH, 32768] */
+
+static int run_peer(struct job *j, int rep, cudaStream_t s)
+{
+    const struct dsv4_cuda_linear *l = &j->ls->l[rep % j->ls->n];
+    const float one = 1.0f, zero = 0.0f;
+    const cublasOperation_t tr = CUBLAS_OP_T;
+    const cublasComputeType_t ct = CUBLAS_COMPUTE_32F;
+    const cudaDataType_t st = CUDA_R_32F;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasStatus_t e = cublasLtMatmulDescCreate(&op, ct, st);
+    if (e == CUBLAS_STATUS_SUCCESS)
+        e = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &tr, sizeof(tr));
+    if (e == CUBLAS_STATUS_SUCCESS)
+        e = cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, (uint64_t)l->in, (uint64_t)l->out, l->row_stride);
+    if (e == CUBLAS_STATUS_SUCCESS)
+        e = cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, (uint64_t)l->in, (uint64_t)j->batch, l->in);
+    if (e == CUBLAS_STATUS_SUCCESS)
+        e = cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, (uint64_t)l->out, (uint64_t)j->batch, l->out);
+    if (e == CUBLAS_STATUS_SUCCESS)
+        e = cublasLtMatmul(peer_lt, op, &one, l->w, a, peer_xb, b, &zero, j->y, c, j->y, c, NULL, peer_ws,
+                           PEER_WS_BYTES, s);
+    cublasLtMatrixLayoutDestroy(a);
+    cublasLtMatrixLayoutDestroy(b);
+    cublasLtMatrixLayoutDestroy(c);
+    cublasLtMatmulDescDestroy(op);
+    return e == CUBLAS_STATUS_SUCCESS ? 0 : dsv4_error_set(-EIO, "cuBLASLt peer: status %d", (int)e);
 }
 
 static int run_gemm_grouped(struct job *j, int rep, cudaStream_t s)
@@ -521,6 +564,12 @@ int main(int argc, char **argv)
         OK(dsv4_cuda_gemm_prepare());
         TRY(cudaMalloc(&g, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, 32768)));
         dsv4_cuda_gemm_ws_init(&gemm_ws, g, DSV4_CUDA_MAX_BATCH, 32768);
+        if (cublasLtCreate(&peer_lt) != CUBLAS_STATUS_SUCCESS) {
+            fprintf(stderr, "dsv4-bench: cublasLtCreate failed\n");
+            return 1;
+        }
+        TRY(cudaMalloc(&peer_ws, PEER_WS_BYTES));
+        peer_xb = dev_random((size_t)DSV4_CUDA_MAX_BATCH * 32768 * 2, FILL_BF16);
     }
     /* activations and scratch for the largest batch */
     x = dev_random((size_t)DSV4_CUDA_MAX_BATCH * 32768 * sizeof(float), FILL_ACT);
@@ -563,6 +612,14 @@ int main(int argc, char **argv)
                 snprintf(what, sizeof(what), "%s mma", lshapes[s].what);
                 report(what, batches[b], time_job(&j, reps),
                        (double)ls.bytes + (double)batches[b] * 4 * (lshapes[s].in + lshapes[s].out));
+                j.run = run_gemv;
+            }
+            if (lshapes[s].fmt == DSV4_W_BF16) {
+                char what[64];
+                j.run = run_peer;
+                snprintf(what, sizeof(what), "%s cublasLt", lshapes[s].what);
+                report(what, batches[b], time_job(&j, reps),
+                       (double)ls.bytes + (double)batches[b] * (2 * lshapes[s].in + 4 * lshapes[s].out));
                 j.run = run_gemv;
             }
             if (lshapes[s].fmt == DSV4_W_F32 && lshapes[s].out <= DSV4_CUDA_MHC_FN_MAX_OUT) {
