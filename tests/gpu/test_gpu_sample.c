@@ -602,7 +602,7 @@ static void test_bad_rows(void **state)
     assert_int_equal(out[4].status, 0);
     for (int b = 0; b < 3; b++)
         compare_row(&g, cpu, b, &out[b], &t);
-    struct dsv4_sample s;
+    struct dsv4_sample s = { 0 };
     assert_int_equal(dsv4_sample_result_get(&out[0], &s), -EDOM);
     printf("# bad row message: %s\n", dsv4_error_message());
     assert_int_equal(dsv4_sample_result_get(&out[4], &s), 0);
