@@ -479,9 +479,10 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV entries, FP4 indexer keys" : "f32 entries",
          ws / 1073741824.0);
     vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3); "
-         "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s",
-         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8RAW_MMA),
-         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8));
+         "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s; "
+         "tensor-core linears with a %d-stage ring", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA),
+         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8RAW_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8),
+         dsv4_cuda_gemm_stages());
     vlog(dev, log, log_ctx, true, "op linear.bf16: %s (K a multiple of 64; else %s)",
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_BF16_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_BF16));
     vlog(dev, log, log_ctx, true, "op linear.f32: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_F32));

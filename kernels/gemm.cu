@@ -20,7 +20,8 @@
  *
  * Layout: a CTA owns GEMM_ROWS output rows (one FP8 scale block) and a run of k-tiles; each of its
  * 8 warps owns 16 rows (one m16 tile) and every batch row (n8 tiles). Weight and activation tiles
- * move through a GEMM_STAGES-deep cp.async pipeline in shared memory, swizzled so the fragment
+ * move through a cp.async ring in shared memory (GEMM_STAGES_MAX deep, or GEMM_STAGES_MIN where the
+ * device's shared memory is smaller: sm_86/89/120 have 99 KB a block), swizzled so the fragment
  * loads are conflict-free. K is split over CTAs until the grid covers the chip; the split count
  * depends only on W's shape, and splits are added in a fixed order, so a row's result is the same
  * whatever else is in the batch.
@@ -38,7 +39,8 @@
 #define GEMM_WARPS 8                /* one m16 tile of rows each */
 #define GEMM_THREADS (GEMM_WARPS * DSV4_CUDA_WARP)
 #define GEMM_TILE_BYTES 128         /* weight bytes per row per k-tile: 128 e4m3 or 64 bf16 values */
-#define GEMM_STAGES 4
+#define GEMM_STAGES_MAX 4           /* 192 KB at fp8raw x 64 rows: sm_90 / sm_100 (227 KB a block) */
+#define GEMM_STAGES_MIN 2           /* 96 KB: every device with 99 KB or more */
 #define GEMM_TARGET_CTAS 256        /* split K until tiles x splits reaches this */
 #define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
 #define GEMM_MAX_NT (DSV4_CUDA_MAX_BATCH / 8)
@@ -130,7 +132,7 @@ static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws
     }
 }
 
-template <int MODE, int NT>
+template <int MODE, int NT, int STAGES>
 __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
 {
     extern __shared__ __align__(16) uint8_t smem[];
@@ -150,22 +152,22 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
             acc[j][i] = 0.0f;
 
 #pragma unroll
-    for (int s = 0; s < GEMM_STAGES - 1; s++) {
+    for (int s = 0; s < STAGES - 1; s++) {
         if (s < nk)
             load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + s, row0, xk0);
         dsv4_cp_async_commit();
     }
     for (int i = 0; i < nk; i++) {
-        dsv4_cp_async_wait<GEMM_STAGES - 2>();
+        dsv4_cp_async_wait<STAGES - 2>();
         __syncthreads();
         {
-            const int nx = i + GEMM_STAGES - 1, s = nx % GEMM_STAGES;
+            const int nx = i + STAGES - 1, s = nx % STAGES;
             if (nx < nk)
                 load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + nx,
                                     row0, xk0);
             dsv4_cp_async_commit();
         }
-        const uint8_t *ws = smem + (i % GEMM_STAGES) * sbytes, *xs = ws + GEMM_ROWS * GEMM_TILE_BYTES;
+        const uint8_t *ws = smem + (i % STAGES) * sbytes, *xs = ws + GEMM_ROWS * GEMM_TILE_BYTES;
         const int kt = kt0 + i;
         if (MODE != GEMM_BF16) {
 #pragma unroll
@@ -397,38 +399,66 @@ static void gemm_splits(int64_t out, int nkt, int *per, int *splits)
     *splits = (nkt + *per - 1) / *per;
 }
 
-template <int MODE, int NT>
+static int gemm_stages = GEMM_STAGES_MAX;     /* chosen by dsv4_cuda_gemm_prepare */
+
+template <int MODE, int NT, int STAGES>
 static int prepare_one()
 {
-    DSV4_CUDA_TRY(cudaFuncSetAttribute(gemm_kernel<MODE, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)(GEMM_STAGES * stage_bytes(MODE, NT))));
+    DSV4_CUDA_TRY(cudaFuncSetAttribute(gemm_kernel<MODE, NT, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)(STAGES * stage_bytes(MODE, NT))));
     return 0;
 }
 
-extern "C" int dsv4_cuda_gemm_prepare(void)
+template <int STAGES>
+static int prepare_stages()
 {
     int rc = 0;
-    rc = rc ? rc : prepare_one<GEMM_FP8, 1>();
-    rc = rc ? rc : prepare_one<GEMM_FP8, 2>();
-    rc = rc ? rc : prepare_one<GEMM_FP8, 4>();
-    rc = rc ? rc : prepare_one<GEMM_FP8, GEMM_MAX_NT>();
-    rc = rc ? rc : prepare_one<GEMM_BF16, 1>();
-    rc = rc ? rc : prepare_one<GEMM_BF16, 2>();
-    rc = rc ? rc : prepare_one<GEMM_BF16, 4>();
-    rc = rc ? rc : prepare_one<GEMM_BF16, GEMM_MAX_NT>();
-    rc = rc ? rc : prepare_one<GEMM_FP8RAW, 1>();
-    rc = rc ? rc : prepare_one<GEMM_FP8RAW, 2>();
-    rc = rc ? rc : prepare_one<GEMM_FP8RAW, 4>();
-    rc = rc ? rc : prepare_one<GEMM_FP8RAW, GEMM_MAX_NT>();
+    rc = rc ? rc : prepare_one<GEMM_FP8, 1, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_FP8, 2, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_FP8, 4, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_FP8, GEMM_MAX_NT, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_BF16, 1, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_BF16, 2, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_BF16, 4, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_BF16, GEMM_MAX_NT, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_FP8RAW, 1, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_FP8RAW, 2, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_FP8RAW, 4, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_FP8RAW, GEMM_MAX_NT, STAGES>();
     return rc;
+}
+
+/* The ring depth: GEMM_STAGES_MAX where the current device's opt-in shared memory per block holds
+ * its largest stage set, else GEMM_STAGES_MIN; DSV4_CUDA_GEMM_STAGES=2 forces the short ring (to
+ * test on a large device the path small ones take). */
+extern "C" int dsv4_cuda_gemm_prepare(void)
+{
+    int dev = 0, optin = 0;
+    const char *e = getenv("DSV4_CUDA_GEMM_STAGES");
+    DSV4_CUDA_TRY(cudaGetDevice(&dev));
+    DSV4_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    const size_t big = stage_bytes(GEMM_FP8RAW, GEMM_MAX_NT);
+    if ((size_t)optin < GEMM_STAGES_MIN * big)
+        return dsv4_error_set(-ENOTSUP, "gemm: device %d offers %d bytes of shared memory a block; the tensor-core "
+                              "linears need %zu", dev, optin, GEMM_STAGES_MIN * big);
+    gemm_stages = (size_t)optin >= GEMM_STAGES_MAX * big && !(e && strcmp(e, "2") == 0) ? GEMM_STAGES_MAX
+                                                                                          : GEMM_STAGES_MIN;
+    return gemm_stages == GEMM_STAGES_MAX ? prepare_stages<GEMM_STAGES_MAX>() : prepare_stages<GEMM_STAGES_MIN>();
+}
+
+extern "C" int dsv4_cuda_gemm_stages(void)
+{
+    return gemm_stages;
 }
 
 template <int MODE, int NT>
 static int launch(const gemm_args &a, cudaStream_t s, const char *name)
 {
-    const size_t smem = GEMM_STAGES * stage_bytes(MODE, NT);
-    gemm_kernel<MODE, NT><<<dim3((unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS), (unsigned)a.splits), GEMM_THREADS,
-                            smem, s>>>(a);
+    const dim3 grid((unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS), (unsigned)a.splits);
+    if (gemm_stages == GEMM_STAGES_MAX)
+        gemm_kernel<MODE, NT, GEMM_STAGES_MAX><<<grid, GEMM_THREADS, GEMM_STAGES_MAX * stage_bytes(MODE, NT), s>>>(a);
+    else
+        gemm_kernel<MODE, NT, GEMM_STAGES_MIN><<<grid, GEMM_THREADS, GEMM_STAGES_MIN * stage_bytes(MODE, NT), s>>>(a);
     DSV4_CUDA_LAUNCHED(name);
     return 0;
 }

@@ -198,7 +198,7 @@ static void check_shape(const struct shape *s)
         dy = gt_dev_poisoned((size_t)B * out_n);
         DSV4_OK(dsv4_cuda_gemm(&p.d, dx, s->in, B, quant, &gemm_ws, dy, s->out, NULL));
         out = gt_host_from(dy, (size_t)B * out_n);
-        snprintf(what, sizeof(what), "%s batch %d (tensor cores)", s->what, B);
+        snprintf(what, sizeof(what), "%s batch %d (tensor cores, %d stages)", s->what, B, dsv4_cuda_gemm_stages());
         ASSERT_REL(what, out, ref, (size_t)B * out_n, LINEAR_BOUND);
         cudaFree(dy);
         dy = gt_dev_poisoned(out_n);
@@ -213,7 +213,8 @@ static void check_shape(const struct shape *s)
         dy = gt_dev_poisoned((size_t)B * out_n);
         DSV4_OK(dsv4_cuda_gemm(&p.d, dx, s->in, B, false, &gemm_ws, dy, s->out, NULL));
         out = gt_host_from(dy, (size_t)B * out_n);
-        snprintf(what, sizeof(what), "%s batch %d (raw x, tensor cores)", s->what, B);
+        snprintf(what, sizeof(what), "%s batch %d (raw x, tensor cores, %d stages)", s->what, B,
+                 dsv4_cuda_gemm_stages());
         ASSERT_REL(what, out, ref_raw, (size_t)B * out_n, LINEAR_BOUND);
         cudaFree(dy);
         dy = gt_dev_poisoned(out_n);
@@ -264,20 +265,17 @@ static void test_linears(void **state)
 }
 
 /* wo_a at V4-Flash's shape in one grouped launch: W [8 x 1024, 4096] FP8, x [B, 8 x 4096] raw;
- * output row o reads x's group o / 1024. Against a double reference; a row alone bit-identical. */
-static void test_wo_a_grouped(void **state)
+ * output row o reads x's group o / 1024. Against a double reference; a row alone bit-identical.
+ * Needs gemm_ws. */
+static void check_wo_a_grouped(void)
 {
     const int G = 8, R = 1024, K = 4096, B = DSV4_CUDA_MAX_BATCH, ob = G * R, xw = G * K;
     const int bs[3] = { 1, 17, 64 };
     struct pair p;
     float *x = malloc((size_t)B * xw * sizeof(float)), *row = malloc((size_t)K * sizeof(float));
     float *ref = malloc((size_t)B * ob * sizeof(float)), *dx, *dy, *out, *row0;
-    void *ws;
     char what[96];
 
-    DSV4_OK(dsv4_cuda_gemm_prepare());
-    assert_int_equal(cudaMalloc(&ws, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K)), cudaSuccess);
-    dsv4_cuda_gemm_ws_init(&gemm_ws, ws, DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K);
     make_linear(&p, DSV4_W_FP8, ob, K);
     assert_true(dsv4_cuda_gemm_grouped_supports(&p.d, G));
     fill_activations(x, (size_t)B * xw);
@@ -296,7 +294,8 @@ static void test_wo_a_grouped(void **state)
         dy = gt_dev_poisoned((size_t)bs[i] * ob);
         DSV4_OK(dsv4_cuda_gemm_grouped(&p.d, G, dx, xw, bs[i], &gemm_ws, dy, ob, NULL));
         out = gt_host_from(dy, (size_t)bs[i] * ob);
-        snprintf(what, sizeof(what), "fp8 wo_a [8192,4096] in 8 groups, raw x, batch %d", bs[i]);
+        snprintf(what, sizeof(what), "fp8 wo_a [8192,4096] in 8 groups, raw x, batch %d, %d-stage ring", bs[i],
+                 dsv4_cuda_gemm_stages());
         ASSERT_REL(what, out, ref, (size_t)bs[i] * ob, LINEAR_BOUND);
         cudaFree(dy);
         dy = gt_dev_poisoned(ob);
@@ -308,11 +307,45 @@ static void test_wo_a_grouped(void **state)
         cudaFree(dy);
     }
     cudaFree(dx);
-    cudaFree(ws);
     free_linear(&p);
     free(x);
     free(row);
     free(ref);
+}
+
+static void test_wo_a_grouped(void **state)
+{
+    void *ws;
+    DSV4_OK(dsv4_cuda_gemm_prepare());
+    assert_int_equal(cudaMalloc(&ws, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K)), cudaSuccess);
+    dsv4_cuda_gemm_ws_init(&gemm_ws, ws, DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K);
+    check_wo_a_grouped();
+    cudaFree(ws);
+}
+
+/* The 2-stage ring that devices with 99 KB of shared memory a block (sm_86/89/120) get, forced here
+ * (DSV4_CUDA_GEMM_STAGES=2): every mode at a Flash shape and a tiny one, and the grouped wo_a. */
+static void test_short_ring(void **state)
+{
+    static const struct shape few[] = {
+        { "fp8 wo_b [4096,8192]", DSV4_W_FP8, 4096, 8192, 64 },
+        { "fp8 tiny [130,256]", DSV4_W_FP8, 130, 256, 64 },
+        { "bf16 gate [256,4096]", DSV4_W_BF16, 256, 4096, 64 },
+        { "bf16 tiny [5,72]", DSV4_W_BF16, 5, 72, 64 },
+    };
+    void *ws;
+    setenv("DSV4_CUDA_GEMM_STAGES", "2", 1);
+    DSV4_OK(dsv4_cuda_gemm_prepare());
+    unsetenv("DSV4_CUDA_GEMM_STAGES");
+    assert_int_equal(dsv4_cuda_gemm_stages(), 2);
+    assert_int_equal(cudaMalloc(&ws, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K)), cudaSuccess);
+    dsv4_cuda_gemm_ws_init(&gemm_ws, ws, DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K);
+    for (size_t i = 0; i < sizeof(few) / sizeof(few[0]); i++)
+        check_shape(&few[i]);
+    check_wo_a_grouped();
+    cudaFree(ws);
+    DSV4_OK(dsv4_cuda_gemm_prepare());      /* back to the device's own choice */
+    printf("# the device's own ring: %d stages\n", dsv4_cuda_gemm_stages());
 }
 
 /* A view of rows [64, 128) of an FP8 linear (one wo_a group of 64 rows: it starts mid scale block)
@@ -373,6 +406,7 @@ int main(void)
         cmocka_unit_test(test_fp8_roundtrip),
         cmocka_unit_test(test_linears),
         cmocka_unit_test(test_wo_a_grouped),
+        cmocka_unit_test(test_short_ring),
         cmocka_unit_test(test_fp8_view_mid_block),
         cmocka_unit_test(test_refuses_misaligned),
     };
