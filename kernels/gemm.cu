@@ -275,24 +275,39 @@ __global__ void gemm_reduce_kernel(const float *__restrict__ part, int splits, i
     y[n * ldy + o] = v;
 }
 
+/* Warp w of the grid takes (row n, 128-block kb) of x f32 [rows, ldx] (k columns): its four values a
+ * lane and the block's amax. False for warps past the last block. */
+static __device__ __forceinline__ bool prep_block(const float *__restrict__ x, int64_t ldx, int rows, int64_t k,
+                                                  int64_t *n, int64_t *kb, float (&v)[4], float *amax)
+{
+    const int lane = threadIdx.x % DSV4_CUDA_WARP;
+    const int64_t nkb = k / 128, blk = (int64_t)blockIdx.x * (blockDim.x / DSV4_CUDA_WARP) + threadIdx.x / DSV4_CUDA_WARP;
+    if (blk >= rows * nkb)
+        return false;
+    *n = blk / nkb;
+    *kb = blk % nkb;
+    const float *src = x + *n * ldx + *kb * 128;
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[i] = src[i * DSV4_CUDA_WARP + lane];
+        m = fmaxf(m, fabsf(v[i]));
+    }
+    *amax = dsv4_warp_max(m);
+    return true;
+}
+
 /* One warp per (row, 128-block): the official quantizer (as fp8_roundtrip_kernel), written as the
  * e4m3 values in f16 [rows, K] and the scale [rows, K/128]. */
 __global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k, __half *__restrict__ xa,
                                   float *__restrict__ sa)
 {
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
-    const int64_t nkb = k / 128, blk = (int64_t)blockIdx.x * (blockDim.x / DSV4_CUDA_WARP) + threadIdx.x / DSV4_CUDA_WARP;
-    if (blk >= rows * nkb)
+    int64_t n, kb;
+    float v[4], amax;
+    if (!prep_block(x, ldx, rows, k, &n, &kb, v, &amax))
         return;
-    const int64_t n = blk / nkb, kb = blk % nkb;
-    const float *src = x + n * ldx + kb * 128;
-    float v[4], amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[i] = src[i * DSV4_CUDA_WARP + lane];
-        amax = fmaxf(amax, fabsf(v[i]));
-    }
-    const float s = dsv4_act_scale(dsv4_warp_max(amax)), inv = 1.0f / s;
+    const float s = dsv4_act_scale(amax), inv = 1.0f / s;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
@@ -300,7 +315,7 @@ __global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int 
         xa[n * k + kb * 128 + i * DSV4_CUDA_WARP + lane] = *reinterpret_cast<__half *>(&h);
     }
     if (lane == 0)
-        sa[n * nkb + kb] = s;
+        sa[n * (k / 128) + kb] = s;
 }
 
 /* One warp per (row, 128-block) of x f32 [rows, ldx] (k columns): the block divided by s, the power
@@ -310,18 +325,11 @@ __global__ void gemm_split16_kernel(const float *__restrict__ x, int64_t ldx, in
                                     __half *__restrict__ xa, float *__restrict__ sa)
 {
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
-    const int64_t nkb = k / 128, blk = (int64_t)blockIdx.x * (blockDim.x / DSV4_CUDA_WARP) + threadIdx.x / DSV4_CUDA_WARP;
-    if (blk >= rows * nkb)
+    int64_t n, kb;
+    float v[4], amax;
+    if (!prep_block(x, ldx, rows, k, &n, &kb, v, &amax))
         return;
-    const int64_t n = blk / nkb, kb = blk % nkb;
-    const float *src = x + n * ldx + kb * 128;
-    float v[4], amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[i] = src[i * DSV4_CUDA_WARP + lane];
-        amax = fmaxf(amax, fabsf(v[i]));
-    }
-    const uint32_t e = __float_as_uint(dsv4_warp_max(amax)) & 0x7f800000u;
+    const uint32_t e = __float_as_uint(amax) & 0x7f800000u;
     const float s = e == 0u || e == 0x7f800000u ? 1.0f : __uint_as_float(e), inv = 1.0f / s;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -332,7 +340,7 @@ __global__ void gemm_split16_kernel(const float *__restrict__ x, int64_t ldx, in
         xa[(int64_t)rows * k + o] = __float2half_rn(u - __half2float(hi));
     }
     if (lane == 0)
-        sa[n * nkb + kb] = s;
+        sa[n * (k / 128) + kb] = s;
 }
 
 /* x f32 [rows, ldx] -> hi [rows, K], lo [rows, K] bf16 */

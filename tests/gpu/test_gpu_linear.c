@@ -44,7 +44,22 @@ static const struct shape shapes[] = {
 static const int batches[] = { 1, 3, 17, 64 };
 
 static struct dsv4_cuda_gemm_ws gemm_ws;
+static void *gemm_ws_mem;
 #define GEMM_WS_MAX_K 32768        /* wo_a's grouped input: 64 heads x 512 */
+
+/* gemm_ws for DSV4_CUDA_MAX_BATCH rows of width GEMM_WS_MAX_K, after dsv4_cuda_gemm_prepare. */
+static void ws_open(void)
+{
+    DSV4_OK(dsv4_cuda_gemm_prepare());
+    assert_int_equal(cudaMalloc(&gemm_ws_mem, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K)),
+                     cudaSuccess);
+    dsv4_cuda_gemm_ws_init(&gemm_ws, gemm_ws_mem, DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K);
+}
+
+static void ws_close(void)
+{
+    cudaFree(gemm_ws_mem);
+}
 
 /* A host linear with random weights in `fmt` and its device copy. */
 struct pair {
@@ -237,10 +252,7 @@ static void check_shape(const struct shape *s)
 
 static void test_linears(void **state)
 {
-    void *ws;
-    DSV4_OK(dsv4_cuda_gemm_prepare());
-    assert_int_equal(cudaMalloc(&ws, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K)), cudaSuccess);
-    dsv4_cuda_gemm_ws_init(&gemm_ws, ws, DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K);
+    ws_open();
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
         check_shape(&shapes[i]);
     /* refusals: FP4 weights, BF16 with quantized activations, more rows than the workspace, groups
@@ -261,7 +273,7 @@ static void test_linears(void **state)
     free_linear(&p);
     cudaFree(dx);
     cudaFree(dy);
-    cudaFree(ws);
+    ws_close();
 }
 
 /* wo_a at V4-Flash's shape in one grouped launch: W [8 x 1024, 4096] FP8, x [B, 8 x 4096] raw;
@@ -315,12 +327,9 @@ static void check_wo_a_grouped(void)
 
 static void test_wo_a_grouped(void **state)
 {
-    void *ws;
-    DSV4_OK(dsv4_cuda_gemm_prepare());
-    assert_int_equal(cudaMalloc(&ws, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K)), cudaSuccess);
-    dsv4_cuda_gemm_ws_init(&gemm_ws, ws, DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K);
+    ws_open();
     check_wo_a_grouped();
-    cudaFree(ws);
+    ws_close();
 }
 
 /* The 2-stage ring that devices with 99 KB of shared memory a block (sm_86/89/120) get, forced here
@@ -333,17 +342,14 @@ static void test_short_ring(void **state)
         { "bf16 gate [256,4096]", DSV4_W_BF16, 256, 4096, 64 },
         { "bf16 tiny [5,72]", DSV4_W_BF16, 5, 72, 64 },
     };
-    void *ws;
     setenv("DSV4_CUDA_GEMM_STAGES", "2", 1);
-    DSV4_OK(dsv4_cuda_gemm_prepare());
+    ws_open();
     unsetenv("DSV4_CUDA_GEMM_STAGES");
     assert_int_equal(dsv4_cuda_gemm_stages(), 2);
-    assert_int_equal(cudaMalloc(&ws, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K)), cudaSuccess);
-    dsv4_cuda_gemm_ws_init(&gemm_ws, ws, DSV4_CUDA_MAX_BATCH, GEMM_WS_MAX_K);
     for (size_t i = 0; i < sizeof(few) / sizeof(few[0]); i++)
         check_shape(&few[i]);
     check_wo_a_grouped();
-    cudaFree(ws);
+    ws_close();
     DSV4_OK(dsv4_cuda_gemm_prepare());      /* back to the device's own choice */
     printf("# the device's own ring: %d stages\n", dsv4_cuda_gemm_stages());
 }
