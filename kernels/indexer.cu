@@ -144,9 +144,9 @@ __global__ void __launch_bounds__(IDX_MMA_WARPS * DSV4_CUDA_WARP) indexer_scores
     }
 }
 
-/* Order-preserving key of a float: larger float, larger key. -0 and +0 get one key: a score of
- * zero (every head's dot clipped by ReLU) is -0 when a head weight is negative, and the twin's
- * float comparisons treat the two as a tie, broken by the lower index. */
+/* Order-preserving key of a float: larger float, larger key. -0 and +0 share a key, as the twin's
+ * float comparisons make them a tie (broken by the lower index). The score sums start at +0, so
+ * a -0 score should not arise; this keeps the two orders equal if one ever does. */
 static __device__ __forceinline__ uint32_t fkey(float f)
 {
     uint32_t u = __float_as_uint(f);
@@ -263,4 +263,10 @@ int dsv4_cuda_indexer(const struct dsv4_cuda_index_args *a, int batch, void *str
     indexer_topk_kernel<<<batch, DSV4_CUDA_TOPK_THREADS, 0, s>>>(*a);
     DSV4_CUDA_LAUNCHED("indexer_topk");
     return 0;
+}
+
+/* For C callers (tests/gpu/test_gpu_indexer.c; kernels_internal.h has C++ linkage). */
+extern "C" int dsv4_cuda_indexer_once(const struct dsv4_cuda_index_args *a, int batch, void *stream)
+{
+    return dsv4_cuda_indexer(a, batch, stream);
 }

@@ -48,7 +48,7 @@ dsv4_bench_LDADD = $(DSV4_CUDA_LDADD) libdsv4engine.la -lm
 
 GPU_TESTS += tests/gpu/test_gpu_linear tests/gpu/test_gpu_moe tests/gpu/test_gpu_norm tests/gpu/test_gpu_device \
 	tests/gpu/test_gpu_step tests/gpu/test_gpu_codec tests/gpu/test_gpu_serve tests/gpu/test_gpu_sample \
-	tests/gpu/test_gpu_attention
+	tests/gpu/test_gpu_attention tests/gpu/test_gpu_indexer
 check_PROGRAMS += $(GPU_TESTS)
 GPU_TEST_CFLAGS = $(TEST_ENGINE_CFLAGS) $(CUDA_CFLAGS)
 GPU_TEST_LIBS = $(DSV4_CUDA_LDADD) $(TEST_ENGINE_LIBS) -lm
@@ -79,11 +79,14 @@ tests_gpu_test_gpu_sample_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_attention_SOURCES = tests/gpu/test_gpu_attention.c $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_attention_CFLAGS = $(GPU_TEST_CFLAGS)
 tests_gpu_test_gpu_attention_LDADD = $(GPU_TEST_LIBS)
+tests_gpu_test_gpu_indexer_SOURCES = tests/gpu/test_gpu_indexer.c $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_indexer_CFLAGS = $(GPU_TEST_CFLAGS)
+tests_gpu_test_gpu_indexer_LDADD = $(GPU_TEST_LIBS)
 else
 DSV4_CUDA_LDADD =
 DSV4_CUDA_CPPFLAGS =
 EXTRA_DIST += tools/dsv4-bench.c $(GPU_TEST_COMMON) tests/gpu/test_gpu_linear.c tests/gpu/test_gpu_moe.c \
 	tests/gpu/test_gpu_norm.c tests/gpu/test_gpu_device.c tests/gpu/test_gpu_step.c \
 	tests/gpu/test_gpu_codec.c tests/gpu/test_gpu_serve.c tests/gpu/test_gpu_sample.c \
-	tests/gpu/test_gpu_attention.c
+	tests/gpu/test_gpu_attention.c tests/gpu/test_gpu_indexer.c
 endif
