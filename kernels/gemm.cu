@@ -132,6 +132,16 @@ static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws
     }
 }
 
+/* Chunk c of weight rows r0 and r1 (128-byte rows) of a stage, as words. */
+static __device__ __forceinline__ void load_wrows(const uint8_t *ws, int r0, int r1, int c, uint32_t (&w0v)[4],
+                                                  uint32_t (&w1v)[4])
+{
+    const uint4 w0 = dsv4_lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
+    const uint4 w1 = dsv4_lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
+    w0v[0] = w0.x; w0v[1] = w0.y; w0v[2] = w0.z; w0v[3] = w0.w;
+    w1v[0] = w1.x; w1v[1] = w1.y; w1v[2] = w1.z; w1v[3] = w1.w;
+}
+
 template <int MODE, int NT, int STAGES>
 __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
 {
@@ -178,9 +188,8 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int c = t + 4 * h;
-                const uint4 w0 = dsv4_lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
-                const uint4 w1 = dsv4_lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
-                const uint32_t w0v[4] = { w0.x, w0.y, w0.z, w0.w }, w1v[4] = { w1.x, w1.y, w1.z, w1.w };
+                uint32_t w0v[4], w1v[4];
+                load_wrows(ws, r0, r1, c, w0v, w1v);
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
                     const int n = j * 8 + g;
@@ -222,9 +231,8 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int c = t + 4 * h;
-                const uint4 w0 = dsv4_lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
-                const uint4 w1 = dsv4_lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
-                const uint32_t w0v[4] = { w0.x, w0.y, w0.z, w0.w }, w1v[4] = { w1.x, w1.y, w1.z, w1.w };
+                uint32_t w0v[4], w1v[4];
+                load_wrows(ws, r0, r1, c, w0v, w1v);
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
                     const int n = j * 8 + g;
