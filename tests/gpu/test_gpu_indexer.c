@@ -109,6 +109,17 @@ static int by_index(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* The first K entries of the ranking idx, ascending, must be row r's choice sel [K]. */
+static void expect_choice(const struct ix_case *c, int r, const int32_t *sel, const int *idx, int *want, int K,
+                          const char *whose)
+{
+    memcpy(want, idx, sizeof(int) * (size_t)K);
+    qsort(want, (size_t)K, sizeof(int), by_index);
+    for (int i = 0; i < K; i++)
+        if (sel[i] != want[i])
+            fail_msg("%s row %d: choice %d is entry %d, %s gives %d", c->what, r, i, sel[i], whose, want[i]);
+}
+
 static void check_case(const struct ix_case *c)
 {
     const int B = c->rows, nI = c->nI, dI = c->dI, K = c->topk;
@@ -220,12 +231,7 @@ static void check_case(const struct ix_case *c)
             idx[s] = s;
         cmp_f = sc + (size_t)r * E;
         qsort(idx, (size_t)n, sizeof(int), by_score_f);
-        memcpy(want, idx, sizeof(int) * (size_t)K);
-        qsort(want, (size_t)K, sizeof(int), by_index);
-        for (int i = 0; i < K; i++)
-            if (sel[(size_t)r * K + i] != want[i])
-                fail_msg("%s row %d: choice %d is entry %d, the rule on its scores gives %d", c->what, r, i,
-                         sel[(size_t)r * K + i], want[i]);
+        expect_choice(c, r, sel + (size_t)r * K, idx, want, K, "the rule on its scores");
 
         /* against the reference where its boundary is clear */
         cmp_d = rs;
@@ -234,12 +240,7 @@ static void check_case(const struct ix_case *c)
         qsort(idx, (size_t)n, sizeof(int), by_score_d);
         if (rs[idx[K - 1]] - rs[idx[K]] > SEP * den) {
             separated++;
-            memcpy(want, idx, sizeof(int) * (size_t)K);
-            qsort(want, (size_t)K, sizeof(int), by_index);
-            for (int i = 0; i < K; i++)
-                if (sel[(size_t)r * K + i] != want[i])
-                    fail_msg("%s row %d: choice %d is entry %d, the reference's is %d", c->what, r, i,
-                             sel[(size_t)r * K + i], want[i]);
+            expect_choice(c, r, sel + (size_t)r * K, idx, want, K, "the reference");
         } else {
             unseparated++;
         }

@@ -159,6 +159,32 @@ static void test_fp8_roundtrip(void **state)
     }
 }
 
+/* The tensor-core linear W (groups > 0: dsv4_cuda_gemm_grouped, raw x) on B rows of d_x [B, ldx]
+ * against ref [B, W.out] (bound LINEAR_BOUND), then row 0 alone: bit-identical to row 0 of the batch. */
+static void check_gemm(const struct dsv4_cuda_linear *W, int groups, bool quant, const float *d_x, int64_t ldx, int B,
+                       const float *ref, const char *what)
+{
+    const size_t out_n = (size_t)W->out;
+    float *dy = gt_dev_poisoned((size_t)B * out_n), *out, *row0;
+    if (groups)
+        DSV4_OK(dsv4_cuda_gemm_grouped(W, groups, d_x, ldx, B, &gemm_ws, dy, W->out, NULL));
+    else
+        DSV4_OK(dsv4_cuda_gemm(W, d_x, ldx, B, quant, &gemm_ws, dy, W->out, NULL));
+    out = gt_host_from(dy, (size_t)B * out_n);
+    ASSERT_REL(what, out, ref, (size_t)B * out_n, LINEAR_BOUND);
+    cudaFree(dy);
+    dy = gt_dev_poisoned(out_n);
+    if (groups)
+        DSV4_OK(dsv4_cuda_gemm_grouped(W, groups, d_x, ldx, 1, &gemm_ws, dy, W->out, NULL));
+    else
+        DSV4_OK(dsv4_cuda_gemm(W, d_x, ldx, 1, quant, &gemm_ws, dy, W->out, NULL));
+    row0 = gt_host_from(dy, out_n);
+    assert_memory_equal(row0, out, out_n * sizeof(float));
+    free(row0);
+    free(out);
+    cudaFree(dy);
+}
+
 static void check_shape(const struct shape *s)
 {
     struct pair p;
@@ -209,36 +235,13 @@ static void check_shape(const struct shape *s)
         if (!dsv4_cuda_gemm_supports(&p.d, quant))
             continue;
         /* tensor cores: quantization happens inside, from the raw x */
-        float *row0 = NULL;
-        dy = gt_dev_poisoned((size_t)B * out_n);
-        DSV4_OK(dsv4_cuda_gemm(&p.d, dx, s->in, B, quant, &gemm_ws, dy, s->out, NULL));
-        out = gt_host_from(dy, (size_t)B * out_n);
         snprintf(what, sizeof(what), "%s batch %d (tensor cores, %d stages)", s->what, B, dsv4_cuda_gemm_stages());
-        ASSERT_REL(what, out, ref, (size_t)B * out_n, LINEAR_BOUND);
-        cudaFree(dy);
-        dy = gt_dev_poisoned(out_n);
-        DSV4_OK(dsv4_cuda_gemm(&p.d, dx, s->in, 1, quant, &gemm_ws, dy, s->out, NULL));
-        row0 = gt_host_from(dy, out_n);
-        assert_memory_equal(row0, out, out_n * sizeof(float));
-        free(row0);
-        free(out);
-        cudaFree(dy);
+        check_gemm(&p.d, 0, quant, dx, s->in, B, ref, what);
         if (!ref_raw || !dsv4_cuda_gemm_supports(&p.d, false))
             continue;
-        dy = gt_dev_poisoned((size_t)B * out_n);
-        DSV4_OK(dsv4_cuda_gemm(&p.d, dx, s->in, B, false, &gemm_ws, dy, s->out, NULL));
-        out = gt_host_from(dy, (size_t)B * out_n);
         snprintf(what, sizeof(what), "%s batch %d (raw x, tensor cores, %d stages)", s->what, B,
                  dsv4_cuda_gemm_stages());
-        ASSERT_REL(what, out, ref_raw, (size_t)B * out_n, LINEAR_BOUND);
-        cudaFree(dy);
-        dy = gt_dev_poisoned(out_n);
-        DSV4_OK(dsv4_cuda_gemm(&p.d, dx, s->in, 1, false, &gemm_ws, dy, s->out, NULL));
-        row0 = gt_host_from(dy, out_n);
-        assert_memory_equal(row0, out, out_n * sizeof(float));
-        free(row0);
-        free(out);
-        cudaFree(dy);
+        check_gemm(&p.d, 0, false, dx, s->in, B, ref_raw, what);
     }
     cudaFree(dx);
     cudaFree(dxq);
@@ -285,7 +288,7 @@ static void check_wo_a_grouped(void)
     const int bs[3] = { 1, 17, 64 };
     struct pair p;
     float *x = malloc((size_t)B * xw * sizeof(float)), *row = malloc((size_t)K * sizeof(float));
-    float *ref = malloc((size_t)B * ob * sizeof(float)), *dx, *dy, *out, *row0;
+    float *ref = malloc((size_t)B * ob * sizeof(float)), *dx;
     char what[96];
 
     make_linear(&p, DSV4_W_FP8, ob, K);
@@ -303,20 +306,9 @@ static void check_wo_a_grouped(void)
     }
     dx = gt_dev_copy(x, (size_t)B * xw * sizeof(float));
     for (int i = 0; i < 3; i++) {
-        dy = gt_dev_poisoned((size_t)bs[i] * ob);
-        DSV4_OK(dsv4_cuda_gemm_grouped(&p.d, G, dx, xw, bs[i], &gemm_ws, dy, ob, NULL));
-        out = gt_host_from(dy, (size_t)bs[i] * ob);
         snprintf(what, sizeof(what), "fp8 wo_a [8192,4096] in 8 groups, raw x, batch %d, %d-stage ring", bs[i],
                  dsv4_cuda_gemm_stages());
-        ASSERT_REL(what, out, ref, (size_t)bs[i] * ob, LINEAR_BOUND);
-        cudaFree(dy);
-        dy = gt_dev_poisoned(ob);
-        DSV4_OK(dsv4_cuda_gemm_grouped(&p.d, G, dx, xw, 1, &gemm_ws, dy, ob, NULL));
-        row0 = gt_host_from(dy, ob);
-        assert_memory_equal(row0, out, (size_t)ob * sizeof(float));
-        free(row0);
-        free(out);
-        cudaFree(dy);
+        check_gemm(&p.d, G, false, dx, xw, bs[i], ref, what);
     }
     cudaFree(dx);
     free_linear(&p);
