@@ -70,7 +70,7 @@ tests_gpu_test_gpu_codec_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_step_SOURCES = tests/gpu/test_gpu_step.c $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_step_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
 tests_gpu_test_gpu_step_LDADD = $(GPU_TEST_LIBS) $(JANSSON_LIBS)
-tests_gpu_test_gpu_serve_SOURCES = tests/gpu/test_gpu_serve.c $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_serve_SOURCES = tests/gpu/test_gpu_serve.c tests/unit/sched_harness.h $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_serve_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
 tests_gpu_test_gpu_serve_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_sample_SOURCES = tests/gpu/test_gpu_sample.c $(GPU_TEST_COMMON)

@@ -19,37 +19,13 @@
 #include "engine/scheduler.h"
 #include "engine/weights.h"
 #include "tests/gpu/gpu_test.h"
+#include "tests/unit/sched_harness.h"
 
-#define MAX_TOKENS 64
 #define MAX_CONTEXT 256
 #define N_REQ 6
 #define GEN 20
 #define LOGPROB_BOUND 1e-5
 #define PROMPT_VOCAB 256     /* prompt ids below every fixture's vocabulary */
-
-struct answer {
-    int32_t tokens[MAX_TOKENS];
-    float logprob[MAX_TOKENS];
-    int32_t top0[MAX_TOKENS];
-    int n;
-    bool finished;
-    uint64_t id;
-};
-
-/* The fixture vocabularies have no tokenizer: each id reads as one letter. */
-static int letter_bytes(void *ctx, int32_t id, char *buf, size_t cap)
-{
-    if (cap < 1)
-        return -E2BIG;
-    buf[0] = (char)('a' + id % 26);
-    return 1;
-}
-
-struct env {
-    struct dsv4_weights *w;
-    struct dsv4_backend *b;
-    struct dsv4_sched *s;
-};
 
 static void env_open(struct env *e, const char *model, bool cuda, bool device_sampling, int max_batch, int budget)
 {
@@ -68,53 +44,12 @@ static void env_open(struct env *e, const char *model, bool cuda, bool device_sa
     DSV4_OK(dsv4_sched_create(e->b, NULL, &lim, &e->s));
 }
 
-static void env_close(struct env *e)
-{
-    dsv4_sched_destroy(e->s);
-    dsv4_backend_destroy(e->b);
-    dsv4_weights_free(e->w);
-}
-
-static void collect(struct dsv4_sched *s)
-{
-    struct dsv4_sched_event ev;
-    while (dsv4_sched_next_event(s, &ev) == 1) {
-        struct answer *a = ev.user;
-        if (ev.type == DSV4_SCHED_EVENT_TOKEN) {
-            assert_true(a->n < MAX_TOKENS);
-            a->tokens[a->n] = ev.sample.token;
-            a->logprob[a->n] = ev.sample.logprob;
-            a->top0[a->n] = ev.sample.n_top > 0 ? ev.sample.top_ids[0] : -1;
-            a->n++;
-        } else {
-            if (ev.result->finish == DSV4_FINISH_ERROR)
-                fail_msg("request failed: %s", ev.result->error_message);
-            a->finished = true;
-            assert_int_equal(dsv4_sched_release(s, ev.id), 0);
-        }
-    }
-}
-
 static void submit(struct env *e, const int32_t *prompt, int n, const struct dsv4_sampling *sp, struct answer *a)
 {
     memset(a, 0, sizeof(*a));
     struct dsv4_sched_request rq = { .prompt = prompt, .n_prompt = n, .max_tokens = GEN, .sampling = *sp,
                                      .ignore_eos = true, .user = a };
     DSV4_OK(dsv4_sched_submit(e->s, &rq, &a->id));
-}
-
-static void run_until(struct env *e, struct answer *a, int n)
-{
-    for (int guard = 0; guard < 10000; guard++) {
-        int done = 0;
-        for (int i = 0; i < n; i++)
-            done += a[i].finished;
-        if (done == n)
-            return;
-        assert_true(dsv4_sched_step(e->s) >= 0);
-        collect(e->s);
-    }
-    fail_msg("requests did not finish");
 }
 
 static int32_t prompts[N_REQ][64];

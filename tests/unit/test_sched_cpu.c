@@ -19,6 +19,7 @@
 #include "engine/error.h"
 #include "engine/scheduler.h"
 #include "engine/weights.h"
+#include "tests/unit/sched_harness.h"
 
 #define MAX_CASES 8
 #define MAX_TOKENS 256
@@ -31,23 +32,6 @@ struct fcase {
     int32_t greedy[MAX_TOKENS];
     int n_greedy;
 };
-
-struct answer {
-    int32_t tokens[MAX_TOKENS];
-    int n;
-    bool finished;
-    enum dsv4_finish_reason finish;
-    uint64_t id;
-};
-
-/* The fixture vocabularies have no tokenizer: each id reads as one letter. */
-static int letter_bytes(void *ctx, int32_t id, char *buf, size_t cap)
-{
-    if (cap < 1)
-        return -E2BIG;
-    buf[0] = (char)('a' + id % 26);
-    return 1;
-}
 
 static void fixture_dir(const char *model, char *out, size_t cap)
 {
@@ -85,12 +69,6 @@ static int load_cases(const char *model, struct fcase *cases)
     return n;
 }
 
-struct env {
-    struct dsv4_weights *w;
-    struct dsv4_backend *b;
-    struct dsv4_sched *s;
-};
-
 static void env_open(struct env *e, const char *model, int max_batch, int prefill_budget)
 {
     char dir[PATH_MAX];
@@ -106,30 +84,6 @@ static void env_open(struct env *e, const char *model, int max_batch, int prefil
         fail_msg("scheduler: %s", dsv4_error_message());
 }
 
-static void env_close(struct env *e)
-{
-    dsv4_sched_destroy(e->s);
-    dsv4_backend_destroy(e->b);
-    dsv4_weights_free(e->w);
-}
-
-static void collect(struct dsv4_sched *s)
-{
-    struct dsv4_sched_event ev;
-    while (dsv4_sched_next_event(s, &ev) == 1) {
-        struct answer *a = ev.user;
-        if (ev.type == DSV4_SCHED_EVENT_TOKEN) {
-            assert_true(a->n < MAX_TOKENS);
-            a->tokens[a->n++] = ev.sample.token;
-        } else {
-            a->finished = true;
-            a->finish = ev.result->finish;
-            assert_int_equal(ev.result->n_tokens, a->n);
-            assert_int_equal(dsv4_sched_release(s, ev.id), 0);
-        }
-    }
-}
-
 static void submit(struct env *e, const int32_t *prompt, int n, int max_tokens, const struct dsv4_sampling *sp,
                    struct answer *a)
 {
@@ -138,20 +92,6 @@ static void submit(struct env *e, const int32_t *prompt, int n, int max_tokens, 
                                      .sampling = *sp, .user = a };
     if (dsv4_sched_submit(e->s, &rq, &a->id) < 0)
         fail_msg("submit: %s", dsv4_error_message());
-}
-
-static void run_until(struct env *e, struct answer *a, int n)
-{
-    for (int guard = 0; guard < 10000; guard++) {
-        int done = 0;
-        for (int i = 0; i < n; i++)
-            done += a[i].finished;
-        if (done == n)
-            return;
-        assert_true(dsv4_sched_step(e->s) >= 0);
-        collect(e->s);
-    }
-    fail_msg("requests did not finish");
 }
 
 /* Every fixture case through the scheduler, alone (prefill in the case's chunk size) and all of a
