@@ -34,6 +34,23 @@ struct dsv4_cuda_linear {
                                  * mid-block, e.g. one group of wo_a); 0 otherwise */
 };
 
+/* Rows [r0, r0 + n) of the whole linear W as a linear of their own (one group of wo_a). An FP8 view
+ * may start mid scale block (scale_row0). */
+static inline struct dsv4_cuda_linear dsv4_cuda_linear_rows(const struct dsv4_cuda_linear *W, int64_t r0, int64_t n)
+{
+    struct dsv4_cuda_linear v = *W;
+    v.out = n;
+    if (v.fmt == DSV4_W_FP8) {
+        v.scale += (r0 / 128) * v.scale_stride;
+        v.scale_row0 = r0 % 128;
+    } else if (v.fmt == DSV4_W_FP4) {
+        v.scale += r0 * v.scale_stride;
+    }
+    v.w = (const uint8_t *)v.w + r0 * (v.fmt == DSV4_W_F32 ? 4 * v.row_stride : v.fmt == DSV4_W_BF16 ? 2 * v.row_stride :
+                                       v.fmt == DSV4_W_FP8 ? v.row_stride : v.row_stride / 2);
+    return v;
+}
+
 /* One layer's routed experts on the device: a table of E entries of three linears, w1/w3 [I, D]
  * and w2 [D, I], all in one format (FP4 in the release; F32/BF16/FP8 in other checkpoints). */
 struct dsv4_cuda_expert {

@@ -416,18 +416,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
         STEP(dsv4_cuda_gemm_grouped(&L->wo_a, G, t->o, (int64_t)H * hd, B, &cb->b.gemm, t->z, (int64_t)G * R, s));
     else
         for (int g = 0; g < G; g++) {
-            struct dsv4_cuda_linear v = L->wo_a;
-            const int64_t r0 = (int64_t)g * R;
-            v.out = R;
-            if (v.fmt == DSV4_W_FP8) {
-                v.scale += (r0 / 128) * v.scale_stride;
-                v.scale_row0 = r0 % 128;        /* groups of o_lora_rank rows may start mid scale block */
-            } else if (v.fmt == DSV4_W_FP4) {
-                v.scale += r0 * v.scale_stride;
-            }
-            v.w = static_cast<const uint8_t *>(v.w) + r0 * (v.fmt == DSV4_W_F32 ? 4 * v.row_stride :
-                                                            v.fmt == DSV4_W_BF16 ? 2 * v.row_stride :
-                                                            v.fmt == DSV4_W_FP8 ? v.row_stride : v.row_stride / 2);
+            const struct dsv4_cuda_linear v = dsv4_cuda_linear_rows(&L->wo_a, (int64_t)g * R, R);
             STEP(lin(cb, &v, t->o + g * gin, (int64_t)H * hd, B, t->z + (int64_t)g * R, (int64_t)G * R, true, s));
         }
     return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, s);

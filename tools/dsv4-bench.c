@@ -236,10 +236,7 @@ static int run_gemv_groups(struct job *j, int rep, cudaStream_t s)
     const struct dsv4_cuda_linear *l = &j->ls->l[rep % j->ls->n];
     const int64_t R = l->out / j->groups, xw = l->in * j->groups;
     for (int g = 0; g < j->groups; g++) {
-        struct dsv4_cuda_linear v = *l;
-        v.out = R;
-        v.w = (const uint8_t *)l->w + g * R * l->row_stride;
-        v.scale = l->scale + (g * R / 128) * l->scale_stride;
+        const struct dsv4_cuda_linear v = dsv4_cuda_linear_rows(l, g * R, R);
         int rc = dsv4_cuda_gemv(&v, j->x + g * l->in, xw, j->batch, j->y + g * R, l->out, s);
         if (rc < 0)
             return rc;

@@ -364,10 +364,7 @@ static void test_fp8_view_mid_block(void **state)
     dv = gt_dev_poisoned((size_t)B * n);
     DSV4_OK(dsv4_cuda_fp8_roundtrip(dx, B, in, 128, dxq, NULL));
     DSV4_OK(dsv4_cuda_gemv(&p.d, dxq, in, B, dy, out, NULL));
-    struct dsv4_cuda_linear v = p.d;
-    v.out = n;
-    v.w = (const uint8_t *)p.d.w + r0 * in;
-    v.scale_row0 = r0;
+    const struct dsv4_cuda_linear v = dsv4_cuda_linear_rows(&p.d, r0, n);
     DSV4_OK(dsv4_cuda_gemv(&v, dxq, in, B, dv, n, NULL));
     full = gt_host_from(dy, (size_t)B * out);
     part = gt_host_from(dv, (size_t)B * n);
