@@ -52,6 +52,7 @@ static __device__ __forceinline__ void dsv4_rope_pair(float *a, float *b, float 
 __global__ void rope_kernel(float *x, int rows, int heads, int hd, int rd, const int32_t *pos, int rows_per_pos,
                             const float *inv_freq, bool inverse)
 {
+    dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int half = rd / 2;
     if (i >= (int64_t)rows * heads * half)
@@ -71,8 +72,8 @@ int dsv4_cuda_rope(float *d_x, int rows, int heads, int hd, int rd, const int32_
         return dsv4_error_set(-EINVAL, "rope: rope dims %d must be even and within head dim %d", rd, hd);
     if (n == 0)
         return 0;
-    rope_kernel<<<(unsigned)((n + threads - 1) / threads), threads, 0, static_cast<cudaStream_t>(stream)>>>(
-        d_x, rows, heads, hd, rd, d_pos, rows_per_pos, d_inv_freq, inverse);
+    dsv4_launch(rope_kernel, (unsigned)((n + threads - 1) / threads), threads, 0, static_cast<cudaStream_t>(stream),
+                d_x, rows, heads, hd, rd, d_pos, rows_per_pos, d_inv_freq, inverse);
     DSV4_CUDA_LAUNCHED("rope");
     return 0;
 }
@@ -82,6 +83,7 @@ __global__ void kv_store_kernel(const float *__restrict__ v, int hd, int rd, int
                                 const int32_t *__restrict__ pos, const int32_t *__restrict__ slot, uint8_t *entries,
                                 int64_t slot_stride, int ring)
 {
+    dsv4_pdl_enter();
     extern __shared__ float sm[];
     float *v_s = sm, *sc_s = sm + hd;
     const int b = blockIdx.x;
@@ -97,8 +99,8 @@ int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, int kvf, con
     const size_t smem = (size_t)(hd + hd / KV_GROUP + 1) * sizeof(float);
     if (batch < 1)
         return 0;
-    kv_store_kernel<<<batch, 128, smem, static_cast<cudaStream_t>(stream)>>>(
-        d_v, hd, rd, kvf, dsv4_cuda_kv_entry_bytes(hd, rd, kvf), d_pos, d_slot, d_ring, slot_stride, ring);
+    dsv4_launch(kv_store_kernel, batch, 128, smem, static_cast<cudaStream_t>(stream), d_v, hd, rd, kvf,
+                dsv4_cuda_kv_entry_bytes(hd, rd, kvf), d_pos, d_slot, d_ring, slot_stride, ring);
     DSV4_CUDA_LAUNCHED("kv_store");
     return 0;
 }
@@ -142,6 +144,7 @@ static __device__ __forceinline__ const uint8_t *att_entry(const struct dsv4_cud
 __global__ void __launch_bounds__(ATT_THREADS, 1)   /* one block per SM: 12-key tiles spilled at 128 registers */
 attention_f32_kernel(const struct dsv4_cuda_att_args a)
 {
+    dsv4_pdl_enter();
     extern __shared__ float sm[];
     const int hd = a.hd, row = hd + ATT_PAD;
     float *q_s = sm, *k_s = q_s + ATT_HB * row, *p_s = k_s + ATT_TILE * row;
@@ -609,6 +612,7 @@ static __device__ __forceinline__ void att_pv(float (&o)[ATT_MMA_MT][ATT_MMA_OWN
 __global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
 attention_mma_kernel(const struct dsv4_cuda_att_args a)
 {
+    dsv4_pdl_enter();
     extern __shared__ __align__(16) uint8_t att_sm[];
     const int hd = a.hd, kstr = hd + ATT_MMA_KPAD;
     __nv_bfloat16 *k_s = reinterpret_cast<__nv_bfloat16 *>(att_sm);
@@ -679,6 +683,7 @@ __global__ void attention_combine_kernel(const float *__restrict__ part, int H, 
                                          const float *__restrict__ sink, const int32_t *__restrict__ pos,
                                          const float *__restrict__ inv_freq, float *__restrict__ o)
 {
+    dsv4_pdl_enter();
     extern __shared__ float o_s[];
     __shared__ float e_s[DSV4_CUDA_ATT_SPLITS], den_s;
     __shared__ bool live_s[DSV4_CUDA_ATT_SPLITS];
@@ -798,18 +803,18 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
     if ((rc = att_check(a)) < 0)
         return rc;
     if (a->kvf == DSV4_KV_FP8) {
-        attention_mma_kernel<<<dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + ATT_MMA_HEADS - 1) / ATT_MMA_HEADS),
-                               ATT_MMA_THREADS, att_mma_smem(a->hd), s>>>(*a);
+        dsv4_launch(attention_mma_kernel, dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + ATT_MMA_HEADS - 1) / ATT_MMA_HEADS),
+                    ATT_MMA_THREADS, att_mma_smem(a->hd), s, *a);
         DSV4_CUDA_LAUNCHED("attention_mma");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_MMA);
     } else {
-        attention_f32_kernel<<<dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + ATT_HB - 1) / ATT_HB), ATT_THREADS,
-                               att_f32_smem(a->hd), s>>>(*a);
+        dsv4_launch(attention_f32_kernel, dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + ATT_HB - 1) / ATT_HB), ATT_THREADS,
+                    att_f32_smem(a->hd), s, *a);
         DSV4_CUDA_LAUNCHED("attention_f32");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_F32);
     }
-    attention_combine_kernel<<<dim3(batch, a->H), 128, a->hd * sizeof(float), s>>>(
-        a->part, a->H, a->hd, a->rd, d_sink, a->pos, d_inv_freq, d_o);
+    dsv4_launch(attention_combine_kernel, dim3(batch, a->H), 128, a->hd * sizeof(float), s, a->part, a->H, a->hd, a->rd,
+                d_sink, a->pos, d_inv_freq, d_o);
     DSV4_CUDA_LAUNCHED("attention_combine");
     return 0;
 }
@@ -826,6 +831,7 @@ extern "C" int dsv4_cuda_attention_once(const struct dsv4_cuda_att_args *a, int 
 /* One block per row: encode into a scratch entry in shared memory, decode back. */
 __global__ void kv_entry_roundtrip_kernel(const float *x, int hd, int rd, int kvf, int eb, float *y)
 {
+    dsv4_pdl_enter();
     extern __shared__ float sm[];
     float *v_s = sm, *sc_s = sm + hd;
     uint8_t *e = reinterpret_cast<uint8_t *>(sc_s + hd / KV_GROUP + 2);
@@ -847,7 +853,8 @@ extern "C" int dsv4_cuda_kv_entry_roundtrip(const float *d_x, int rows, int hd, 
         return dsv4_error_set(-EINVAL, "kv entry: format %d, rope %d of head %d", kv_format, rd, hd);
     if (rows < 1)
         return 0;
-    kv_entry_roundtrip_kernel<<<rows, 128, smem, static_cast<cudaStream_t>(stream)>>>(d_x, hd, rd, kv_format, eb, d_y);
+    dsv4_launch(kv_entry_roundtrip_kernel, rows, 128, smem, static_cast<cudaStream_t>(stream), d_x, hd, rd, kv_format,
+                eb, d_y);
     DSV4_CUDA_LAUNCHED("kv_entry_roundtrip");
     return 0;
 }

@@ -112,6 +112,7 @@ static __device__ __forceinline__ float comp_score(const comp_src &s, int q, int
  * overlapping), RMSNormed, RoPE'd at the block's first position, stored. */
 __global__ void __launch_bounds__(COMP_THREADS) compressor_emit_kernel(const struct dsv4_cuda_comp_args a)
 {
+    dsv4_pdl_enter();
     extern __shared__ float sm[];
     float *v_s = sm, *sc_s = sm + a.d, *red = sc_s + a.d / 16 + 8;
     const int b = blockIdx.x, d = a.d, r = a.ratio, width = a.overlap ? 2 * d : d;
@@ -170,6 +171,7 @@ __global__ void __launch_bounds__(COMP_THREADS) compressor_emit_kernel(const str
  * the slot's ring (earlier rows of a long run would be overwritten anyway). */
 __global__ void compressor_store_kernel(const struct dsv4_cuda_comp_args a)
 {
+    dsv4_pdl_enter();
     const int b = blockIdx.x, r = a.ratio, width = a.overlap ? 2 * a.d : a.d, L = comp_ring(r, a.overlap);
     const int pos = a.pos[b];
     if (pos <= a.last[b] - L)
@@ -190,9 +192,9 @@ int dsv4_cuda_compressor(const struct dsv4_cuda_comp_args *a, int batch, void *s
         return dsv4_error_set(-EINVAL, "compressor: indexer width %d must be a power of two (Hadamard)", a->d);
     if (batch < 1)
         return 0;
-    compressor_emit_kernel<<<batch, COMP_THREADS, smem, s>>>(*a);
+    dsv4_launch(compressor_emit_kernel, batch, COMP_THREADS, smem, s, *a);
     DSV4_CUDA_LAUNCHED("compressor_emit");
-    compressor_store_kernel<<<batch, COMP_THREADS, 0, s>>>(*a);
+    dsv4_launch(compressor_store_kernel, batch, COMP_THREADS, 0, s, *a);
     DSV4_CUDA_LAUNCHED("compressor_store");
     return 0;
 }
@@ -200,6 +202,7 @@ int dsv4_cuda_compressor(const struct dsv4_cuda_comp_args *a, int batch, void *s
 /* grid (B, nI), block 128: RoPE then (fp8) Hadamard + FP4 on one query head. */
 __global__ void indexer_q_kernel(float *q, int nI, int dI, int rd, bool fp8, const int32_t *pos, const float *inv_freq)
 {
+    dsv4_pdl_enter();
     extern __shared__ float sm[];
     float *v_s = sm, *sc_s = sm + dI;
     float *qh = q + ((int64_t)blockIdx.x * nI + blockIdx.y) * dI;
@@ -222,8 +225,8 @@ int dsv4_cuda_indexer_q(float *d_q, int batch, int nI, int dI, int rd, bool fp8,
         return dsv4_error_set(-EINVAL, "indexer: head dim %d must be a power of two (Hadamard)", dI);
     if (batch < 1)
         return 0;
-    indexer_q_kernel<<<dim3(batch, nI), 128, (size_t)(dI + dI / FP4_GROUP + 2) * sizeof(float),
-                       static_cast<cudaStream_t>(stream)>>>(d_q, nI, dI, rd, fp8, d_pos, d_inv_freq);
+    dsv4_launch(indexer_q_kernel, dim3(batch, nI), 128, (size_t)(dI + dI / FP4_GROUP + 2) * sizeof(float),
+                static_cast<cudaStream_t>(stream), d_q, nI, dI, rd, fp8, d_pos, d_inv_freq);
     DSV4_CUDA_LAUNCHED("indexer_q");
     return 0;
 }
@@ -233,6 +236,7 @@ __global__ void __launch_bounds__(COMP_THREADS)
 hc_head_kernel(const float *X, const float *m, const float *base, const float *scale, int hc, int dim,
                float hc_eps, float norm_eps, float *y)
 {
+    dsv4_pdl_enter();
     __shared__ float red[COMP_THREADS / DSV4_CUDA_WARP], pre[DSV4_MAX_HC];
     const int b = blockIdx.x;
     const float *Xb = X + (int64_t)b * hc * dim;
@@ -258,8 +262,8 @@ int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, c
         return dsv4_error_set(-EINVAL, "hc_head: hc_mult %d over %d", hc, DSV4_MAX_HC);
     if (batch < 1)
         return 0;
-    hc_head_kernel<<<batch, COMP_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(d_X, d_m, d_base, d_scale, hc, dim,
-                                                                                   hc_eps, norm_eps, d_y);
+    dsv4_launch(hc_head_kernel, batch, COMP_THREADS, 0, static_cast<cudaStream_t>(stream), d_X, d_m, d_base, d_scale,
+                hc, dim, hc_eps, norm_eps, d_y);
     DSV4_CUDA_LAUNCHED("hc_head");
     return 0;
 }
@@ -268,6 +272,7 @@ int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, c
 template <typename WF>
 __global__ void embed_kernel(const struct dsv4_cuda_linear E, const int32_t *tokens, int hc, float *X)
 {
+    dsv4_pdl_enter();
     const int b = blockIdx.x;
     const int64_t tok = tokens[b];
     const uint8_t *row = static_cast<const uint8_t *>(E.w) + tok * wrow_bytes<WF>(E.row_stride);
@@ -294,10 +299,18 @@ int dsv4_cuda_embed(const struct dsv4_cuda_linear *E, const int32_t *d_tokens, i
     if (batch < 1)
         return 0;
     switch (E->fmt) {
-    case DSV4_W_F32: embed_kernel<wf_f32><<<batch, 256, 0, s>>>(*E, d_tokens, hc, d_X); break;
-    case DSV4_W_BF16: embed_kernel<wf_bf16><<<batch, 256, 0, s>>>(*E, d_tokens, hc, d_X); break;
-    case DSV4_W_FP8: embed_kernel<wf_fp8><<<batch, 256, 0, s>>>(*E, d_tokens, hc, d_X); break;
-    case DSV4_W_FP4: embed_kernel<wf_fp4><<<batch, 256, 0, s>>>(*E, d_tokens, hc, d_X); break;
+    case DSV4_W_F32:
+        dsv4_launch(embed_kernel<wf_f32>, batch, 256, 0, s, *E, d_tokens, hc, d_X);
+        break;
+    case DSV4_W_BF16:
+        dsv4_launch(embed_kernel<wf_bf16>, batch, 256, 0, s, *E, d_tokens, hc, d_X);
+        break;
+    case DSV4_W_FP8:
+        dsv4_launch(embed_kernel<wf_fp8>, batch, 256, 0, s, *E, d_tokens, hc, d_X);
+        break;
+    case DSV4_W_FP4:
+        dsv4_launch(embed_kernel<wf_fp4>, batch, 256, 0, s, *E, d_tokens, hc, d_X);
+        break;
     default: return dsv4_error_set(-ENOTSUP, "embed: weight format %d has no CUDA kernel", (int)E->fmt);
     }
     DSV4_CUDA_LAUNCHED("embed");
@@ -306,6 +319,7 @@ int dsv4_cuda_embed(const struct dsv4_cuda_linear *E, const int32_t *d_tokens, i
 
 __global__ void add_kernel(float *y, const float *x, int64_t n)
 {
+    dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n)
         y[i] += x[i];
@@ -315,13 +329,14 @@ int dsv4_cuda_add(float *d_y, const float *d_x, int64_t n, void *stream)
 {
     if (n <= 0)
         return 0;
-    add_kernel<<<(unsigned)((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(d_y, d_x, n);
+    dsv4_launch(add_kernel, (unsigned)((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream), d_y, d_x, n);
     DSV4_CUDA_LAUNCHED("add");
     return 0;
 }
 
 __global__ void hadamard_fp4_kernel(const float *x, int n, float *y)
 {
+    dsv4_pdl_enter();
     extern __shared__ float sm[];
     float *v_s = sm, *sc_s = sm + n;
     for (int i = threadIdx.x; i < n; i += blockDim.x)
@@ -342,8 +357,9 @@ extern "C" int dsv4_cuda_hadamard_fp4(const float *d_x, int rows, int n, float *
         return dsv4_error_set(-EINVAL, "hadamard_fp4: n %d must be a power of two", n);
     if (rows < 1)
         return 0;
-    hadamard_fp4_kernel<<<rows, 128, (size_t)(n + n / FP4_GROUP + 2) * sizeof(float) + dsv4_index_key_bytes(n) + 16,
-                          static_cast<cudaStream_t>(stream)>>>(d_x, n, d_y);
+    dsv4_launch(hadamard_fp4_kernel, rows, 128,
+                (size_t)(n + n / FP4_GROUP + 2) * sizeof(float) + dsv4_index_key_bytes(n) + 16,
+                static_cast<cudaStream_t>(stream), d_x, n, d_y);
     DSV4_CUDA_LAUNCHED("hadamard_fp4");
     return 0;
 }

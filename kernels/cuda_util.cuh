@@ -5,6 +5,8 @@
 #include <errno.h>
 #include <stdint.h>
 
+#include <utility>
+
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -39,6 +41,54 @@ extern "C" {
 
 /* Per-variant launch counters (device.cu). */
 void dsv4_cuda_count_launch(enum dsv4_cuda_variant v);
+
+/* Programmatic dependent launch (sm_90 and later). When dsv4_cuda_pdl() is on, every kernel of this
+ * library is launched with programmatic stream serialization: its blocks are scheduled as soon as every
+ * block of the kernel before it in the stream has started, so each launch's latency hides behind the
+ * tail of the kernel before. The rule that keeps this exact: every kernel calls dsv4_pdl_enter(), which
+ * waits until the previous kernel has finished and its writes are visible (griddepcontrol.wait), before
+ * it touches any global memory a kernel writes; only weights, constant after boot, may be read (or
+ * prefetched) earlier. Both instructions are no-ops in a kernel launched without the attribute. */
+bool dsv4_cuda_pdl(void);
+
+static __device__ __forceinline__ void dsv4_pdl_enter(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* Hint the 128-byte line holding p into L2 (no register result, so it never stalls the thread). */
+static __device__ __forceinline__ void dsv4_prefetch_l2(const void *p)
+{
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+/* Fills `at` with the programmatic-serialization attribute; returns how many attributes it wrote (0 or 1). */
+static inline unsigned dsv4_pdl_attr(cudaLaunchAttribute *at)
+{
+    if (!dsv4_cuda_pdl())
+        return 0;
+    at->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at->val.programmaticStreamSerializationAllowed = 1;
+    return 1;
+}
+
+/* kernel<<<grid, block, smem, s>>>(args...), with the attribute above. Errors surface through
+ * DSV4_CUDA_LAUNCHED, which follows every launch (the runtime records them as the last error). */
+template <typename... P, typename... A>
+static inline void dsv4_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A &&...args)
+{
+    cudaLaunchAttribute at;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.numAttrs = dsv4_pdl_attr(&at);
+    cfg.attrs = cfg.numAttrs ? &at : nullptr;
+    (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
 
 static __device__ __forceinline__ float dsv4_warp_sum(float v)
 {

@@ -380,6 +380,23 @@ __global__ void arch_probe_kernel(int *out)
 #endif
 }
 
+/* Programmatic dependent launch needs griddepcontrol in every kernel, which only images built for sm_90
+ * or later have (the compute_80 PTX fallback has none, even when JIT-compiled for a newer GPU).
+ * Decided once per process: all GPUs of a host run the same image. DSV4_CUDA_PDL=0 turns it off. */
+bool dsv4_cuda_pdl(void)
+{
+    static std::atomic<int> on{ -1 };
+    int v = on.load(std::memory_order_relaxed);
+    if (v < 0) {
+        cudaFuncAttributes fa;
+        const char *e = getenv("DSV4_CUDA_PDL");
+        v = cudaFuncGetAttributes(&fa, arch_probe_kernel) == cudaSuccess && fa.ptxVersion >= 90 &&
+            fa.binaryVersion >= 90 && !(e && strcmp(e, "0") == 0);
+        on.store(v, std::memory_order_relaxed);
+    }
+    return v;
+}
+
 static int probe_build(struct dsv4_cuda_dev *dev, int *scratch)
 {
     int code = 0;
@@ -480,9 +497,10 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          ws / 1073741824.0);
     vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3); "
          "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s; "
-         "tensor-core linears with a %d-stage ring", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA),
-         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8RAW_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8),
-         dsv4_cuda_gemm_stages());
+         "tensor-core linears with a %d-stage ring, the first wave prefetching up to %lld KB of weights",
+         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8RAW_MMA),
+         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8), dsv4_cuda_gemm_stages(),
+         (long long)(dsv4_cuda_gemm_prefetch_bytes() >> 10));
     vlog(dev, log, log_ctx, true, "op linear.bf16: %s (K a multiple of 64; else %s)",
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_BF16_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_BF16));
     vlog(dev, log, log_ctx, true, "op linear.f32: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_F32));
@@ -508,6 +526,9 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          dsv4_cuda_variant_name(DSV4_CUDA_V_INDEXER_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_INDEXER_FMA));
     vlog(dev, log, log_ctx, true, "op prefill: chunks of up to %d positions of one slot through the bucket graphs",
          o->max_batch);
+    vlog(dev, log, log_ctx, true, "launch: %s", dsv4_cuda_pdl() ? "programmatic dependent launch (each kernel "
+         "scheduled while the previous one drains; DSV4_CUDA_PDL=0 turns it off)" : "stream order (no programmatic "
+         "dependent launch: image before sm_90, or DSV4_CUDA_PDL=0)");
     DSV4_CUDA_TRY(cudaStreamSynchronize(dev->stream));
     return 0;
 }

@@ -180,10 +180,12 @@ struct dsv4_cuda_gemm_ws {
 size_t dsv4_cuda_gemm_ws_bytes(int rows, int64_t max_k);
 void dsv4_cuda_gemm_ws_init(struct dsv4_cuda_gemm_ws *ws, void *base, int rows, int64_t max_k);
 /* Choose the pipeline depth for the current device (4 stages, or 2 where a block's shared memory is
- * under 192 KB; DSV4_CUDA_GEMM_STAGES=2 forces 2) and set the kernels' shared-memory limits (boot,
- * before any capture). */
+ * under 192 KB; DSV4_CUDA_GEMM_STAGES=2 forces 2), the weight bytes a launch's first wave prefetches
+ * while the previous kernel drains (8 MiB; DSV4_CUDA_GEMM_PREFETCH_KB sets it, 0 turns it off) and
+ * set the kernels' shared-memory limits (boot, before any capture). */
 int dsv4_cuda_gemm_prepare(void);
 int dsv4_cuda_gemm_stages(void);
+int64_t dsv4_cuda_gemm_prefetch_bytes(void);
 bool dsv4_cuda_gemm_supports(const struct dsv4_cuda_linear *W, bool quant_act);
 int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
                    const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);

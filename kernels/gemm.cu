@@ -43,6 +43,9 @@
 #define GEMM_STAGES_MIN 2           /* 96 KB: every device with 99 KB or more */
 #define GEMM_TARGET_CTAS 256        /* split K until tiles x splits reaches this */
 #define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
+#define GEMM_PREFETCH_TILES 8       /* most k-tiles a CTA prefetches before its inputs are ready (128 KB) */
+#define GEMM_PREFETCH_BYTES (8 << 20) /* most weight bytes one launch prefetches: well inside L2 */
+#define GEMM_PREFETCH_KB_MAX (1 << 20)  /* DSV4_CUDA_GEMM_PREFETCH_KB is clamped to 0..1 GiB */
 #define GEMM_MAX_NT (DSV4_CUDA_MAX_BATCH / 8)
 
 enum { GEMM_FP8 = 0, GEMM_BF16 = 1, GEMM_FP8RAW = 2 };
@@ -84,6 +87,7 @@ struct gemm_args {
     int64_t ldy;
     float *part;                /* splits > 1: [splits, rows, out] */
     int splits;
+    int pf_ctas, pf_tiles;      /* CTAs below pf_ctas prefetch their first pf_tiles k-tiles before waiting */
 };
 
 /* two e4m3 bytes (low first) -> f16x2, exact */
@@ -150,6 +154,15 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
     const int g = lane >> 2, t = lane & 3;
     const int64_t row0 = (int64_t)blockIdx.x * GEMM_ROWS;
     const int split = blockIdx.y, kt0 = split * a.per, nk = min(a.nkt, kt0 + a.per) - kt0;
+
+    /* Weights are constant after boot: the CTAs that start while the previous kernel drains pull their
+     * first k-tiles (one 128-byte line per row each) toward L2 before waiting for x. */
+    if ((int)(blockIdx.y * gridDim.x + blockIdx.x) < a.pf_ctas)
+        for (int i = threadIdx.x; i < min(nk, a.pf_tiles) * GEMM_ROWS; i += GEMM_THREADS) {
+            const int64_t gr = min(row0 + i % GEMM_ROWS, a.out - 1);
+            dsv4_prefetch_l2(a.w + gr * a.row_bytes + (int64_t)(kt0 + i / GEMM_ROWS) * GEMM_TILE_BYTES);
+        }
+    dsv4_pdl_enter();
     constexpr size_t sbytes = stage_bytes(MODE, NT);
     const int64_t xk0 = (row0 / a.grp_rows) * a.nkt * 128;     /* grouped: this tile's slice of x */
     const int r0 = warp * 16 + g, r1 = r0 + 8;
@@ -273,6 +286,7 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
 __global__ void gemm_reduce_kernel(const float *__restrict__ part, int splits, int rows, int64_t out,
                                    float *__restrict__ y, int64_t ldy)
 {
+    dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)rows * out)
         return;
@@ -310,6 +324,7 @@ static __device__ __forceinline__ bool prep_block(const float *__restrict__ x, i
 __global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k, __half *__restrict__ xa,
                                   float *__restrict__ sa)
 {
+    dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
     int64_t n, kb;
     float v[4], amax;
@@ -332,6 +347,7 @@ __global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int 
 __global__ void gemm_split16_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k,
                                     __half *__restrict__ xa, float *__restrict__ sa)
 {
+    dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
     int64_t n, kb;
     float v[4], amax;
@@ -355,6 +371,7 @@ __global__ void gemm_split16_kernel(const float *__restrict__ x, int64_t ldx, in
 __global__ void gemm_split_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k,
                                   __nv_bfloat16 *__restrict__ xa)
 {
+    dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)rows * k)
         return;
@@ -416,6 +433,8 @@ static void gemm_splits(int64_t out, int nkt, int *per, int *splits)
 }
 
 static int gemm_stages = GEMM_STAGES_MAX;     /* chosen by dsv4_cuda_gemm_prepare */
+static int gemm_sms = 1;                        /* the device's SMs: CTAs of a launch's first wave, at least */
+static int64_t gemm_prefetch = GEMM_PREFETCH_BYTES;
 
 template <int MODE, int NT, int STAGES>
 static int prepare_one()
@@ -453,6 +472,10 @@ extern "C" int dsv4_cuda_gemm_prepare(void)
     const char *e = getenv("DSV4_CUDA_GEMM_STAGES");
     DSV4_CUDA_TRY(cudaGetDevice(&dev));
     DSV4_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    DSV4_CUDA_TRY(cudaDeviceGetAttribute(&gemm_sms, cudaDevAttrMultiProcessorCount, dev));
+    const char *pf = getenv("DSV4_CUDA_GEMM_PREFETCH_KB");
+    gemm_prefetch = pf ? (int64_t)min(max(strtoll(pf, NULL, 10), 0LL), (long long)GEMM_PREFETCH_KB_MAX) << 10
+                       : GEMM_PREFETCH_BYTES;
     const size_t big = stage_bytes(GEMM_FP8RAW, GEMM_MAX_NT);
     if ((size_t)optin < GEMM_STAGES_MIN * big)
         return dsv4_error_set(-ENOTSUP, "gemm: device %d offers %d bytes of shared memory a block; the tensor-core "
@@ -467,14 +490,24 @@ extern "C" int dsv4_cuda_gemm_stages(void)
     return gemm_stages;
 }
 
+extern "C" int64_t dsv4_cuda_gemm_prefetch_bytes(void)
+{
+    return gemm_prefetch;
+}
+
 template <int MODE, int NT>
-static int launch(const gemm_args &a, cudaStream_t s, const char *name)
+static int launch(gemm_args a, cudaStream_t s, const char *name)
 {
     const dim3 grid((unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS), (unsigned)a.splits);
+    a.pf_ctas = (int)min((int64_t)grid.x * grid.y, (int64_t)gemm_sms);
+    a.pf_tiles = (int)min(min((int64_t)a.per, (int64_t)GEMM_PREFETCH_TILES),
+                          gemm_prefetch / ((int64_t)a.pf_ctas * GEMM_ROWS * GEMM_TILE_BYTES));
     if (gemm_stages == GEMM_STAGES_MAX)
-        gemm_kernel<MODE, NT, GEMM_STAGES_MAX><<<grid, GEMM_THREADS, GEMM_STAGES_MAX * stage_bytes(MODE, NT), s>>>(a);
+        dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_MAX>, grid, GEMM_THREADS, GEMM_STAGES_MAX * stage_bytes(MODE, NT),
+                    s, a);
     else
-        gemm_kernel<MODE, NT, GEMM_STAGES_MIN><<<grid, GEMM_THREADS, GEMM_STAGES_MIN * stage_bytes(MODE, NT), s>>>(a);
+        dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_MIN>, grid, GEMM_THREADS, GEMM_STAGES_MIN * stage_bytes(MODE, NT),
+                    s, a);
     DSV4_CUDA_LAUNCHED(name);
     return 0;
 }
@@ -522,8 +555,8 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
     int rc;
     if (mode == GEMM_BF16) {
         const int64_t n = (int64_t)rows * W->in;
-        gemm_split_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(d_x, ldx, rows, W->in,
-                                                                      static_cast<__nv_bfloat16 *>(ws->xa));
+        dsv4_launch(gemm_split_kernel, (unsigned)((n + 255) / 256), 256, 0, s, d_x, ldx, rows, W->in,
+                    static_cast<__nv_bfloat16 *>(ws->xa));
         DSV4_CUDA_LAUNCHED("gemm_split");
         dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_BF16_MMA);
         rc = launch_nt<GEMM_BF16>(a, s);
@@ -532,14 +565,14 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
         const int64_t nblk = (int64_t)rows * (k / 128);
         const unsigned grid = (unsigned)((nblk + warps - 1) / warps);
         if (mode == GEMM_FP8) {
-            gemm_quant_kernel<<<grid, warps * DSV4_CUDA_WARP, 0, s>>>(d_x, ldx, rows, k, static_cast<__half *>(ws->xa),
-                                                                      ws->sa);
+            dsv4_launch(gemm_quant_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k,
+                        static_cast<__half *>(ws->xa), ws->sa);
             DSV4_CUDA_LAUNCHED("gemm_quant");
             dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8_MMA);
             rc = launch_nt<GEMM_FP8>(a, s);
         } else {
-            gemm_split16_kernel<<<grid, warps * DSV4_CUDA_WARP, 0, s>>>(d_x, ldx, rows, k,
-                                                                        static_cast<__half *>(ws->xa), ws->sa);
+            dsv4_launch(gemm_split16_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k,
+                        static_cast<__half *>(ws->xa), ws->sa);
             DSV4_CUDA_LAUNCHED("gemm_split16");
             dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8RAW_MMA);
             rc = launch_nt<GEMM_FP8RAW>(a, s);
@@ -549,7 +582,8 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
         return rc;
     if (a.splits > 1) {
         const int64_t n = (int64_t)rows * W->out;
-        gemm_reduce_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(ws->part, a.splits, rows, W->out, d_y, ldy);
+        dsv4_launch(gemm_reduce_kernel, (unsigned)((n + 255) / 256), 256, 0, s, ws->part, a.splits, rows, W->out, d_y,
+                    ldy);
         DSV4_CUDA_LAUNCHED("gemm_reduce");
     }
     return 0;

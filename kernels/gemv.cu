@@ -17,6 +17,7 @@ __global__ void __launch_bounds__(GEMV_ROWS * DSV4_CUDA_WARP)
 gemv_kernel(const struct dsv4_cuda_linear W, const float *__restrict__ x, int64_t ldx, int batch,
             float *__restrict__ y, int64_t ldy)
 {
+    dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
     const int64_t row = (int64_t)blockIdx.x * GEMV_ROWS + threadIdx.x / DSV4_CUDA_WARP;
     const int b0 = blockIdx.y * GEMV_NB;
@@ -53,7 +54,7 @@ static int launch_gemv(const struct dsv4_cuda_linear *W, const float *d_x, int64
                        float *d_y, int64_t ldy, cudaStream_t s, const char *name)
 {
     dim3 grid((unsigned)((W->out + GEMV_ROWS - 1) / GEMV_ROWS), (unsigned)((batch + GEMV_NB - 1) / GEMV_NB));
-    gemv_kernel<WF><<<grid, GEMV_ROWS * DSV4_CUDA_WARP, 0, s>>>(*W, d_x, ldx, batch, d_y, ldy);
+    dsv4_launch(gemv_kernel<WF>, grid, GEMV_ROWS * DSV4_CUDA_WARP, 0, s, *W, d_x, ldx, batch, d_y, ldy);
     DSV4_CUDA_LAUNCHED(name);
     return 0;
 }
@@ -103,6 +104,7 @@ extern "C" int dsv4_cuda_gemv(const struct dsv4_cuda_linear *W, const float *d_x
 __global__ void fp8_roundtrip_kernel(const float *__restrict__ x, int64_t nblocks, int64_t k, int block,
                                      float *__restrict__ y)
 {
+    dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
     const int64_t blk = (int64_t)blockIdx.x * (blockDim.x / DSV4_CUDA_WARP) + threadIdx.x / DSV4_CUDA_WARP;
     const int64_t per_row = (k + block - 1) / block;
@@ -143,8 +145,8 @@ extern "C" int dsv4_cuda_fp8_roundtrip(const float *d_x, int rows, int64_t k, in
     nblocks = (int64_t)rows * ((k + block - 1) / block);
     if (nblocks == 0)
         return 0;
-    fp8_roundtrip_kernel<<<(unsigned)((nblocks + warps - 1) / warps), warps * DSV4_CUDA_WARP, 0,
-                           static_cast<cudaStream_t>(stream)>>>(d_x, nblocks, k, block, d_y);
+    dsv4_launch(fp8_roundtrip_kernel, (unsigned)((nblocks + warps - 1) / warps), warps * DSV4_CUDA_WARP, 0,
+                static_cast<cudaStream_t>(stream), d_x, nblocks, k, block, d_y);
     DSV4_CUDA_LAUNCHED("fp8_roundtrip");
     return 0;
 }

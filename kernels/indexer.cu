@@ -51,6 +51,7 @@ static __device__ __forceinline__ float key_value(const uint8_t *key, int i, int
 template <bool PACKED>
 __global__ void indexer_scores_fma_kernel(const struct dsv4_cuda_index_args a)
 {
+    dsv4_pdl_enter();
     extern __shared__ float q_s[];
     const int b = blockIdx.x, n = (a.pos[b] + 1) / a.ratio;
     const int s = blockIdx.y * blockDim.x + threadIdx.x;
@@ -82,6 +83,7 @@ __global__ void indexer_scores_fma_kernel(const struct dsv4_cuda_index_args a)
 template <int DI>
 __global__ void __launch_bounds__(IDX_MMA_WARPS * DSV4_CUDA_WARP) indexer_scores_mma_kernel(const struct dsv4_cuda_index_args a)
 {
+    dsv4_pdl_enter();
     extern __shared__ __align__(16) uint8_t smem[];
     constexpr int KS = DI / 16, PER = DI / 4, ROW = DI + IDX_QPAD;
     const int b = blockIdx.x, n = (a.pos[b] + 1) / a.ratio, e0 = blockIdx.y * IDX_MMA_ENTRIES;
@@ -176,6 +178,7 @@ static __device__ int block_scan(int v, int *excl, int *buf)
  * order. The threshold key is found bit by bit (32 counting passes over the row's n scores). */
 __global__ void __launch_bounds__(DSV4_CUDA_TOPK_THREADS) indexer_topk_kernel(const struct dsv4_cuda_index_args a)
 {
+    dsv4_pdl_enter();
     __shared__ int buf[DSV4_CUDA_TOPK_THREADS];
     __shared__ int cnt;
     const int b = blockIdx.x, n = (a.pos[b] + 1) / a.ratio, k = a.topk, T = blockDim.x;
@@ -242,11 +245,11 @@ int dsv4_cuda_indexer(const struct dsv4_cuda_index_args *a, int batch, void *str
         const dim3 grid(batch, (a->max_entries + IDX_MMA_ENTRIES - 1) / IDX_MMA_ENTRIES);
         dsv4_cuda_count_launch(DSV4_CUDA_V_INDEXER_MMA);
         if (a->dI == 32)
-            indexer_scores_mma_kernel<32><<<grid, IDX_MMA_WARPS * DSV4_CUDA_WARP, smem, s>>>(*a);
+            dsv4_launch(indexer_scores_mma_kernel<32>, grid, IDX_MMA_WARPS * DSV4_CUDA_WARP, smem, s, *a);
         else if (a->dI == 64)
-            indexer_scores_mma_kernel<64><<<grid, IDX_MMA_WARPS * DSV4_CUDA_WARP, smem, s>>>(*a);
+            dsv4_launch(indexer_scores_mma_kernel<64>, grid, IDX_MMA_WARPS * DSV4_CUDA_WARP, smem, s, *a);
         else
-            indexer_scores_mma_kernel<128><<<grid, IDX_MMA_WARPS * DSV4_CUDA_WARP, smem, s>>>(*a);
+            dsv4_launch(indexer_scores_mma_kernel<128>, grid, IDX_MMA_WARPS * DSV4_CUDA_WARP, smem, s, *a);
         DSV4_CUDA_LAUNCHED("indexer_scores_mma");
     } else {
         const size_t qsmem = (size_t)a->nI * a->dI * sizeof(float);
@@ -255,12 +258,12 @@ int dsv4_cuda_indexer(const struct dsv4_cuda_index_args *a, int batch, void *str
             return dsv4_error_set(-EINVAL, "indexer: %d heads x %d dims exceed the 48 KiB query tile", a->nI, a->dI);
         dsv4_cuda_count_launch(DSV4_CUDA_V_INDEXER_FMA);
         if (a->packed)
-            indexer_scores_fma_kernel<true><<<grid, IDX_FMA_THREADS, qsmem, s>>>(*a);
+            dsv4_launch(indexer_scores_fma_kernel<true>, grid, IDX_FMA_THREADS, qsmem, s, *a);
         else
-            indexer_scores_fma_kernel<false><<<grid, IDX_FMA_THREADS, qsmem, s>>>(*a);
+            dsv4_launch(indexer_scores_fma_kernel<false>, grid, IDX_FMA_THREADS, qsmem, s, *a);
         DSV4_CUDA_LAUNCHED("indexer_scores_fma");
     }
-    indexer_topk_kernel<<<batch, DSV4_CUDA_TOPK_THREADS, 0, s>>>(*a);
+    dsv4_launch(indexer_topk_kernel, batch, DSV4_CUDA_TOPK_THREADS, 0, s, *a);
     DSV4_CUDA_LAUNCHED("indexer_topk");
     return 0;
 }

@@ -46,6 +46,7 @@ __global__ void router_kernel(const float *__restrict__ logits, int n_experts, i
                               const int32_t *__restrict__ tokens, float route_scale,
                               int32_t *__restrict__ idx, float *__restrict__ w)
 {
+    dsv4_pdl_enter();
     extern __shared__ float sm[];
     float *score = sm, *sel = sm + n_experts;
     const int b = blockIdx.x, lane = threadIdx.x;
@@ -106,8 +107,8 @@ extern "C" int dsv4_cuda_router(const float *d_logits, int batch, int n_experts,
         return dsv4_error_set(-EINVAL, "router: hash routing needs the batch's token ids");
     if (batch < 1)
         return 0;
-    router_kernel<<<batch, DSV4_CUDA_WARP, 2 * n_experts * sizeof(float), static_cast<cudaStream_t>(stream)>>>(
-        d_logits, n_experts, topk, d_bias, d_tid2eid, d_tokens, route_scale, d_idx, d_w);
+    dsv4_launch(router_kernel, batch, DSV4_CUDA_WARP, 2 * n_experts * sizeof(float), static_cast<cudaStream_t>(stream),
+                d_logits, n_experts, topk, d_bias, d_tid2eid, d_tokens, route_scale, d_idx, d_w);
     DSV4_CUDA_LAUNCHED("router");
     return 0;
 }
@@ -209,6 +210,7 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS)
 moe_prep_kernel(const int32_t *__restrict__ idx, int pairs, int n_experts, int32_t *__restrict__ groups,
                 const float *__restrict__ x, int64_t n8, uint4 *__restrict__ xa)
 {
+    dsv4_pdl_enter();
     if (blockIdx.x == 0) {
         moe_group(idx, pairs, n_experts, groups);
         return;
@@ -267,6 +269,7 @@ __global__ void __launch_bounds__(MOE_ROWS * DSV4_CUDA_WARP)
 moe_gate_up_kernel(const struct dsv4_cuda_experts ex, const float *__restrict__ x, int topk, int pairs,
                    const int32_t *__restrict__ groups, float *__restrict__ h)
 {
+    dsv4_pdl_enter();
     const int g = blockIdx.x, lane = threadIdx.x % DSV4_CUDA_WARP;
     const int64_t i = (int64_t)blockIdx.y * MOE_ROWS + threadIdx.x / DSV4_CUDA_WARP;
     if (g >= groups[0] || i >= ex.inter)
@@ -297,6 +300,7 @@ __global__ void __launch_bounds__(MOE_ROWS * DSV4_CUDA_WARP)
 moe_down_kernel(const struct dsv4_cuda_experts ex, const float *__restrict__ h, int pairs,
                 const int32_t *__restrict__ groups, float *__restrict__ out)
 {
+    dsv4_pdl_enter();
     const int g = blockIdx.x, lane = threadIdx.x % DSV4_CUDA_WARP;
     const int64_t d = (int64_t)blockIdx.y * MOE_ROWS + threadIdx.x / DSV4_CUDA_WARP;
     if (g >= groups[0] || d >= ex.dim)
@@ -325,16 +329,16 @@ template <typename WF>
 static int launch_experts_fma(const struct dsv4_cuda_experts *ex, const float *d_x, int topk, int pairs,
                               const struct dsv4_cuda_moe_ws *ws, cudaStream_t s, void *stream)
 {
-    moe_gate_up_kernel<WF><<<dim3(pairs, (ex->inter + MOE_ROWS - 1) / MOE_ROWS), MOE_ROWS * DSV4_CUDA_WARP, 0, s>>>(
-        *ex, d_x, topk, pairs, ws->d_groups, ws->d_h);
+    dsv4_launch(moe_gate_up_kernel<WF>, dim3(pairs, (ex->inter + MOE_ROWS - 1) / MOE_ROWS), MOE_ROWS * DSV4_CUDA_WARP,
+                0, s, *ex, d_x, topk, pairs, ws->d_groups, ws->d_h);
     DSV4_CUDA_LAUNCHED("moe_gate_up");
     if (ex->quant_act) {
         int rc = dsv4_cuda_fp8_roundtrip(ws->d_h, pairs, ex->inter, DSV4_CUDA_ACT_BLOCK, ws->d_h, stream);
         if (rc < 0)
             return rc;
     }
-    moe_down_kernel<WF><<<dim3(pairs, (ex->dim + MOE_ROWS - 1) / MOE_ROWS), MOE_ROWS * DSV4_CUDA_WARP, 0, s>>>(
-        *ex, ws->d_h, pairs, ws->d_groups, ws->d_out);
+    dsv4_launch(moe_down_kernel<WF>, dim3(pairs, (ex->dim + MOE_ROWS - 1) / MOE_ROWS), MOE_ROWS * DSV4_CUDA_WARP, 0, s,
+                *ex, ws->d_h, pairs, ws->d_groups, ws->d_out);
     DSV4_CUDA_LAUNCHED("moe_down");
     return 0;
 }
@@ -612,6 +616,7 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
 template <int MODE>
 __global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_kernel(const moe_tc_args a)
 {
+    dsv4_pdl_enter();
     __shared__ __align__(16) uint8_t smem[MOE_TC_RING];
     __shared__ int64_t rowoff[MOE_TC_PASS];
     __shared__ int32_t pid[MOE_TC_PASS];
@@ -649,6 +654,7 @@ __global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_ker
  * first half of its own f32 row, so every thread reads before any writes. */
 __global__ void moe_quant_kernel(float *__restrict__ h, int inter)
 {
+    dsv4_pdl_enter();
     const int q = threadIdx.x;
     const bool on = q < inter / 8;
     float *row = h + (int64_t)blockIdx.x * inter;
@@ -711,17 +717,17 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->dim / MOE_TC_KT;
     a.y = ws->d_h;
     a.ldy = ex->inter;
-    moe_tc_kernel<MOE_UP><<<dim3(ex->inter / MOE_TC_UP_ROWS, slots), MOE_TC_THREADS, 0, s>>>(a);
+    dsv4_launch(moe_tc_kernel<MOE_UP>, dim3(ex->inter / MOE_TC_UP_ROWS, slots), MOE_TC_THREADS, 0, s, a);
     DSV4_CUDA_LAUNCHED("moe_gate_up_mma");
-    moe_quant_kernel<<<pairs, (ex->inter / 8 + DSV4_CUDA_WARP - 1) / DSV4_CUDA_WARP * DSV4_CUDA_WARP, 0, s>>>(
-        ws->d_h, ex->inter);
+    dsv4_launch(moe_quant_kernel, pairs, (ex->inter / 8 + DSV4_CUDA_WARP - 1) / DSV4_CUDA_WARP * DSV4_CUDA_WARP, 0, s,
+                ws->d_h, ex->inter);
     DSV4_CUDA_LAUNCHED("moe_quant");
     a.xa = reinterpret_cast<const uint8_t *>(ws->d_h);
     a.lda = (int64_t)ex->inter * 4;
     a.nk = ex->inter / MOE_TC_KT;
     a.y = ws->d_out;
     a.ldy = ex->dim;
-    moe_tc_kernel<MOE_DOWN><<<dim3(ex->dim / MOE_TC_ROWS, slots), MOE_TC_THREADS, 0, s>>>(a);
+    dsv4_launch(moe_tc_kernel<MOE_DOWN>, dim3(ex->dim / MOE_TC_ROWS, slots), MOE_TC_THREADS, 0, s, a);
     DSV4_CUDA_LAUNCHED("moe_down_mma");
     return 0;
 }
@@ -730,6 +736,7 @@ __global__ void moe_combine_kernel(const float *__restrict__ out, const int32_t 
                                    const float *__restrict__ w, int batch, int topk, int n_experts,
                                    int64_t dim, float *__restrict__ y)
 {
+    dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= batch * dim)
         return;
@@ -764,8 +771,8 @@ extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const f
                               "of %d", ex->n_experts, MOE_MAX_EXPERTS, ex->dim, ex->inter, vals);
     const bool tc = tc_supported(ex);
     const int64_t n8 = tc ? (int64_t)batch * ex->dim / 8 : 0;
-    moe_prep_kernel<<<(unsigned)(1 + (n8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS), MOE_PREP_THREADS, 0, s>>>(
-        d_idx, pairs, ex->n_experts, ws->d_groups, d_x, n8, reinterpret_cast<uint4 *>(ws->d_out));
+    dsv4_launch(moe_prep_kernel, (unsigned)(1 + (n8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS), MOE_PREP_THREADS, 0, s,
+                d_idx, pairs, ex->n_experts, ws->d_groups, d_x, n8, reinterpret_cast<uint4 *>(ws->d_out));
     DSV4_CUDA_LAUNCHED("moe_prep");
     if (tc) {
         dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_FP4);
@@ -794,8 +801,8 @@ extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const f
     }
     if (rc < 0)
         return rc;
-    moe_combine_kernel<<<(unsigned)(((int64_t)batch * ex->dim + threads - 1) / threads), threads, 0, s>>>(
-        ws->d_out, d_idx, d_w, batch, topk, ex->n_experts, ex->dim, d_y);
+    dsv4_launch(moe_combine_kernel, (unsigned)(((int64_t)batch * ex->dim + threads - 1) / threads), threads, 0, s,
+                ws->d_out, d_idx, d_w, batch, topk, ex->n_experts, ex->dim, d_y);
     DSV4_CUDA_LAUNCHED("moe_combine");
     return 0;
 }
@@ -803,6 +810,7 @@ extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const f
 __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u, int64_t n,
                               float limit, float *__restrict__ h)
 {
+    dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n)
         h[i] = swiglu(g[i], u[i], limit);
@@ -815,8 +823,8 @@ extern "C" int dsv4_cuda_swiglu(const float *d_gate, const float *d_up, int rows
     const int64_t total = (int64_t)rows * n;
     if (total <= 0)
         return 0;
-    swiglu_kernel<<<(unsigned)((total + threads - 1) / threads), threads, 0, static_cast<cudaStream_t>(stream)>>>(
-        d_gate, d_up, total, limit, d_h);
+    dsv4_launch(swiglu_kernel, (unsigned)((total + threads - 1) / threads), threads, 0,
+                static_cast<cudaStream_t>(stream), d_gate, d_up, total, limit, d_h);
     DSV4_CUDA_LAUNCHED("swiglu");
     return 0;
 }

@@ -24,6 +24,7 @@ __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_kernel(const float *__restrict__ x, const float *__restrict__ w, int n, float eps,
                float *__restrict__ y)
 {
+    dsv4_pdl_enter();
     const float *xr = x + (int64_t)blockIdx.x * n;
     float *yr = y + (int64_t)blockIdx.x * n;
     float ss = 0.0f;
@@ -39,7 +40,7 @@ extern "C" int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, i
 {
     if (rows < 1)
         return 0;
-    rmsnorm_kernel<<<rows, NORM_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(d_x, d_w, n, eps, d_y);
+    dsv4_launch(rmsnorm_kernel, rows, NORM_THREADS, 0, static_cast<cudaStream_t>(stream), d_x, d_w, n, eps, d_y);
     DSV4_CUDA_LAUNCHED("rmsnorm");
     return 0;
 }
@@ -159,6 +160,7 @@ mhc_pre_kernel(const float *__restrict__ X, const float *__restrict__ m, const f
                const float *__restrict__ scale, int dim, int iters, float hc_eps, float norm_eps, bool vec4,
                float *__restrict__ y, float *__restrict__ post, float *__restrict__ comb)
 {
+    dsv4_pdl_enter();
     __shared__ float pre[HC];
     const int b = blockIdx.y;
     const int64_t n = (int64_t)HC * dim;
@@ -206,8 +208,8 @@ static void launch_mhc_pre(const float *d_X, const float *d_m, const float *d_ba
 {
     const bool vec4 = ((int64_t)HC * dim) % 4 == 0 && (uintptr_t)d_X % 16 == 0;
     dim3 grid((unsigned)((dim + MHC_COLS - 1) / MHC_COLS), (unsigned)batch);
-    mhc_pre_kernel<HC><<<grid, NORM_THREADS, 0, s>>>(d_X, d_m, d_base, d_scale, dim, iters, hc_eps, norm_eps, vec4,
-                                                     d_y, d_post, d_comb);
+    dsv4_launch(mhc_pre_kernel<HC>, grid, NORM_THREADS, 0, s, d_X, d_m, d_base, d_scale, dim, iters, hc_eps, norm_eps,
+                vec4, d_y, d_post, d_comb);
 }
 
 extern "C" int dsv4_cuda_mhc_pre(const float *d_X, const float *d_m, const float *d_base, const float *d_scale,
@@ -246,6 +248,7 @@ __global__ void __launch_bounds__(NORM_THREADS)
 mhc_fn_part_kernel(const float *__restrict__ W, int64_t ldw, int out, int64_t in, const float *__restrict__ x,
                    int64_t ldx, int batch, int chunks, float *__restrict__ ws)
 {
+    dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
     const int c = blockIdx.x, b0 = blockIdx.y * MHC_FN_NB, nb = min(MHC_FN_NB, batch - b0);
     const int64_t k0 = (int64_t)c * DSV4_CUDA_MHC_FN_CHUNK;
@@ -283,6 +286,7 @@ mhc_fn_part_kernel(const float *__restrict__ W, int64_t ldw, int out, int64_t in
 __global__ void __launch_bounds__(NORM_THREADS)
 mhc_fn_sum_kernel(const float *__restrict__ ws, int out, int chunks, float *__restrict__ y, int64_t ldy)
 {
+    dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP, b = blockIdx.x;
     const float *wb = ws + (int64_t)b * chunks * out;
     for (int r = warp; r < out; r += NORM_THREADS / DSV4_CUDA_WARP) {
@@ -318,10 +322,10 @@ extern "C" int dsv4_cuda_mhc_fn(const struct dsv4_cuda_linear *W, const float *d
     const int chunks = (int)((W->in + DSV4_CUDA_MHC_FN_CHUNK - 1) / DSV4_CUDA_MHC_FN_CHUNK);
     dsv4_cuda_count_launch(DSV4_CUDA_V_MHC_FN_SPLITK);
     dim3 grid((unsigned)chunks, (unsigned)((batch + MHC_FN_NB - 1) / MHC_FN_NB));
-    mhc_fn_part_kernel<<<grid, NORM_THREADS, 0, s>>>(static_cast<const float *>(W->w), W->row_stride, (int)W->out,
-                                                     W->in, d_x, ldx, batch, chunks, d_ws);
+    dsv4_launch(mhc_fn_part_kernel, grid, NORM_THREADS, 0, s, static_cast<const float *>(W->w), W->row_stride,
+                (int)W->out, W->in, d_x, ldx, batch, chunks, d_ws);
     DSV4_CUDA_LAUNCHED("mhc_fn_part");
-    mhc_fn_sum_kernel<<<batch, NORM_THREADS, 0, s>>>(d_ws, (int)W->out, chunks, d_y, ldy);
+    dsv4_launch(mhc_fn_sum_kernel, batch, NORM_THREADS, 0, s, d_ws, (int)W->out, chunks, d_y, ldy);
     DSV4_CUDA_LAUNCHED("mhc_fn_sum");
     return 0;
 }
@@ -331,6 +335,7 @@ __global__ void mhc_post_kernel(const float *__restrict__ X, const float *__rest
                                 const float *__restrict__ post, const float *__restrict__ comb, int batch,
                                 int hc, int dim, float *__restrict__ Xo)
 {
+    dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)batch * hc * dim)
         return;
@@ -351,8 +356,8 @@ extern "C" int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const floa
         return dsv4_error_set(-EINVAL, "mhc_post: hc_mult %d outside 1..%d", hc, DSV4_MAX_HC);
     if (total <= 0)
         return 0;
-    mhc_post_kernel<<<(unsigned)((total + threads - 1) / threads), threads, 0, static_cast<cudaStream_t>(stream)>>>(
-        d_X, d_f, d_post, d_comb, batch, hc, dim, d_Xo);
+    dsv4_launch(mhc_post_kernel, (unsigned)((total + threads - 1) / threads), threads, 0,
+                static_cast<cudaStream_t>(stream), d_X, d_f, d_post, d_comb, batch, hc, dim, d_Xo);
     DSV4_CUDA_LAUNCHED("mhc_post");
     return 0;
 }

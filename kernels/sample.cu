@@ -707,6 +707,7 @@ static __device__ void put_token(const sample_args &a, const row_ctx &r, int row
  * Every decision below comes from row-wide reductions, so all blocks of a row take the same branches. */
 __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(const sample_args a)
 {
+    dsv4_pdl_enter();
     extern __shared__ __align__(16) uint8_t smem_bytes[];
     sample_smem &S = *reinterpret_cast<sample_smem *>(smem_bytes);
     const int row = blockIdx.x / a.C;
@@ -1071,6 +1072,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(const sample_
 __global__ void history_record_kernel(const struct dsv4_sample_history h, const int32_t *slots, const int32_t *tokens,
                                       int n, bool output)
 {
+    dsv4_pdl_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n)
         return;
@@ -1085,6 +1087,7 @@ __global__ void history_record_kernel(const struct dsv4_sample_history h, const 
 /* grid (chunks, n), block 256: chunk x of slot slots[y]'s counts and seen words. */
 __global__ void history_clear_kernel(const struct dsv4_sample_history h, const int32_t *slots)
 {
+    dsv4_pdl_enter();
     const int s = slots[blockIdx.y];
     const int64_t words = DSV4_SAMPLE_SEEN_WORDS(h.vocab);
     if (s < 0 || s >= h.slots)
@@ -1132,8 +1135,8 @@ extern "C" int dsv4_sample_history_record(const struct dsv4_sample_history *h, c
         return dsv4_error_set(-EINVAL, "sample history record: %d tokens need a history, slots and tokens", n);
     if (n == 0)
         return 0;
-    history_record_kernel<<<(n + 255) / 256, 256, 0, static_cast<cudaStream_t>(stream)>>>(*h, d_slots, d_tokens, n,
-                                                                                         output);
+    dsv4_launch(history_record_kernel, (n + 255) / 256, 256, 0, static_cast<cudaStream_t>(stream), *h, d_slots,
+                d_tokens, n, output);
     DSV4_CUDA_LAUNCHED("sample_history_record");
     return 0;
 }
@@ -1149,7 +1152,8 @@ extern "C" int dsv4_sample_history_clear(const struct dsv4_sample_history *h, co
                               n, HISTORY_CLEAR_MAX_SLOTS);
     if (n == 0)
         return 0;
-    history_clear_kernel<<<dim3(HISTORY_CLEAR_CHUNKS, n), 256, 0, static_cast<cudaStream_t>(stream)>>>(*h, d_slots);
+    dsv4_launch(history_clear_kernel, dim3(HISTORY_CLEAR_CHUNKS, n), 256, 0, static_cast<cudaStream_t>(stream), *h,
+                d_slots);
     DSV4_CUDA_LAUNCHED("sample_history_clear");
     return 0;
 }
@@ -1243,17 +1247,18 @@ extern "C" int dsv4_sample_rows(const float *d_logits, int64_t ld, int rows, int
     a.tokens = d_tokens;
 
     cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute at;
+    cudaLaunchAttribute at[2];
     cfg.gridDim = dim3((unsigned)(rows * a.C));
     cfg.blockDim = dim3(SAMPLE_THREADS);
     cfg.dynamicSmemBytes = sizeof(struct sample_smem);
     cfg.stream = static_cast<cudaStream_t>(stream);
+    cfg.attrs = at;
+    cfg.numAttrs = dsv4_pdl_attr(&at[0]);
     if (a.C > 1) {
-        at.id = cudaLaunchAttributeClusterDimension;
-        at.val.clusterDim.x = (unsigned)a.C;
-        at.val.clusterDim.y = at.val.clusterDim.z = 1;
-        cfg.attrs = &at;
-        cfg.numAttrs = 1;
+        at[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+        at[cfg.numAttrs].val.clusterDim.x = (unsigned)a.C;
+        at[cfg.numAttrs].val.clusterDim.y = at[cfg.numAttrs].val.clusterDim.z = 1;
+        cfg.numAttrs++;
     }
     DSV4_CUDA_TRY(cudaLaunchKernelEx(&cfg, sample_kernel, a));
     DSV4_CUDA_LAUNCHED("sample");
