@@ -296,6 +296,8 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
 #define ATT_MMA_PAIRS (ATT_MMA_KEYS / 16)   /* pairs of n8 key tiles in a key tile */
 #define ATT_MMA_PTERMS 2            /* bf16 terms of a probability: 2^-16, not amplified */
 #define ATT_MMA_ENTRY_ALIGN 8       /* bytes: entries and slot strides, for 8-byte loads */
+#define ATT_MMA_DEC_BATCH 8         /* entry chunks a thread has in flight while decoding a tile */
+#define ATT_COMB_THREADS 256        /* combine: dims a thread <= MAX_HEAD_DIM / this; rope pairs <= this */
 
 static_assert(ATT_MMA_OWN % 2 == 0, "value fragments are loaded for pairs of n8 tiles");
 static_assert(ATT_MMA_THREADS == 4 * ATT_MMA_HEADS, "softmax: four threads a head");
@@ -358,22 +360,37 @@ static __device__ __forceinline__ void att_ldsm_x4_trans(uint32_t *r, const __nv
                  : "r"(s));
 }
 
-/* Values d .. d+7 of an FP8 entry as 8 bf16 (exact). nope and rd are multiples of 8, so a chunk is
- * all e4m3 (one UE8M0 scale: 64 is a multiple of 8) or all bf16. */
-static __device__ __forceinline__ uint4 att_decode8(const uint8_t *e, int d, int hd, int rd)
+/* The 16 bytes a decode chunk (values d .. d+7 of an FP8 entry) reads, and its scale byte. nope and
+ * rd are multiples of 8, so a chunk is all e4m3 (the first 8 bytes, one UE8M0 scale: 64 is a
+ * multiple of 8) or all bf16 (16 bytes). Every address stays inside the entry, so the loads need no
+ * branch, and they are explicitly global and read-only: nothing then keeps the compiler from
+ * issuing a whole batch of them before the shared-memory stores of the decoded values. */
+struct att_chunk {
+    uint2 x, y;
+    uint8_t scale;
+};
+
+static __device__ __forceinline__ att_chunk att_load8(const uint8_t *e, int d, int hd, int rd)
 {
     const int nope = hd - rd;
-    if (d >= nope) {
-        const uint2 *p = reinterpret_cast<const uint2 *>(e + nope + 2 * (d - nope));
-        const uint2 x = p[0], y = p[1];
-        return make_uint4(x.x, x.y, y.x, y.y);
-    }
-    const uint2 raw = *reinterpret_cast<const uint2 *>(e + d);
-    const float s = dsv4_ue8m0(e[nope + 2 * rd + d / KV_GROUP]);
+    const uint2 *p = reinterpret_cast<const uint2 *>(d >= nope ? e + nope + 2 * (d - nope) : e + d);
+    att_chunk c;
+    c.x = __ldg(p);
+    c.y = __ldg(p + 1);
+    c.scale = __ldg(nope ? e + nope + 2 * rd + min(d, nope - 1) / KV_GROUP : e);
+    return c;
+}
+
+/* The chunk as 8 bf16 (exact). */
+static __device__ __forceinline__ uint4 att_decode8(const att_chunk &c, bool rope)
+{
+    if (rope)
+        return make_uint4(c.x.x, c.x.y, c.y.x, c.y.y);
+    const float s = dsv4_ue8m0(c.scale);
     uint32_t w[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const uint32_t word = i < 2 ? raw.x : raw.y;
+        const uint32_t word = i < 2 ? c.x.x : c.x.y;
         const float2 f = dsv4_e4m3x2((uint16_t)(word >> (16 * (i & 1))));
         w[i] = dsv4_bf16x2(f.x * s, f.y * s);
     }
@@ -381,18 +398,26 @@ static __device__ __forceinline__ uint4 att_decode8(const uint8_t *e, int d, int
 }
 
 /* Phase 1: keys [ntp, hd] bf16 of the tile's nt entries; rows nt .. ntp-1 zero (P is 0 there, and
- * 0 x garbage could be NaN). */
+ * 0 x garbage could be NaN). Bound by load latency when a split has one tile: a thread loads
+ * ATT_MMA_DEC_BATCH chunks (clamped to valid entries), then decodes and stores them. */
 static __device__ __forceinline__ void att_decode_tile(const struct dsv4_cuda_att_args &a, const uint8_t *const *e_s,
                                                        int nt, int ntp, __nv_bfloat16 *k_s, int kstr)
 {
-    const int cpr = a.hd / ATT_MMA_VEC;
-#pragma unroll 4
-    for (int c = threadIdx.x; c < ntp * cpr; c += ATT_MMA_THREADS) {
-        const int j = c / cpr, d = (c - j * cpr) * ATT_MMA_VEC;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (j < nt)
-            v = att_decode8(e_s[j], d, a.hd, a.rd);
-        *reinterpret_cast<uint4 *>(k_s + j * kstr + d) = v;
+    const int cpr = a.hd / ATT_MMA_VEC, n = ntp * cpr, nope = a.hd - a.rd;
+    for (int c0 = threadIdx.x; c0 < n; c0 += ATT_MMA_DEC_BATCH * ATT_MMA_THREADS) {
+        att_chunk ch[ATT_MMA_DEC_BATCH];
+#pragma unroll
+        for (int u = 0; u < ATT_MMA_DEC_BATCH; u++) {
+            const int c = c0 + u * ATT_MMA_THREADS, j = min(c / cpr, nt - 1);
+            ch[u] = att_load8(e_s[j], (c % cpr) * ATT_MMA_VEC, a.hd, a.rd);
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_MMA_DEC_BATCH; u++) {
+            const int c = c0 + u * ATT_MMA_THREADS, j = c / cpr, d = (c % cpr) * ATT_MMA_VEC;
+            if (c < n)
+                *reinterpret_cast<uint4 *>(k_s + j * kstr + d) =
+                    j < nt ? att_decode8(ch[u], d >= nope) : make_uint4(0u, 0u, 0u, 0u);
+        }
     }
 }
 
@@ -634,6 +659,14 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
         m_s[tid] = -INFINITY;
         l_s[tid] = 0.0f;
     }
+    /* The block's queries [heads, hd] are contiguous; att_scores reads them a few k-steps at a time,
+     * so pull them into L1 first: one round of L2 latency instead of one per batch of k-steps. */
+    if (r.k0 < r.k1) {
+        const char *qb = reinterpret_cast<const char *>(a.q + ((int64_t)b * a.H + h0) * hd);
+        const int lines = (int)(((int64_t)min(ATT_MMA_HEADS, a.H - h0) * hd * (int)sizeof(float) + 127) / 128);
+        for (int i = tid; i < lines; i += ATT_MMA_THREADS)
+            dsv4_prefetch_l1(qb + (int64_t)i * 128);
+    }
 
     for (int t0 = r.k0; t0 < r.k1; t0 += ATT_MMA_KEYS) {
         const int nt = min(ATT_MMA_KEYS, r.k1 - t0), ntp = (nt + 15) / 16 * 16;
@@ -673,64 +706,78 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
     }
 }
 
-/* grid (B, H): o_h = sum_s acc_s e^(m_s - M) / (e^(sink - M) + sum_s l_s e^(m_s - M)), then RoPE^-1
- * on its last rd values at the row's position. Warp 0 reads the splits' (m, l) in one go (lane s)
- * and keeps the weights in shared memory; each output value then issues its SPLITS loads together
- * and adds them in split order. (A loop that loaded m_s and the value one split at a time was bound
- * by load latency: 18 us a launch at batch 1.) */
+/* grid (B, H), ATT_COMB_THREADS threads: o_h = sum_s acc_s e^(m_s - M) / (e^(sink - M) + sum_s l_s
+ * e^(m_s - M)), then RoPE^-1 on its last rd values at the row's position. Bound by load latency at
+ * small batches (one block per head), so every load a thread needs is issued before any result is
+ * waited on: each warp reads the splits' (m, l) (lane s) and the sink and makes the weights itself,
+ * while each thread's value loads for all its dims and splits (dead splits' partials are written
+ * too, and are skipped in the sum) and the RoPE inputs are in flight. Sums run in split order. */
 static_assert(DSV4_CUDA_ATT_SPLITS <= DSV4_CUDA_WARP, "one lane per split");
-__global__ void attention_combine_kernel(const float *__restrict__ part, int H, int hd, int rd,
-                                         const float *__restrict__ sink, const int32_t *__restrict__ pos,
-                                         const float *__restrict__ inv_freq, float *__restrict__ o)
+static_assert(DSV4_CUDA_MAX_HEAD_DIM % ATT_COMB_THREADS == 0, "whole dims per thread");
+static_assert(DSV4_CUDA_MAX_HEAD_DIM / 2 <= ATT_COMB_THREADS, "one thread per RoPE pair");
+__global__ void __launch_bounds__(ATT_COMB_THREADS)
+attention_combine_kernel(const float *__restrict__ part, int H, int hd, int rd, const float *__restrict__ sink,
+                         const int32_t *__restrict__ pos, const float *__restrict__ inv_freq, float *__restrict__ o)
 {
     dsv4_pdl_enter();
     extern __shared__ float o_s[];
-    __shared__ float e_s[DSV4_CUDA_ATT_SPLITS], den_s;
-    __shared__ bool live_s[DSV4_CUDA_ATT_SPLITS];
-    constexpr int S = DSV4_CUDA_ATT_SPLITS;
-    const int b = blockIdx.x, h = blockIdx.y;
+    constexpr int S = DSV4_CUDA_ATT_SPLITS, PER = DSV4_CUDA_MAX_HEAD_DIM / ATT_COMB_THREADS;
+    const int b = blockIdx.x, h = blockIdx.y, lane = threadIdx.x % DSV4_CUDA_WARP;
     const float *p0 = part + ((int64_t)b * S * H + h) * (hd + 2);
     const int64_t sstride = (int64_t)H * (hd + 2);
+    float pv[PER][S];
 
-    if (threadIdx.x < DSV4_CUDA_WARP) {
-        const int lane = threadIdx.x;
-        const float ms = lane < S ? p0[lane * sstride + hd] : -INFINITY;
-        const float ls = lane < S ? p0[lane * sstride + hd + 1] : 0.0f;
-        const float M = fmaxf(sink[h], dsv4_warp_max(ms));
-        const bool live = ms != -INFINITY;
-        const float e = live ? expf(ms - M) : 0.0f;
-        float L = expf(sink[h] - M);
-        for (int k = 0; k < S; k++) {        /* in split order, as the partials were made */
-            const float ek = __shfl_sync(0xffffffffu, e, k), lk = __shfl_sync(0xffffffffu, ls, k);
-            if (__shfl_sync(0xffffffffu, live, k))
-                L += lk * ek;
-        }
-        if (lane < S) {
-            e_s[lane] = e;
-            live_s[lane] = live;
-        }
-        if (lane == 0)
-            den_s = L;
-    }
-    __syncthreads();
-    const float L = den_s;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float pv[S], v = 0.0f;
+    const float ms = lane < S ? p0[lane * sstride + hd] : -INFINITY;
+    const float ls = lane < S ? p0[lane * sstride + hd + 1] : 0.0f;
+    const float sk = sink[h];
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int d = threadIdx.x + ATT_COMB_THREADS * i;
 #pragma unroll
         for (int k = 0; k < S; k++)
-            pv[k] = live_s[k] ? p0[k * sstride + d] : 0.0f;
+            pv[i][k] = d < hd ? p0[k * sstride + d] : 0.0f;
+    }
+    const int ri = threadIdx.x;           /* RoPE pair of this thread, when below rd / 2 */
+    const float fr = ri < rd / 2 ? inv_freq[ri] : 0.0f;
+    const int ps = pos[b];
+
+    const float M = fmaxf(sk, dsv4_warp_max(ms));
+    const bool live = ms != -INFINITY;
+    const float e = live ? expf(ms - M) : 0.0f;
+    float L = expf(sk - M);
+    for (int k = 0; k < S; k++) {        /* in split order, as the partials were made */
+        const float ek = __shfl_sync(0xffffffffu, e, k), lk = __shfl_sync(0xffffffffu, ls, k);
+        if (__shfl_sync(0xffffffffu, live, k))
+            L += lk * ek;
+    }
+    float ek[S];
+    bool lk[S];
+#pragma unroll
+    for (int k = 0; k < S; k++) {
+        ek[k] = __shfl_sync(0xffffffffu, e, k);
+        lk[k] = __shfl_sync(0xffffffffu, live, k);
+    }
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int d = threadIdx.x + ATT_COMB_THREADS * i;
+        float v = 0.0f;
 #pragma unroll
         for (int k = 0; k < S; k++)
-            if (live_s[k])
-                v += pv[k] * e_s[k];
-        o_s[d] = v / L;
+            if (lk[k])
+                v += pv[i][k] * ek[k];
+        if (d < hd - rd)
+            o[((int64_t)b * H + h) * hd + d] = v / L;
+        else if (d < hd)
+            o_s[d] = v / L;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < rd / 2; i += blockDim.x)
-        dsv4_rope_pair(&o_s[hd - rd + 2 * i], &o_s[hd - rd + 2 * i + 1], inv_freq[i], pos[b], true);
-    __syncthreads();
-    for (int d = threadIdx.x; d < hd; d += blockDim.x)
-        o[((int64_t)b * H + h) * hd + d] = o_s[d];
+    if (ri < rd / 2) {
+        const int d = hd - rd + 2 * ri;
+        float x = o_s[d], y = o_s[d + 1];
+        dsv4_rope_pair(&x, &y, fr, ps, true);
+        o[((int64_t)b * H + h) * hd + d] = x;
+        o[((int64_t)b * H + h) * hd + d + 1] = y;
+    }
 }
 
 static size_t att_f32_smem(int hd)
@@ -813,8 +860,8 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
         DSV4_CUDA_LAUNCHED("attention_f32");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_F32);
     }
-    dsv4_launch(attention_combine_kernel, dim3(batch, a->H), 128, a->hd * sizeof(float), s, a->part, a->H, a->hd, a->rd,
-                d_sink, a->pos, d_inv_freq, d_o);
+    dsv4_launch(attention_combine_kernel, dim3(batch, a->H), ATT_COMB_THREADS, a->hd * sizeof(float), s, a->part, a->H,
+                a->hd, a->rd, d_sink, a->pos, d_inv_freq, d_o);
     DSV4_CUDA_LAUNCHED("attention_combine");
     return 0;
 }

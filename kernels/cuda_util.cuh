@@ -64,6 +64,12 @@ static __device__ __forceinline__ void dsv4_prefetch_l2(const void *p)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+/* The same into L1 (and L2), for data a block reads again soon in small pieces. */
+static __device__ __forceinline__ void dsv4_prefetch_l1(const void *p)
+{
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 /* Fills `at` with the programmatic-serialization attribute; returns how many attributes it wrote (0 or 1). */
 static inline unsigned dsv4_pdl_attr(cudaLaunchAttribute *at)
 {

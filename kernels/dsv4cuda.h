@@ -176,6 +176,11 @@ struct dsv4_cuda_gemm_ws {
     float *part;                /* [splits, rows, out] */
     int rows;
     int64_t max_k;
+    struct {                    /* what xa and sa hold: the x, its rows and width, the form (set by each call) */
+        const float *x;
+        int64_t ldx, k;
+        int rows, mode;
+    } prepared;
 };
 size_t dsv4_cuda_gemm_ws_bytes(int rows, int64_t max_k);
 void dsv4_cuda_gemm_ws_init(struct dsv4_cuda_gemm_ws *ws, void *base, int rows, int64_t max_k);
@@ -188,12 +193,18 @@ int dsv4_cuda_gemm_stages(void);
 int64_t dsv4_cuda_gemm_prefetch_bytes(void);
 bool dsv4_cuda_gemm_supports(const struct dsv4_cuda_linear *W, bool quant_act);
 int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
-                   const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
+                   struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
+/* The same, for a linear that reads the x of the previous call on ws (wkv after wq_a, w3 after w1,
+ * the compressor's gate after its kv): the caller promises that x has not changed since that call,
+ * and the activation preparation (quantize or split: one launch) is skipped when that call prepared
+ * this x in the same form, rows and width. Otherwise x is prepared as dsv4_cuda_gemm does. */
+int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
+                          struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
 /* The grouped output projection in one launch: W [groups R, K] FP8 with raw activations,
  * d_y[n, g R + r] = sum_k W[g R + r, k] d_x[n, g K + k]; R a multiple of 128 (one scale block). */
 bool dsv4_cuda_gemm_grouped_supports(const struct dsv4_cuda_linear *W, int groups);
 int dsv4_cuda_gemm_grouped(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx, int rows,
-                           const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
+                           struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
 
 /* RMSNorm: d_y[b] = w * x / sqrt(mean(x^2) + eps) per row of n values; d_w NULL = no weight. */
 int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, int n, float eps, float *d_y,

@@ -398,6 +398,7 @@ extern "C" void dsv4_cuda_gemm_ws_init(struct dsv4_cuda_gemm_ws *ws, void *base,
     ws->part = reinterpret_cast<float *>(p + (xa + 255) / 256 * 256 + (sa + 255) / 256 * 256);
     ws->rows = rows;
     ws->max_k = max_k;
+    ws->prepared.x = nullptr;
 }
 
 static int gemm_mode(const struct dsv4_cuda_linear *W, bool quant_act)
@@ -527,12 +528,16 @@ static int launch_nt(const gemm_args &a, cudaStream_t s)
 
 /* groups > 1: fp8raw only (checked by the callers) */
 static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx, int rows, bool quant_act,
-                    const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, cudaStream_t s)
+                    bool same_x, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, cudaStream_t s)
 {
     const int mode = gemm_mode(W, quant_act);
     const int64_t k = W->in * groups;
+    const bool prepared = same_x && ws->prepared.x == d_x && ws->prepared.ldx == ldx && ws->prepared.k == k &&
+                          ws->prepared.rows == rows && ws->prepared.mode == mode;
     gemm_args a = {};
 
+    if (!prepared)
+        ws->prepared.x = nullptr;     /* xa is rewritten below: it holds this x only once that succeeded */
     if (rows < 1 || rows > ws->rows || k > ws->max_k)
         return dsv4_error_set(-EINVAL, "gemm: %d rows of width %lld exceed the workspace (%d rows, width %lld)", rows,
                               (long long)k, ws->rows, (long long)ws->max_k);
@@ -555,9 +560,11 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
     int rc;
     if (mode == GEMM_BF16) {
         const int64_t n = (int64_t)rows * W->in;
-        dsv4_launch(gemm_split_kernel, (unsigned)((n + 255) / 256), 256, 0, s, d_x, ldx, rows, W->in,
-                    static_cast<__nv_bfloat16 *>(ws->xa));
-        DSV4_CUDA_LAUNCHED("gemm_split");
+        if (!prepared) {
+            dsv4_launch(gemm_split_kernel, (unsigned)((n + 255) / 256), 256, 0, s, d_x, ldx, rows, W->in,
+                        static_cast<__nv_bfloat16 *>(ws->xa));
+            DSV4_CUDA_LAUNCHED("gemm_split");
+        }
         dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_BF16_MMA);
         rc = launch_nt<GEMM_BF16>(a, s);
     } else {
@@ -565,21 +572,30 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
         const int64_t nblk = (int64_t)rows * (k / 128);
         const unsigned grid = (unsigned)((nblk + warps - 1) / warps);
         if (mode == GEMM_FP8) {
-            dsv4_launch(gemm_quant_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k,
-                        static_cast<__half *>(ws->xa), ws->sa);
-            DSV4_CUDA_LAUNCHED("gemm_quant");
+            if (!prepared) {
+                dsv4_launch(gemm_quant_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k,
+                            static_cast<__half *>(ws->xa), ws->sa);
+                DSV4_CUDA_LAUNCHED("gemm_quant");
+            }
             dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8_MMA);
             rc = launch_nt<GEMM_FP8>(a, s);
         } else {
-            dsv4_launch(gemm_split16_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k,
-                        static_cast<__half *>(ws->xa), ws->sa);
-            DSV4_CUDA_LAUNCHED("gemm_split16");
+            if (!prepared) {
+                dsv4_launch(gemm_split16_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k,
+                            static_cast<__half *>(ws->xa), ws->sa);
+                DSV4_CUDA_LAUNCHED("gemm_split16");
+            }
             dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8RAW_MMA);
             rc = launch_nt<GEMM_FP8RAW>(a, s);
         }
     }
     if (rc < 0)
         return rc;
+    ws->prepared.x = d_x;
+    ws->prepared.ldx = ldx;
+    ws->prepared.k = k;
+    ws->prepared.rows = rows;
+    ws->prepared.mode = mode;
     if (a.splits > 1) {
         const int64_t n = (int64_t)rows * W->out;
         dsv4_launch(gemm_reduce_kernel, (unsigned)((n + 255) / 256), 256, 0, s, ws->part, a.splits, rows, W->out, d_y,
@@ -589,8 +605,8 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
     return 0;
 }
 
-extern "C" int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
-                              const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream)
+static int gemm_one(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
+                    bool same_x, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream)
 {
     if (!dsv4_cuda_gemm_supports(W, quant_act))
         return dsv4_error_set(-EINVAL, "gemm: a %s linear [%lld, %lld] (row stride %lld) with %s activations has no "
@@ -598,16 +614,29 @@ extern "C" int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x
                               "16-byte aligned)", W->fmt == DSV4_W_FP8 ? "FP8" : W->fmt == DSV4_W_BF16 ? "BF16" :
                               "F32/FP4", (long long)W->out, (long long)W->in, (long long)W->row_stride,
                               quant_act ? "quantized" : "raw", kvals(gemm_mode(W, quant_act)));
-    return gemm_run(W, 1, d_x, ldx, rows, quant_act, ws, d_y, ldy, static_cast<cudaStream_t>(stream));
+    return gemm_run(W, 1, d_x, ldx, rows, quant_act, same_x, ws, d_y, ldy, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
+                              struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream)
+{
+    return gemm_one(W, d_x, ldx, rows, quant_act, false, ws, d_y, ldy, stream);
+}
+
+extern "C" int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows,
+                                     bool quant_act, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy,
+                                     void *stream)
+{
+    return gemm_one(W, d_x, ldx, rows, quant_act, true, ws, d_y, ldy, stream);
 }
 
 extern "C" int dsv4_cuda_gemm_grouped(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx,
-                                      int rows, const struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy,
+                                      int rows, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy,
                                       void *stream)
 {
     if (!dsv4_cuda_gemm_grouped_supports(W, groups))
         return dsv4_error_set(-EINVAL, "gemm: linear [%lld, %lld] in %d groups has no grouped tensor-core path (FP8, "
                               "%d-row multiples per group, K a multiple of 128)", (long long)W->out, (long long)W->in,
                               groups, GEMM_ROWS);
-    return gemm_run(W, groups, d_x, ldx, rows, false, ws, d_y, ldy, static_cast<cudaStream_t>(stream));
+    return gemm_run(W, groups, d_x, ldx, rows, false, false, ws, d_y, ldy, static_cast<cudaStream_t>(stream));
 }

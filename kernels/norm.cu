@@ -248,10 +248,18 @@ __global__ void __launch_bounds__(NORM_THREADS)
 mhc_fn_part_kernel(const float *__restrict__ W, int64_t ldw, int out, int64_t in, const float *__restrict__ x,
                    int64_t ldx, int batch, int chunks, float *__restrict__ ws)
 {
-    dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
     const int c = blockIdx.x, b0 = blockIdx.y * MHC_FN_NB, nb = min(MHC_FN_NB, batch - b0);
     const int64_t k0 = (int64_t)c * DSV4_CUDA_MHC_FN_CHUNK;
+    constexpr int LINES = DSV4_CUDA_MHC_FN_CHUNK * (int)sizeof(float) / 128;   /* 128-byte lines of a row's chunk */
+
+    /* the weights are constant: start this chunk's rows toward L2 while the kernel that writes x drains */
+    for (int i = threadIdx.x; i < out * LINES; i += NORM_THREADS) {
+        const int64_t k = k0 + (int64_t)(i % LINES) * (128 / sizeof(float));
+        if (k < in)
+            dsv4_prefetch_l2(W + (int64_t)(i / LINES) * ldw + k);
+    }
+    dsv4_pdl_enter();
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float4 xv[MHC_FN_NB][MHC_FN_PER_LANE];
 

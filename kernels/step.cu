@@ -298,6 +298,17 @@ static int lin(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const 
     return dsv4_cuda_gemv(W, x, ldx, B, y, ldy, s);
 }
 
+/* lin() for a linear whose x the previous lin() call read, unchanged since: the tensor-core path
+ * skips preparing x again. */
+static int lin_same_x(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B,
+                      float *y, int64_t ldy, cudaStream_t s)
+{
+    const bool quant = cb->fp8 && quantized(W);
+    if (cb->use_gemm && dsv4_cuda_gemm_supports(W, quant))
+        return dsv4_cuda_gemm_same_x(W, x, ldx, B, quant, &cb->b.gemm, y, ldy, s);
+    return lin(cb, W, x, ldx, B, y, ldy, false, s);
+}
+
 static int attention(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
 {
     const struct dsv4_config *c = cb->cfg;
@@ -309,11 +320,11 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     const int eb = dsv4_cuda_kv_entry_bytes(hd, rd, cb->kvf);
 
     STEP(lin(cb, &L->wq_a, t->xn, c->dim, B, t->qr, c->q_lora_rank, false, s));
+    STEP(lin_same_x(cb, &L->wkv, t->xn, c->dim, B, t->kv, hd, s));
     STEP(dsv4_cuda_rmsnorm(t->qr, L->q_norm, B, c->q_lora_rank, eps, t->qr, s));
     STEP(lin(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, s));
     STEP(dsv4_cuda_rmsnorm(t->q, NULL, B * H, hd, eps, t->q, s));
     STEP(dsv4_cuda_rope(t->q, B, H, hd, rd, pos, 1, inv, false, s));
-    STEP(lin(cb, &L->wkv, t->xn, c->dim, B, t->kv, hd, false, s));
     STEP(dsv4_cuda_rmsnorm(t->kv, L->kv_norm, B, hd, eps, t->kv, s));
     STEP(dsv4_cuda_rope(t->kv, B, 1, hd, rd, pos, 1, inv, false, s));
     STEP(dsv4_cuda_kv_store(t->kv, B, hd, rd, cb->kvf, pos, slot, cb->caches + L->cache.win, cb->slot_bytes,
@@ -338,7 +349,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
         const int coff = L->csa ? 2 : 1;
         struct dsv4_cuda_comp_args ca = {};
         STEP(lin(cb, &L->c_wkv, t->xn, c->dim, B, t->cc, coff * hd, false, s));
-        STEP(lin(cb, &L->c_wgate, t->xn, c->dim, B, t->cz, coff * hd, false, s));
+        STEP(lin_same_x(cb, &L->c_wgate, t->xn, c->dim, B, t->cz, coff * hd, s));
         ca.c = t->cc;
         ca.z = t->cz;
         ca.ape = L->c_ape;
@@ -367,8 +378,8 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
         a.ratio = L->ratio;
         if (L->csa) {
             const int nI = c->index_n_heads, dI = c->index_head_dim;
-            STEP(lin(cb, &L->ic_wkv, t->xn, c->dim, B, t->ic, 2 * dI, false, s));
-            STEP(lin(cb, &L->ic_wgate, t->xn, c->dim, B, t->iz, 2 * dI, false, s));
+            STEP(lin_same_x(cb, &L->ic_wkv, t->xn, c->dim, B, t->ic, 2 * dI, s));   /* x as c_wkv left it */
+            STEP(lin_same_x(cb, &L->ic_wgate, t->xn, c->dim, B, t->iz, 2 * dI, s));
             ca.c = t->ic;
             ca.z = t->iz;
             ca.ape = L->ic_ape;
@@ -442,7 +453,7 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, cudaS
     if (L->sw1.w) {
         const int64_t Is = L->sw1.out;
         STEP(lin(cb, &L->sw1, t->xn, D, B, t->sg, Is, false, s));
-        STEP(lin(cb, &L->sw3, t->xn, D, B, t->su, Is, false, s));
+        STEP(lin_same_x(cb, &L->sw3, t->xn, D, B, t->su, Is, s));
         STEP(dsv4_cuda_swiglu(t->sg, t->su, B, Is, (float)c->swiglu_limit, t->sh, s));
         STEP(lin(cb, &L->sw2, t->sh, Is, B, t->sout, D, false, s));
         STEP(dsv4_cuda_add(t->sub, t->sout, (int64_t)B * D, s));

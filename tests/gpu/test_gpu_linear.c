@@ -381,6 +381,68 @@ static void test_fp8_view_mid_block(void **state)
     free(part);
 }
 
+/* dsv4_cuda_gemm_same_x, in each activation form: after W1 on x, W2 on the same x skips preparing x
+ * and gives bit for bit what W2 alone gives; x is overwritten on the device in between, so a result
+ * that still matches shows the preparation was reused. A previous call on different rows, or one
+ * that failed, makes it prepare x again. */
+static void test_same_x(void **state)
+{
+    static const struct { enum dsv4_wfmt fmt; bool quant; const char *what; } forms[] = {
+        { DSV4_W_FP8, true, "fp8, quantized x" }, { DSV4_W_FP8, false, "fp8, raw x" },
+        { DSV4_W_BF16, false, "bf16" },
+    };
+    const int64_t out = 256, in = 512;
+    const int B = 5;
+
+    (void)state;
+    ws_open();
+    for (size_t f = 0; f < sizeof(forms) / sizeof(forms[0]); f++) {
+        struct pair w1, w2;
+        float *x = malloc(sizeof(float) * B * in), *ref, *got;
+        float *dx, *dy1 = gt_dev_poisoned((size_t)B * out), *dy = gt_dev_poisoned((size_t)B * out);
+        const bool q = forms[f].quant;
+
+        make_linear(&w1, forms[f].fmt, out, in);
+        make_linear(&w2, forms[f].fmt, out, in);
+        fill_activations(x, (size_t)B * in);
+        dx = gt_dev_copy(x, sizeof(float) * B * in);
+        DSV4_OK(dsv4_cuda_gemm(&w2.d, dx, in, B, q, &gemm_ws, dy, out, NULL));
+        ref = gt_host_from(dy, (size_t)B * out);
+
+        DSV4_OK(dsv4_cuda_gemm(&w1.d, dx, in, B, q, &gemm_ws, dy1, out, NULL));
+        assert_int_equal(cudaMemset(dx, 0xff, sizeof(float) * B * in), cudaSuccess);   /* NaN: must not be read */
+        DSV4_OK(dsv4_cuda_gemm_same_x(&w2.d, dx, in, B, q, &gemm_ws, dy, out, NULL));
+        got = gt_host_from(dy, (size_t)B * out);
+        assert_memory_equal(got, ref, sizeof(float) * B * out);
+        free(got);
+
+        assert_int_equal(cudaMemcpy(dx, x, sizeof(float) * B * in, cudaMemcpyHostToDevice), cudaSuccess);
+        DSV4_OK(dsv4_cuda_gemm(&w1.d, dx, in, B - 2, q, &gemm_ws, dy1, out, NULL));     /* other rows */
+        DSV4_OK(dsv4_cuda_gemm_same_x(&w2.d, dx, in, B, q, &gemm_ws, dy, out, NULL));
+        got = gt_host_from(dy, (size_t)B * out);
+        assert_memory_equal(got, ref, sizeof(float) * B * out);
+        free(got);
+
+        DSV4_OK(dsv4_cuda_gemm(&w1.d, dx, in, B, q, &gemm_ws, dy1, out, NULL));
+        assert_int_equal(dsv4_cuda_gemm(&w1.d, dx, in, DSV4_CUDA_MAX_BATCH + 1, q, &gemm_ws, dy1, out, NULL),
+                         -EINVAL);                                                  /* a failed call */
+        DSV4_OK(dsv4_cuda_gemm_same_x(&w2.d, dx, in, B, q, &gemm_ws, dy, out, NULL));
+        got = gt_host_from(dy, (size_t)B * out);
+        assert_memory_equal(got, ref, sizeof(float) * B * out);
+        printf("# same x, %s: reused preparation, other rows and a failed call all give W2's own result\n",
+               forms[f].what);
+        free(got);
+        free(ref);
+        free(x);
+        free_linear(&w1);
+        free_linear(&w2);
+        cudaFree(dx);
+        cudaFree(dy1);
+        cudaFree(dy);
+    }
+    ws_close();
+}
+
 /* A strided view (a stacked transformers expert) is refused when misaligned, never misread. */
 static void test_refuses_misaligned(void **state)
 {
@@ -403,6 +465,7 @@ int main(void)
         cmocka_unit_test(test_wo_a_grouped),
         cmocka_unit_test(test_short_ring),
         cmocka_unit_test(test_fp8_view_mid_block),
+        cmocka_unit_test(test_same_x),
         cmocka_unit_test(test_refuses_misaligned),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
