@@ -37,47 +37,6 @@ int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf)
     return (nope + 2 * rd + nsc + 7) / 8 * 8;
 }
 
-static __device__ __forceinline__ void dsv4_rope_pair(float *a, float *b, float inv_freq, int pos, bool inverse)
-{
-    const float angle = inv_freq * (float)pos;
-    float cs = cosf(angle), sn = sinf(angle);
-    if (inverse)
-        sn = -sn;
-    const float x = *a, y = *b;
-    *a = x * cs - y * sn;
-    *b = y * cs + x * sn;
-}
-
-/* x [rows, heads, hd]: RoPE on the last rd values of each head at pos[row / rows_per_pos]. */
-__global__ void rope_kernel(float *x, int rows, int heads, int hd, int rd, const int32_t *pos, int rows_per_pos,
-                            const float *inv_freq, bool inverse)
-{
-    dsv4_pdl_enter();
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int half = rd / 2;
-    if (i >= (int64_t)rows * heads * half)
-        return;
-    const int p = (int)(i % half);
-    const int64_t rh = i / half, row = rh / heads;
-    float *v = x + rh * hd + (hd - rd) + 2 * p;
-    dsv4_rope_pair(v, v + 1, inv_freq[p], pos[row / rows_per_pos], inverse);
-}
-
-int dsv4_cuda_rope(float *d_x, int rows, int heads, int hd, int rd, const int32_t *d_pos, int rows_per_pos,
-                   const float *d_inv_freq, bool inverse, void *stream)
-{
-    const int threads = 256;
-    const int64_t n = (int64_t)rows * heads * (rd / 2);
-    if (rd % 2 || rd > hd || rd < 2)
-        return dsv4_error_set(-EINVAL, "rope: rope dims %d must be even and within head dim %d", rd, hd);
-    if (n == 0)
-        return 0;
-    dsv4_launch(rope_kernel, (unsigned)((n + threads - 1) / threads), threads, 0, static_cast<cudaStream_t>(stream),
-                d_x, rows, heads, hd, rd, d_pos, rows_per_pos, d_inv_freq, inverse);
-    DSV4_CUDA_LAUNCHED("rope");
-    return 0;
-}
-
 /* One block per batch row: v [B, hd] -> ring entry pos % ring of the row's slot. */
 __global__ void kv_store_kernel(const float *__restrict__ v, int hd, int rd, int kvf, int entry_bytes,
                                 const int32_t *__restrict__ pos, const int32_t *__restrict__ slot, uint8_t *entries,

@@ -126,6 +126,19 @@ static __device__ __forceinline__ float dsv4_act_scale(float amax)
     return __uint_as_float(exp << 23);
 }
 
+/* One interleaved RoPE pair (a, b) rotated by pos * inv_freq (inverse: by its negative), as
+ * engine/cpu_rope.c does it. */
+static __device__ __forceinline__ void dsv4_rope_pair(float *a, float *b, float inv_freq, int pos, bool inverse)
+{
+    const float angle = inv_freq * (float)pos;
+    float cs = cosf(angle), sn = sinf(angle);
+    if (inverse)
+        sn = -sn;
+    const float x = *a, y = *b;
+    *a = x * cs - y * sn;
+    *b = y * cs + x * sn;
+}
+
 /* Two e4m3 bytes (low byte first) to floats, exactly. */
 static __device__ __forceinline__ float2 dsv4_e4m3x2(uint16_t v)
 {

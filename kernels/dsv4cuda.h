@@ -209,6 +209,11 @@ int dsv4_cuda_gemm_grouped(const struct dsv4_cuda_linear *W, int groups, const f
 /* RMSNorm: d_y[b] = w * x / sqrt(mean(x^2) + eps) per row of n values; d_w NULL = no weight. */
 int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, int n, float eps, float *d_y,
                       void *stream);
+/* The same, then RoPE on the last rd values of row r at d_pos[r / heads] with frequencies
+ * d_inv_freq [rd/2], in one launch (a token's query heads, or its kv): the normalized values are
+ * rotated in f32 as engine/cpu_rope.c rotates them. d_x may equal d_y. */
+int dsv4_cuda_rmsnorm_rope(const float *d_x, const float *d_w, int rows, int n, float eps, int heads, int rd,
+                           const int32_t *d_pos, const float *d_inv_freq, float *d_y, void *stream);
 
 /* Router for `batch` tokens: d_logits [batch, E] (gate output). Scored layers (d_tid2eid NULL):
  * s = sqrt(softplus(l)), idx = top-k of s + bias (ties to the lower index), Hash layers: idx =
@@ -246,6 +251,11 @@ static inline int64_t dsv4_cuda_mhc_fn_ws_floats(int batch, int64_t out, int64_t
 }
 int dsv4_cuda_mhc_fn(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch,
                      float *d_ws, int64_t ws_floats, float *d_y, int64_t ldy, void *stream);
+/* dsv4_cuda_mhc_fn on d_X [batch, hc * dim] followed by dsv4_cuda_mhc_pre, with the fn's sums made
+ * inside mHC pre (one launch fewer; the same sums in the same order, so the same results). */
+int dsv4_cuda_mhc_fn_pre(const struct dsv4_cuda_linear *W, const float *d_X, int batch, float *d_ws,
+                         int64_t ws_floats, const float *d_base, const float *d_scale, int hc, int dim, int iters,
+                         float hc_eps, float norm_eps, float *d_y, float *d_post, float *d_comb, void *stream);
 /* mHC post: d_Xo[b, k] = post_k * f_b + sum_j comb[j, k] X[b, j]; d_Xo must not alias d_X. */
 int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const float *d_post, const float *d_comb,
                        int batch, int hc, int dim, float *d_Xo, void *stream);

@@ -20,11 +20,6 @@ size_t dsv4_cuda_step_workspace_bytes(const struct dsv4_config *c, const struct 
 enum { DSV4_KV_F32 = 0, DSV4_KV_FP8 = 1 };
 int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf);
 
-/* d_x [rows, heads, hd]: RoPE (inverse: RoPE^-1) on each head's last rd values at
- * d_pos[row / rows_per_pos] with frequencies d_inv_freq [rd/2]. */
-int dsv4_cuda_rope(float *d_x, int rows, int heads, int hd, int rd, const int32_t *d_pos, int rows_per_pos,
-                   const float *d_inv_freq, bool inverse, void *stream);
-
 /* d_v [batch, hd] into the window ring of each row's slot at entry pos % ring. The ring holds
  * window + (rows per step - 1) entries, so that a step whose rows are consecutive positions of one
  * slot (a prefill chunk) stores all its entries before any row reads its window. */

@@ -45,6 +45,42 @@ extern "C" int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, i
     return 0;
 }
 
+/* One block per row: rmsnorm_kernel's arithmetic, then RoPE on the row's last rd values at
+ * pos[row / heads] (the pairs read the normalized values every thread has written by then). x and y
+ * may be the same buffer. */
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_rope_kernel(const float *x, const float *__restrict__ w, int n, float eps, int heads, int rd,
+                    const int32_t *__restrict__ pos, const float *__restrict__ inv_freq, float *y)
+{
+    dsv4_pdl_enter();
+    const float *xr = x + (int64_t)blockIdx.x * n;
+    float *yr = y + (int64_t)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += NORM_THREADS)
+        ss += xr[i] * xr[i];
+    const float r = 1.0f / sqrtf(block_sum(ss) / n + eps);
+    for (int i = threadIdx.x; i < n; i += NORM_THREADS)
+        yr[i] = (w ? w[i] : 1.0f) * (xr[i] * r);
+    __syncthreads();
+    const int p0 = pos[blockIdx.x / heads];
+    for (int i = threadIdx.x; i < rd / 2; i += NORM_THREADS)
+        dsv4_rope_pair(&yr[n - rd + 2 * i], &yr[n - rd + 2 * i + 1], inv_freq[i], p0, false);
+}
+
+extern "C" int dsv4_cuda_rmsnorm_rope(const float *d_x, const float *d_w, int rows, int n, float eps, int heads,
+                                      int rd, const int32_t *d_pos, const float *d_inv_freq, float *d_y, void *stream)
+{
+    if (heads < 1 || rd < 0 || rd % 2 || rd > n)
+        return dsv4_error_set(-EINVAL, "rmsnorm_rope: %d heads, rope dims %d of %d (even, at most the row)", heads, rd,
+                              n);
+    if (rows < 1)
+        return 0;
+    dsv4_launch(rmsnorm_rope_kernel, rows, NORM_THREADS, 0, static_cast<cudaStream_t>(stream), d_x, d_w, n, eps,
+                heads, rd, d_pos, d_inv_freq, d_y);
+    DSV4_CUDA_LAUNCHED("rmsnorm_rope");
+    return 0;
+}
+
 static __device__ __forceinline__ float sigmoidf_(float v)
 {
     return 1.0f / (1.0f + expf(-v));
@@ -156,16 +192,30 @@ static __device__ __forceinline__ void mhc_comb_serial(const float *__restrict__
 
 template <int HC>
 __global__ void __launch_bounds__(NORM_THREADS)
-mhc_pre_kernel(const float *__restrict__ X, const float *__restrict__ m, const float *__restrict__ base,
-               const float *__restrict__ scale, int dim, int iters, float hc_eps, float norm_eps, bool vec4,
-               float *__restrict__ y, float *__restrict__ post, float *__restrict__ comb)
+mhc_pre_kernel(const float *__restrict__ X, const float *__restrict__ m, const float *__restrict__ mparts, int chunks,
+               const float *__restrict__ base, const float *__restrict__ scale, int dim, int iters, float hc_eps,
+               float norm_eps, bool vec4, float *__restrict__ y, float *__restrict__ post, float *__restrict__ comb)
 {
     dsv4_pdl_enter();
-    __shared__ float pre[HC];
+    constexpr int MIX = (2 + HC) * HC;
+    __shared__ float pre[HC], m_s[MIX];
     const int b = blockIdx.y;
     const int64_t n = (int64_t)HC * dim;
-    const float *Xb = X + (int64_t)b * n, *mb = m + (int64_t)b * (2 + HC) * HC;
+    const float *Xb = X + (int64_t)b * n, *mb = mparts ? m_s : m + (int64_t)b * MIX;
     float ss = 0.0f;
+
+    if (mparts) {   /* the fn's split-K partials: mhc_fn_sum_kernel's sums, same lanes, same order */
+        const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
+        const float *wb = mparts + (int64_t)b * chunks * MIX;
+        for (int r = warp; r < MIX; r += NORM_THREADS / DSV4_CUDA_WARP) {
+            float acc = 0.0f;
+            for (int c = lane; c < chunks; c += DSV4_CUDA_WARP)
+                acc += wb[(int64_t)c * MIX + r];
+            acc = dsv4_warp_sum(acc);
+            if (lane == 0)
+                m_s[r] = acc;       /* read after block_sum's barriers */
+        }
+    }
 
     if (vec4) {
         const float4 *X4 = reinterpret_cast<const float4 *>(Xb);
@@ -202,24 +252,23 @@ mhc_pre_kernel(const float *__restrict__ X, const float *__restrict__ m, const f
 }
 
 template <int HC>
-static void launch_mhc_pre(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,
-                           int dim, int iters, float hc_eps, float norm_eps, float *d_y, float *d_post,
-                           float *d_comb, cudaStream_t s)
+static void launch_mhc_pre(const float *d_X, const float *d_m, const float *d_mparts, int chunks, const float *d_base,
+                           const float *d_scale, int batch, int dim, int iters, float hc_eps, float norm_eps,
+                           float *d_y, float *d_post, float *d_comb, cudaStream_t s)
 {
     const bool vec4 = ((int64_t)HC * dim) % 4 == 0 && (uintptr_t)d_X % 16 == 0;
     dim3 grid((unsigned)((dim + MHC_COLS - 1) / MHC_COLS), (unsigned)batch);
-    dsv4_launch(mhc_pre_kernel<HC>, grid, NORM_THREADS, 0, s, d_X, d_m, d_base, d_scale, dim, iters, hc_eps, norm_eps,
-                vec4, d_y, d_post, d_comb);
+    dsv4_launch(mhc_pre_kernel<HC>, grid, NORM_THREADS, 0, s, d_X, d_m, d_mparts, chunks, d_base, d_scale, dim, iters,
+                hc_eps, norm_eps, vec4, d_y, d_post, d_comb);
 }
 
-extern "C" int dsv4_cuda_mhc_pre(const float *d_X, const float *d_m, const float *d_base, const float *d_scale,
-                                 int batch, int hc, int dim, int iters, float hc_eps, float norm_eps,
-                                 float *d_y, float *d_post, float *d_comb, void *stream)
+/* d_m the fn output, or (d_m NULL) d_mparts its split-K partials [batch, chunks, (2+hc)*hc] */
+static int mhc_pre(const float *d_X, const float *d_m, const float *d_mparts, int chunks, const float *d_base,
+                   const float *d_scale, int batch, int hc, int dim, int iters, float hc_eps, float norm_eps,
+                   float *d_y, float *d_post, float *d_comb, cudaStream_t s)
 {
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-
-    static void (*const launchers[])(const float *, const float *, const float *, const float *, int, int, int,
-                                     float, float, float *, float *, float *, cudaStream_t) = {
+    static void (*const launchers[])(const float *, const float *, const float *, int, const float *, const float *,
+                                     int, int, int, float, float, float *, float *, float *, cudaStream_t) = {
         launch_mhc_pre<1>, launch_mhc_pre<2>, launch_mhc_pre<3>, launch_mhc_pre<4>,
         launch_mhc_pre<5>, launch_mhc_pre<6>, launch_mhc_pre<7>, launch_mhc_pre<8>,
     };
@@ -229,9 +278,18 @@ extern "C" int dsv4_cuda_mhc_pre(const float *d_X, const float *d_m, const float
     if (batch < 1 || dim < 1)
         return 0;
     dsv4_cuda_count_launch(DSV4_CUDA_V_MHC_PRE);
-    launchers[hc - 1](d_X, d_m, d_base, d_scale, batch, dim, iters, hc_eps, norm_eps, d_y, d_post, d_comb, s);
+    launchers[hc - 1](d_X, d_m, d_mparts, chunks, d_base, d_scale, batch, dim, iters, hc_eps, norm_eps, d_y, d_post,
+                      d_comb, s);
     DSV4_CUDA_LAUNCHED("mhc_pre");
     return 0;
+}
+
+extern "C" int dsv4_cuda_mhc_pre(const float *d_X, const float *d_m, const float *d_base, const float *d_scale,
+                                 int batch, int hc, int dim, int iters, float hc_eps, float norm_eps,
+                                 float *d_y, float *d_post, float *d_comb, void *stream)
+{
+    return mhc_pre(d_X, d_m, nullptr, 0, d_base, d_scale, batch, hc, dim, iters, hc_eps, norm_eps, d_y, d_post,
+                   d_comb, static_cast<cudaStream_t>(stream));
 }
 
 /* The mHC fn GEMV, split along K: d_ws[b, c, r] = W[r, chunk c] . x_b[chunk c] for fixed chunks of
@@ -307,11 +365,10 @@ mhc_fn_sum_kernel(const float *__restrict__ ws, int out, int chunks, float *__re
     }
 }
 
-extern "C" int dsv4_cuda_mhc_fn(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch,
-                                float *d_ws, int64_t ws_floats, float *d_y, int64_t ldy, void *stream)
+/* The partials of the fn GEMV into d_ws; returns the chunk count, or a negative errno. */
+static int mhc_fn_parts(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch, float *d_ws,
+                        int64_t ws_floats, cudaStream_t s)
 {
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-
     if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH)
         return dsv4_error_set(-EINVAL, "mhc_fn: batch %d outside 1..%d", batch, DSV4_CUDA_MAX_BATCH);
     if (W->fmt != DSV4_W_F32 || W->out < 1 || W->out > DSV4_CUDA_MHC_FN_MAX_OUT)
@@ -333,9 +390,35 @@ extern "C" int dsv4_cuda_mhc_fn(const struct dsv4_cuda_linear *W, const float *d
     dsv4_launch(mhc_fn_part_kernel, grid, NORM_THREADS, 0, s, static_cast<const float *>(W->w), W->row_stride,
                 (int)W->out, W->in, d_x, ldx, batch, chunks, d_ws);
     DSV4_CUDA_LAUNCHED("mhc_fn_part");
+    return chunks;
+}
+
+extern "C" int dsv4_cuda_mhc_fn(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch,
+                                float *d_ws, int64_t ws_floats, float *d_y, int64_t ldy, void *stream)
+{
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int chunks = mhc_fn_parts(W, d_x, ldx, batch, d_ws, ws_floats, s);
+    if (chunks < 0)
+        return chunks;
     dsv4_launch(mhc_fn_sum_kernel, batch, NORM_THREADS, 0, s, d_ws, (int)W->out, chunks, d_y, ldy);
     DSV4_CUDA_LAUNCHED("mhc_fn_sum");
     return 0;
+}
+
+extern "C" int dsv4_cuda_mhc_fn_pre(const struct dsv4_cuda_linear *W, const float *d_X, int batch, float *d_ws,
+                                    int64_t ws_floats, const float *d_base, const float *d_scale, int hc, int dim,
+                                    int iters, float hc_eps, float norm_eps, float *d_y, float *d_post, float *d_comb,
+                                    void *stream)
+{
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (hc < 1 || hc > DSV4_MAX_HC || W->out != (int64_t)(2 + hc) * hc || W->in != (int64_t)hc * dim)
+        return dsv4_error_set(-EINVAL, "mhc_fn_pre: fn [%lld, %lld] for hc_mult %d (1..%d) and dim %d must be "
+                              "[(2 + hc) hc, hc dim]", (long long)W->out, (long long)W->in, hc, DSV4_MAX_HC, dim);
+    const int chunks = mhc_fn_parts(W, d_X, (int64_t)hc * dim, batch, d_ws, ws_floats, s);
+    if (chunks < 0)
+        return chunks;
+    return mhc_pre(d_X, nullptr, d_ws, chunks, d_base, d_scale, batch, hc, dim, iters, hc_eps, norm_eps, d_y, d_post,
+                   d_comb, s);
 }
 
 /* One thread per output value Xo[b, k, d]. */

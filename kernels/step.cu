@@ -323,10 +323,8 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     STEP(lin_same_x(cb, &L->wkv, t->xn, c->dim, B, t->kv, hd, s));
     STEP(dsv4_cuda_rmsnorm(t->qr, L->q_norm, B, c->q_lora_rank, eps, t->qr, s));
     STEP(lin(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, s));
-    STEP(dsv4_cuda_rmsnorm(t->q, NULL, B * H, hd, eps, t->q, s));
-    STEP(dsv4_cuda_rope(t->q, B, H, hd, rd, pos, 1, inv, false, s));
-    STEP(dsv4_cuda_rmsnorm(t->kv, L->kv_norm, B, hd, eps, t->kv, s));
-    STEP(dsv4_cuda_rope(t->kv, B, 1, hd, rd, pos, 1, inv, false, s));
+    STEP(dsv4_cuda_rmsnorm_rope(t->q, NULL, B * H, hd, eps, H, rd, pos, inv, t->q, s));
+    STEP(dsv4_cuda_rmsnorm_rope(t->kv, L->kv_norm, B, hd, eps, 1, rd, pos, inv, t->kv, s));
     STEP(dsv4_cuda_kv_store(t->kv, B, hd, rd, cb->kvf, pos, slot, cb->caches + L->cache.win, cb->slot_bytes,
                             ring_entries(c, &cb->base.opts), s));
 
@@ -477,10 +475,15 @@ static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *
 {
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
-    const int hc = c->hc_mult, D = c->dim;
-    STEP(hc_fn(cb, fn, B, t->mix, s));
-    STEP(dsv4_cuda_mhc_pre(t->X, t->mix, base, scale, B, hc, D, c->hc_sinkhorn_iters > 0 ? c->hc_sinkhorn_iters : 1,
-                           (float)c->hc_eps, (float)c->rms_norm_eps, t->y, t->post, t->comb, s));
+    const int hc = c->hc_mult, D = c->dim, iters = c->hc_sinkhorn_iters > 0 ? c->hc_sinkhorn_iters : 1;
+    if (fn->fmt == DSV4_W_F32)      /* as hc_fn chooses: the split-K fn, its sums made inside mHC pre */
+        STEP(dsv4_cuda_mhc_fn_pre(fn, t->X, B, t->mixws, t->mixws_floats, base, scale, hc, D, iters,
+                                  (float)c->hc_eps, (float)c->rms_norm_eps, t->y, t->post, t->comb, s));
+    else {
+        STEP(hc_fn(cb, fn, B, t->mix, s));
+        STEP(dsv4_cuda_mhc_pre(t->X, t->mix, base, scale, B, hc, D, iters, (float)c->hc_eps, (float)c->rms_norm_eps,
+                               t->y, t->post, t->comb, s));
+    }
     return dsv4_cuda_rmsnorm(t->y, norm, B, D, (float)c->rms_norm_eps, t->xn, s);
 }
 

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include "engine/cpu_ops.h"
 #include "tests/gpu/gpu_test.h"
 
 #define FP32_BOUND 1e-5
@@ -41,6 +42,51 @@ static void test_rmsnorm(void **state)
     check_rmsnorm(64, 1024, true);      /* q_norm */
     check_rmsnorm(64 * 64, 512, false); /* per-head q norm */
     check_rmsnorm(7, 100, true);
+}
+
+/* RMSNorm + RoPE in one launch against the twin RMSNorm followed by the CPU backend's RoPE: rows
+ * are `heads` heads of each token, positions random up to 2^17, frequencies like YaRN's spread. */
+static void check_rmsnorm_rope(int tokens, int heads, int n, int rd, bool weighted)
+{
+    const int rows = tokens * heads;
+    const size_t N = (size_t)rows * n;
+    float *x = malloc(N * sizeof(float)), *w = malloc((size_t)n * sizeof(float)), *ref = malloc(N * sizeof(float));
+    int32_t *pos = malloc((size_t)tokens * sizeof(int32_t));
+    struct dsv4_cpu_rope rope = { .dim = rd };
+    float *dx, *dw, *dinv, *out;
+    int32_t *dpos;
+    char what[96];
+
+    gt_fill_normal(x, N, 3.0f);
+    gt_fill_normal(w, (size_t)n, 1.0f);
+    for (int i = 0; i < rd / 2; i++)
+        rope.inv_freq[i] = powf(10000.0f, -2.0f * (float)i / (float)rd) * (i % 3 ? 1.0f : 1.0f / 16.0f);
+    for (int t = 0; t < tokens; t++)
+        pos[t] = (int32_t)(gt_u64() % (1u << 17));
+    for (int r = 0; r < rows; r++) {
+        dsv4_twin_rmsnorm(x + (size_t)r * n, weighted ? w : NULL, n, 1e-6f, ref + (size_t)r * n);
+        dsv4_cpu_rope_apply(&rope, ref + (size_t)r * n + n - rd, pos[r / heads], false);
+    }
+    dx = gt_dev_copy(x, N * sizeof(float));
+    dw = gt_dev_copy(w, (size_t)n * sizeof(float));
+    dinv = gt_dev_copy(rope.inv_freq, (size_t)(rd / 2) * sizeof(float));
+    dpos = gt_dev_copy(pos, (size_t)tokens * sizeof(int32_t));
+    DSV4_OK(dsv4_cuda_rmsnorm_rope(dx, weighted ? dw : NULL, rows, n, 1e-6f, heads, rd, dpos, dinv, dx, NULL));
+    out = gt_host_from(dx, N);
+    snprintf(what, sizeof(what), "rmsnorm+rope%s [%d tokens x %d, %d], rope %d", weighted ? "" : " unweighted",
+             tokens, heads, n, rd);
+    ASSERT_REL(what, out, ref, N, FP32_BOUND);
+    assert_int_equal(dsv4_cuda_rmsnorm_rope(dx, NULL, rows, n, 1e-6f, heads, n + 2, dpos, dinv, dx, NULL), -EINVAL);
+    cudaFree(dx); cudaFree(dw); cudaFree(dinv); cudaFree(dpos);
+    free(x); free(w); free(ref); free(out); free(pos);
+}
+
+static void test_rmsnorm_rope(void **state)
+{
+    check_rmsnorm_rope(1, 64, 512, 64, false);      /* a token's query heads, in place */
+    check_rmsnorm_rope(64, 64, 512, 64, false);
+    check_rmsnorm_rope(64, 1, 512, 64, true);       /* kv with kv_norm */
+    check_rmsnorm_rope(5, 4, 32, 8, true);          /* tiny fixture shape */
 }
 
 static void check_mhc(int batch, int hc, int dim, int iters)
@@ -149,11 +195,70 @@ static void test_mhc_fn(void **state)
     check_mhc_fn(5, 12, 136);       /* hc 2, D 68: one partial chunk */
 }
 
+/* dsv4_cuda_mhc_fn_pre (the fn's sums inside mHC pre) against dsv4_cuda_mhc_fn then dsv4_cuda_mhc_pre:
+ * y, post and comb bit for bit. */
+static void check_mhc_fn_pre(int batch, int hc, int dim, int iters)
+{
+    const int64_t out = (int64_t)(2 + hc) * hc, in = (int64_t)hc * dim;
+    const size_t NW = (size_t)(out * in), NX = (size_t)batch * in, NY = (size_t)batch * dim;
+    float *w = malloc(NW * sizeof(float)), *X = malloc(NX * sizeof(float)), *base = malloc((size_t)out * sizeof(float));
+    float scale[3], *dw, *dX, *dbase, *dscale, *dws, *dm, *y[2], *post[2], *comb[2], *hy[2], *hp[2], *hc_[2];
+    const int64_t wsf = dsv4_cuda_mhc_fn_ws_floats(batch, out, in);
+
+    gt_fill_normal(w, NW, 4.0f / sqrtf((float)in));
+    gt_fill_normal(X, NX, 1.0f);
+    gt_fill_normal(base, (size_t)out, 1.0f);
+    gt_fill_normal(scale, 3, 1.0f);
+    dw = gt_dev_copy(w, NW * sizeof(float));
+    dX = gt_dev_copy(X, NX * sizeof(float));
+    dbase = gt_dev_copy(base, (size_t)out * sizeof(float));
+    dscale = gt_dev_copy(scale, sizeof(scale));
+    dws = gt_dev_poisoned((size_t)wsf);
+    dm = gt_dev_poisoned((size_t)batch * out);
+    for (int i = 0; i < 2; i++) {
+        y[i] = gt_dev_poisoned(NY);
+        post[i] = gt_dev_poisoned((size_t)batch * hc);
+        comb[i] = gt_dev_poisoned((size_t)batch * hc * hc);
+    }
+    const struct dsv4_cuda_linear d = { .fmt = DSV4_W_F32, .out = out, .in = in, .row_stride = in, .w = dw };
+    DSV4_OK(dsv4_cuda_mhc_fn(&d, dX, in, batch, dws, wsf, dm, out, NULL));
+    DSV4_OK(dsv4_cuda_mhc_pre(dX, dm, dbase, dscale, batch, hc, dim, iters, 1e-6f, 1e-6f, y[0], post[0], comb[0], NULL));
+    DSV4_OK(dsv4_cuda_mhc_fn_pre(&d, dX, batch, dws, wsf, dbase, dscale, hc, dim, iters, 1e-6f, 1e-6f, y[1], post[1],
+                                 comb[1], NULL));
+    for (int i = 0; i < 2; i++) {
+        hy[i] = gt_host_from(y[i], NY);
+        hp[i] = gt_host_from(post[i], (size_t)batch * hc);
+        hc_[i] = gt_host_from(comb[i], (size_t)batch * hc * hc);
+    }
+    assert_memory_equal(hy[0], hy[1], NY * sizeof(float));
+    assert_memory_equal(hp[0], hp[1], (size_t)batch * hc * sizeof(float));
+    assert_memory_equal(hc_[0], hc_[1], (size_t)batch * hc * hc * sizeof(float));
+    printf("# mhc fn + pre fused, hc %d [%d,%d] iters %d: y, post, comb bit-identical to fn then pre\n", hc, batch,
+           dim, iters);
+    assert_int_equal(dsv4_cuda_mhc_fn_pre(&d, dX, batch, dws, wsf, dbase, dscale, hc + 1, dim, iters, 1e-6f, 1e-6f,
+                                          y[1], post[1], comb[1], NULL), -EINVAL);
+    for (int i = 0; i < 2; i++) {
+        cudaFree(y[i]); cudaFree(post[i]); cudaFree(comb[i]);
+        free(hy[i]); free(hp[i]); free(hc_[i]);
+    }
+    cudaFree(dw); cudaFree(dX); cudaFree(dbase); cudaFree(dscale); cudaFree(dws); cudaFree(dm);
+    free(w); free(X); free(base);
+}
+
+static void test_mhc_fn_pre(void **state)
+{
+    check_mhc_fn_pre(1, 4, 4096, 20);       /* V4-Flash */
+    check_mhc_fn_pre(64, 4, 4096, 20);
+    check_mhc_fn_pre(3, 2, 68, 3);          /* one partial chunk */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rmsnorm_rope),
         cmocka_unit_test(test_mhc),
+        cmocka_unit_test(test_mhc_fn_pre),
         cmocka_unit_test(test_mhc_fn),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
