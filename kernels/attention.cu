@@ -21,6 +21,7 @@
 #include "kernels/kv_entry.cuh"
 #include "kernels/mma.cuh"
 
+#define ATT_MIN_RUN 64          /* keys: a split's run is at least one tensor-core tile (ATT_MMA_KEYS) */
 #define ATT_TILE 12             /* keys per shared-memory tile: 92.7 KB at hd 512, within the 99 KB of sm_86/89/120 */
 #define ATT_HB 32               /* heads per block: their queries stay in shared memory */
 #define ATT_THREADS 256
@@ -66,7 +67,10 @@ int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, int kvf, con
 
 /* The keys row b attends to, in order: the window (positions first .. pos, entry p at p % ring of
  * the row's slot) then the compressed entries (the indexer's picks, or every complete one). Split
- * `split` of `splits` takes the run [k0, k1) of equal length ceil(nk / splits). */
+ * `split` of `splits` takes the run [k0, k1) of length max(ATT_MIN_RUN, ceil(nk / splits)): a row
+ * with few keys fills a few whole runs and leaves the other splits empty (they exit at once, and
+ * the combine skips them), rather than giving every split a sliver. A run depends on the row alone,
+ * so a row's result never depends on the batch. */
 struct att_run {
     int nw, first, k0, k1;
     int64_t slot;
@@ -81,8 +85,8 @@ static __device__ __forceinline__ att_run att_key_run(const struct dsv4_cuda_att
     r.nw = min(pos + 1, a.window);
     r.first = pos - r.nw + 1;
     const int nc = a.ratio ? (a.sel ? a.nsel[b] : (pos + 1) / a.ratio) : 0;
-    const int nk = r.nw + nc, per = (nk + splits - 1) / splits;
-    r.k0 = split * per;
+    const int nk = r.nw + nc, per = max(ATT_MIN_RUN, (nk + splits - 1) / splits);
+    r.k0 = min(nk, split * per);
     r.k1 = min(nk, r.k0 + per);
     return r;
 }
@@ -188,7 +192,7 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
         float *out = a.part + (((int64_t)b * gridDim.y + split) * a.H + h0 + hh) * (hd + 2);
 #pragma unroll
         for (int i = 0; i < ATT_MAX_PER; i++)
-            if (i < per_d)
+            if (i < per_d && r.k0 < r.k1)      /* an empty run leaves only m = -inf: the combine skips it */
                 out[dc * per_d + i] = acc[i];
         if (dc == 0) {
             out[hd] = m_s[hh];
@@ -241,6 +245,7 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
 #define ATT_MMA_HEADS 64            /* heads per block: four m16 tiles */
 #define ATT_MMA_MT (ATT_MMA_HEADS / 16)
 #define ATT_MMA_KEYS 64             /* keys per shared tile */
+static_assert(ATT_MIN_RUN == ATT_MMA_KEYS, "a short row's run fills one tile");
 #define ATT_MMA_WARPS 8
 #define ATT_MMA_THREADS (ATT_MMA_WARPS * DSV4_CUDA_WARP)
 #define ATT_MMA_HD_ALIGN 16         /* head_dim: whole MMA k-steps */
@@ -650,7 +655,7 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
         const int ha = h0 + 16 * mt + g, hb = ha + 8;
 #pragma unroll
         for (int i = 0; i < ATT_MMA_OWN; i++) {
-            if (mt < mts && i < nown) {
+            if (mt < mts && i < nown && r.k0 < r.k1) {     /* an empty run leaves only m = -inf */
                 const int d = 8 * (warp + ATT_MMA_WARPS * i) + 2 * t;
                 if (ha < a.H)
                     *reinterpret_cast<float2 *>(part + (int64_t)ha * (hd + 2) + d) = make_float2(o[mt][i][0], o[mt][i][1]);
@@ -669,8 +674,8 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
  * e^(m_s - M)), then RoPE^-1 on its last rd values at the row's position. Bound by load latency at
  * small batches (one block per head), so every load a thread needs is issued before any result is
  * waited on: each warp reads the splits' (m, l) (lane s) and the sink and makes the weights itself,
- * while each thread's value loads for all its dims and splits (dead splits' partials are written
- * too, and are skipped in the sum) and the RoPE inputs are in flight. Sums run in split order. */
+ * while each thread's value loads for all its dims and splits (an empty split writes only its
+ * m = -inf: its values are loaded stale with the rest and skipped in the sum) and the RoPE inputs are in flight. Sums run in split order. */
 static_assert(DSV4_CUDA_ATT_SPLITS <= DSV4_CUDA_WARP, "one lane per split");
 static_assert(DSV4_CUDA_MAX_HEAD_DIM % ATT_COMB_THREADS == 0, "whole dims per thread");
 static_assert(DSV4_CUDA_MAX_HEAD_DIM / 2 <= ATT_COMB_THREADS, "one thread per RoPE pair");

@@ -1,6 +1,10 @@
 /* GPU: engine/scheduler over the CUDA backend, sampling on the device (the backend's `sample` op),
  * on the fixture models in fp8 numerics:
- *   - greedy answers equal the CPU backend's (host sampling), alone and four requests together;
+ *   - greedy answers equal the CPU backend's (host sampling), alone and four requests together,
+ *     up to a near-tie: an answer may leave the CPU's only where the CPU's top two tokens are within
+ *     GREEDY_TIE nats and the GPU takes the CPU's second (the two backends' logits agree within
+ *     test_gpu_step's bounds, not bit for bit, so such a choice is not determined); each divergence
+ *     is printed with its margin;
  *   - seeded answers with every truncation and penalty are the same alone and in a batch with
  *     arrivals mid-way (the device sampler reads only its row);
  *   - the same seeded requests sampled on the host from the same backend's logits
@@ -25,6 +29,7 @@
 #define N_REQ 6
 #define GEN 20
 #define LOGPROB_BOUND 1e-5
+#define GREEDY_TIE 1e-3      /* nats between the CPU's top two tokens below which greedy may go either way */
 #define PROMPT_VOCAB 256     /* prompt ids below every fixture's vocabulary */
 
 static void env_open(struct env *e, const char *model, bool cuda, bool device_sampling, int max_batch, int budget)
@@ -110,19 +115,43 @@ static int differing(const struct answer *a, const struct answer *b, int n)
     return d;
 }
 
+/* Greedy answers `gpu` against `cpu`: how many leave the CPU's other than at a near-tie (see the top). */
+static int greedy_unexplained(const char *what, const struct answer *cpu, const struct answer *gpu)
+{
+    int bad = 0;
+    for (int i = 0; i < N_REQ; i++) {
+        int k = 0;
+        while (k < cpu[i].n && k < gpu[i].n && cpu[i].tokens[k] == gpu[i].tokens[k])
+            k++;
+        if (k == cpu[i].n && k == gpu[i].n)
+            continue;
+        const float margin = k < cpu[i].n ? cpu[i].top_lp[k][0] - cpu[i].top_lp[k][1] : INFINITY;
+        const bool runner_up = k < cpu[i].n && k < gpu[i].n && gpu[i].tokens[k] == cpu[i].top1[k];
+        const bool tie = runner_up && margin < GREEDY_TIE;
+        printf("# %s: answer %d leaves the CPU's at token %d: CPU top-2 margin %.3g nats, the GPU took %s%s\n", what,
+               i, k, margin, runner_up ? "the CPU's second choice" : "another token", tie ? " (a near-tie)" : "");
+        bad += !tie;
+    }
+    return bad;
+}
+
 static void test_greedy_matches_cpu(void **state)
 {
     static const char *const models[] = { "tiny_a", "tiny_c" };
     for (int m = 0; m < 2; m++) {
         static struct answer cpu[N_REQ], gpu[N_REQ], gpu_b[N_REQ];
+        char what[64];
         make_requests(true);
         serve(models[m], false, false, NULL, cpu);
         serve(models[m], true, true, gpu, gpu_b);
         int d1 = differing(cpu, gpu, N_REQ), d2 = differing(cpu, gpu_b, N_REQ);
         printf("# %s greedy, device sampling vs CPU backend: %d of %d answers differ alone, %d batched\n",
                models[m], d1, N_REQ, d2);
-        assert_int_equal(d1, 0);
-        assert_int_equal(d2, 0);
+        snprintf(what, sizeof(what), "%s alone", models[m]);
+        assert_int_equal(greedy_unexplained(what, cpu, gpu), 0);
+        snprintf(what, sizeof(what), "%s batched", models[m]);
+        assert_int_equal(greedy_unexplained(what, cpu, gpu_b), 0);
+        assert_int_equal(differing(gpu, gpu_b, N_REQ), 0);     /* the GPU alone and batched: bit for bit */
     }
 }
 

@@ -5,6 +5,7 @@
 #ifndef DSV4_TESTS_SCHED_HARNESS_H
 #define DSV4_TESTS_SCHED_HARNESS_H
 
+#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -19,6 +20,8 @@ struct answer {
     int32_t tokens[ANSWER_MAX_TOKENS];
     float logprob[ANSWER_MAX_TOKENS];
     int32_t top0[ANSWER_MAX_TOKENS];    /* the first top-logprob alternative, -1 without */
+    int32_t top1[ANSWER_MAX_TOKENS];    /* the second, -1 without */
+    float top_lp[ANSWER_MAX_TOKENS][2]; /* their logprobs (NAN without) */
     int n;
     bool finished;
     enum dsv4_finish_reason finish;
@@ -59,6 +62,9 @@ static void collect(struct dsv4_sched *s)
             a->tokens[a->n] = ev.sample.token;
             a->logprob[a->n] = ev.sample.logprob;
             a->top0[a->n] = ev.sample.n_top > 0 ? ev.sample.top_ids[0] : -1;
+            a->top1[a->n] = ev.sample.n_top > 1 ? ev.sample.top_ids[1] : -1;
+            a->top_lp[a->n][0] = ev.sample.n_top > 0 ? ev.sample.top_logprobs[0] : NAN;
+            a->top_lp[a->n][1] = ev.sample.n_top > 1 ? ev.sample.top_logprobs[1] : NAN;
             a->n++;
         } else {
             if (ev.result->finish == DSV4_FINISH_ERROR)
