@@ -19,20 +19,24 @@ static __device__ float block_sum(float v)
     return dsv4_warp_sum(v);
 }
 
-/* One block per row. */
-__global__ void __launch_bounds__(NORM_THREADS)
-rmsnorm_kernel(const float *__restrict__ x, const float *__restrict__ w, int n, float eps,
-               float *__restrict__ y)
+/* yr = w * xr / sqrt(mean(xr^2) + eps) over n values, by the whole block (w NULL: no weight). */
+static __device__ __forceinline__ void rmsnorm_row(const float *xr, const float *w, int n, float eps, float *yr)
 {
-    dsv4_pdl_enter();
-    const float *xr = x + (int64_t)blockIdx.x * n;
-    float *yr = y + (int64_t)blockIdx.x * n;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += NORM_THREADS)
         ss += xr[i] * xr[i];
     const float r = 1.0f / sqrtf(block_sum(ss) / n + eps);
     for (int i = threadIdx.x; i < n; i += NORM_THREADS)
         yr[i] = (w ? w[i] : 1.0f) * (xr[i] * r);
+}
+
+/* One block per row. */
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_kernel(const float *__restrict__ x, const float *__restrict__ w, int n, float eps,
+               float *__restrict__ y)
+{
+    dsv4_pdl_enter();
+    rmsnorm_row(x + (int64_t)blockIdx.x * n, w, n, eps, y + (int64_t)blockIdx.x * n);
 }
 
 extern "C" int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, int n, float eps, float *d_y,
@@ -45,7 +49,7 @@ extern "C" int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, i
     return 0;
 }
 
-/* One block per row: rmsnorm_kernel's arithmetic, then RoPE on the row's last rd values at
+/* One block per row: rmsnorm_row, then RoPE on the row's last rd values at
  * pos[row / heads] (the pairs read the normalized values every thread has written by then). x and y
  * may be the same buffer. */
 __global__ void __launch_bounds__(NORM_THREADS)
@@ -53,14 +57,8 @@ rmsnorm_rope_kernel(const float *x, const float *__restrict__ w, int n, float ep
                     const int32_t *__restrict__ pos, const float *__restrict__ inv_freq, float *y)
 {
     dsv4_pdl_enter();
-    const float *xr = x + (int64_t)blockIdx.x * n;
     float *yr = y + (int64_t)blockIdx.x * n;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += NORM_THREADS)
-        ss += xr[i] * xr[i];
-    const float r = 1.0f / sqrtf(block_sum(ss) / n + eps);
-    for (int i = threadIdx.x; i < n; i += NORM_THREADS)
-        yr[i] = (w ? w[i] : 1.0f) * (xr[i] * r);
+    rmsnorm_row(x + (int64_t)blockIdx.x * n, w, n, eps, yr);
     __syncthreads();
     const int p0 = pos[blockIdx.x / heads];
     for (int i = threadIdx.x; i < rd / 2; i += NORM_THREADS)
