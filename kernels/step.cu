@@ -282,12 +282,14 @@ static bool quantized(const struct dsv4_cuda_linear *W)
 
 /* y = W x for B rows; fp8 numerics round x through the 1x128 activation quantizer first when W is
  * quantized and `raw` is false (the CPU reference's dsv4_cpu_linear_rows). */
-static int lin(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B, float *y,
-               int64_t ldy, bool raw, cudaStream_t s)
+/* same_x: x is the previous linear's x, unchanged since, so the tensor-core path need not prepare it
+ * again (dsv4_cuda_gemm_same_x). */
+static int lin_x(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B,
+                 float *y, int64_t ldy, bool raw, bool same_x, cudaStream_t s)
 {
     const bool quant = cb->fp8 && !raw && quantized(W);
     if (cb->use_gemm && dsv4_cuda_gemm_supports(W, quant))
-        return dsv4_cuda_gemm(W, x, ldx, B, quant, &cb->b.gemm, y, ldy, s);
+        return (same_x ? dsv4_cuda_gemm_same_x : dsv4_cuda_gemm)(W, x, ldx, B, quant, &cb->b.gemm, y, ldy, s);
     if (quant) {
         if (ldx != W->in)
             return dsv4_error_set(-EINVAL, "cuda step: quantized linear input must be dense");
@@ -298,15 +300,17 @@ static int lin(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const 
     return dsv4_cuda_gemv(W, x, ldx, B, y, ldy, s);
 }
 
-/* lin() for a linear whose x the previous lin() call read, unchanged since: the tensor-core path
- * skips preparing x again. */
+static int lin(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B, float *y,
+               int64_t ldy, bool raw, cudaStream_t s)
+{
+    return lin_x(cb, W, x, ldx, B, y, ldy, raw, false, s);
+}
+
+/* lin() for a linear whose x the previous lin() call read, unchanged since. */
 static int lin_same_x(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B,
                       float *y, int64_t ldy, cudaStream_t s)
 {
-    const bool quant = cb->fp8 && quantized(W);
-    if (cb->use_gemm && dsv4_cuda_gemm_supports(W, quant))
-        return dsv4_cuda_gemm_same_x(W, x, ldx, B, quant, &cb->b.gemm, y, ldy, s);
-    return lin(cb, W, x, ldx, B, y, ldy, false, s);
+    return lin_x(cb, W, x, ldx, B, y, ldy, false, true, s);
 }
 
 static int attention(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
@@ -459,13 +463,19 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, cudaS
     return 0;
 }
 
-/* An mHC fn GEMV: F32 fn weights (both releases) take the split-K kernel; other formats (converted
- * test checkpoints) the generic GEMV. The choice depends on the weight alone, never on the batch. */
+/* F32 mHC fn weights (both releases) take the split-K kernel; other formats (converted test
+ * checkpoints) the generic GEMV. The choice depends on the weight alone, never on the batch. */
+static bool fn_split_k(const struct dsv4_cuda_linear *fn)
+{
+    return fn->fmt == DSV4_W_F32;
+}
+
+/* An mHC fn GEMV, on the path fn_split_k chooses. */
 static int hc_fn(struct cuda_backend *cb, const struct dsv4_cuda_linear *fn, int B, float *y, cudaStream_t s)
 {
     struct step_buf *t = &cb->b;
     const int64_t ldx = (int64_t)cb->cfg->hc_mult * cb->cfg->dim;
-    if (fn->fmt == DSV4_W_F32)
+    if (fn_split_k(fn))
         return dsv4_cuda_mhc_fn(fn, t->X, ldx, B, t->mixws, t->mixws_floats, y, fn->out, s);
     return dsv4_cuda_gemv(fn, t->X, ldx, B, y, fn->out, s);
 }
@@ -476,7 +486,7 @@ static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
     const int hc = c->hc_mult, D = c->dim, iters = c->hc_sinkhorn_iters > 0 ? c->hc_sinkhorn_iters : 1;
-    if (fn->fmt == DSV4_W_F32)      /* as hc_fn chooses: the split-K fn, its sums made inside mHC pre */
+    if (fn_split_k(fn))             /* the split-K fn, its sums made inside mHC pre */
         STEP(dsv4_cuda_mhc_fn_pre(fn, t->X, B, t->mixws, t->mixws_floats, base, scale, hc, D, iters,
                                   (float)c->hc_eps, (float)c->rms_norm_eps, t->y, t->post, t->comb, s));
     else {
