@@ -229,9 +229,9 @@ char *dsv4_utf8_lossy(const char *bytes, size_t len, size_t *ret_len)
     return out;
 }
 
-/* Offset of the first byte that is not valid UTF-8, or len. */
-static size_t utf8_validate(const unsigned char *p, size_t len)
+size_t dsv4_utf8_valid_prefix(const char *text, size_t len)
 {
+    const unsigned char *p = (const unsigned char *)text;
     size_t i = 0;
     while (i < len) {
         if (p[i] < 0x80) {
@@ -1206,7 +1206,7 @@ int dsv4_tokenizer_encode(const struct dsv4_tokenizer *tok, const char *text, si
         return dsv4_error_set(-E2BIG, "tokenizer: text of %zu bytes exceeds the limit of %zu", len,
                               DSV4_TOK_MAX_TEXT_BYTES);
     const unsigned char *p = (const unsigned char *)text;
-    size_t bad = utf8_validate(p, len);
+    size_t bad = dsv4_utf8_valid_prefix(text, len);
     if (bad != len)
         return dsv4_error_set(-EILSEQ, "tokenizer: text is not valid UTF-8 at byte %zu", bad);
     if (!len)

@@ -13,16 +13,11 @@ tests_unit_test_chat_SOURCES = tests/unit/test_chat.c tests/tokenizer/locate.h
 tests_unit_test_chat_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_chat_LDADD = $(TEST_ENGINE_LIBS)
 
-# Differential test against Hugging Face tokenizers (Python) on a >= 5 MB corpus, and a bounded
-# libFuzzer run; both print TAP and skip when their tools are missing.
-TESTS += tests/tokenizer/diff_test.sh tests/fuzz/run_fuzz.sh
-dist_noinst_SCRIPTS += tests/tokenizer/diff_test.sh tests/fuzz/run_fuzz.sh
-CLEANFILES += tests/tokenizer/corpus.bin tests/fuzz/fuzz_tokenizer tests/fuzz/fuzz.log tests/fuzz/build.log
-# The fuzzer grows its corpus (one file per new input) in the build tree.
-clean-local: clean-fuzz-corpus
-clean-fuzz-corpus:
-	-rm -rf tests/fuzz/corpus
-.PHONY: clean-fuzz-corpus
+# Differential test against Hugging Face tokenizers (Python) on a >= 5 MB corpus; prints TAP and
+# skips without them. (Its libFuzzer target is in tests/fuzz.mk.)
+TESTS += tests/tokenizer/diff_test.sh
+dist_noinst_SCRIPTS += tests/tokenizer/diff_test.sh
+CLEANFILES += tests/tokenizer/corpus.bin
 
 # Throughput benchmark (not a test): tests/tokenizer/bench_encode TOKENIZER_JSON FILE [REPEATS]
 noinst_PROGRAMS += tests/tokenizer/bench_encode
@@ -31,4 +26,4 @@ tests_tokenizer_bench_encode_LDADD = libdsv4engine.la
 
 EXTRA_DIST += tests/tokenizer/golden/tokenizer_golden.json tests/tokenizer/build_corpus.py \
 	tests/tokenizer/diff_test.py tests/tokenizer/make_golden.py tests/tokenizer/gen_unicode_classes.py \
-	tests/tokenizer/bench.py tests/fuzz/fuzz_tokenizer.c
+	tests/tokenizer/bench.py
