@@ -85,6 +85,12 @@ int dsv4_conn_accept(struct dsv4_server *s, int listen_fd)
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
             dsv4_log_warning("SO_PEERCRED: %m");
         s->counters.connections_total++;
+        if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING) {
+            /* Told, not left waiting in the backlog until the socket is closed. */
+            s->counters.connections_refused++;
+            refuse(fd, DSV4_PROTO_E_DRAINING, "the server is shutting down; connect again once it has restarted");
+            continue;
+        }
         if (!peer_allowed(s->cfg, fd, cred.uid, cred.gid)) {
             dsv4_log_warning("refused connection from pid %d uid %u gid %u: not in allow_users/allow_groups",
                              (int)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
@@ -228,7 +234,7 @@ void dsv4_conn_flush(struct dsv4_conn *c)
         return;
     }
     if (c->closing && c->out.len == 0) {
-        dsv4_conn_close(c, "after a protocol error");
+        dsv4_conn_close(c, c->close_reason);
         return;
     }
     dsv4_conn_update_events(c);
@@ -252,6 +258,7 @@ void dsv4_conn_fail(struct dsv4_conn *c, int code, const char *message)
     dsv4_log_info("connection %llu (pid %d): protocol error %d (%s): %s", (unsigned long long)c->id, (int)c->pid,
                   code, dsv4_proto_code_name(code), message ? message : dsv4_proto_code_describe(code));
     c->closing = true;
+    c->close_reason = "after a protocol error";
     if (dsv4_proto_encode_error_notification(&c->out, code, message) < 0) {
         dsv4_conn_close(c, "out of memory encoding an error");
         return;

@@ -517,7 +517,12 @@ static void do_detokenize(struct dsv4_server *s, struct dsv4_conn *c, const stru
         reply_error(c, msg->msgid, &err);
         goto out;
     }
-    if (dsv4_tokenizer_decode(s->tok, req.tokens, req.n_tokens, 0, &bytes, &len) < 0) {
+    /* Ids of the model's vocabulary past the tokenizer's have no text, as when they are generated. */
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < req.n_tokens; i++)
+        if ((size_t)req.tokens[i] < dsv4_tokenizer_vocab_size(s->tok))
+            req.tokens[n++] = req.tokens[i];
+    if (dsv4_tokenizer_decode(s->tok, req.tokens, n, 0, &bytes, &len) < 0) {
         dsv4_proto_error_set(&err, DSV4_PROTO_E_TOKEN_OUT_OF_VOCAB, "%s", dsv4_error_message());
         reply_error(c, msg->msgid, &err);
         goto out;

@@ -193,9 +193,13 @@ void dsv4_server_check_drained(struct dsv4_server *s)
         /* Each connection closes once its last response is written (or at the flush deadline). */
         for (struct dsv4_conn *c = s->conns, *next; c; c = next) {
             next = c->next;
-            c->closing = true;
+            if (!c->closing) {
+                c->closing = true;
+                c->close_reason = "the server is stopping and every request on it was answered";
+            }
             dsv4_conn_flush(c);
         }
+        stop_accepting(s);
     }
     if (s->state == DSV4_SERVER_EXITING && s->n_conns == 0)
         sd_event_exit(s->event, s->exit_code);
@@ -221,16 +225,22 @@ static int on_term(sd_event_source *src, const struct signalfd_siginfo *si, void
         server_exit(s, s->exit_code);
         return 0;
     }
-    stop_accepting(s);
     if (s->state != DSV4_SERVER_READY) {
+        stop_accepting(s);
         /* Nothing was promised yet: answer the held requests and go. */
         dsv4_notify_stopping("stopping during boot");
         dsv4_dispatch_refuse_pending(s, DSV4_PROTO_E_DRAINING, "the server stopped during boot");
         server_exit(s, EXIT_SUCCESS);
         return 0;
     }
+    /* The scheduler's drain: queued requests end now (finish_reason cancelled, no tokens), running
+     * ones get drain_grace. New connections are still accepted, to be told so (conn.c). */
+    struct dsv4_sched_stats st;
+    dsv4_sched_get_stats(s->sched, &st);
     s->state = DSV4_SERVER_DRAINING;
-    set_reason(s, "%s: finishing %d requests within %.0f s", sig, s->n_requests, s->cfg->drain_grace);
+    set_reason(s, "%s: finishing %d running requests within %.0f s; %d queued ones cancelled", sig,
+               st.slots_in_use, s->cfg->drain_grace, st.queued);
+    dsv4_log_notice("%s", s->reason);
     dsv4_notify_stopping(s->reason);
     dsv4_sched_drain(s->sched, s->cfg->drain_grace);
     r = sd_event_add_time(s->event, &s->drain_src, CLOCK_MONOTONIC,

@@ -69,6 +69,7 @@ struct dsv4_conn {
     uid_t uid;
     gid_t gid;
     bool closing;                       /* flush what is queued, then close */
+    const char *close_reason;           /* why it is closing, for the log (static string) */
     bool closed;                        /* fd closed; freed by the server's reaper */
     struct dsv4_proto_reader reader;
     struct dsv4_proto_buf out;          /* encoded frames not yet written */

@@ -46,7 +46,7 @@ static const struct opt opts[] = {
     { "max_frame", OPT_SIZE, F(max_frame), 0, 1024, (int64_t)1 << 30, "BYTES", "largest frame a client may send (K/M/G suffixes)" },
     { "max_output_buffer", OPT_SIZE, F(max_output_buffer), 0, 65536, (int64_t)1 << 32, "BYTES",
       "bytes queued for a client that does not read before it is disconnected" },
-    { "drain_grace", OPT_SECONDS, F(drain_grace), 0, 0, 0, "SECONDS", "on SIGTERM, time in-flight requests get to finish" },
+    { "drain_grace", OPT_SECONDS, F(drain_grace), 0, 0, 0, "SECONDS", "on SIGTERM, time running requests get to finish (queued ones are cancelled)" },
     INTOPT("warmup_tokens", warmup_tokens, 1, 1024, "tokens the boot warm-up generates before READY=1"),
     { "allow_users", OPT_USERS, F(allow_users), 0, 0, 0, "USER,...", "only these users (names or uids) may connect" },
     { "allow_groups", OPT_GROUPS, F(allow_groups), 0, 0, 0, "GROUP,...", "only members of these groups (primary or supplementary) may connect" },

@@ -588,9 +588,9 @@ static int check_request(const struct dsv4_sched *s, const struct dsv4_sched_req
 {
     if (!req->prompt || req->n_prompt < 1)
         return dsv4_error_set(-EINVAL, "request: empty prompt");
-    if (req->n_prompt > s->max_context)
-        return dsv4_error_set(-E2BIG, "request: prompt of %d tokens exceeds max_context %d",
-                              req->n_prompt, s->max_context);
+    if (req->n_prompt >= s->max_context)
+        return dsv4_error_set(-E2BIG, "request: prompt of %d tokens leaves no room for a generated token in "
+                              "max_context %d", req->n_prompt, s->max_context);
     if (req->max_tokens < 0 || req->max_tokens > s->lim.max_output_tokens)
         return dsv4_error_set(-E2BIG, "request: max_tokens %d: must be in [0, max_output_tokens %d]",
                               req->max_tokens, s->lim.max_output_tokens);
@@ -979,6 +979,10 @@ static void take_token(struct dsv4_sched *s, struct sched_req *q, const struct d
         res->stop_token = tok;
     } else {
         int n = s->detok.token_bytes(s->detok.ctx, tok, s->scratch + q->n_raw, DSV4_SCHED_TOKEN_BYTES_MAX);
+        /* An id of the model's vocabulary past the tokenizer's (a padded embedding) has no text: it is
+         * streamed with an empty delta and generation goes on. */
+        if (n == -ERANGE)
+            n = 0;
         if (n < 0) {
             why = DSV4_FINISH_ERROR;
             err = n;
@@ -1002,7 +1006,9 @@ static void take_token(struct dsv4_sched *s, struct sched_req *q, const struct d
     }
     if (why == DSV4_FINISH_NONE && res->n_tokens >= q->max_tokens)
         why = DSV4_FINISH_LENGTH;
-    if (why == DSV4_FINISH_NONE && q->position >= s->max_context)
+    /* prompt + generated == max_context: the token just sampled is the last one the context holds
+     * (it is never fed, so it needs no position of its own). */
+    if (why == DSV4_FINISH_NONE && q->n_prompt + res->n_tokens >= s->max_context)
         why = DSV4_FINISH_CONTEXT;
 
     if (why != DSV4_FINISH_NONE && why != DSV4_FINISH_ERROR && q->n_raw) {

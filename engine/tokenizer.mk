@@ -12,6 +12,9 @@ tests_unit_test_tokenizer_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
 tests_unit_test_chat_SOURCES = tests/unit/test_chat.c tests/tokenizer/locate.h
 tests_unit_test_chat_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_chat_LDADD = $(TEST_ENGINE_LIBS)
+# ... and their skips read as skips where that file (or Python's msgpack) is absent.
+TESTS += tests/integration/test_tap_skip.sh
+dist_noinst_SCRIPTS += tests/integration/test_tap_skip.sh
 
 # Differential test against Hugging Face tokenizers (Python) on a >= 5 MB corpus; prints TAP and
 # skips without them. (Its libFuzzer target is in tests/fuzz.mk.)

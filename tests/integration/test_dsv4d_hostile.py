@@ -7,9 +7,9 @@ import socket
 import struct
 import threading
 
-import msgpack
-
 from dsv4d_harness import BOS, LONG_PROMPT, TIMEOUT, Client, Closed, Daemon, Tap, tokens_bin
+
+import msgpack  # after the harness, which skips the test when it is missing
 
 t = Tap()
 

@@ -53,6 +53,8 @@ try:
     t.ok(all(line[:3] in ("<3>", "<4>", "<5>", "<6>", "<7>") for line in log.splitlines()
              if line and not line.startswith(("Listening on", "Communication attempt", "Execing"))),
          "every log line carries an sd-daemon priority prefix", log)
+    t.ok("listening on %s (dsv4d)" % d.sock_path in log,
+         "under socket activation the log names the socket's path and its name", log)
     t.ok(d.notify.wait_for("WATCHDOG", "1", timeout=30, proc=d.proc) > ready,
          "WATCHDOG=1 is sent when WATCHDOG_USEC is set", d.notify.messages)
 
@@ -85,6 +87,46 @@ try:
     t.eq(rc, 0, "dsv4d exits 0 after the drain")
     other.close()
     first.close()
+finally:
+    d.close()
+
+# ---- a drain: queued requests cancelled at once, running ones finish, as the log says ---------------
+d = Daemon(activation=True, args=["--max-context", "4096", "--max-batch", "1", "--drain-grace", "600"],
+           endless=True)
+try:
+    t.ok(d.start(), "dsv4d (max_batch = 1) becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    running = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 400, "temperature": 0.0,
+                                     "stream": True})
+    c.recv()
+    queued = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 5, "temperature": 0.0})
+    err, st = c.call("stats")
+    t.ok(err is None and st["slots_busy"] == 1 and st["queue_depth"] == 1, "one request runs, one is queued",
+         (err, st))
+    d.proc.send_signal(signal.SIGTERM)
+    d.notify.wait_for("STOPPING", "1", proc=d.proc)
+    err, res = c.response(queued, on_notification=lambda m: None)
+    t.ok(err is None and res["finish_reason"] == "cancelled" and res["usage"]["completion_tokens"] == 0,
+         "the queued request ends cancelled with no tokens", (err, res))
+    late = Client(d.sock_path)
+    try:
+        note = late.recv()
+        t.ok(note[0] == 2 and note[1] == "error" and note[2][0]["code"] == 501 and late.closed_by_peer(),
+             "a connection made during the drain gets the error notification `draining` and is closed", note)
+    except (Closed, OSError) as e:
+        t.ok(False, "a connection made during the drain gets the error notification `draining`", repr(e))
+    late.close()
+    err, res = c.response(running, on_notification=lambda m: None)
+    t.ok(err is None and res["finish_reason"] == "length" and res["usage"]["completion_tokens"] == 400,
+         "the running request finishes", (err, res and res.get("finish_reason")))
+    t.eq(d.stop(), 0, "dsv4d exits 0 after the drain")
+    log = d.log_text()
+    t.ok("SIGTERM: finishing 1 running requests within 600 s; 1 queued ones cancelled" in log,
+         "the log says what the drain does", log)
+    t.ok(any("SIGTERM: finishing 1 running" in m.get("STATUS", "") for m in d.notify.messages),
+         "and so does STATUS=", d.notify.messages)
+    t.ok("after a protocol error" not in log, "no close of the drain is logged as a protocol error", log)
+    c.close()
 finally:
     d.close()
 

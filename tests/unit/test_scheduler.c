@@ -251,7 +251,8 @@ static int oracle(const struct fake_backend_opts *fo, const struct dsv4_sched_re
         out[k++] = smp.token;
         counts[smp.token]++;
         seen[smp.token / 8] |= (uint8_t)(1u << (smp.token % 8));
-        if (smp.token == fo->eos_id || k == cap || (rq->max_tokens && k == rq->max_tokens) || n == max_context)
+        if (smp.token == fo->eos_id || k == cap || (rq->max_tokens && k == rq->max_tokens) ||
+            rq->n_prompt + k == max_context)
             break;
         hist[n++] = smp.token;
     }
@@ -522,23 +523,24 @@ static void test_limits(void **state)
     /* max_tokens */
     struct dsv4_sched_request rq = make_request(prompt, 5, 7, 1);
     submit(&e, &rq, &o[0]);
-    /* context: 20 prompt tokens in a 32-token slot leave room for 12 fed + 1 last sampled */
+    /* context: 20 prompt tokens in a 32-token context leave room for 12 generated ones */
     rq = make_request(prompt, 20, 0, 2);
     submit(&e, &rq, &o[1]);
     run_all(&e, o, 2);
     assert_int_equal(o[0].res.finish, DSV4_FINISH_LENGTH);
     assert_int_equal(o[0].res.n_tokens, 7);
     assert_int_equal(o[1].res.finish, DSV4_FINISH_CONTEXT);
-    assert_int_equal(o[1].res.n_tokens, 32 - 20 + 1);
-    /* a prompt that fills the slot gets one token */
-    rq = make_request(prompt, 32, 0, 0);
+    assert_int_equal(o[1].res.n_tokens, 32 - 20);
+    assert_int_equal(o[1].res.prompt_tokens + o[1].res.completion_tokens, 32);
+    /* a prompt one short of the context gets one token */
+    rq = make_request(prompt, 31, 0, 0);
     submit(&e, &rq, &o[2]);
     run_all(&e, &o[2], 1);
     assert_int_equal(o[2].res.finish, DSV4_FINISH_CONTEXT);
     assert_int_equal(o[2].res.n_tokens, 1);
     /* refused at submit, with a message */
     uint64_t id;
-    rq = make_request(prompt, 33, 0, 0);
+    rq = make_request(prompt, 32, 0, 0);
     assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -E2BIG);
     assert_non_null(strstr(dsv4_error_message(), "max_context"));
     rq = make_request(prompt, 4, 33, 0);
@@ -854,6 +856,56 @@ static void test_reported_seed(void **state)
     env_close(&e);
 }
 
+/* The fake vocabulary with every odd id past 40 unknown to the detokenizer, as a model vocabulary
+ * padded past its tokenizer's. */
+static int padded_token_bytes(void *ctx, int32_t id, char *buf, size_t cap)
+{
+    if (id > 40 && id % 2)
+        return dsv4_error_set(-ERANGE, "id %d is past the tokenizer", id);
+    return fake_token_bytes(ctx, id, buf, cap);
+}
+
+/* Such an id is a token with no text: streamed with an empty delta, and generation goes on. */
+static void test_unknown_id_text(void **state)
+{
+    struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = 128 };
+    struct env e = { .fo = FAKE_LONG };
+    assert_int_equal(fake_backend_create(&FAKE_LONG, &bo, &e.b), 0);
+    struct dsv4_sched_limits lim = { .max_output_tokens = 128, .detok = { padded_token_bytes, NULL } };
+    assert_int_equal(dsv4_sched_create(e.b, NULL, &lim, &e.s), 0);
+    int32_t prompt[4] = { 2, 3, 4, 5 };
+    static struct outcome o[2];
+    for (int i = 0; i < 2; i++) {
+        struct dsv4_sched_request rq = make_request(prompt, 4, 60, 1 + 4 * i);
+        rq.sampling.temperature = 2.0f;     /* flat rows: unknown ids get drawn */
+        submit(&e, &rq, &o[i]);
+    }
+    run_all(&e, o, 2);
+    int unknown = 0;
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(o[i].res.finish, DSV4_FINISH_LENGTH);
+        assert_int_equal(o[i].n_tokens, 60);
+        char raw[TEXT_MAX];
+        size_t rl = 0, wl;
+        for (int k = 0; k < o[i].n_tokens; k++) {
+            int32_t id = o[i].tokens[k];
+            if (id > 40 && id % 2)
+                unknown++;
+            else
+                rl += (size_t)fake_token_bytes(NULL, id, raw + rl, sizeof(raw) - rl);
+        }
+        /* The text is the known ids' bytes made valid UTF-8, streamed and in the result alike. */
+        char *want = dsv4_utf8_lossy(raw, rl, &wl);
+        assert_int_equal(o[i].stream_len, wl);
+        assert_memory_equal(o[i].stream, want, wl);
+        assert_int_equal(o[i].res.text_len, wl);
+        assert_memory_equal(o[i].res_text, want, wl);
+        free(want);
+    }
+    assert_true(unknown > 0);
+    env_close(&e);
+}
+
 /* With a real tokenizer (a hand-made byte-level file: ids 0-255 are bytes, 256 "<s>" special and
  * the model's EOS, 257 "<x>" not special): the text is what the tokenizer decodes, specials
  * skipped, made valid UTF-8 as from_utf8_lossy. */
@@ -1126,6 +1178,7 @@ int main(void)
         cmocka_unit_test(test_reported_seed),
         cmocka_unit_test(test_backend_error),
         cmocka_unit_test(test_tokenizer_text),
+        cmocka_unit_test(test_unknown_id_text),
         cmocka_unit_test(test_engine_thread),
         cmocka_unit_test(test_event_backpressure),
         cmocka_unit_test(test_run_drain),
