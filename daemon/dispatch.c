@@ -55,7 +55,8 @@ static void request_detach_conn(struct dsv4_request *req)
         req->conn_next->conn_prev = req->conn_prev;
     req->conn_prev = req->conn_next = NULL;
     req->conn = NULL;
-    c->n_requests--;
+    if (--c->n_requests == 0)
+        c->idle_since_ns = dsv4_now_ns();   /* max_idle_per_uid counts from here */
 }
 
 static void pending_remove(struct dsv4_server *s, struct dsv4_request *req)

@@ -64,6 +64,24 @@ static uint64_t timer_in(uint64_t usec)
     return dsv4_now_ns() / 1000 + usec;
 }
 
+/* The connection sweep (frame_timeout, max_idle_per_uid): often enough that a stalled connection
+ * goes within an eighth of the timeout past its deadline (and at least once a second), rarely enough
+ * to cost nothing. */
+static uint64_t sweep_period_usec(const struct dsv4_server *s)
+{
+    double p = s->cfg->frame_timeout > 0 ? s->cfg->frame_timeout / 8 : 1.0;
+    return (uint64_t)((p > 1.0 ? 1.0 : p < 0.01 ? 0.01 : p) * 1e6);
+}
+
+static int on_sweep(sd_event_source *src, uint64_t usec, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    dsv4_conn_sweep(s);
+    sd_event_source_set_time(src, usec + sweep_period_usec(s));
+    sd_event_source_set_enabled(src, SD_EVENT_ONESHOT);
+    return 0;
+}
+
 /* ---- boot ---------------------------------------------------------------------------------------- */
 
 static int on_extend(sd_event_source *src, uint64_t usec, void *userdata)
@@ -372,6 +390,13 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
     if (r < 0)
         return dsv4_error_set(r, "boot timer: %s", strerror(-r));
 
+    if (cfg->frame_timeout > 0 || cfg->max_idle_per_uid > 0) {
+        r = sd_event_add_time(s->event, &s->sweep_src, CLOCK_MONOTONIC, timer_in(sweep_period_usec(s)), 0,
+                              on_sweep, s);
+        if (r < 0)
+            return dsv4_error_set(r, "connection sweep timer: %s", strerror(-r));
+    }
+
     s->watchdog_usec = dsv4_notify_watchdog_usec();
     if (s->watchdog_usec) {
         r = sd_event_add_time(s->event, &s->watchdog_src, CLOCK_MONOTONIC, timer_in(s->watchdog_usec / 3), 0,
@@ -413,6 +438,7 @@ void dsv4_server_done(struct dsv4_server *s)
     s->watchdog_src = sd_event_source_disable_unref(s->watchdog_src);
     s->extend_src = sd_event_source_disable_unref(s->extend_src);
     s->drain_src = sd_event_source_disable_unref(s->drain_src);
+    s->sweep_src = sd_event_source_disable_unref(s->sweep_src);
     s->reap_src = sd_event_source_disable_unref(s->reap_src);
     if (joined) {
         dsv4_host_free(s->host);

@@ -65,6 +65,8 @@ struct dsv4_conn {
     sd_event_source *src;
     sd_event_source *resume_src;        /* reads on after a pause or the per-wakeup frame cap */
     bool paused;                        /* output above high water: requests wait in the socket */
+    uint64_t partial_since_ns;          /* when the frame the reader holds part of began; 0: none */
+    uint64_t idle_since_ns;             /* when n_requests last became 0 (or the accept) */
     pid_t pid;
     uid_t uid;
     gid_t gid;
@@ -105,6 +107,7 @@ struct dsv4_server {
     struct dsv4_sched *sched;               /* once booted */
     sd_event_source *boot_src, *sched_src;
     sd_event_source *watchdog_src, *extend_src, *drain_src;
+    sd_event_source *sweep_src;             /* frame_timeout and max_idle_per_uid (conn.c) */
     uint64_t watchdog_usec, watchdog_last_steps;
     uint64_t boot_device_allocs, boot_graph_captures;  /* backend counters when boot ended */
     uint64_t boot_sched_allocations;        /* the scheduler's allocation counter when boot ended */
@@ -150,6 +153,9 @@ void dsv4_conn_close(struct dsv4_conn *c, const char *why);
 void dsv4_conn_reap(struct dsv4_server *s);
 /* Recompute which events the connection waits for (reading pauses while its output backs up). */
 void dsv4_conn_update_events(struct dsv4_conn *c);
+/* Close the connections that have held a partial frame for longer than frame_timeout, and each
+ * uid's idle connections beyond max_idle_per_uid (those idle longest first). */
+void dsv4_conn_sweep(struct dsv4_server *s);
 
 /* dispatch.c */
 /* One decoded frame from c. */

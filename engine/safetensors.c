@@ -253,7 +253,8 @@ static int load_file(struct dsv4_st *st, size_t fi)
         return r;
 
     /* overlap: in offset order, every non-empty tensor must start at or after the previous end */
-    qsort(st->tensors + first, st->ntensors - first, sizeof(*st->tensors), cmp_by_offset);
+    if (st->ntensors - first > 1)   /* a header with no tensors leaves st->tensors NULL */
+        qsort(st->tensors + first, st->ntensors - first, sizeof(*st->tensors), cmp_by_offset);
     for (size_t i = first + 1, prev = first; i < st->ntensors; i++) {
         const struct dsv4_st_tensor *a = &st->tensors[prev], *b = &st->tensors[i];
 

@@ -39,8 +39,9 @@ static void same_generate(const struct dsv4_proto_generate *a, const struct dsv4
     if (a->prompt_kind != b->prompt_kind || a->prompt_len != b->prompt_len || a->n_messages != b->n_messages ||
         a->n_tokens != b->n_tokens || a->add_bos != b->add_bos || a->thinking != b->thinking ||
         a->stream != b->stream || a->sampling.n_stop != b->sampling.n_stop ||
-        a->sampling.n_stop_token_ids != b->sampling.n_stop_token_ids || a->sampling.max_tokens != b->sampling.max_tokens ||
-        a->sampling.has_seed != b->sampling.has_seed || (a->sampling.has_seed && a->sampling.seed != b->sampling.seed) ||
+        a->sampling.n_stop_token_ids != b->sampling.n_stop_token_ids ||
+        a->sampling.max_tokens != b->sampling.max_tokens || a->sampling.has_seed != b->sampling.has_seed ||
+        (a->sampling.has_seed && a->sampling.seed != b->sampling.seed) ||
         a->sampling.logprobs != b->sampling.logprobs || a->sampling.top_k != b->sampling.top_k)
         abort();
     if (a->prompt_len && memcmp(a->prompt, b->prompt, a->prompt_len))

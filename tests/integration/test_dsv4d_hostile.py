@@ -6,6 +6,7 @@ connection, while a witness client on another connection keeps being served."""
 import socket
 import struct
 import threading
+import time
 
 from dsv4d_harness import BOS, LONG_PROMPT, TIMEOUT, Client, Closed, Daemon, Tap, tokens_bin
 
@@ -210,6 +211,63 @@ try:
     stuck.close()
     c.close()
     witness.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+# ---- a client stalled inside a frame is dropped; idle connections per uid are bounded --------------
+d = Daemon(activation=False, args=["--max-context", "256", "--frame-timeout", "1", "--max-idle-per-uid", "4"],
+           endless=True)
+try:
+    t.ok(d.start(), "dsv4d with frame_timeout = 1 s and max_idle_per_uid = 4 becomes ready", d.log_text())
+    stalled = Client(d.sock_path, timeout=30)
+    stalled.send_raw(struct.pack(">I", 1000) + b"\x94\x00")
+    start = time.monotonic()
+    closed = stalled.closed_by_peer()
+    waited = time.monotonic() - start
+    t.ok(closed and 0.9 <= waited < 10, "a connection holding half a frame is closed after frame_timeout "
+         "(%.1f s)" % waited, d.log_text()[-2000:])
+    t.ok("held a partial frame (6 bytes) for more than 1 s (frame_timeout)" in d.log_text(), "  and the log says why",
+         d.log_text()[-2000:])
+    stalled.close()
+    slow = Client(d.sock_path)
+    whole = request("health", {}, msgid=3)
+    slow.send_raw(whole[:5])
+    time.sleep(0.5)
+    slow.send_raw(whole[5:])
+    err, h = slow.response(3)
+    t.ok(err is None and h["status"] == "ready", "a frame that completes within frame_timeout is served", err)
+
+    # Six fresh connections are let in (a fresh one is not idle); once idle for a second, the two idle
+    # longest are told and closed, and a new one is refused at once.
+    idle = [slow] + [Client(d.sock_path) for _ in range(5)]
+    for c in idle[1:]:
+        c.call("health")
+    time.sleep(2.5)
+    gone = []
+    for c in idle:
+        c.sock.settimeout(0.5)
+        if c.closed_by_peer():
+            gone.append(c)
+        c.sock.settimeout(TIMEOUT)
+    t.ok(len(gone) == 2 and all(c.notifications and c.notifications[-1][2][0]["code"] == 400 for c in gone) and
+         idle[0] in gone and idle[1] in gone,
+         "past max_idle_per_uid the connections idle longest get too_many_connections (400) and are closed",
+         [(idle.index(c), c.notifications) for c in gone])
+    idle = [c for c in idle if c not in gone]
+    extra = Client(d.sock_path)
+    t.ok(extra.closed_by_peer() and extra.notifications and extra.notifications[-1][2][0]["code"] == 400 and
+         "max_idle_per_uid = 4" in extra.notifications[-1][2][0]["message"],
+         "a new connection of a uid holding 4 idle ones gets too_many_connections (400)", extra.notifications)
+    extra.close()
+    busy = idle[0].request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 200, "stream": True})
+    idle[0].recv()
+    extra = Client(d.sock_path)
+    err, h = extra.call("health")
+    t.ok(err is None, "a connection with a request in flight is not idle: a new one is served", err)
+    idle[0].request("cancel", {"msgid": busy})
+    for c in idle + [extra]:
+        c.close()
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:
     d.close()
