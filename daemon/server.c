@@ -294,6 +294,16 @@ static int load_tokenizer(struct dsv4_server *s)
         return dsv4_error_set(-EINVAL, "tokenizer %s has %zu ids but the model's vocab_size is %d", path,
                               dsv4_tokenizer_vocab_size(s->tok), s->model.vocab_size);
     s->vocab_size = (uint32_t)s->model.vocab_size;
+    /* The most input text one token can stand for: its bytes, or an added token's literal content. */
+    for (size_t id = 0; id < dsv4_tokenizer_vocab_size(s->tok); id++) {
+        size_t len = 0;
+        const char *content = dsv4_tokenizer_is_added(s->tok, (int32_t)id) ?
+                              dsv4_tokenizer_token_string(s->tok, (int32_t)id) : NULL;
+        if (dsv4_tokenizer_token_bytes(s->tok, (int32_t)id, &len) && len > s->max_token_bytes)
+            s->max_token_bytes = len;
+        if (content && strlen(content) > s->max_token_bytes)
+            s->max_token_bytes = strlen(content);
+    }
     s->has_chat = dsv4_chat_tags_lookup(s->tok, &s->tags) == 0;
     if (s->has_chat)
         s->bos_id = s->tags.bos;
@@ -302,7 +312,8 @@ static int load_tokenizer(struct dsv4_server *s)
     else
         s->bos_id = -1;
     dsv4_error_clear();
-    dsv4_log_info("tokenizer %s: %zu ids, chat format %s", path, dsv4_tokenizer_vocab_size(s->tok),
+    dsv4_log_info("tokenizer %s: %zu ids (a token spans at most %zu bytes), chat format %s", path,
+                  dsv4_tokenizer_vocab_size(s->tok), s->max_token_bytes,
                   s->has_chat ? "available" : "unavailable (no chat tags)");
     return 0;
 }
@@ -371,6 +382,14 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
     dsv4_proto_limits_server(&s->proto_limits);
     s->proto_limits.max_frame = cfg->max_frame;
 
+    r = dsv4_prompt_worker_start(&s->prompts);
+    if (r < 0)
+        return r;
+    r = sd_event_add_io(s->event, &s->prompts_src, dsv4_prompt_worker_fd(s->prompts), EPOLLIN,
+                        dsv4_dispatch_prompts_done, s);
+    if (r < 0)
+        return dsv4_error_set(r, "watching the prompt worker: %s", strerror(-r));
+
     r = open_listeners(s);
     if (r < 0)
         return r;
@@ -426,10 +445,17 @@ void dsv4_server_done(struct dsv4_server *s)
     if (s->host)
         joined = dsv4_host_stop(s->host);
     /* The engine thread is gone (or still loading and never saw a request): requests can go. */
+    /* The prompt worker stops before the requests its jobs belong to are freed. */
+    dsv4_prompt_worker_stop(s->prompts);
     while (s->conns)
         dsv4_conn_close(s->conns, "server exiting");
     dsv4_conn_reap(s);
+    while (s->prompts && dsv4_prompt_worker_take_done(s->prompts))
+        ;
     dsv4_dispatch_free_all(s);
+    s->prompts_src = sd_event_source_disable_unref(s->prompts_src);
+    dsv4_prompt_worker_free(s->prompts);
+    s->prompts = NULL;
     for (int i = 0; i < s->listeners.n; i++)
         s->listen_src[i] = sd_event_source_disable_unref(s->listen_src[i]);
     dsv4_listen_close(&s->listeners);

@@ -12,6 +12,7 @@
 
 #include "daemon/host.h"
 #include "daemon/listen.h"
+#include "daemon/prompts.h"
 #include "daemon/settings.h"
 #include "engine/chat.h"
 #include "engine/config.h"
@@ -22,6 +23,8 @@
 #define DSV4_CONN_FRAMES_PER_WAKEUP 64
 /* Stop reading a connection's requests while this much output waits for it (it resumes below). */
 #define DSV4_CONN_OUTPUT_HIGH_WATER (1u << 20)
+/* Prompts of more text than this are tokenized on the prompt worker (a few ms of encoding inline). */
+#define DSV4_PROMPT_INLINE_BYTES (16u << 10)
 /* After the drain, how long the last responses may take to reach slow clients. */
 #define DSV4_SERVER_FLUSH_USEC (2 * 1000000ull)
 /* Boot steps extend systemd's start timeout by this much, each time the boot timer fires. */
@@ -40,8 +43,9 @@ enum dsv4_server_state {
 struct dsv4_server;
 struct dsv4_conn;
 
-/* A generate request from its decode to its result. Owned by the server; linked into its
- * connection's list while the client is there (conn NULL after the client left). */
+/* A generate request from its decode to its result (or a tokenize request while the prompt worker
+ * encodes its text). Owned by the server; linked into its connection's list while the client is
+ * there (conn NULL after the client left). */
 struct dsv4_request {
     struct dsv4_request *all_prev, *all_next;   /* server->requests */
     struct dsv4_request *conn_prev, *conn_next; /* conn->requests */
@@ -55,6 +59,14 @@ struct dsv4_request {
     struct dsv4_tok_ids prompt;         /* kept valid until the scheduler releases the request */
     struct dsv4_proto_logprob *logprobs;/* [completion tokens] when logprobs were asked for */
     uint32_t n_logprobs, cap_logprobs;
+    /* A large prompt is tokenized on the prompt worker (prompts.h): the request waits, tokenizing,
+     * until its job comes back; a cancel or the client leaving meanwhile is acted on then. */
+    struct dsv4_prompt_job job;
+    struct dsv4_server *server;
+    bool tokenizing, cancel_asked;
+    bool tokenize_only;                 /* a tokenize request (gen holds its text), not a generate */
+    int job_rc;
+    struct dsv4_proto_error job_err;
 };
 
 struct dsv4_conn {
@@ -102,6 +114,9 @@ struct dsv4_server {
     int32_t bos_id;                         /* -1 when the tokenizer has no BOS tag */
     struct dsv4_proto_limits proto_limits;
     uint32_t vocab_size;                    /* ids a client may send: min(model, tokenizer) */
+    size_t max_token_bytes;                 /* the most text one token stands for (no normalizer) */
+    struct dsv4_prompt_worker *prompts;
+    sd_event_source *prompts_src;
 
     struct dsv4_host *host;
     struct dsv4_sched *sched;               /* once booted */
@@ -172,5 +187,7 @@ void dsv4_dispatch_conn_gone(struct dsv4_conn *c);
 void dsv4_dispatch_refuse_pending(struct dsv4_server *s, int code, const char *message);
 /* Free every request (shutdown). */
 void dsv4_dispatch_free_all(struct dsv4_server *s);
+/* The prompt worker's eventfd is readable: prompts it tokenized go on to the engine. */
+int dsv4_dispatch_prompts_done(sd_event_source *src, int fd, uint32_t revents, void *userdata);
 
 #endif

@@ -8,7 +8,8 @@ import struct
 import threading
 import time
 
-from dsv4d_harness import BOS, LONG_PROMPT, TIMEOUT, Client, Closed, Daemon, Tap, tokens_bin
+from dsv4d_harness import (BOS, LONG_PROMPT, TIMEOUT, Client, Closed, Daemon, Tap, bin_tokens, text_tokens,
+                           tokens_bin)
 
 import msgpack  # after the harness, which skips the test when it is missing
 
@@ -268,6 +269,72 @@ try:
     idle[0].request("cancel", {"msgid": busy})
     for c in idle + [extra]:
         c.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+# ---- huge prompts: refused by their size before tokenizing; large ones tokenized off the io thread ---
+d = Daemon(activation=False, args=["--max-context", "65536", "--max-batch", "2"], endless=True)
+try:
+    t.ok(d.start(), "dsv4d with max_context = 65536 becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    err, _ = c.call("generate", {"prompt": "x" * (4 << 20), "max_tokens": 1})
+    t.ok(err is not None and err["code"] == 301 and "bytes of text are at least" in err["message"],
+         "a 4 MiB prompt is prompt_too_long by its size, before it is tokenized", err)
+    err, _ = c.call("generate", {"messages": [{"role": "user", "content": "y" * (3 << 20)}]})
+    t.ok(err is not None and err["code"] == 301 and "bytes of text are at least" in err["message"],
+         "so are 3 MiB of chat messages", err)
+
+    # Eight 1 MiB prompts (each 1 Mi tokens: too long only once tokenized) pipelined on one connection;
+    # a witness on another connection is answered while they are being tokenized.
+    N = 8
+    big = Client(d.sock_path)
+    done_at = {}
+
+    def read_big():
+        try:
+            while len(done_at) < N:
+                m = big.recv()
+                if m[0] == 1:
+                    done_at[m[1]] = (time.monotonic(), m[2])
+        except (Closed, OSError):
+            pass
+    reader = threading.Thread(target=read_big)
+    reader.start()
+    big.send_raw(b"".join(gen({"prompt": chr(ord("a") + k) * (1 << 20), "max_tokens": 1}, msgid=100 + k)
+                          for k in range(N)))
+    time.sleep(0.05)
+    witness2 = Client(d.sock_path)
+    err, res = witness2.call("generate", {"prompt": "hello", "max_tokens": 2, "temperature": 0.0})
+    witness_at = time.monotonic()
+    reader.join(TIMEOUT)
+    t.ok(err is None and res["usage"]["completion_tokens"] == 2, "the witness is served", err)
+    t.ok(len(done_at) == N and all(e is not None and e["code"] == 301 for _, e in done_at.values()),
+         "each large prompt is answered prompt_too_long once tokenized", done_at)
+    t.ok(len(done_at) == N and witness_at < max(at for at, _ in done_at.values()),
+         "the witness did not wait for the large prompts to be tokenized",
+         (witness_at, sorted(at for at, _ in done_at.values())))
+    big.close()
+
+    # tokenize of a large text is answered from the worker too, exactly.
+    err, res = c.call("tokenize", {"text": "ab" * (40 << 10), "add_bos": False})
+    t.ok(err is None and bin_tokens(res["tokens"]) == text_tokens("ab" * (40 << 10)),
+         "tokenize of 80 KiB (on the prompt worker) gives the ids", err)
+
+    # Cancelled while tokenizing, and a client leaving while its prompt is tokenized.
+    mid = c.request("generate", {"prompt": "z" * (1 << 20), "max_tokens": 1})
+    err, res = c.call("cancel", {"msgid": mid})
+    t.ok(err is None and res["cancelled"], "a request being tokenized can be cancelled", (err, res))
+    err, res = c.response(mid)
+    t.ok(err is None and res["finish_reason"] == "cancelled", "  and answers cancelled", (err, res))
+    for k in range(4):
+        q = Client(d.sock_path)
+        q.send_raw(gen({"prompt": "q" * (1 << 20), "max_tokens": 1}, msgid=k))
+        q.close()
+    err, res = witness2.call("generate", {"prompt": "hello", "max_tokens": 2, "temperature": 0.0})
+    t.ok(err is None, "clients leaving while their prompts are tokenized harm no one", err)
+    witness2.close()
+    c.close()
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:
     d.close()
