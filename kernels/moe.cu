@@ -40,7 +40,9 @@ static __device__ __forceinline__ float swiglu(float g, float u, float limit)
     return g / (1.0f + expf(-g)) * u;
 }
 
-/* One warp per token. Shared: scores [E], selection values [E]. */
+/* One warp per token. Shared: scores [E], selection values [E]. Lane j keeps the j-th choice in a
+ * register and writes its index and weight: nothing is read back from global memory (a serial
+ * round trip per choice was most of this kernel's time at batch 1). */
 __global__ void router_kernel(const float *__restrict__ logits, int n_experts, int topk,
                               const float *__restrict__ bias, const int32_t *__restrict__ tid2eid,
                               const int32_t *__restrict__ tokens, float route_scale,
@@ -52,6 +54,7 @@ __global__ void router_kernel(const float *__restrict__ logits, int n_experts, i
     const int b = blockIdx.x, lane = threadIdx.x;
     const float *l = logits + (int64_t)b * n_experts;
     float sum = 0.0f;
+    int mine = -1;          /* lane j < topk: choice j */
 
     for (int e = lane; e < n_experts; e += DSV4_CUDA_WARP) {
         score[e] = sqrt_softplus(l[e]);
@@ -85,15 +88,14 @@ __global__ void router_kernel(const float *__restrict__ logits, int n_experts, i
         }
         if (best < 0 || best >= n_experts)
             best = -1;      /* NaN scores or a bad table entry: the pair is skipped downstream */
-        if (lane == 0)
-            idx[(int64_t)b * topk + j] = best;
-        sum += best >= 0 ? score[best] : 0.0f;
+        if (lane == j)
+            mine = best;
+        sum += best >= 0 ? score[best] : 0.0f;      /* every lane: the same sum in the same order */
     }
-    if (lane == 0)
-        for (int j = 0; j < topk; j++) {
-            const int e = idx[(int64_t)b * topk + j];
-            w[(int64_t)b * topk + j] = e >= 0 ? score[e] / (sum + 1e-20f) * route_scale : 0.0f;
-        }
+    if (lane < topk) {
+        idx[(int64_t)b * topk + lane] = mine;
+        w[(int64_t)b * topk + lane] = mine >= 0 ? score[mine] / (sum + 1e-20f) * route_scale : 0.0f;
+    }
 }
 
 extern "C" int dsv4_cuda_router(const float *d_logits, int batch, int n_experts, int topk,
