@@ -230,6 +230,15 @@ int dsv4_cuda_router(const float *d_logits, int batch, int n_experts, int topk, 
 int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,
                           const int32_t *d_idx, const float *d_w, const struct dsv4_cuda_moe_ws *ws,
                           float *d_y, void *stream);
+/* The same in two launches' worth of calls, so that other work can join before the sum: routed runs
+ * every expert on its rows into ws; combine then writes d_y[b] = sum_j w[b,j] out[b,j] (j order)
+ * + d_add[b] when d_add (the shared expert's output) is not NULL: the sum rounded, then the add
+ * rounded, as a separate add of the two would give. */
+int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,
+                         const int32_t *d_idx, const struct dsv4_cuda_moe_ws *ws, void *stream);
+int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int topk, const int32_t *d_idx,
+                          const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add, float *d_y,
+                          void *stream);
 
 /* d_h[b, i] = silu(min(g, L)) * clamp(u, -L, L) for g = d_gate[b, i], u = d_up[b, i] (shared expert). */
 int dsv4_cuda_swiglu(const float *d_gate, const float *d_up, int rows, int64_t n, float limit,

@@ -498,8 +498,8 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B)
     return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, m);
 }
 
-/* Main lane: gate, router and the routed experts into sub. Side lane, from xn: the shared expert
- * into sout, added to sub once both are done. */
+/* Main lane: gate, router and the routed experts. Side lane, from xn: the shared expert into sout,
+ * which the routed experts' combine adds as it writes sub. */
 static int moe(struct cuda_backend *cb, const struct step_layer *L, int B)
 {
     const struct dsv4_config *c = cb->cfg;
@@ -526,12 +526,10 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B)
         STEP(dsv4_cuda_fp8_roundtrip(t->xn, B, D, DSV4_CUDA_ACT_BLOCK, t->xq, s));
         x = t->xq;
     }
-    STEP(dsv4_cuda_moe_experts(&ex, x, B, K, t->ridx, t->rw, &t->moe, t->sub, s));
-    if (L->sw1.w) {
+    STEP(dsv4_cuda_moe_routed(&ex, x, B, K, t->ridx, &t->moe, s));
+    if (L->sw1.w)
         STEP(lane_wait(cb, m, sd, cb->ev_join));
-        STEP(dsv4_cuda_add(t->sub, t->sout, (int64_t)B * D, s));
-    }
-    return 0;
+    return dsv4_cuda_moe_combine(&ex, B, K, t->ridx, t->rw, &t->moe, L->sw1.w ? t->sout : NULL, t->sub, s);
 }
 
 /* F32 mHC fn weights (both releases) take the split-K kernel; other formats (converted test
