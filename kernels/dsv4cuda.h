@@ -202,6 +202,13 @@ int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t l
  * this x in the same form, rows and width. Otherwise x is prepared as dsv4_cuda_gemm does. */
 int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
                           struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
+/* RMSNorm of d_x [rows, W->in] into d_y, bit for bit as dsv4_cuda_rmsnorm writes it, and in the same
+ * launch d_y prepared in ws for W, so that dsv4_cuda_gemm_same_x(W, d_y, W->in, rows, quant_act, ws,
+ * ...) skips its own preparation launch. W: FP8 with quantized activations, or BF16
+ * (dsv4_cuda_gemm_norm_supports). */
+bool dsv4_cuda_gemm_norm_supports(const struct dsv4_cuda_linear *W, bool quant_act);
+int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_act, const float *d_x, const float *d_w,
+                        int rows, float eps, struct dsv4_cuda_gemm_ws *ws, float *d_y, void *stream);
 /* The grouped output projection in one launch: W [groups R, K] FP8 with raw activations,
  * d_y[n, g R + r] = sum_k W[g R + r, k] d_x[n, g K + k]; R a multiple of 128 (one scale block). */
 bool dsv4_cuda_gemm_grouped_supports(const struct dsv4_cuda_linear *W, int groups);
