@@ -332,13 +332,13 @@ static json_t *json_result(const struct dsv4_client_result *r)
     json_t *tokens = json_array();
     for (size_t i = 0; i < r->n_tokens; i++)
         json_array_append_new(tokens, json_integer(r->tokens[i]));
-    json_t *j = json_pack("{s:s%,s:o,s:s,s:{s:i,s:i,s:I},s:{s:f,s:f,s:f,s:f,s:f}}",
+    json_t *j = json_pack("{s:s%,s:o,s:s,s:{s:i,s:i,s:I,s:i},s:{s:f,s:f,s:f,s:f,s:f}}",
                           "text", r->text, r->text_len,
                           "tokens", tokens,
                           "finish_reason", dsv4_client_finish_name(r->finish_reason),
                           "usage", "prompt_tokens", (int)r->prompt_tokens, "completion_tokens",
                           (int)r->completion_tokens, "total_tokens",
-                          (json_int_t)r->prompt_tokens + r->completion_tokens,
+                          (json_int_t)r->prompt_tokens + r->completion_tokens, "cached_tokens", (int)r->cached_tokens,
                           "timings", "queue_ms", r->queue_ms, "prefill_ms", r->prefill_ms, "decode_ms",
                           r->decode_ms, "total_ms", r->total_ms, "decode_tokens_per_s", r->decode_tokens_per_s);
     if (r->error_message)
@@ -424,10 +424,10 @@ static int cmd_generate(struct dsv4_client *c, struct options *o, int argc, char
         fflush(stdout);
     }
     if (o->verbose) {
-        fprintf(stderr, "finish: %s; prompt %u tokens, generated %u; queue %.1f ms, prefill %.1f ms, "
+        fprintf(stderr, "finish: %s; prompt %u tokens (%u cached), generated %u; queue %.1f ms, prefill %.1f ms, "
                 "decode %.1f ms (%.1f tokens/s), total %.1f ms\n", dsv4_client_finish_name(r.finish_reason),
-                r.prompt_tokens, r.completion_tokens, r.queue_ms, r.prefill_ms, r.decode_ms, r.decode_tokens_per_s,
-                r.total_ms);
+                r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.queue_ms, r.prefill_ms, r.decode_ms,
+                r.decode_tokens_per_s, r.total_ms);
     }
     int status = EXIT_OK;
     if (r.finish_reason == DSV4_CLIENT_FINISH_ERROR) {
@@ -532,6 +532,14 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         { "decode_steps", 0, s.decode_steps, false },
         { "sched_allocations", 0, s.sched_allocations, false },
         { "sched_allocations_after_boot", 0, s.sched_allocations_after_boot, false },
+        { "prefix_cache_bytes", 0, s.prefix_cache_bytes, false },
+        { "prefix_cache_used_bytes", 0, s.prefix_cache_used_bytes, false },
+        { "prefix_cache_tokens", 0, s.prefix_cache_tokens, false },
+        { "prefix_cache_snapshots", 0, s.prefix_cache_snapshots, false },
+        { "prefix_cache_lookups", 0, s.prefix_cache_lookups, false },
+        { "prefix_cache_hits", 0, s.prefix_cache_hits, false },
+        { "prefix_cache_hit_tokens", 0, s.prefix_cache_hit_tokens, false },
+        { "prefix_cache_evictions", 0, s.prefix_cache_evictions, false },
     };
     if (o->json) {
         json_t *j = json_object();
