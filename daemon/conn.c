@@ -230,7 +230,8 @@ void dsv4_conn_close(struct dsv4_conn *c, const char *why)
     s->zombies = c;
     if (s->reap_src)
         sd_event_source_set_enabled(s->reap_src, SD_EVENT_ONESHOT);
-    if (s->accept_paused && s->state != DSV4_SERVER_DRAINING && s->state != DSV4_SERVER_EXITING)
+    if (s->accept_paused && s->state != DSV4_SERVER_DRAINING && s->state != DSV4_SERVER_EXITING &&
+        s->state != DSV4_SERVER_FAILED)
         set_accepting(s, true);
     dsv4_server_check_drained(s);
 }

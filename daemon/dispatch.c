@@ -328,6 +328,9 @@ static int submit(struct dsv4_server *s, struct dsv4_request *req, struct dsv4_p
         return 0;
     case -ESHUTDOWN:
         return dsv4_proto_error_set(err, DSV4_PROTO_E_DRAINING, "the server is shutting down");
+    case -ENOTRECOVERABLE:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_INTERNAL, "%s; dsv4d is exiting to be restarted",
+                                    dsv4_error_message());
     case -EAGAIN:
         return dsv4_proto_error_set(err, DSV4_PROTO_E_QUEUE_FULL, "%s", dsv4_error_message());
     case -E2BIG:
@@ -363,6 +366,8 @@ static int admit_generate(struct dsv4_server *s, struct dsv4_conn *c, uint32_t m
     struct dsv4_proto_model_limits lim = model_limits(s);
     const struct dsv4_proto_sampling *ps = &gen->sampling;
 
+    if (s->state == DSV4_SERVER_FAILED)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_INTERNAL, "%s; dsv4d is exiting to be restarted", s->reason);
     if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_DRAINING, "the server is shutting down; retry later");
     if (duplicate_msgid(c, msgid))
@@ -762,6 +767,7 @@ static void do_health(struct dsv4_server *s, struct dsv4_conn *c, const struct d
         h.status = DSV4_PROTO_HEALTH_LOADING;
         break;
     case DSV4_SERVER_WARMUP: h.status = DSV4_PROTO_HEALTH_LOADING; break;
+    case DSV4_SERVER_FAILED: h.status = DSV4_PROTO_HEALTH_FAILED; break;
     default: h.status = DSV4_PROTO_HEALTH_DRAINING; break;
     }
     reply_encoded(c, dsv4_proto_encode_health_result(&c->out, msg->msgid, &h));
@@ -859,6 +865,10 @@ static void on_finish(struct dsv4_server *s, struct dsv4_request *req, const str
         s->counters.requests_failed++;
     if (res->finish == DSV4_FINISH_ERROR)
         dsv4_log_err("request %u: engine error: %s", req->msgid, res->error_message);
+    /* The first request ended by a fatal backend error tells the server (the engine thread's own
+     * report follows once every request has ended). */
+    if (res->finish == DSV4_FINISH_ERROR && res->error == -ENOTRECOVERABLE)
+        dsv4_server_engine_failed(s, res->error_message);
 
     if (req->warmup) {
         char what[DSV4_SCHED_ERROR_MAX + 128];

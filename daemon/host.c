@@ -9,6 +9,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "daemon/fault.h"
 #include "daemon/host.h"
 #include "daemon/log.h"
 #include "engine/backend.h"
@@ -129,6 +130,8 @@ static int boot(struct dsv4_host *h)
 
     set_phase(h, DSV4_HOST_CREATING_BACKEND);
     r = create_backend(h, &opts);
+    if (r == 0)
+        r = dsv4_fault_wrap_from_env(&h->backend);
     if (r < 0)
         return r;
     struct dsv4_backend_stats bs;

@@ -122,6 +122,43 @@ void dsv4_server_warmup_done(struct dsv4_server *s, bool ok, const char *what)
     dsv4_dispatch_submit_pending(s);
 }
 
+static int on_drain_deadline(sd_event_source *src, uint64_t usec, void *userdata);
+static void close_connections(struct dsv4_server *s, const char *reason);
+
+static int on_failed_linger(sd_event_source *src, uint64_t usec, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    dsv4_log_info("engine failed: closing %d connections and exiting", s->n_conns);
+    close_connections(s, "the engine failed");
+    int r = sd_event_add_time(s->event, &s->drain_src, CLOCK_MONOTONIC, timer_in(DSV4_SERVER_FLUSH_USEC), 0,
+                              on_drain_deadline, s);
+    if (r < 0)
+        dsv4_log_warning("exit deadline timer: %s", strerror(-r));
+    dsv4_server_check_drained(s);
+    return 0;
+}
+
+void dsv4_server_engine_failed(struct dsv4_server *s, const char *why)
+{
+    int r;
+
+    if (s->state == DSV4_SERVER_FAILED || s->state == DSV4_SERVER_EXITING)
+        return;
+    dsv4_log_err("%s; answering what is left, then exiting", why);
+    set_reason(s, "%s", why);
+    dsv4_notify_status("failed: %s", why);
+    s->state = DSV4_SERVER_FAILED;
+    s->exit_code = EXIT_FAILURE;
+    stop_accepting(s);
+    dsv4_dispatch_refuse_pending(s, DSV4_PROTO_E_INTERNAL, s->reason);
+    r = sd_event_add_time(s->event, &s->linger_src, CLOCK_MONOTONIC, timer_in(DSV4_SERVER_FAILED_LINGER_USEC), 0,
+                          on_failed_linger, s);
+    if (r < 0) {
+        dsv4_log_warning("linger timer: %s", strerror(-r));
+        on_failed_linger(NULL, 0, s);
+    }
+}
+
 static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdata)
 {
     struct dsv4_server *s = userdata;
@@ -134,9 +171,10 @@ static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdat
     if (s->sched) {
         /* Boot was done: the engine's step loop has failed since. */
         if (dsv4_host_phase(s->host) == DSV4_HOST_FAILED) {
-            dsv4_log_err("engine: %s", dsv4_host_boot_error(s->host));
-            dsv4_notify_status("failed: %s", dsv4_host_boot_error(s->host));
-            server_exit(s, EXIT_FAILURE);
+            /* Usually known already from the requests' errors: their events go out first. */
+            if (s->sched_src)
+                dsv4_dispatch_engine_events(s->sched_src, dsv4_sched_event_fd(s->sched), EPOLLIN, s);
+            dsv4_server_engine_failed(s, dsv4_host_boot_error(s->host));
         }
         return 0;
     }
@@ -203,21 +241,26 @@ static int on_watchdog(sd_event_source *src, uint64_t usec, void *userdata)
 
 /* ---- stop ---------------------------------------------------------------------------------------- */
 
+/* Each connection closes once its last response is written (or at the flush deadline); then exit. */
+static void close_connections(struct dsv4_server *s, const char *reason)
+{
+    s->state = DSV4_SERVER_EXITING;
+    for (struct dsv4_conn *c = s->conns, *next; c; c = next) {
+        next = c->next;
+        if (!c->closing) {
+            c->closing = true;
+            c->close_reason = reason;
+        }
+        dsv4_conn_flush(c);
+    }
+    stop_accepting(s);
+}
+
 void dsv4_server_check_drained(struct dsv4_server *s)
 {
     if (s->state == DSV4_SERVER_DRAINING && s->n_requests == 0) {
         dsv4_log_info("drained: every request has its answer; closing %d connections", s->n_conns);
-        s->state = DSV4_SERVER_EXITING;
-        /* Each connection closes once its last response is written (or at the flush deadline). */
-        for (struct dsv4_conn *c = s->conns, *next; c; c = next) {
-            next = c->next;
-            if (!c->closing) {
-                c->closing = true;
-                c->close_reason = "the server is stopping and every request on it was answered";
-            }
-            dsv4_conn_flush(c);
-        }
-        stop_accepting(s);
+        close_connections(s, "the server is stopping and every request on it was answered");
     }
     if (s->state == DSV4_SERVER_EXITING && s->n_conns == 0)
         sd_event_exit(s->event, s->exit_code);
@@ -238,8 +281,8 @@ static int on_term(sd_event_source *src, const struct signalfd_siginfo *si, void
     const char *sig = si->ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT";
     int r;
 
-    if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING) {
-        dsv4_log_notice("%s again: exiting now", sig);
+    if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING || s->state == DSV4_SERVER_FAILED) {
+        dsv4_log_notice("%s %s: exiting now", sig, s->state == DSV4_SERVER_FAILED ? "after the engine failed" : "again");
         server_exit(s, s->exit_code);
         return 0;
     }
@@ -465,6 +508,7 @@ void dsv4_server_done(struct dsv4_server *s)
     s->extend_src = sd_event_source_disable_unref(s->extend_src);
     s->drain_src = sd_event_source_disable_unref(s->drain_src);
     s->sweep_src = sd_event_source_disable_unref(s->sweep_src);
+    s->linger_src = sd_event_source_disable_unref(s->linger_src);
     s->reap_src = sd_event_source_disable_unref(s->reap_src);
     if (joined) {
         dsv4_host_free(s->host);

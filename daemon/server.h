@@ -25,6 +25,9 @@
 #define DSV4_CONN_OUTPUT_HIGH_WATER (1u << 20)
 /* Prompts of more text than this are tokenized on the prompt worker (a few ms of encoding inline). */
 #define DSV4_PROMPT_INLINE_BYTES (16u << 10)
+/* After the engine failed, how long health and hello still answer "failed" before the connections
+ * close and the process exits (systemd restarts it): clients polling health learn why. */
+#define DSV4_SERVER_FAILED_LINGER_USEC (1 * 1000000ull)
 /* After the drain, how long the last responses may take to reach slow clients. */
 #define DSV4_SERVER_FLUSH_USEC (2 * 1000000ull)
 /* Boot steps extend systemd's start timeout by this much, each time the boot timer fires. */
@@ -37,6 +40,7 @@ enum dsv4_server_state {
     DSV4_SERVER_WARMUP,         /* warm-up generation in flight */
     DSV4_SERVER_READY,
     DSV4_SERVER_DRAINING,       /* SIGTERM: finishing in-flight work, no new work */
+    DSV4_SERVER_FAILED,         /* the engine failed: answering what is left, then exit 1 */
     DSV4_SERVER_EXITING,
 };
 
@@ -122,6 +126,7 @@ struct dsv4_server {
     struct dsv4_sched *sched;               /* once booted */
     sd_event_source *boot_src, *sched_src;
     sd_event_source *watchdog_src, *extend_src, *drain_src;
+    sd_event_source *linger_src;            /* engine failed: DSV4_SERVER_FAILED_LINGER_USEC */
     sd_event_source *sweep_src;             /* frame_timeout and max_idle_per_uid (conn.c) */
     uint64_t watchdog_usec, watchdog_last_steps;
     uint64_t boot_device_allocs, boot_graph_captures;  /* backend counters when boot ended */
@@ -150,6 +155,9 @@ int dsv4_server_run(struct dsv4_server *s);
 void dsv4_server_done(struct dsv4_server *s);
 /* The warm-up finished (ok or not): become READY or exit. */
 void dsv4_server_warmup_done(struct dsv4_server *s, bool ok, const char *what);
+/* The engine failed for good (a fatal backend error, a sticky GPU fault): refuse new work, let health
+ * say why for DSV4_SERVER_FAILED_LINGER_USEC, then close the connections and exit 1. Once. */
+void dsv4_server_engine_failed(struct dsv4_server *s, const char *why);
 /* Called after events were handled: ends the drain when nothing is left. */
 void dsv4_server_check_drained(struct dsv4_server *s);
 

@@ -218,11 +218,15 @@ int dsv4_sched_event_fd(const struct dsv4_sched *s);
 
 /* One step on the engine thread. Returns 1 when it did work, 0 when there was nothing to do, -EAGAIN
  * when the event ring has no room for a step's events (drain events, then step again), or a negative
- * errno for a failure of the scheduler itself (failed requests end with FINISH_ERROR instead). */
+ * errno for a failure of the scheduler itself (failed requests end with FINISH_ERROR instead).
+ * A fatal backend error (-ENOTRECOVERABLE, backend.h) ends every running request at once with
+ * FINISH_ERROR (result.error -ENOTRECOVERABLE, the message naming the fault), every queued one at the
+ * next steps, and makes submit fail with -ENOTRECOVERABLE; step returns it from then on. */
 int dsv4_sched_step(struct dsv4_sched *s);
 
 /* The engine thread's loop: step while there is work, sleep while idle or while the event ring is
- * full, return 0 after dsv4_sched_stop(), or once a drain has completed. */
+ * full, return 0 after dsv4_sched_stop(), or once a drain has completed; after a fatal backend error,
+ * -ENOTRECOVERABLE (with the message) once every request has ended. */
 int dsv4_sched_run(struct dsv4_sched *s);
 
 /* Make dsv4_sched_run() return after its current step. Any thread. */

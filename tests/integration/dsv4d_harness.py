@@ -272,12 +272,26 @@ class Daemon:
             self.notify.poll(0.05)
         return True
 
+    def first_client(self):
+        """The first connection after wait_socket(): systemd-socket-activate binds (the path appears)
+        a moment before it listens, so a refused connect is retried. None if it never listens."""
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                return Client(self.sock_path)
+            except ConnectionRefusedError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    return None
+                self.notify.poll(0.05)
+
     def start(self):
         """Wait for READY=1; socket activation starts dsv4d at the first connection, made here."""
         if not self.wait_socket():
             return False
         if self.activation:
-            self.trigger = Client(self.sock_path)
+            self.trigger = self.first_client()
+            if self.trigger is None:
+                return False
         return self.notify.wait_for("READY", "1", proc=self.proc) >= 0
 
     def stop(self, sig=signal.SIGTERM):

@@ -33,7 +33,7 @@ d = Daemon(activation=True, args=["--max-context", "4096", "--drain-grace", "600
 try:
     t.ok(d.wait_socket(), "systemd-socket-activate listens", d.log_text())
     # The first connection starts dsv4d; its request waits for READY instead of failing.
-    first = Client(d.sock_path)
+    first = d.first_client()
     mid = first.request("generate", {"tokens": tokens_bin([BOS] + text_tokens("hi")), "max_tokens": 3,
                                      "temperature": 0.0})
     err, res = first.response(mid)
@@ -127,6 +127,43 @@ try:
          "and so does STATUS=", d.notify.messages)
     t.ok("after a protocol error" not in log, "no close of the drain is logged as a protocol error", log)
     c.close()
+finally:
+    d.close()
+
+# ---- a device fault at run time (injected): every request answered, health says so, exit 1 ---------
+d = Daemon(activation=True, args=["--max-context", "4096", "--max-batch", "2"], endless=True,
+           env={"DSV4_TEST_FAULT_AFTER_DECODES": "40"})
+try:
+    t.ok(d.start(), "dsv4d with an injected device fault after 40 decode calls becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    other = Client(d.sock_path)
+    other.call("health")
+    ids = [c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 500, "temperature": 0.0,
+                                  "stream": True}) for _ in range(3)]
+    answers = {}
+    for mid in ids:
+        answers[mid] = c.response(mid, on_notification=lambda m: None)
+    t.ok(all(e is None and r["finish_reason"] == "error" and "injected device fault" in r.get("error", "")
+             for e, r in answers.values()),
+         "the running and the queued requests all end with the device error", answers)
+    err, h = other.call("health")
+    t.ok(err is None and h["status"] == "failed" and "engine failed" in h["reason"],
+         "health says the engine failed", (err, h))
+    err, _ = other.call("generate", {"tokens": tokens_bin([BOS, 7]), "max_tokens": 2})
+    t.ok(err is not None and err["code"] == 502 and "engine failed" in err["message"],
+         "a new request gets internal (502) naming the failure", err)
+    t.ok(c.closed_by_peer() and other.closed_by_peer(), "then the connections close")
+    try:
+        rc = d.proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        rc = None
+    d.stopped = True
+    t.eq(rc, 1, "dsv4d exits 1 (systemd restarts it: Restart=on-failure)")
+    t.ok(any(m.get("STATUS", "").startswith("failed: the engine failed (decode: injected device fault") for m in d.notify.messages),
+         "STATUS= says why", d.notify.messages)
+    t.ok("injected device fault" in d.log_text(), "and so does the log", d.log_text()[-2000:])
+    c.close()
+    other.close()
 finally:
     d.close()
 

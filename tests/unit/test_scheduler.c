@@ -60,10 +60,10 @@ void *__wrap_realloc(void *p, size_t n)
 #define OUT_MAX 512
 #define TEXT_MAX 4096
 
-static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0, false };  /* EOS never wins */
-static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0, false };      /* EOS like any */
+static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false };  /* EOS never wins */
+static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0, false, false };      /* EOS like any */
 /* The same, sampling inside the backend (ops->sample), as the CUDA backend does. */
-static const struct fake_backend_opts FAKE_EOS_DEVICE = { VOCAB, EOS, 0.0f, 6.0f, 0, true };
+static const struct fake_backend_opts FAKE_EOS_DEVICE = { VOCAB, EOS, 0.0f, 6.0f, 0, true, false };
 
 struct outcome {
     bool finished;
@@ -569,7 +569,7 @@ static void test_limits(void **state)
 /* EOS and stop_token_ids end a request with STOP; the token counts, its text does not. */
 static void test_stop_tokens(void **state)
 {
-    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0, false };
+    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0, false, false };
     struct env e;
     env_open(&e, &eos_first, 1, 64, 64, 4);
     int32_t prompt[6] = { 5, 6, 7, 8, 9, 10 };
@@ -953,7 +953,7 @@ static void test_tokenizer_text(void **state)
     if (r < 0)
         fail_msg("tokenizer: %s", dsv4_error_message());
 
-    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0, false };
+    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0, false, false };
     struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = 256 };
     struct dsv4_backend *b;
     assert_int_equal(fake_backend_create(&fo, &bo, &b), 0);
@@ -1000,7 +1000,7 @@ static void test_tokenizer_text(void **state)
  * the next requests run (here the failure is injected once 30 tokens went in). */
 static void test_backend_error(void **state)
 {
-    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30, false };
+    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30, false, false };
     struct env e;
     env_open(&e, &failing, 2, 128, 64, 8);
     int32_t prompt[10] = { 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
@@ -1041,6 +1041,57 @@ static void *run_thread(void *arg)
     struct runner *r = arg;
     r->rc = dsv4_sched_run(r->s);
     return NULL;
+}
+
+/* A fatal backend error (-ENOTRECOVERABLE, a sticky device fault) ends every request, running and
+ * queued, with that error; new ones are refused; the engine thread's loop returns the error. */
+static void test_backend_fatal(void **state)
+{
+    const struct fake_backend_opts faulty = { VOCAB, EOS, -100.0f, 6.0f, 40, false, true };
+    struct env e;
+    env_open(&e, &faulty, 2, 128, 64, 8);
+    int32_t prompt[10] = { 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
+    static struct outcome o[5];
+    for (int i = 0; i < 5; i++) {
+        struct dsv4_sched_request rq = make_request(prompt, 10, 60, i);
+        submit(&e, &rq, &o[i]);
+    }
+    struct runner run = { e.s, 0 };
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, run_thread, &run), 0);
+    int done = 0;
+    for (int guard = 0; done < 5 && guard < 10000; guard++) {
+        struct pollfd p = { dsv4_sched_event_fd(e.s), POLLIN, 0 };
+        poll(&p, 1, 100);
+        uint64_t n;
+        (void)!read(dsv4_sched_event_fd(e.s), &n, sizeof(n));
+        drain_events(e.s);
+        done = 0;
+        for (int i = 0; i < 5; i++)
+            done += o[i].finished;
+    }
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(run.rc, -ENOTRECOVERABLE);
+    for (int i = 0; i < 5; i++) {
+        assert_true(o[i].finished);
+        assert_int_equal(o[i].res.finish, DSV4_FINISH_ERROR);
+        assert_int_equal(o[i].res.error, -ENOTRECOVERABLE);
+        assert_non_null(strstr(o[i].res.error_message, "the engine failed"));
+        assert_non_null(strstr(o[i].res.error_message, "injected device fault"));
+    }
+    /* two ran (and generated before the fault), three never got a slot */
+    assert_true(o[0].res.n_tokens >= 1 && o[1].res.n_tokens >= 1);
+    assert_int_equal(o[2].res.n_tokens + o[3].res.n_tokens + o[4].res.n_tokens, 0);
+    uint64_t id;
+    struct dsv4_sched_request rq = make_request(prompt, 10, 4, 0);
+    assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -ENOTRECOVERABLE);
+    assert_non_null(strstr(dsv4_error_message(), "the engine has failed"));
+    struct dsv4_sched_stats stt;
+    dsv4_sched_get_stats(e.s, &stt);
+    assert_int_equal(stt.slots_in_use, 0);
+    assert_int_equal(stt.queued, 0);
+    assert_int_equal(stt.finished[DSV4_FINISH_ERROR], 5);
+    env_close(&e);
 }
 
 static void test_engine_thread(void **state)
@@ -1180,6 +1231,7 @@ int main(void)
         cmocka_unit_test(test_tokenizer_text),
         cmocka_unit_test(test_unknown_id_text),
         cmocka_unit_test(test_engine_thread),
+        cmocka_unit_test(test_backend_fatal),
         cmocka_unit_test(test_event_backpressure),
         cmocka_unit_test(test_run_drain),
     };
