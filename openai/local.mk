@@ -1,0 +1,14 @@
+# openai/: dsv4-openai, the OpenAI-compatible HTTP front, a separate daemon over libdsv4client.
+# The V4 chat format and reply parsing are a library of their own so the unit test links them alone.
+noinst_LTLIBRARIES += libdsv4openai.la
+libdsv4openai_la_SOURCES = openai/buf.c openai/buf.h openai/pyjson.c openai/pyjson.h \
+	openai/render.c openai/render.h openai/reply.c openai/reply.h
+libdsv4openai_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
+libdsv4openai_la_LIBADD = $(JANSSON_LIBS) -lm
+
+check_PROGRAMS += tests/unit/test_openai_format
+TESTS += tests/unit/test_openai_format
+tests_unit_test_openai_format_SOURCES = tests/unit/test_openai_format.c
+tests_unit_test_openai_format_CFLAGS = $(AM_CFLAGS) $(CMOCKA_CFLAGS) $(JANSSON_CFLAGS)
+tests_unit_test_openai_format_LDADD = libdsv4openai.la $(CMOCKA_LIBS) $(JANSSON_LIBS)
+EXTRA_DIST += tests/fixtures/openai/dsml.json tools/make_openai_fixtures.py
