@@ -886,14 +886,17 @@ static int parse_thinking(const json_t *root, struct dsv4_render_opts *o, struct
 static int parse_tools(const json_t *root, json_t **ret_tools, struct bad *b)
 {
     const json_t *tools = json_object_get(root, "tools"), *choice = json_object_get(root, "tool_choice");
+    /* Checked even without tools: a wrong type is an error wherever it is. */
     *ret_tools = NULL;
-    if (!tools || json_is_null(tools))
-        return 0;
-    if (!json_is_array(tools))
+    if (tools && !json_is_null(tools) && !json_is_array(tools))
         return bad(b, "tools", "tools must be an array");
     if (json_array_size(tools) > 128)
         return bad(b, "tools", "%zu tools, at most 128", json_array_size(tools));
-    if ((choice = json_object_get(root, "tool_choice")) && !json_is_null(choice)) {
+    if (choice && !json_is_null(choice) && !json_is_string(choice) && !json_is_object(choice))
+        return bad(b, "tool_choice", "tool_choice must be a string or an object");
+    if (!json_array_size(tools))
+        return 0;
+    if (choice && !json_is_null(choice)) {
         if (json_is_string(choice)) {
             const char *c = json_string_value(choice);
             if (strcmp(c, "none") == 0)
@@ -914,8 +917,6 @@ static int parse_tools(const json_t *root, json_t **ret_tools, struct bad *b)
                 }
             }
             return bad(b, "tool_choice", "tool_choice names '%s', which is not in tools", json_string_value(name));
-        } else {
-            return bad(b, "tool_choice", "tool_choice must be a string or an object");
         }
     }
     *ret_tools = json_incref((json_t *)tools);

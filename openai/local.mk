@@ -19,3 +19,7 @@ dsv4_openai_SOURCES = openai/main.c openai/http.c openai/job.c openai/server.h
 dsv4_openai_CFLAGS = $(AM_CFLAGS) $(MHD_CFLAGS) $(JANSSON_CFLAGS) $(SYSTEMD_CFLAGS)
 dsv4_openai_LDADD = libdsv4openai.la libdsv4client.la $(MHD_LIBS) $(JANSSON_LIBS) $(SYSTEMD_LIBS) -lm
 endif
+
+# End to end with the openai package (tests/integration/test_openai.py skips when dsv4-openai was not built).
+TESTS += tests/integration/test_openai.py tests/integration/test_openai_hostile.py
+EXTRA_DIST += tests/integration/test_openai.py tests/integration/test_openai_hostile.py tests/integration/openai_harness.py
