@@ -648,6 +648,7 @@ static int generate(struct dsv4_client *c, const struct dsv4_client_generate_par
     res->decode_ms = r.timings.decode_ms;
     res->total_ms = r.timings.total_ms;
     res->decode_tokens_per_s = r.timings.decode_tokens_per_s;
+    res->cached_tokens = r.usage.cached_tokens;
     free(r.logprobs);
     return 0;
 }
@@ -825,6 +826,14 @@ int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret)
         ret->batch_hist[i] = st.batch_hist[i];
     ret->sched_allocations = st.sched_allocations;
     ret->sched_allocations_after_boot = st.sched_allocations_after_boot;
+    ret->prefix_cache_bytes = st.prefix_cache_bytes;
+    ret->prefix_cache_used_bytes = st.prefix_cache_used_bytes;
+    ret->prefix_cache_tokens = st.prefix_cache_tokens;
+    ret->prefix_cache_snapshots = st.prefix_cache_snapshots;
+    ret->prefix_cache_lookups = st.prefix_cache_lookups;
+    ret->prefix_cache_hits = st.prefix_cache_hits;
+    ret->prefix_cache_hit_tokens = st.prefix_cache_hit_tokens;
+    ret->prefix_cache_evictions = st.prefix_cache_evictions;
     dsv4_proto_stats_clear(&st);
     return 0;
 }

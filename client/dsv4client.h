@@ -176,6 +176,7 @@ struct dsv4_client_result {
     double queue_ms, prefill_ms, decode_ms, total_ms;
     struct dsv4_client_logprob *logprobs;   /* n_tokens entries when requested, else NULL */
     double decode_tokens_per_s;  /* (completion_tokens - 1) / decode time; 0 when fewer than 2 tokens */
+    uint32_t cached_tokens;     /* of prompt_tokens, those restored from the prefix cache (not prefilled) */
 };
 
 /* Frees the result's memory; accepts NULL. */
@@ -243,6 +244,12 @@ struct dsv4_client_stats {
     uint64_t batch_hist[DSV4_CLIENT_MAX_BATCH_BUCKETS];   /* decode steps per bucket; they sum to decode_steps */
     uint64_t sched_allocations;              /* the scheduler's heap allocations since it was created */
     uint64_t sched_allocations_after_boot;   /* stays 0 once ready */
+    /* The prefix cache (0 when off): its pool, what it holds, how it served. */
+    uint64_t prefix_cache_bytes, prefix_cache_used_bytes;
+    uint64_t prefix_cache_tokens;            /* tokens whose compressed entries are held */
+    uint64_t prefix_cache_snapshots;         /* block boundaries a request can continue from */
+    uint64_t prefix_cache_lookups, prefix_cache_hits, prefix_cache_hit_tokens;
+    uint64_t prefix_cache_evictions;         /* snapshots evicted */
 };
 
 int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret);

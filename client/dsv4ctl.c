@@ -1,4 +1,5 @@
-/* dsv4ctl: the dsv4d daemon from the shell (generate, info, stats, health, tokenize, detokenize).
+/* dsv4ctl: the dsv4d daemon from the shell (generate, info, stats, health, tokenize, detokenize,
+ * bench).
  * Exit codes are documented in doc/dsv4ctl.1 and in usage(); scripts rely on them. */
 #include "build-config.h"
 
@@ -16,6 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "client/ctl_bench.h"
 #include "client/dsv4client.h"
 
 enum exit_code {
@@ -47,6 +49,7 @@ struct options {
     struct dsv4_client_generate_params gp;
     const char *stop[DSV4_CLIENT_MAX_STOP];
     int32_t stop_ids[DSV4_CLIENT_MAX_STOP_TOKEN_IDS];
+    struct ctl_bench_opts bench;
 };
 
 static const char *prog = "dsv4ctl";
@@ -64,6 +67,13 @@ static void usage(FILE *f)
         "  health                ready, loading or draining; exit 0 only when ready\n"
         "  tokenize [TEXT]       token ids of TEXT (stdin when absent), comma-separated\n"
         "  detokenize [IDS]      text of comma-separated token ids (stdin when absent)\n"
+        "  bench                 load generator: streamed requests at each concurrency, then TTFT,\n"
+        "                        time per output token (median, p99) and output tokens/s\n"
+        "\n"
+        "Bench options (the sampling options below apply too):\n"
+        "      --concurrency LIST  client connections of each level, e.g. 1,16,64 (default 1)\n"
+        "      --prompt-tokens N   random token ids per prompt (default 128)\n"
+        "      --requests N        requests per level (default 4 per connection, at least 8)\n"
         "\n"
         "Common options:\n"
         "  -s, --socket PATH     daemon socket (default $DSV4_SOCKET, then %s)\n"
@@ -309,13 +319,13 @@ static json_t *json_result(const struct dsv4_client_result *r)
     json_t *tokens = json_array();
     for (size_t i = 0; i < r->n_tokens; i++)
         json_array_append_new(tokens, json_integer(r->tokens[i]));
-    json_t *j = json_pack("{s:s%,s:o,s:s,s:{s:i,s:i,s:I},s:{s:f,s:f,s:f,s:f,s:f}}",
+    json_t *j = json_pack("{s:s%,s:o,s:s,s:{s:i,s:i,s:I,s:i},s:{s:f,s:f,s:f,s:f,s:f}}",
                           "text", r->text, r->text_len,
                           "tokens", tokens,
                           "finish_reason", dsv4_client_finish_name(r->finish_reason),
                           "usage", "prompt_tokens", (int)r->prompt_tokens, "completion_tokens",
                           (int)r->completion_tokens, "total_tokens",
-                          (json_int_t)r->prompt_tokens + r->completion_tokens,
+                          (json_int_t)r->prompt_tokens + r->completion_tokens, "cached_tokens", (int)r->cached_tokens,
                           "timings", "queue_ms", r->queue_ms, "prefill_ms", r->prefill_ms, "decode_ms",
                           r->decode_ms, "total_ms", r->total_ms, "decode_tokens_per_s", r->decode_tokens_per_s);
     if (r->error_message)
@@ -401,10 +411,10 @@ static int cmd_generate(struct dsv4_client *c, struct options *o, int argc, char
         fflush(stdout);
     }
     if (o->verbose) {
-        fprintf(stderr, "finish: %s; prompt %u tokens, generated %u; queue %.1f ms, prefill %.1f ms, "
+        fprintf(stderr, "finish: %s; prompt %u tokens (%u cached), generated %u; queue %.1f ms, prefill %.1f ms, "
                 "decode %.1f ms (%.1f tokens/s), total %.1f ms\n", dsv4_client_finish_name(r.finish_reason),
-                r.prompt_tokens, r.completion_tokens, r.queue_ms, r.prefill_ms, r.decode_ms, r.decode_tokens_per_s,
-                r.total_ms);
+                r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.queue_ms, r.prefill_ms, r.decode_ms,
+                r.decode_tokens_per_s, r.total_ms);
     }
     int status = EXIT_OK;
     if (r.finish_reason == DSV4_CLIENT_FINISH_ERROR) {
@@ -509,6 +519,14 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         { "decode_steps", 0, s.decode_steps, false },
         { "sched_allocations", 0, s.sched_allocations, false },
         { "sched_allocations_after_boot", 0, s.sched_allocations_after_boot, false },
+        { "prefix_cache_bytes", 0, s.prefix_cache_bytes, false },
+        { "prefix_cache_used_bytes", 0, s.prefix_cache_used_bytes, false },
+        { "prefix_cache_tokens", 0, s.prefix_cache_tokens, false },
+        { "prefix_cache_snapshots", 0, s.prefix_cache_snapshots, false },
+        { "prefix_cache_lookups", 0, s.prefix_cache_lookups, false },
+        { "prefix_cache_hits", 0, s.prefix_cache_hits, false },
+        { "prefix_cache_hit_tokens", 0, s.prefix_cache_hit_tokens, false },
+        { "prefix_cache_evictions", 0, s.prefix_cache_evictions, false },
     };
     if (o->json) {
         json_t *j = json_object();
@@ -614,12 +632,36 @@ static int cmd_detokenize(struct dsv4_client *c, const struct options *o, int ar
     return EXIT_OK;
 }
 
+/* Connects on its own: one connection per client thread. */
+static int cmd_bench(const struct options *o)
+{
+    struct ctl_bench_opts b = o->bench;
+    char err[512];
+    b.socket = o->socket;
+    b.connect_timeout_ms = CONNECT_TIMEOUT_MS;
+    b.timeout_ms = o->timeout_ms > 0 ? o->timeout_ms : 0;
+    b.json = o->json;
+    b.gp = o->gp;
+    b.gp.stop = o->stop;
+    b.gp.stop_token_ids = o->stop_ids;
+    if (b.n_levels == 0)
+        b.levels[b.n_levels++] = 1;
+    if (b.prompt_tokens == 0)
+        b.prompt_tokens = 128;
+    if (b.gp.max_tokens == 0)
+        b.gp.max_tokens = 128;
+    int rc = ctl_bench_run(&b, stdout, isatty(STDERR_FILENO) ? stderr : NULL, err, sizeof(err));
+    if (rc < 0)
+        fprintf(stderr, "%s: %s\n", prog, err);
+    return rc == 0 ? EXIT_OK : rc == -EREMOTEIO ? EXIT_REJECTED : rc == -EINVAL ? EXIT_USAGE : EXIT_CONNECT;
+}
+
 /* ---- main ---- */
 
 enum {
     OPT_TOKENS = 256, OPT_CHAT, OPT_SYSTEM, OPT_THINK, OPT_NO_BOS, OPT_TEMPERATURE, OPT_TOP_P, OPT_TOP_K, OPT_MIN_P,
     OPT_PRESENCE, OPT_FREQUENCY, OPT_REPETITION, OPT_SEED, OPT_STOP, OPT_STOP_IDS, OPT_LOGPROBS, OPT_STREAM,
-    OPT_NO_STREAM,
+    OPT_NO_STREAM, OPT_CONCURRENCY, OPT_PROMPT_TOKENS, OPT_REQUESTS,
 };
 
 static const struct option long_options[] = {
@@ -648,6 +690,9 @@ static const struct option long_options[] = {
     { "logprobs", required_argument, NULL, OPT_LOGPROBS },
     { "stream", no_argument, NULL, OPT_STREAM },
     { "no-stream", no_argument, NULL, OPT_NO_STREAM },
+    { "concurrency", required_argument, NULL, OPT_CONCURRENCY },
+    { "prompt-tokens", required_argument, NULL, OPT_PROMPT_TOKENS },
+    { "requests", required_argument, NULL, OPT_REQUESTS },
     { 0, 0, 0, 0 },
 };
 
@@ -697,6 +742,24 @@ static void parse_options(struct options *o, int argc, char **argv)
         case OPT_LOGPROBS: o->gp.logprobs = (int)parse_int("--logprobs", optarg, 0, DSV4_CLIENT_MAX_LOGPROBS); break;
         case OPT_STREAM: o->stream = 1; break;
         case OPT_NO_STREAM: o->stream = 0; break;
+        case OPT_CONCURRENCY:
+            ids = parse_ids("--concurrency", optarg, &n);
+            if (n > CTL_BENCH_MAX_LEVELS)
+                die_usage("--concurrency: at most %d levels", CTL_BENCH_MAX_LEVELS);
+            for (size_t i = 0; i < n; i++) {
+                if (ids[i] < 1 || ids[i] > CTL_BENCH_MAX_CONCURRENCY)
+                    die_usage("--concurrency: %d is not in [1, %d]", (int)ids[i], CTL_BENCH_MAX_CONCURRENCY);
+                o->bench.levels[i] = ids[i];
+            }
+            o->bench.n_levels = (int)n;
+            free(ids);
+            break;
+        case OPT_PROMPT_TOKENS:
+            o->bench.prompt_tokens = (uint32_t)parse_int("--prompt-tokens", optarg, 1, CTL_BENCH_MAX_PROMPT);
+            break;
+        case OPT_REQUESTS:
+            o->bench.requests = (uint32_t)parse_int("--requests", optarg, 1, CTL_BENCH_MAX_REQUESTS);
+            break;
         default: fprintf(stderr, "Try '%s --help'.\n", prog); exit(EXIT_USAGE);
         }
     }
@@ -716,16 +779,19 @@ int main(int argc, char **argv)
     const char *cmd = argv[optind];
     int nargs = argc - optind - 1;
     char **args = argv + optind + 1;
-    enum { GENERATE, INFO, STATS, HEALTH, TOKENIZE, DETOKENIZE } which;
+    enum { GENERATE, INFO, STATS, HEALTH, TOKENIZE, DETOKENIZE, BENCH } which;
     if (strcmp(cmd, "generate") == 0) which = GENERATE;
     else if (strcmp(cmd, "info") == 0) which = INFO;
     else if (strcmp(cmd, "stats") == 0) which = STATS;
     else if (strcmp(cmd, "health") == 0) which = HEALTH;
     else if (strcmp(cmd, "tokenize") == 0) which = TOKENIZE;
     else if (strcmp(cmd, "detokenize") == 0) which = DETOKENIZE;
+    else if (strcmp(cmd, "bench") == 0) which = BENCH;
     else die_usage("unknown command '%s'", cmd);
-    if ((which == INFO || which == STATS || which == HEALTH) && nargs > 0)
+    if ((which == INFO || which == STATS || which == HEALTH || which == BENCH) && nargs > 0)
         die_usage("%s takes no arguments", cmd);
+    if (which == BENCH)
+        return cmd_bench(&o);
 
     struct dsv4_client *c = dsv4_client_new();
     if (!c) {

@@ -11,7 +11,7 @@ pkgconfig_DATA = client/dsv4client.pc
 EXTRA_DIST += client/dsv4client.pc.in
 
 bin_PROGRAMS += dsv4ctl
-dsv4ctl_SOURCES = client/dsv4ctl.c
+dsv4ctl_SOURCES = client/dsv4ctl.c client/ctl_bench.c client/ctl_bench.h
 dsv4ctl_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
 dsv4ctl_LDADD = libdsv4client.la $(JANSSON_LIBS) -lm
 

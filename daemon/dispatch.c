@@ -596,6 +596,17 @@ static void do_stats(struct dsv4_server *s, struct dsv4_conn *c, const struct ds
             st.batch_hist[i] = ss.batch_hist[i];
         st.sched_allocations = ss.allocations;
         st.sched_allocations_after_boot = ss.allocations - s->boot_sched_allocations;
+        if (ss.prefix_cache) {
+            const struct dsv4_prefix_stats *ps = &ss.prefix;
+            st.prefix_cache_bytes = (uint64_t)(ps->pages_total * ps->page_bytes);
+            st.prefix_cache_used_bytes = (uint64_t)(ps->pages_used * ps->page_bytes);
+            st.prefix_cache_tokens = (uint64_t)ps->nodes * (uint64_t)ps->block;
+            st.prefix_cache_snapshots = (uint64_t)ps->boundaries;
+            st.prefix_cache_lookups = ps->lookups;
+            st.prefix_cache_hits = ps->hits;
+            st.prefix_cache_hit_tokens = ps->hit_tokens;
+            st.prefix_cache_evictions = ps->boundaries_evicted;
+        }
         if (ss.backend.variant[0]) {
             st.kernels[0] = ss.backend.variant;
             st.n_kernels = 1;
@@ -746,6 +757,7 @@ static void on_finish(struct dsv4_server *s, struct dsv4_request *req, const str
     out.error_message = res->finish == DSV4_FINISH_ERROR ? (char *)res->error_message : NULL;
     out.usage.prompt_tokens = (uint32_t)res->prompt_tokens;
     out.usage.completion_tokens = (uint32_t)res->completion_tokens;
+    out.usage.cached_tokens = (uint32_t)res->cached_tokens;
     out.timings.queue_ms = res->timings.queue_s * 1e3;
     out.timings.prefill_ms = res->timings.prefill_s * 1e3;
     out.timings.decode_ms = res->timings.decode_s * 1e3;

@@ -105,6 +105,7 @@ static int boot(struct dsv4_host *h)
         .max_batch = cfg->max_batch,
         .max_context = cfg->max_context,
         .threads = threads,
+        .prefix_pool_bytes = (int64_t)cfg->prefix_cache,
     };
     struct dsv4_sched_limits limits = { 0 };
     int r;
@@ -135,6 +136,15 @@ static int boot(struct dsv4_host *h)
     dsv4_log_info("backend %s (%s), numerics %s, %d threads, %d slots x %d tokens, %.1f MiB reserved%s%s",
                   h->backend_name, h->backend_note, h->numerics, threads, cfg->max_batch, cfg->max_context,
                   (double)bs.bytes_reserved / (1 << 20), bs.variant[0] ? ", kernels: " : "", bs.variant);
+    const struct dsv4_prefix_geom *pg = &h->backend->prefix;
+    if (pg->n_pages > 0)
+        dsv4_log_info("prefix cache: %.1f MiB in %d pages of %.1f KiB, blocks of %d tokens; a block's compressed "
+                      "entries take %d page%s, the window and compressor state at its end %d",
+                      (double)pg->n_pages * (double)pg->page_bytes / (1 << 20), pg->n_pages,
+                      (double)pg->page_bytes / 1024, pg->block, pg->block_pages, pg->block_pages == 1 ? "" : "s",
+                      pg->boundary_pages);
+    else
+        dsv4_log_info("prefix cache: off");
 
     set_phase(h, DSV4_HOST_CREATING_SCHEDULER);
     /* The scheduler holds every request from submit to release: queued, running, and the finished

@@ -39,6 +39,8 @@ static const struct opt opts[] = {
     INTOPT("threads", threads, 0, 1024, "CPU backend and sampler threads (0 = the online CPUs)"),
     INTOPT("max_batch", max_batch, 1, 1024, "sequence slots (requests decoded together)"),
     INTOPT("max_context", max_context, 16, 1 << 20, "tokens per slot (prompt + generated)"),
+    { "prefix_cache", OPT_SIZE, F(prefix_cache), 0, 0, (int64_t)1 << 40, "BYTES",
+      "prefix-cache pool reserved at boot, GPU memory on CUDA (K/M/G suffixes; 0 = off)" },
     INTOPT("max_connections", max_connections, 1, 65536, "clients connected at once"),
     INTOPT("max_queued", max_queued, 1, 1 << 20, "requests waiting for a slot, all clients together"),
     INTOPT("max_requests_per_conn", max_requests_per_conn, 1, 65536, "requests in flight on one connection"),
@@ -63,6 +65,7 @@ void dsv4_settings_defaults(struct dsv4_settings *s)
     s->threads = 0;
     s->max_batch = 8;
     s->max_context = 4096;
+    s->prefix_cache = 1u << 30;
     s->max_connections = 256;
     s->max_queued = 256;
     s->max_requests_per_conn = 16;

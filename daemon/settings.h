@@ -29,6 +29,7 @@ struct dsv4_settings {
     /* Engine shape, fixed at boot. */
     int max_batch;
     int max_context;
+    uint64_t prefix_cache;      /* bytes of the prefix-cache pool (device memory on CUDA); 0 = off */
 
     /* Per-request and per-client limits, each reported with its own protocol error code. */
     int max_connections;

@@ -20,6 +20,26 @@ struct dsv4_backend_opts {
     int max_context;            /* tokens per slot */
     enum dsv4_numerics numerics;
     int threads;                /* CPU backend worker threads; 0 = one */
+    int64_t prefix_pool_bytes;  /* prefix-cache pool reserved at create (device memory on CUDA); 0 = none */
+};
+
+/* The prefix cache (engine/prefix_cache.h) keeps slot state at block boundaries in a pool of pages
+ * that the backend reserves at create and addresses by page index. Two records:
+ *   block record: the compressed entries (CSA and HCA KV, indexer keys) the tokens of one block
+ *     produced, every layer: block_pages pages (0 for a model without compressed layers);
+ *   boundary record: the rest of what a continuation after the block needs: every layer's sliding
+ *     window ring and every overlapping compressor's partial state (the last block's Ca rows):
+ *     boundary_pages pages.
+ * A prefix of n blocks is the block records of blocks 0..n-1 plus the boundary record at n * block.
+ * Block tokens are a multiple of the window and of every compress ratio (dsv4_config_prefix_block),
+ * so at a boundary no compressor holds a partial block and the window ring is whole. */
+#define DSV4_PREFIX_PAGES_MAX (1 << 24)     /* pages of one pool */
+struct dsv4_prefix_geom {
+    int block;                  /* tokens per block */
+    int64_t page_bytes;
+    int32_t n_pages;            /* 0: no pool */
+    int block_pages;
+    int boundary_pages;
 };
 
 struct dsv4_backend_stats {
@@ -64,12 +84,26 @@ struct dsv4_backend_ops {
     int64_t (*slot_position)(const struct dsv4_backend *b, int slot);
     void (*get_stats)(const struct dsv4_backend *b, struct dsv4_backend_stats *ret);
     void (*destroy)(struct dsv4_backend *b);
+    /* Prefix cache (NULL, or prefix.n_pages 0: no pool). Page arrays name pool pages, each record's
+     * pages in record order.
+     * prefix_save: copy slot's state at its position P (a positive multiple of prefix.block) into
+     * the pool: block P / block - 1's entries into block_pages, the window and compressor state at
+     * P into boundary_pages; either may be NULL (not wanted). The slot is unchanged.
+     * prefix_load: the slot is at position 0; give it the state after n_blocks blocks: block i's
+     * entries from block_pages + i * prefix.block_pages, the window and compressor state from
+     * boundary_pages. Its position becomes n_blocks * block, and the tokens[n_blocks * block] that
+     * led there are marked seen in its penalty history when the backend keeps one (as prefill
+     * does). The MTP block's state is not part of a snapshot: it starts over. */
+    int (*prefix_save)(struct dsv4_backend *b, int slot, const int32_t *block_pages, const int32_t *boundary_pages);
+    int (*prefix_load)(struct dsv4_backend *b, int slot, int n_blocks, const int32_t *block_pages,
+                       const int32_t *boundary_pages, const int32_t *tokens);
 };
 
 struct dsv4_backend {
     const struct dsv4_backend_ops *ops;
     const struct dsv4_weights *weights;
     struct dsv4_backend_opts opts;
+    struct dsv4_prefix_geom prefix;     /* the prefix-cache pool, set at create */
     void *impl;
 };
 

@@ -703,3 +703,25 @@ int dsv4_config_load(const char *dir, struct dsv4_config *ret)
     }
     return r;
 }
+
+static int64_t gcd64(int64_t a, int64_t b)
+{
+    while (b) {
+        int64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+int dsv4_config_prefix_block(const struct dsv4_config *c)
+{
+    int64_t block = c->window > 0 ? c->window : 1;
+    for (int i = 0; i < c->n_layers && block <= DSV4_PREFIX_BLOCK_MAX; i++)
+        if (c->compress_ratio[i] > 0)
+            block = block / gcd64(block, c->compress_ratio[i]) * c->compress_ratio[i];
+    if (block > DSV4_PREFIX_BLOCK_MAX)
+        return dsv4_error_set(-ERANGE, "prefix cache: the window %d and the compress ratios need blocks of more "
+                              "than %d tokens", c->window, DSV4_PREFIX_BLOCK_MAX);
+    return (int)block;
+}

@@ -72,4 +72,10 @@ int dsv4_config_parse(const char *json_text, const char *name, struct dsv4_confi
 /* Helpers derived from the config. */
 static inline int dsv4_config_nope_dim(const struct dsv4_config *c) { return c->head_dim - c->rope_dim; }
 
+#define DSV4_PREFIX_BLOCK_MAX 4096      /* tokens per prefix-cache block */
+/* Tokens per prefix-cache block (engine/backend.h): the least common multiple of the window and
+ * every layer's compress ratio (Flash: 128). Returns it, or -ERANGE with a message when it exceeds
+ * DSV4_PREFIX_BLOCK_MAX. */
+int dsv4_config_prefix_block(const struct dsv4_config *c);
+
 #endif

@@ -3,7 +3,7 @@ libdsv4engine_la_SOURCES += \
 	engine/cpu_forward.c engine/cpu_forward.h engine/cpu_ops.h \
 	engine/cpu_ops.c engine/cpu_rope.c engine/cpu_mhc.c \
 	engine/cpu_compressor.c engine/cpu_indexer.c engine/cpu_attention.c \
-	engine/cpu_moe.c engine/cpu_pool.c engine/cpu_backend.c
+	engine/cpu_moe.c engine/cpu_pool.c engine/cpu_backend.c engine/cpu_prefix.c
 
 # The oracle: every case of every tests/fixtures/ model, exact numerics (fp8's deviation from them only
 # reported; tests/fixtures_fp8.mk asserts fp8 against its own oracle). fixture_cases.{c,h}: shared by both.

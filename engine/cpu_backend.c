@@ -18,6 +18,7 @@ struct cpu_impl {
     struct dsv4_cpu_pool *pool;     /* NULL with one thread */
     int n_slots;
     struct dsv4_cpu_seq **slots;    /* [max_batch] */
+    uint8_t *prefix_pool;           /* [prefix.n_pages, prefix.page_bytes] host memory, or NULL */
     uint64_t bytes;
 };
 
@@ -83,6 +84,32 @@ static int64_t cpu_slot_position(const struct dsv4_backend *b, int slot)
     return rc < 0 ? rc : impl_of(b)->slots[slot]->pos;
 }
 
+static int cpu_prefix_save(struct dsv4_backend *b, int slot, const int32_t *block_pages,
+                           const int32_t *boundary_pages)
+{
+    int rc = check_slot(b, slot);
+    if (rc < 0)
+        return rc;
+    if (!impl_of(b)->prefix_pool)
+        return dsv4_error_set(-ENODEV, "prefix save: the backend has no prefix pool");
+    return dsv4_cpu_prefix_save(b->weights, impl_of(b)->slots[slot], impl_of(b)->prefix_pool, &b->prefix,
+                                block_pages, boundary_pages);
+}
+
+/* The scheduler keeps the CPU backend's penalty history itself: tokens are not needed here. */
+static int cpu_prefix_load(struct dsv4_backend *b, int slot, int n_blocks, const int32_t *block_pages,
+                           const int32_t *boundary_pages, const int32_t *tokens)
+{
+    (void)tokens;
+    int rc = check_slot(b, slot);
+    if (rc < 0)
+        return rc;
+    if (!impl_of(b)->prefix_pool)
+        return dsv4_error_set(-ENODEV, "prefix load: the backend has no prefix pool");
+    return dsv4_cpu_prefix_load(b->weights, impl_of(b)->slots[slot], impl_of(b)->prefix_pool, &b->prefix, n_blocks,
+                                block_pages, boundary_pages);
+}
+
 static void cpu_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats *ret)
 {
     ret->device_allocs = 0;
@@ -100,6 +127,7 @@ static void cpu_destroy(struct dsv4_backend *b)
         for (int i = 0; i < im->n_slots; i++)
             dsv4_cpu_seq_free(im->slots[i]);
         free(im->slots);
+        free(im->prefix_pool);
         dsv4_cpu_pool_free(im->pool);
         free(im);
     }
@@ -114,6 +142,8 @@ static const struct dsv4_backend_ops cpu_ops = {
     .slot_position = cpu_slot_position,
     .get_stats = cpu_get_stats,
     .destroy = cpu_destroy,
+    .prefix_save = cpu_prefix_save,
+    .prefix_load = cpu_prefix_load,
 };
 
 int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
@@ -153,6 +183,19 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
         im->slots[i]->pool = im->pool;
         im->n_slots = i + 1;
         im->bytes += im->slots[i]->bytes;
+    }
+    int rc = dsv4_cpu_prefix_geom(w, im->slots[0], opts->prefix_pool_bytes, &b->prefix);
+    if (rc == 0 && b->prefix.n_pages > 0) {
+        /* calloc: the pages stay untouched (not resident) until snapshots fill them */
+        size_t bytes = (size_t)b->prefix.n_pages * (size_t)b->prefix.page_bytes;
+        im->prefix_pool = calloc(1, bytes);
+        if (!im->prefix_pool)
+            rc = dsv4_error_set(-ENOMEM, "out of memory for a prefix pool of %zu bytes", bytes);
+        im->bytes += bytes;
+    }
+    if (rc < 0) {
+        cpu_destroy(b);
+        return dsv4_error_prefix(rc, "CPU backend: ");
     }
     *ret = b;
     return 0;

@@ -76,6 +76,10 @@ struct sched_req {
     bool generating;                /* prompt done, pending holds the next token to feed */
     bool fresh;                     /* got its first token this step: no decode this step */
     bool done;                      /* finished this step, published at the step's end */
+    bool cache_looked;              /* the prefix cache was consulted (at the first prefill) */
+    bool caching;                   /* the slot's state is snapshotted at its next block boundary */
+    int32_t cache_node;             /* the prefix-cache node the slot continues (held), or ROOT */
+    int cache_match;                /* prompt blocks found in the cache: where the request leaves it */
     int32_t pending;
     size_t emitted;                 /* text bytes already streamed */
     int n_raw;                      /* incomplete UTF-8 sequence awaiting more bytes */
@@ -85,6 +89,9 @@ struct sched_req {
 
 struct dsv4_sched {
     struct dsv4_backend *backend;
+    struct dsv4_prefix_cache *prefix;   /* NULL when the backend has no prefix pool */
+    int block;                      /* its tokens per block */
+    int32_t *block_tokens;          /* [block] a decode snapshot's tokens */
     const struct dsv4_tokenizer *tok;
     struct dsv4_sched_detok detok;
     int vocab, max_batch, max_context;
@@ -483,6 +490,25 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->queue_head = s->queue_tail = -1;
     for (int i = 0; i < max_batch; i++)
         s->slot_req[i] = -1;
+    if (b->prefix.n_pages > 0) {
+        if (!b->ops->prefix_save || !b->ops->prefix_load) {
+            r = dsv4_error_set(-EINVAL, "scheduler: the %s backend has a prefix pool but no prefix operations",
+                               b->ops->name);
+            goto fail;
+        }
+        r = dsv4_prefix_cache_create(&b->prefix, max_context, &s->prefix);
+        if (r < 0)
+            goto fail;
+        dsv4_prefix_cache_get_stats(s->prefix, &s->st.prefix);
+        s->st.prefix_cache = true;
+        s->allocations += s->st.prefix.allocations;
+        s->block = b->prefix.block;
+        s->block_tokens = sched_alloc(s, (size_t)s->block, sizeof(int32_t));
+        if (!s->block_tokens) {
+            r = dsv4_error_set(-ENOMEM, "scheduler: out of memory");
+            goto fail;
+        }
+    }
     for (int i = 0; i < s->n_threads; i++) {
         r = dsv4_sampler_create(vocab, &s->samplers[i]);
         if (r < 0)
@@ -546,6 +572,8 @@ void dsv4_sched_destroy(struct dsv4_sched *s)
     free(s->dec_tokens);
     free(s->dec_reqs);
     free(s->scratch);
+    dsv4_prefix_cache_destroy(s->prefix);
+    free(s->block_tokens);
     if (s->n_workers) {
         pthread_mutex_lock(&s->pool_lock);
         s->pool_quit = true;
@@ -658,6 +686,7 @@ int dsv4_sched_submit(struct dsv4_sched *s, const struct dsv4_sched_request *req
     q->state = REQ_QUEUED;
     q->next = -1;
     q->slot = q->out = -1;
+    q->cache_node = DSV4_PREFIX_ROOT;
     q->prompt = req->prompt;
     q->n_prompt = req->n_prompt;
     q->max_tokens = req->max_tokens ? req->max_tokens : s->lim.max_output_tokens;
@@ -838,6 +867,10 @@ static void clear_slot(struct dsv4_sched *s, struct sched_req *q)
             counts[t] = 0;
             seen[t / 8] = 0;
         }
+    if (s->prefix)
+        dsv4_prefix_cache_release(s->prefix, q->cache_node);
+    q->cache_node = DSV4_PREFIX_ROOT;
+    q->caching = false;
     s->backend->ops->slot_reset(s->backend, q->slot);
 }
 
@@ -1065,6 +1098,74 @@ static int batch_bucket(int n)
     return b;
 }
 
+/* ---- prefix cache (engine thread) ---- */
+
+struct save_ctx {
+    struct dsv4_backend *b;
+    int slot;
+};
+
+static int save_slot(void *ctx, const int32_t *block_pages, const int32_t *boundary_pages)
+{
+    const struct save_ctx *x = ctx;
+    return x->b->ops->prefix_save(x->b, x->slot, block_pages, boundary_pages);
+}
+
+/* Before q's first prefill: restore the longest cached prefix of its prompt, all but the last token
+ * (prefill makes that one's logits). Returns 0, or the backend's error (q is then finished). */
+static int prefix_restore(struct dsv4_sched *s, struct sched_req *q)
+{
+    struct dsv4_backend *b = s->backend;
+    struct dsv4_prefix_hit hit;
+    q->cache_looked = true;
+    if (!s->prefix)
+        return 0;
+    q->caching = true;
+    dsv4_prefix_cache_lookup(s->prefix, q->prompt, q->n_prompt - 1, &hit);
+    q->cache_match = hit.matched_blocks;
+    if (hit.node == DSV4_PREFIX_ROOT)
+        return 0;
+    q->cache_node = hit.node;       /* released with the slot, also when the load fails */
+    int r = b->ops->prefix_load(b, q->slot, hit.n_blocks, hit.block_pages, hit.boundary_pages, q->prompt);
+    if (r < 0) {
+        fail_request(s, q, r, "restoring the cached prefix");
+        return r;
+    }
+    const int n = hit.n_blocks * s->block;
+    uint8_t *seen = s->seen + (size_t)q->slot * s->seen_stride;
+    for (int i = 0; i < n; i++)
+        seen[q->prompt[i] / 8] |= (uint8_t)(1u << (q->prompt[i] % 8));
+    q->n_prefilled = n;
+    q->position = n;
+    q->result.cached_tokens = n;
+    return 0;
+}
+
+/* The tokens of the block that ends at q's position: prompt, then the generated tokens fed since. */
+static const int32_t *fed_block(struct dsv4_sched *s, const struct sched_req *q)
+{
+    const int64_t start = q->position - s->block;
+    if (q->position <= q->n_prompt)
+        return q->prompt + start;
+    const int32_t *gen = s->outs[q->out].tokens;
+    for (int i = 0; i < s->block; i++)
+        s->block_tokens[i] = start + i < q->n_prompt ? q->prompt[start + i] : gen[start + i - q->n_prompt];
+    return s->block_tokens;
+}
+
+/* q's slot has reached a block boundary: its state becomes (or meets) the next node of its chain.
+ * When the cache has no room, or the copy fails (the slot itself is unchanged), q stops snapshotting
+ * and runs on. */
+static void prefix_snapshot(struct dsv4_sched *s, struct sched_req *q, bool hot)
+{
+    struct save_ctx ctx = { s->backend, q->slot };
+    int32_t node;
+    int r = dsv4_prefix_cache_extend(s->prefix, q->cache_node, fed_block(s, q), hot, save_slot, &ctx, &node);
+    dsv4_prefix_cache_release(s->prefix, q->cache_node);
+    q->cache_node = r == 0 ? node : DSV4_PREFIX_ROOT;
+    q->caching = r == 0;
+}
+
 /* Under the lock: end cancelled (and, past a drain's grace, all) requests, then admit FIFO. */
 static void admit(struct dsv4_sched *s, uint64_t t)
 {
@@ -1149,35 +1250,49 @@ int dsv4_sched_step(struct dsv4_sched *s)
         struct sched_req *q = &s->reqs[s->running[k]];
         if (q->generating)
             continue;
-        int left = q->n_prompt - q->n_prefilled;
-        int chunk = left < budget ? left : budget;
-        bool last = chunk == left;
-        float *lg = last && !s->device_sampling ? s->logits : NULL;
-        int r = b->ops->prefill(b, q->slot, q->prompt + q->n_prefilled, chunk, lg, false);
-        if (r < 0) {
-            fail_request(s, q, r, "prefill");
+        if (!q->cache_looked && prefix_restore(s, q) < 0)
             continue;
-        }
-        uint8_t *seen = s->seen + (size_t)q->slot * s->seen_stride;
-        for (int i = q->n_prefilled; i < q->n_prefilled + chunk; i++)
-            seen[q->prompt[i] / 8] |= (uint8_t)(1u << (q->prompt[i] % 8));
-        q->n_prefilled += chunk;
-        q->position += chunk;
-        budget -= chunk;
-        prefill_tokens += chunk;
-        if (last) {
-            q->generating = true;
-            q->fresh = true;
-            if (s->device_sampling) {
-                int ri = s->running[k];
-                sample_on_device(s, 1, &ri);
-                if (s->row_rc[0] < 0)
-                    finish(s, q, DSV4_FINISH_ERROR, s->row_rc[0], s->row_err[0]);
-                else
-                    take_token(s, q, &s->row_sample[0]);
-            } else {
-                sample_row(s, q, s->logits);
+        /* chunks end on block boundaries while the slot's state is being snapshotted */
+        for (;;) {
+            int left = q->n_prompt - q->n_prefilled;
+            int chunk = left < budget ? left : budget;
+            if (q->caching && chunk > s->block - (int)(q->position % s->block))
+                chunk = s->block - (int)(q->position % s->block);
+            bool last = chunk == left;
+            float *lg = last && !s->device_sampling ? s->logits : NULL;
+            int r = b->ops->prefill(b, q->slot, q->prompt + q->n_prefilled, chunk, lg, false);
+            if (r < 0) {
+                fail_request(s, q, r, "prefill");
+                break;
             }
+            uint8_t *seen = s->seen + (size_t)q->slot * s->seen_stride;
+            for (int i = q->n_prefilled; i < q->n_prefilled + chunk; i++)
+                seen[q->prompt[i] / 8] |= (uint8_t)(1u << (q->prompt[i] % 8));
+            q->n_prefilled += chunk;
+            q->position += chunk;
+            budget -= chunk;
+            prefill_tokens += chunk;
+            /* hot: the prompt's last boundary, or where the prompt leaves the cached chain */
+            if (q->caching && q->position % s->block == 0)
+                prefix_snapshot(s, q, q->position + s->block > q->n_prompt ||
+                                          q->position / s->block == q->cache_match);
+            if (last) {
+                q->generating = true;
+                q->fresh = true;
+                if (s->device_sampling) {
+                    int ri = s->running[k];
+                    sample_on_device(s, 1, &ri);
+                    if (s->row_rc[0] < 0)
+                        finish(s, q, DSV4_FINISH_ERROR, s->row_rc[0], s->row_err[0]);
+                    else
+                        take_token(s, q, &s->row_sample[0]);
+                } else {
+                    sample_row(s, q, s->logits);
+                }
+                break;
+            }
+            if (budget == 0)
+                break;
         }
     }
 
@@ -1205,6 +1320,8 @@ int dsv4_sched_step(struct dsv4_sched *s)
                 continue;
             }
             q->position++;
+            if (q->caching && q->position % s->block == 0)
+                prefix_snapshot(s, q, true);
             if (s->row_rc[k] < 0)
                 finish(s, q, DSV4_FINISH_ERROR, s->row_rc[k], s->row_err[k]);
             else
@@ -1221,6 +1338,8 @@ int dsv4_sched_step(struct dsv4_sched *s)
     pthread_mutex_lock(&s->lock);
     if (worked && b->ops->get_stats)
         s->st.backend = bst;
+    if (worked && s->prefix)
+        dsv4_prefix_cache_get_stats(s->prefix, &s->st.prefix);
     s->ev_count += s->ev_staged;
     s->ev_tail = (s->ev_tail + s->ev_staged) % s->n_events;
     bool any_events = s->ev_staged > 0;

@@ -41,7 +41,16 @@
  * token's delta (or dropped if it became a stop string). The last token event of a request flushes
  * everything (an incomplete trailing sequence as U+FFFD), so the concatenated deltas equal
  * result.text for every finish except CANCELLED and ERROR. Special tokens add no text (as
- * skip_special_tokens). */
+ * skip_special_tokens).
+ *
+ * Prefix cache. When the backend has a prefix pool (backend->prefix.n_pages > 0) the scheduler
+ * keeps an engine/prefix_cache.h index over it. A request's first prefill restores the longest
+ * cached prefix of its prompt that ends on a block boundary, short of the last prompt token (whose
+ * logits prefill must make), and prefills only the rest: result.cached_tokens says how many prompt
+ * tokens that skipped. Prefill chunks then end on block boundaries, and at each boundary (while
+ * prefilling and while decoding) the slot's state is snapshotted into the cache, unless another
+ * request already did. The logits, tokens and penalty history of a restored request are exactly
+ * those of a cold one: the same state continues with the same arithmetic. */
 #ifndef DSV4_ENGINE_SCHEDULER_H
 #define DSV4_ENGINE_SCHEDULER_H
 
@@ -50,6 +59,7 @@
 #include <stdint.h>
 
 #include "engine/backend.h"
+#include "engine/prefix_cache.h"
 #include "engine/sampler.h"
 
 #define DSV4_SCHED_STOP_STRINGS_MAX 16      /* stop strings per request */
@@ -134,6 +144,7 @@ struct dsv4_sched_result {
     size_t text_len;
     uint64_t seed;                  /* the seed actually used (drawn when the request had none) */
     int prompt_tokens, completion_tokens;   /* usage */
+    int cached_tokens;              /* prompt tokens restored from the prefix cache, not prefilled */
     struct dsv4_sched_timings timings;
 };
 
@@ -170,6 +181,8 @@ struct dsv4_sched_stats {
     int events_pending;
     uint64_t allocations;           /* allocations the scheduler made; flat after create */
     struct dsv4_backend_stats backend;
+    bool prefix_cache;              /* the backend has a prefix pool; then `prefix` is its index's */
+    struct dsv4_prefix_stats prefix;
 };
 
 /* Create over a backend (borrowed, must outlive the scheduler) and a tokenizer (borrowed; may be

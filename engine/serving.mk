@@ -2,7 +2,14 @@
 libdsv4engine_la_SOURCES += \
 	engine/philox.c engine/philox.h \
 	engine/sampler.c engine/sampler.h \
-	engine/scheduler.c engine/scheduler.h
+	engine/scheduler.c engine/scheduler.h \
+	engine/prefix_cache.c engine/prefix_cache.h
+
+check_PROGRAMS += tests/unit/test_prefix_cache
+TESTS += tests/unit/test_prefix_cache
+tests_unit_test_prefix_cache_SOURCES = tests/unit/test_prefix_cache.c
+tests_unit_test_prefix_cache_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_prefix_cache_LDADD = $(TEST_ENGINE_LIBS)
 
 check_PROGRAMS += tests/unit/test_sampler
 TESTS += tests/unit/test_sampler
@@ -24,6 +31,13 @@ TESTS += tests/unit/test_sched_cpu
 tests_unit_test_sched_cpu_SOURCES = tests/unit/test_sched_cpu.c tests/unit/sched_harness.h
 tests_unit_test_sched_cpu_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_sched_cpu_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
+
+# The prefix cache over the CPU backend: cached requests against cold ones, bit for bit.
+check_PROGRAMS += tests/unit/test_prefix_cpu
+TESTS += tests/unit/test_prefix_cpu
+tests_unit_test_prefix_cpu_SOURCES = tests/unit/test_prefix_cpu.c tests/unit/sched_harness.h
+tests_unit_test_prefix_cpu_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_prefix_cpu_LDADD = $(TEST_ENGINE_LIBS)
 
 # Step latency with a long prompt arriving while others decode (CPU backend); not installed.
 noinst_PROGRAMS += dsv4-sched-bench

@@ -14,9 +14,9 @@
  *        of f32 math. The grouped form (dsv4_cuda_gemm_grouped) runs all o_groups of wo_a in one
  *        launch, each 128-row tile reading its group's slice of x.
  *   bf16: bf16 weights times f32 activations split into hi = bf16(x) and lo = bf16(x - hi), two
- *        MMAs per tile: |x - hi - lo| <= 2^-17 |x|. Measured 3e-6 from f32 math where K is split,
- *        7e-6 to 1.9e-5 at the head (K 4096 summed in one MMA accumulator, which does not round to
- *        nearest): the k-tiles should be summed on CUDA cores as the FP8 path does (NOTES.md).
+ *        MMAs per tile: |x - hi - lo| <= 2^-17 |x|. Each k-tile is summed in its own MMA
+ *        accumulator and added in f32 on the CUDA cores, as the fp8 path does (the accumulator does
+ *        not round to nearest: one accumulator over the head's 64 k-tiles reached 1.9e-5).
  * Twin: dsv4_twin_fp8_roundtrip + dsv4_twin_linear_row (engine/cpu_twin_cuda.c), checked in
  * tests/gpu/test_gpu_linear.c.
  *
@@ -242,7 +242,15 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
                 acc[j][3] += blk[j][3] * s1;
             }
         } else {
+            /* Each 64-wide k-tile is summed from zero and added on the CUDA cores (round to nearest):
+             * the MMA accumulator does not round to nearest, and across all 64 k-tiles of the head
+             * (K 4096, one split) its error reached 1.9e-5 of f32 math. */
             const uint8_t *xl = xs + NT * 8 * 128;
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    blk[j][q] = 0.0f;
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int c = t + 4 * h;
@@ -258,11 +266,16 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
                     for (int q = 0; q < 2; q++) {
                         /* values 4q..4q+3 of each row's 8: (4q, 4q+1) as k (2t, 2t+1), (4q+2, 4q+3) as (2t+8, 2t+9) */
                         const uint32_t af[4] = { w0v[2 * q], w1v[2 * q], w0v[2 * q + 1], w1v[2 * q + 1] };
-                        dsv4_mma_bf16(acc[j], af, hv[2 * q], hv[2 * q + 1]);
-                        dsv4_mma_bf16(acc[j], af, lv[2 * q], lv[2 * q + 1]);
+                        dsv4_mma_bf16(blk[j], af, hv[2 * q], hv[2 * q + 1]);
+                        dsv4_mma_bf16(blk[j], af, lv[2 * q], lv[2 * q + 1]);
                     }
                 }
             }
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    acc[j][q] += blk[j][q];
         }
     }
     dsv4_cp_async_wait<0>();

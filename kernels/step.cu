@@ -45,18 +45,28 @@ struct step_layer {
 /* Step buffers, each [rows of the largest bucket, ...]. */
 struct step_buf {
     int32_t *in;                /* tokens [B], slots [B], pos [B], first [B], last [B] */
-    float *X, *X2, *mix, *mixws, *post, *comb, *y, *xn, *xq, *sub;
+    float *X, *X2, *mix, *mixws, *post, *comb, *y, *xn, *xq, *xq2, *sub;
     float *qr, *q, *kv, *o, *z, *part, *cc, *cz, *ic, *iz, *iq, *iw, *iscores;
     int32_t *isel, *insel, *ridx;
     float *rlogits, *rw, *sg, *su, *sh, *sout, *hm, *logits;
     struct dsv4_cuda_moe_ws moe;
-    struct dsv4_cuda_gemm_ws gemm;
+    struct dsv4_cuda_gemm_ws gemm, gemm2;     /* the main lane's and the side lane's */
     void *shist;                /* device sampling: penalty history of max_batch slots */
     struct dsv4_sample_row *sparams;        /* [B] */
     struct dsv4_sample_result *sres;        /* [B] */
     int32_t *sslots, *stokens;              /* [B] slots to clear, sampled tokens */
     float *inv_main, *inv_comp;
     int64_t mixws_floats;       /* capacity of mixws */
+};
+
+/* One stream of the step and the scratch its linears own. The side lane runs a layer's independent
+ * branches (the compressors and the indexer beside the query/KV path, the shared expert beside the
+ * routed ones) so that their small, latency-bound kernels overlap at small batches; concurrent
+ * linears cannot share a GEMM workspace (it remembers the x it prepared) or the quantize buffer. */
+struct lane {
+    cudaStream_t s;
+    struct dsv4_cuda_gemm_ws *gemm;
+    float *xq;                  /* [rows, max linear input]: x through the activation quantizer (GEMV path) */
 };
 
 struct cuda_backend {
@@ -73,6 +83,10 @@ struct cuda_backend {
     struct dsv4_cuda_linear embed, head, hch_fn;
     const float *norm, *hch_base, *hch_scale;
     struct step_buf b;
+    struct lane ln[2];          /* main, side (the side lane is the main stream when branches are off) */
+    bool branches;              /* DSV4_CUDA_BRANCHES=0: every launch on the main stream */
+    cudaStream_t side;
+    cudaEvent_t ev_fork, ev_join;
     int64_t max_entries;
     int64_t *pos;               /* host: tokens in each slot */
     int32_t *h_in;
@@ -190,6 +204,7 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.y = f(B * D);
     t.xn = f(B * D);
     t.xq = f(B * max_linear_in(c));
+    t.xq2 = f(B * max_linear_in(c));
     t.sub = f(B * D);
     t.qr = f(B * c->q_lora_rank);
     t.q = f(B * H * hd);
@@ -219,8 +234,11 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.hm = f(B * hc);
     t.logits = f(B * c->vocab_size);
     void *g = take((int64_t)dsv4_cuda_gemm_ws_bytes((int)B, max_linear_in(c)));
-    if (base)
+    void *g2 = take((int64_t)dsv4_cuda_gemm_ws_bytes((int)B, max_linear_in(c)));
+    if (base) {
         dsv4_cuda_gemm_ws_init(&t.gemm, g, (int)B, max_linear_in(c));
+        dsv4_cuda_gemm_ws_init(&t.gemm2, g2, (int)B, max_linear_in(c));
+    }
     t.shist = take((int64_t)dsv4_sample_history_bytes((int)B, c->vocab_size));
     t.sparams = static_cast<struct dsv4_sample_row *>(take(B * (int64_t)sizeof(struct dsv4_sample_row)));
     t.sres = static_cast<struct dsv4_sample_result *>(take(B * (int64_t)sizeof(struct dsv4_sample_result)));
@@ -284,53 +302,159 @@ static bool quantized(const struct dsv4_cuda_linear *W)
  * quantized and `raw` is false (the CPU reference's dsv4_cpu_linear_rows). */
 /* same_x: x is the previous linear's x, unchanged since, so the tensor-core path need not prepare it
  * again (dsv4_cuda_gemm_same_x). */
-static int lin_x(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B,
-                 float *y, int64_t ldy, bool raw, bool same_x, cudaStream_t s)
+static int lin_x(const struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B,
+                 float *y, int64_t ldy, bool raw, bool same_x, const struct lane *ln)
 {
     const bool quant = cb->fp8 && !raw && quantized(W);
     if (cb->use_gemm && dsv4_cuda_gemm_supports(W, quant))
-        return (same_x ? dsv4_cuda_gemm_same_x : dsv4_cuda_gemm)(W, x, ldx, B, quant, &cb->b.gemm, y, ldy, s);
+        return (same_x ? dsv4_cuda_gemm_same_x : dsv4_cuda_gemm)(W, x, ldx, B, quant, ln->gemm, y, ldy, ln->s);
     if (quant) {
         if (ldx != W->in)
             return dsv4_error_set(-EINVAL, "cuda step: quantized linear input must be dense");
-        STEP(dsv4_cuda_fp8_roundtrip(x, B, W->in, DSV4_CUDA_ACT_BLOCK, cb->b.xq, s));
-        x = cb->b.xq;
+        STEP(dsv4_cuda_fp8_roundtrip(x, B, W->in, DSV4_CUDA_ACT_BLOCK, ln->xq, ln->s));
+        x = ln->xq;
         ldx = W->in;
     }
-    return dsv4_cuda_gemv(W, x, ldx, B, y, ldy, s);
+    return dsv4_cuda_gemv(W, x, ldx, B, y, ldy, ln->s);
 }
 
-static int lin(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B, float *y,
-               int64_t ldy, bool raw, cudaStream_t s)
+static int lin(const struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B,
+               float *y, int64_t ldy, bool raw, const struct lane *ln)
 {
-    return lin_x(cb, W, x, ldx, B, y, ldy, raw, false, s);
+    return lin_x(cb, W, x, ldx, B, y, ldy, raw, false, ln);
 }
 
-/* lin() for a linear whose x the previous lin() call read, unchanged since. */
-static int lin_same_x(struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B,
-                      float *y, int64_t ldy, cudaStream_t s)
+/* lin() for a linear whose x the previous lin() call on the same lane read, unchanged since. */
+static int lin_same_x(const struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx,
+                      int B, float *y, int64_t ldy, const struct lane *ln)
 {
-    return lin_x(cb, W, x, ldx, B, y, ldy, false, true, s);
+    return lin_x(cb, W, x, ldx, B, y, ldy, false, true, ln);
 }
 
-static int attention(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
+/* `to` waits for everything issued so far on `from` (an event edge in the captured graph). */
+static int lane_wait(const struct cuda_backend *cb, const struct lane *to, const struct lane *from, cudaEvent_t ev)
 {
+    if (!cb->branches)
+        return 0;
+    DSV4_CUDA_TRY(cudaEventRecord(ev, from->s));
+    DSV4_CUDA_TRY(cudaStreamWaitEvent(to->s, ev, 0));
+    return 0;
+}
+
+/* The compressor of a CSA or HCA layer (its entries into the slot's compressed cache), and on CSA
+ * layers the indexer's compressor (its keys) and weights_proj, all from xn on lane `ln`. */
+static int compress(const struct cuda_backend *cb, const struct step_layer *L, int B, const struct lane *ln)
+{
+    const struct dsv4_config *c = cb->cfg;
+    const struct step_buf *t = &cb->b;
+    const int hd = c->head_dim, coff = L->csa ? 2 : 1;
+    struct dsv4_cuda_comp_args ca = {};
+
+    STEP(lin(cb, &L->c_wkv, t->xn, c->dim, B, t->cc, coff * hd, false, ln));
+    STEP(lin_same_x(cb, &L->c_wgate, t->xn, c->dim, B, t->cz, coff * hd, ln));
+    ca.c = t->cc;
+    ca.z = t->cz;
+    ca.ape = L->c_ape;
+    ca.norm = L->c_norm;
+    ca.ratio = L->ratio;
+    ca.d = hd;
+    ca.rd = c->rope_dim;
+    ca.overlap = L->csa;
+    ca.fp8 = cb->fp8;
+    ca.kvf = cb->kvf;
+    ca.indexer = false;
+    ca.eps = (float)c->rms_norm_eps;
+    ca.inv_freq = t->inv_comp;
+    ca.pos = t->in + 2 * B;
+    ca.slot = t->in + B;
+    ca.first = t->in + 3 * B;
+    ca.last = t->in + 4 * B;
+    ca.state = reinterpret_cast<float *>(cb->caches + L->cache.cstate);
+    ca.state_slot_stride = cb->slot_bytes / 4;
+    ca.entries = cb->caches + L->cache.comp;
+    ca.entries_slot_stride = cb->slot_bytes;
+    ca.entry_bytes = dsv4_cuda_kv_entry_bytes(hd, c->rope_dim, cb->kvf);
+    STEP(dsv4_cuda_compressor(&ca, B, ln->s));
+    if (!L->csa)
+        return 0;
+    const int nI = c->index_n_heads, dI = c->index_head_dim;
+    STEP(lin_same_x(cb, &L->ic_wkv, t->xn, c->dim, B, t->ic, 2 * dI, ln));   /* x as c_wkv left it */
+    STEP(lin_same_x(cb, &L->ic_wgate, t->xn, c->dim, B, t->iz, 2 * dI, ln));
+    ca.c = t->ic;
+    ca.z = t->iz;
+    ca.ape = L->ic_ape;
+    ca.norm = L->ic_norm;
+    ca.d = dI;
+    ca.overlap = true;
+    ca.indexer = true;
+    ca.state = reinterpret_cast<float *>(cb->caches + L->cache.istate);
+    ca.entries = cb->caches + L->cache.ikeys;
+    ca.entry_bytes = dsv4_cuda_index_key_bytes(dI, cb->fp8);
+    STEP(dsv4_cuda_compressor(&ca, B, ln->s));
+    return lin(cb, &L->i_wproj, t->xn, c->dim, B, t->iw, nI, false, ln);
+}
+
+/* The indexer's query from the normalized qr, its scores over the slot's keys and the top-k
+ * selection the CSA attention reads (t->isel, t->insel), on lane `ln`. */
+static int index_select(const struct cuda_backend *cb, const struct step_layer *L, int B, const struct lane *ln)
+{
+    const struct dsv4_config *c = cb->cfg;
+    const struct step_buf *t = &cb->b;
+    const int nI = c->index_n_heads, dI = c->index_head_dim;
+    const int32_t *pos = t->in + 2 * B;
+    struct dsv4_cuda_index_args ia = {};
+
+    STEP(lin(cb, &L->i_wq_b, t->qr, c->q_lora_rank, B, t->iq, (int64_t)nI * dI, false, ln));
+    STEP(dsv4_cuda_indexer_q(t->iq, B, nI, dI, c->rope_dim, cb->fp8, pos, t->inv_comp, ln->s));
+    ia.q = t->iq;
+    ia.w = t->iw;
+    ia.nI = nI;
+    ia.dI = dI;
+    ia.ratio = L->ratio;
+    ia.topk = c->index_topk;
+    ia.pos = pos;
+    ia.slot = t->in + B;
+    ia.keys = cb->caches + L->cache.ikeys;
+    ia.keys_slot_stride = cb->slot_bytes;
+    ia.packed = cb->fp8;
+    ia.max_entries = (int)cb->max_entries;
+    ia.scores = t->iscores;
+    ia.sel = t->isel;
+    ia.nsel = t->insel;
+    return dsv4_cuda_indexer(&ia, B, ln->s);
+}
+
+/* Main lane: q (wq_a, norm, wq_b, RoPE) and this position's KV into the window. Side lane, from xn:
+ * compress(), then index_select() once the main lane has normalized qr. Attention joins them. */
+static int attention(struct cuda_backend *cb, const struct step_layer *L, int B)
+{
+    const struct lane *m = &cb->ln[0], *sd = &cb->ln[1];
+    const cudaStream_t s = m->s;
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
     const int H = c->n_heads, hd = c->head_dim, rd = c->rope_dim;
     const int32_t *pos = t->in + 2 * B, *slot = t->in + B;
     const float *inv = L->ratio ? t->inv_comp : t->inv_main;
     const float eps = (float)c->rms_norm_eps;
-    const int eb = dsv4_cuda_kv_entry_bytes(hd, rd, cb->kvf);
 
-    STEP(lin(cb, &L->wq_a, t->xn, c->dim, B, t->qr, c->q_lora_rank, false, s));
-    STEP(lin_same_x(cb, &L->wkv, t->xn, c->dim, B, t->kv, hd, s));
+    if (L->ratio) {
+        STEP(lane_wait(cb, sd, m, cb->ev_fork));
+        STEP(compress(cb, L, B, sd));
+    }
+    STEP(lin(cb, &L->wq_a, t->xn, c->dim, B, t->qr, c->q_lora_rank, false, m));
+    STEP(lin_same_x(cb, &L->wkv, t->xn, c->dim, B, t->kv, hd, m));
     STEP(dsv4_cuda_rmsnorm(t->qr, L->q_norm, B, c->q_lora_rank, eps, t->qr, s));
-    STEP(lin(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, s));
+    if (L->csa) {
+        STEP(lane_wait(cb, sd, m, cb->ev_fork));
+        STEP(index_select(cb, L, B, sd));
+    }
+    STEP(lin(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, m));
     STEP(dsv4_cuda_rmsnorm_rope(t->q, NULL, B * H, hd, eps, H, rd, pos, inv, t->q, s));
     STEP(dsv4_cuda_rmsnorm_rope(t->kv, L->kv_norm, B, hd, eps, 1, rd, pos, inv, t->kv, s));
     STEP(dsv4_cuda_kv_store(t->kv, B, hd, rd, cb->kvf, pos, slot, cb->caches + L->cache.win, cb->slot_bytes,
                             ring_entries(c, &cb->base.opts), s));
+    if (L->ratio)
+        STEP(lane_wait(cb, m, sd, cb->ev_join));
 
     struct dsv4_cuda_att_args a = {};
     a.q = t->q;
@@ -338,7 +462,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     a.hd = hd;
     a.rd = rd;
     a.kvf = cb->kvf;
-    a.entry_bytes = eb;
+    a.entry_bytes = dsv4_cuda_kv_entry_bytes(hd, rd, cb->kvf);
     a.pos = pos;
     a.slot = slot;
     a.win = cb->caches + L->cache.win;
@@ -348,75 +472,14 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     a.scale = 1.0f / sqrtf((float)hd);
     a.part = t->part;
     if (L->ratio) {
-        const int coff = L->csa ? 2 : 1;
-        struct dsv4_cuda_comp_args ca = {};
-        STEP(lin(cb, &L->c_wkv, t->xn, c->dim, B, t->cc, coff * hd, false, s));
-        STEP(lin_same_x(cb, &L->c_wgate, t->xn, c->dim, B, t->cz, coff * hd, s));
-        ca.c = t->cc;
-        ca.z = t->cz;
-        ca.ape = L->c_ape;
-        ca.norm = L->c_norm;
-        ca.ratio = L->ratio;
-        ca.d = hd;
-        ca.rd = rd;
-        ca.overlap = L->csa;
-        ca.fp8 = cb->fp8;
-        ca.kvf = cb->kvf;
-        ca.indexer = false;
-        ca.eps = eps;
-        ca.inv_freq = t->inv_comp;
-        ca.pos = pos;
-        ca.slot = slot;
-        ca.first = t->in + 3 * B;
-        ca.last = t->in + 4 * B;
-        ca.state = reinterpret_cast<float *>(cb->caches + L->cache.cstate);
-        ca.state_slot_stride = cb->slot_bytes / 4;
-        ca.entries = cb->caches + L->cache.comp;
-        ca.entries_slot_stride = cb->slot_bytes;
-        ca.entry_bytes = eb;
-        STEP(dsv4_cuda_compressor(&ca, B, s));
         a.comp = cb->caches + L->cache.comp;
         a.comp_slot_stride = cb->slot_bytes;
         a.ratio = L->ratio;
-        if (L->csa) {
-            const int nI = c->index_n_heads, dI = c->index_head_dim;
-            STEP(lin_same_x(cb, &L->ic_wkv, t->xn, c->dim, B, t->ic, 2 * dI, s));   /* x as c_wkv left it */
-            STEP(lin_same_x(cb, &L->ic_wgate, t->xn, c->dim, B, t->iz, 2 * dI, s));
-            ca.c = t->ic;
-            ca.z = t->iz;
-            ca.ape = L->ic_ape;
-            ca.norm = L->ic_norm;
-            ca.d = dI;
-            ca.overlap = true;
-            ca.indexer = true;
-            ca.state = reinterpret_cast<float *>(cb->caches + L->cache.istate);
-            ca.entries = cb->caches + L->cache.ikeys;
-            ca.entry_bytes = dsv4_cuda_index_key_bytes(dI, cb->fp8);
-            STEP(dsv4_cuda_compressor(&ca, B, s));
-            STEP(lin(cb, &L->i_wq_b, t->qr, c->q_lora_rank, B, t->iq, (int64_t)nI * dI, false, s));
-            STEP(dsv4_cuda_indexer_q(t->iq, B, nI, dI, rd, cb->fp8, pos, t->inv_comp, s));
-            STEP(lin(cb, &L->i_wproj, t->xn, c->dim, B, t->iw, nI, false, s));
-            struct dsv4_cuda_index_args ia = {};
-            ia.q = t->iq;
-            ia.w = t->iw;
-            ia.nI = nI;
-            ia.dI = dI;
-            ia.ratio = L->ratio;
-            ia.topk = c->index_topk;
-            ia.pos = pos;
-            ia.slot = slot;
-            ia.keys = cb->caches + L->cache.ikeys;
-            ia.keys_slot_stride = cb->slot_bytes;
-            ia.packed = cb->fp8;
-            ia.max_entries = (int)cb->max_entries;
-            ia.scores = t->iscores;
-            ia.sel = t->isel;
-            ia.nsel = t->insel;
-            STEP(dsv4_cuda_indexer(&ia, B, s));
-            a.sel = t->isel;
-            a.sel_stride = c->index_topk;
-            a.nsel = t->insel;
-        }
+    }
+    if (L->csa) {
+        a.sel = t->isel;
+        a.sel_stride = c->index_topk;
+        a.nsel = t->insel;
     }
     STEP(dsv4_cuda_attention(&a, B, L->sink, inv, t->o, s));
 
@@ -426,23 +489,35 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     const int G = c->o_groups, R = c->o_lora_rank;
     const int64_t gin = (int64_t)H * hd / G;
     if (cb->use_gemm && dsv4_cuda_gemm_grouped_supports(&L->wo_a, G))
-        STEP(dsv4_cuda_gemm_grouped(&L->wo_a, G, t->o, (int64_t)H * hd, B, &cb->b.gemm, t->z, (int64_t)G * R, s));
+        STEP(dsv4_cuda_gemm_grouped(&L->wo_a, G, t->o, (int64_t)H * hd, B, m->gemm, t->z, (int64_t)G * R, s));
     else
         for (int g = 0; g < G; g++) {
             const struct dsv4_cuda_linear v = dsv4_cuda_linear_rows(&L->wo_a, (int64_t)g * R, R);
-            STEP(lin(cb, &v, t->o + g * gin, (int64_t)H * hd, B, t->z + (int64_t)g * R, (int64_t)G * R, true, s));
+            STEP(lin(cb, &v, t->o + g * gin, (int64_t)H * hd, B, t->z + (int64_t)g * R, (int64_t)G * R, true, m));
         }
-    return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, s);
+    return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, m);
 }
 
-static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
+/* Main lane: gate, router and the routed experts into sub. Side lane, from xn: the shared expert
+ * into sout, added to sub once both are done. */
+static int moe(struct cuda_backend *cb, const struct step_layer *L, int B)
 {
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
+    const struct lane *m = &cb->ln[0], *sd = &cb->ln[1];
+    const cudaStream_t s = m->s;
     const int D = c->dim, K = c->n_experts_per_tok;
     struct dsv4_cuda_experts ex = L->ex;
 
-    STEP(lin(cb, &L->gate, t->xn, D, B, t->rlogits, c->n_experts, false, s));
+    if (L->sw1.w) {
+        const int64_t Is = L->sw1.out;
+        STEP(lane_wait(cb, sd, m, cb->ev_fork));
+        STEP(lin(cb, &L->sw1, t->xn, D, B, t->sg, Is, false, sd));
+        STEP(lin_same_x(cb, &L->sw3, t->xn, D, B, t->su, Is, sd));
+        STEP(dsv4_cuda_swiglu(t->sg, t->su, B, Is, (float)c->swiglu_limit, t->sh, sd->s));
+        STEP(lin(cb, &L->sw2, t->sh, Is, B, t->sout, D, false, sd));
+    }
+    STEP(lin(cb, &L->gate, t->xn, D, B, t->rlogits, c->n_experts, false, m));
     STEP(dsv4_cuda_router(t->rlogits, B, c->n_experts, K, L->hash ? NULL : L->gate_bias, L->hash ? L->tid2eid : NULL,
                           t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
     ex.quant_act = cb->fp8 && (ex.fmt == DSV4_W_FP8 || ex.fmt == DSV4_W_FP4);
@@ -453,11 +528,7 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, cudaS
     }
     STEP(dsv4_cuda_moe_experts(&ex, x, B, K, t->ridx, t->rw, &t->moe, t->sub, s));
     if (L->sw1.w) {
-        const int64_t Is = L->sw1.out;
-        STEP(lin(cb, &L->sw1, t->xn, D, B, t->sg, Is, false, s));
-        STEP(lin_same_x(cb, &L->sw3, t->xn, D, B, t->su, Is, s));
-        STEP(dsv4_cuda_swiglu(t->sg, t->su, B, Is, (float)c->swiglu_limit, t->sh, s));
-        STEP(lin(cb, &L->sw2, t->sh, Is, B, t->sout, D, false, s));
+        STEP(lane_wait(cb, m, sd, cb->ev_join));
         STEP(dsv4_cuda_add(t->sub, t->sout, (int64_t)B * D, s));
     }
     return 0;
@@ -513,13 +584,15 @@ static int step_launches(struct cuda_backend *cb, int B, cudaStream_t s)
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
     float *X0 = t->X, *X20 = t->X2;
+    cb->ln[0].s = s;
+    cb->ln[1].s = cb->branches ? cb->side : s;
     int rc = dsv4_cuda_embed(&cb->embed, t->in, B, c->hc_mult, t->X, s);
     for (int l = 0; rc == 0 && l < c->n_layers; l++) {
         const struct step_layer *L = &cb->L[l];
         if ((rc = sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, B, s)) < 0 ||
-            (rc = attention(cb, L, B, s)) < 0 || (rc = sublayer_post(cb, B, s)) < 0 ||
+            (rc = attention(cb, L, B)) < 0 || (rc = sublayer_post(cb, B, s)) < 0 ||
             (rc = sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, B, s)) < 0 ||
-            (rc = moe(cb, L, B, s)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
+            (rc = moe(cb, L, B)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
             break;
     }
     if (rc == 0)
@@ -530,7 +603,7 @@ static int step_launches(struct cuda_backend *cb, int B, cudaStream_t s)
     if (rc == 0)
         rc = dsv4_cuda_rmsnorm(t->y, cb->norm, B, c->dim, (float)c->rms_norm_eps, t->xn, s);
     if (rc == 0)
-        rc = lin(cb, &cb->head, t->xn, c->dim, B, t->logits, c->vocab_size, false, s);
+        rc = lin(cb, &cb->head, t->xn, c->dim, B, t->logits, c->vocab_size, false, &cb->ln[0]);
     /* the stream buffers swap per sublayer; an even count of swaps leaves them in place, but restore
      * them so every bucket's launches (and graph) see the same assignment */
     t->X = X0;
@@ -728,10 +801,10 @@ static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats
     ret->device_allocs = st.device_allocs;
     ret->graph_captures = cb->captures;
     ret->bytes_reserved = st.cache_bytes + st.workspace_bytes;
-    snprintf(ret->variant, sizeof(ret->variant), "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, sampling on %s",
-             st.kernel_build, st.device_name, cb->fp8 ? "fp8" : "exact",
-             cb->kvf == DSV4_KV_FP8 ? "fp8 e4m3+bf16 (584 B at 512/64)" : "f32",
-             cb->use_graphs ? cb->n_buckets : 0, b->ops->sample ? "device" : "host");
+    snprintf(ret->variant, sizeof(ret->variant),
+             "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, %d streams, sampling on %s", st.kernel_build,
+             st.device_name, cb->fp8 ? "fp8" : "exact", cb->kvf == DSV4_KV_FP8 ? "fp8 e4m3+bf16 (584 B at 512/64)" : "f32",
+             cb->use_graphs ? cb->n_buckets : 0, cb->branches ? 2 : 1, b->ops->sample ? "device" : "host");
 }
 
 static void op_destroy(struct dsv4_backend *b)
@@ -740,6 +813,12 @@ static void op_destroy(struct dsv4_backend *b)
     for (int i = 0; i < cb->n_buckets; i++)
         if (cb->graphs[i])
             cudaGraphExecDestroy(cb->graphs[i]);
+    if (cb->ev_fork)
+        cudaEventDestroy(cb->ev_fork);
+    if (cb->ev_join)
+        cudaEventDestroy(cb->ev_join);
+    if (cb->side)
+        cudaStreamDestroy(cb->side);
     dsv4_cuda_dev_destroy(cb->dev);
     free(cb->L);
     free(cb->pos);
@@ -873,7 +952,7 @@ static void log_stderr(void *ctx, const char *line)
 static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const struct dsv4_backend_opts *opts)
 {
     const struct dsv4_config *c = &w->cfg;
-    const char *g = getenv("DSV4_CUDA_GRAPHS"), *gm = getenv("DSV4_CUDA_GEMM");
+    const char *g = getenv("DSV4_CUDA_GRAPHS"), *gm = getenv("DSV4_CUDA_GEMM"), *br = getenv("DSV4_CUDA_BRANCHES");
     float inv[2][DSV4_CUDA_MAX_HEAD_DIM / 2];
     void *p;
 
@@ -886,6 +965,7 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->slots = opts->max_batch + 1;
     cb->use_graphs = !(g && strcmp(g, "0") == 0);
     cb->use_gemm = !(gm && strcmp(gm, "0") == 0);
+    cb->branches = !(br && strcmp(br, "0") == 0);
     STEP(dsv4_cuda_attention_prepare(c->head_dim));
     STEP(dsv4_cuda_gemm_prepare());
     STEP(dsv4_cuda_dev_create(0, w, opts, log_stderr, NULL, &cb->dev));
@@ -909,6 +989,15 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->max_entries = max_csa_entries(c, opts);
     STEP(dsv4_cuda_dev_carve(cb->dev, (size_t)buffers(c, opts, NULL, NULL), &p));
     buffers(c, opts, static_cast<uint8_t *>(p), &cb->b);
+    cb->ln[0].gemm = &cb->b.gemm;
+    cb->ln[0].xq = cb->b.xq;
+    cb->ln[1].gemm = &cb->b.gemm2;
+    cb->ln[1].xq = cb->b.xq2;
+    if (cb->branches) {
+        DSV4_CUDA_TRY(cudaStreamCreateWithFlags(&cb->side, cudaStreamNonBlocking));
+        DSV4_CUDA_TRY(cudaEventCreateWithFlags(&cb->ev_fork, cudaEventDisableTiming));
+        DSV4_CUDA_TRY(cudaEventCreateWithFlags(&cb->ev_join, cudaEventDisableTiming));
+    }
     STEP(sampling_boot(cb));
     inv_freq(&c->rope_main, c->rope_dim, inv[0]);
     inv_freq(&c->rope_compress, c->rope_dim, inv[1]);

@@ -525,7 +525,7 @@ void dsv4_proto_token_event_clear(struct dsv4_proto_token_event *ev)
 static const char *const result_keys[] = {
     "text", "tokens", "finish_reason", "error", "usage", "timings", "logprobs",
 };
-static const char *const usage_keys[] = { "prompt_tokens", "completion_tokens", "total_tokens" };
+static const char *const usage_keys[] = { "prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens" };
 static const char *const timing_keys[] = { "queue_ms", "prefill_ms", "decode_ms", "total_ms", "decode_tokens_per_s" };
 
 int dsv4_proto_encode_generate_result(struct dsv4_proto_buf *out, uint32_t msgid,
@@ -547,13 +547,15 @@ int dsv4_proto_encode_generate_result(struct dsv4_proto_buf *out, uint32_t msgid
         dsv4_wire_cstr(pk, res->error_message);
     }
     dsv4_wire_key(pk, "usage");
-    msgpack_pack_map(pk, 3);
+    msgpack_pack_map(pk, 4);
     dsv4_wire_key(pk, "prompt_tokens");
     msgpack_pack_uint32(pk, res->usage.prompt_tokens);
     dsv4_wire_key(pk, "completion_tokens");
     msgpack_pack_uint32(pk, res->usage.completion_tokens);
     dsv4_wire_key(pk, "total_tokens");
     msgpack_pack_uint64(pk, (uint64_t)res->usage.prompt_tokens + res->usage.completion_tokens);
+    dsv4_wire_key(pk, "cached_tokens");
+    msgpack_pack_uint32(pk, res->usage.cached_tokens);
     dsv4_wire_key(pk, "timings");
     msgpack_pack_map(pk, 5);
     pack_kv_num(pk, "queue_ms", res->timings.queue_ms);
@@ -632,6 +634,7 @@ int dsv4_proto_decode_generate_result(const struct dsv4_proto_message *msg,
         if (rc == 0) rc = dsv4_wire_check_keys(o, usage_keys, ARRAY_SIZE(usage_keys), false, ctx, err);
         if (rc == 0) rc = dsv4_wire_opt_u32(o, "prompt_tokens", ctx, &res->usage.prompt_tokens, err);
         if (rc == 0) rc = dsv4_wire_opt_u32(o, "completion_tokens", ctx, &res->usage.completion_tokens, err);
+        if (rc == 0) rc = dsv4_wire_opt_u32(o, "cached_tokens", ctx, &res->usage.cached_tokens, err);
     }
     if (rc == 0 && (o = dsv4_wire_get(map, "timings"))) {
         if (o->type != MSGPACK_OBJECT_MAP)

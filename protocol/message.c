@@ -696,6 +696,14 @@ static const struct stat_field stat_fields[] = {
     STAT(decode_steps, STAT_U64),
     STAT(sched_allocations, STAT_U64),
     STAT(sched_allocations_after_boot, STAT_U64),
+    STAT(prefix_cache_bytes, STAT_U64),
+    STAT(prefix_cache_used_bytes, STAT_U64),
+    STAT(prefix_cache_tokens, STAT_U64),
+    STAT(prefix_cache_snapshots, STAT_U64),
+    STAT(prefix_cache_lookups, STAT_U64),
+    STAT(prefix_cache_hits, STAT_U64),
+    STAT(prefix_cache_hit_tokens, STAT_U64),
+    STAT(prefix_cache_evictions, STAT_U64),
 };
 #undef STAT
 

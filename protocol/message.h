@@ -301,6 +301,7 @@ int dsv4_proto_finish_from_name(const char *name);
 struct dsv4_proto_usage {
     uint32_t prompt_tokens;
     uint32_t completion_tokens;    /* total_tokens on the wire is their sum */
+    uint32_t cached_tokens;        /* of prompt_tokens, those restored from the prefix cache */
 };
 
 struct dsv4_proto_timings {
@@ -431,6 +432,14 @@ struct dsv4_proto_stats {
     uint64_t batch_hist[DSV4_PROTO_MAX_BATCH_BUCKETS];   /* decode steps per batch size, buckets above */
     uint64_t sched_allocations;    /* heap allocations the scheduler made since it was created */
     uint64_t sched_allocations_after_boot;   /* must stay 0 */
+    uint64_t prefix_cache_bytes;   /* the prefix-cache pool; 0 = off */
+    uint64_t prefix_cache_used_bytes;
+    uint64_t prefix_cache_tokens;  /* tokens whose compressed entries the pool holds */
+    uint64_t prefix_cache_snapshots;   /* block boundaries a request can continue from */
+    uint64_t prefix_cache_lookups; /* requests that consulted it */
+    uint64_t prefix_cache_hits;    /* of those, requests that restored a prefix */
+    uint64_t prefix_cache_hit_tokens;  /* prompt tokens restored rather than prefilled */
+    uint64_t prefix_cache_evictions;   /* snapshots evicted to make room */
     uint32_t n_kernels;
     char *kernels[DSV4_PROTO_MAX_KERNELS];   /* kernel variants in use */
 };

@@ -6,6 +6,7 @@ DSV4D_INTEGRATION_TESTS = \
 	tests/integration/test_dsv4d_protocol.py \
 	tests/integration/test_dsv4d_hostile.py \
 	tests/integration/test_dsv4d_client.py \
+	tests/integration/test_dsv4ctl_bench.py \
 	tests/integration/test_units.sh
 TESTS += $(DSV4D_INTEGRATION_TESTS)
 EXTRA_DIST += $(DSV4D_INTEGRATION_TESTS) tests/integration/dsv4d_harness.py

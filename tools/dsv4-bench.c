@@ -10,8 +10,10 @@
  * random values in their checkpoint formats (no NaN codes, scales near real ones), never zeros.
  *
  * With --model (a checkpoint from dsv4-mkckpt) it times the CUDA backend's decode step instead:
- * every slot of the batch holds a short prompt, each step is timed on the host around the backend
- * call (input upload, graph replay, logits download), median of BENCH_STEPS. The floor counts the
+ * every slot of the batch holds a short prompt, each step is timed on the host around what the
+ * daemon calls (input upload, graph replay, sampling on the device, the sampled tokens back: the
+ * serving path), median of BENCH_STEPS; then the same step with the [B, V] f32 logits copied to
+ * the host instead of sampled there (what dsv4-run and host sampling do). The floor counts the
  * weights every step reads (everything but the routed experts, plus the experts the batch routes
  * to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy bandwidth.
  *
@@ -434,8 +436,19 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     const double dense = (double)w->bytes_total - routed_all - linear_bytes(&w->embed);
     const int V = c->vocab_size;
     float *logits = malloc(sizeof(float) * (size_t)DSV4_CUDA_MAX_BATCH * V);
-    int slots[DSV4_CUDA_MAX_BATCH];
+    int slots[DSV4_CUDA_MAX_BATCH], row_rc[DSV4_CUDA_MAX_BATCH];
     int32_t toks[DSV4_CUDA_MAX_BATCH], prompt[BENCH_PROMPT];
+    struct dsv4_sampling sp;
+    struct dsv4_backend_sample_req req[DSV4_CUDA_MAX_BATCH];
+    struct dsv4_sample smp[DSV4_CUDA_MAX_BATCH];
+    char *msgs = malloc((size_t)DSV4_CUDA_MAX_BATCH * DSV4_BACKEND_MSG_MAX);
+    if (!logits || !msgs || !b->ops->sample) {
+        fprintf(stderr, "dsv4-bench: %s\n", !b->ops->sample ? "the backend samples on the host (DSV4_CUDA_SAMPLE=0): "
+                                                               "the serving path needs device sampling" : "out of memory");
+        exit(1);
+    }
+    dsv4_sampling_defaults(&sp);
+    sp.has_seed = true;
     printf("%-34s %5s %10s %12s %10s %7s %8s\n", "decode step", "batch", "us", "MB moved", "floor us", "x floor",
            "GB/s");
     for (int i = 0; i < nb; i++) {
@@ -448,19 +461,41 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
                 prompt[t] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
             OK(b->ops->prefill(b, s, prompt, BENCH_PROMPT, NULL, false));
         }
+        for (int s = 0; s < B; s++) {
+            sp.seed = (uint64_t)s + 1;
+            req[s] = (struct dsv4_backend_sample_req){ .slot = s, .params = &sp, .seed = sp.seed };
+        }
+        /* the serving path: each step's tokens are the ones it sampled, as in the daemon */
+        for (int s = 0; s < B; s++)
+            toks[s] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
         for (int step = 0; step < BENCH_STEPS + 1; step++) {
-            for (int s = 0; s < B; s++)
-                toks[s] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
             double a = now_us();
-            OK(b->ops->decode(b, B, slots, toks, logits));
+            OK(b->ops->decode(b, B, slots, toks, NULL));
+            OK(b->ops->sample(b, B, req, smp, row_rc, msgs));
             if (step > 0)           /* the first step warms up */
                 us[step - 1] = (float)(now_us() - a);
+            for (int s = 0; s < B; s++) {
+                if (row_rc[s] < 0) {
+                    fprintf(stderr, "dsv4-bench: sampling row %d: %s\n", s, msgs + (size_t)s * DSV4_BACKEND_MSG_MAX);
+                    exit(1);
+                }
+                toks[s] = smp[s].token;
+                req[s].index++;
+            }
         }
         const double K = c->n_experts_per_tok, E = c->n_experts;
         const double distinct = E * (1.0 - pow(1.0 - K / E, B));
         const double bytes = dense + c->n_layers * distinct * expert + (double)B * (c->dim * 2 + 4.0 * V);
         char what[64];
         snprintf(what, sizeof(what), "%d-layer step (%.0f experts/layer)", c->n_layers, distinct);
+        report(what, B, median(us, BENCH_STEPS), bytes);
+        for (int step = 0; step < BENCH_STEPS + 1; step++) {
+            double a = now_us();
+            OK(b->ops->decode(b, B, slots, toks, logits));
+            if (step > 0)
+                us[step - 1] = (float)(now_us() - a);
+        }
+        snprintf(what, sizeof(what), "  the same, logits to the host");
         report(what, B, median(us, BENCH_STEPS), bytes);
     }
     /* prefill: one slot, `prefill` tokens in chunks of max_batch; the floor reads the weights once
@@ -498,6 +533,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         free(p);
     }
     free(logits);
+    free(msgs);
     dsv4_backend_destroy(b);
     dsv4_weights_free(w);
     return 0;

@@ -111,6 +111,34 @@ try:
     others = [c.call("generate", dict(p, seed=s))[1]["tokens"] for s in (1, 2, 3)]
     t.ok(any(o != a["tokens"] for o in others), "other seeds give other tokens")
 
+    # The prefix cache (on by default; tiny_c's blocks are 16 tokens): a prompt that shares 4 blocks
+    # with an earlier one restores them, reports them as cached_tokens, and answers what dsv4-run
+    # answers cold; seeded sampling is unchanged by the restore.
+    shared = [BOS] + [(i * 29 + 17) % 250 + 3 for i in range(66)]
+    first, second = shared + [5, 6, 7], shared[:64] + [8, 9]
+    err1, r1 = greedy(c, first, 8)
+    err2, r2 = greedy(c, second, 8)
+    ref2, diag = run_dsv4_run(d.model, second, 8)
+    t.ok(err1 is None and err2 is None and r1["usage"]["cached_tokens"] == 0 and r2["usage"]["cached_tokens"] == 64
+         and r2["usage"]["prompt_tokens"] == 66 and bin_tokens(r2["tokens"]) == ref2,
+         "a shared prefix is restored from the prefix cache: cached_tokens 64, the same tokens as dsv4-run",
+         (err1, err2, r1 and r1["usage"], r2 and r2["usage"], ref2, diag))
+    p = {"tokens": tokens_bin(first), "max_tokens": 16, "temperature": 1.0, "seed": 77, "repetition_penalty": 1.3}
+    err1, a = c.call("generate", p)
+    p["tokens"] = tokens_bin(shared[:48] + [(i * 13 + 1) % 250 + 3 for i in range(21)])
+    err2, b_cached = c.call("generate", p)
+    err3, b_again = c.call("generate", p)
+    t.ok(err1 is None and err2 is None and err3 is None and a["usage"]["cached_tokens"] == 64
+         and b_cached["usage"]["cached_tokens"] == 48 and b_again["usage"]["cached_tokens"] == 64
+         and b_cached["tokens"] == b_again["tokens"],
+         "seeded answers do not depend on how much of the prompt was cached",
+         (err1, err2, err3, a and a["usage"], b_cached and b_cached["usage"], b_again and b_again["usage"]))
+    err, st = c.call("stats")
+    t.ok(err is None and st["prefix_cache_bytes"] > 0 and 0 < st["prefix_cache_used_bytes"] <= st["prefix_cache_bytes"]
+         and st["prefix_cache_hits"] >= 3 and st["prefix_cache_hit_tokens"] >= 64 + 64 + 48 + 64
+         and st["prefix_cache_lookups"] >= st["prefix_cache_hits"] and st["prefix_cache_tokens"] >= 64
+         and st["prefix_cache_snapshots"] > 0, "stats count the prefix cache's pool, lookups and hits", st)
+
     # logprobs: one entry per token, top alternatives most probable first, the greedy pick on top.
     err, res = greedy(c, PROMPTS[0], 8, logprobs=3)
     lps = res and res.get("logprobs")

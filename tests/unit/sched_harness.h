@@ -23,6 +23,7 @@ struct answer {
     int32_t top1[ANSWER_MAX_TOKENS];    /* the second, -1 without */
     float top_lp[ANSWER_MAX_TOKENS][2]; /* their logprobs (NAN without) */
     int n;
+    int cached_tokens;                  /* prompt tokens the prefix cache restored */
     bool finished;
     enum dsv4_finish_reason finish;
     uint64_t id;
@@ -71,6 +72,7 @@ static void collect(struct dsv4_sched *s)
                 fail_msg("request failed: %s", ev.result->error_message);
             a->finished = true;
             a->finish = ev.result->finish;
+            a->cached_tokens = ev.result->cached_tokens;
             assert_int_equal(ev.result->n_tokens, a->n);
             assert_int_equal(dsv4_sched_release(s, ev.id), 0);
         }

@@ -455,6 +455,7 @@ static void test_token_and_result(void **state)
             res.error_message = rnd_utf8(40, NULL);
         res.usage.prompt_tokens = (uint32_t)rnd();
         res.usage.completion_tokens = res.n_tokens;
+        res.usage.cached_tokens = (uint32_t)rnd();
         res.timings = (struct dsv4_proto_timings){ rnd_float(0, 1e4f), rnd_float(0, 1e4f), rnd_float(0, 1e5f),
                                                    rnd_float(0, 1e6f), rnd_float(0, 1e4f) };
         if (r % 3 == 0) {
@@ -479,6 +480,7 @@ static void test_token_and_result(void **state)
             assert_null(gr.error_message);
         assert_int_equal(gr.usage.prompt_tokens, res.usage.prompt_tokens);
         assert_int_equal(gr.usage.completion_tokens, res.usage.completion_tokens);
+        assert_int_equal(gr.usage.cached_tokens, res.usage.cached_tokens);
         assert_true(gr.timings.queue_ms == res.timings.queue_ms);
         assert_true(gr.timings.prefill_ms == res.timings.prefill_ms);
         assert_true(gr.timings.decode_ms == res.timings.decode_ms);
@@ -633,6 +635,14 @@ static void test_small_methods(void **state)
             st.batch_hist[i] = rnd();
         st.sched_allocations = rnd();
         st.sched_allocations_after_boot = rnd();
+        st.prefix_cache_bytes = rnd();
+        st.prefix_cache_used_bytes = rnd();
+        st.prefix_cache_tokens = rnd();
+        st.prefix_cache_snapshots = rnd();
+        st.prefix_cache_lookups = rnd();
+        st.prefix_cache_hits = rnd();
+        st.prefix_cache_hit_tokens = rnd();
+        st.prefix_cache_evictions = rnd();
         st.n_kernels = rnd_below(DSV4_PROTO_MAX_KERNELS + 1);
         for (uint32_t i = 0; i < st.n_kernels; i++)
             st.kernels[i] = rnd_utf8(20, NULL);
@@ -668,6 +678,14 @@ static void test_small_methods(void **state)
             assert_true(gs.batch_hist[i] == st.batch_hist[i]);
         assert_true(gs.sched_allocations == st.sched_allocations);
         assert_true(gs.sched_allocations_after_boot == st.sched_allocations_after_boot);
+        assert_true(gs.prefix_cache_bytes == st.prefix_cache_bytes);
+        assert_true(gs.prefix_cache_used_bytes == st.prefix_cache_used_bytes);
+        assert_true(gs.prefix_cache_tokens == st.prefix_cache_tokens);
+        assert_true(gs.prefix_cache_snapshots == st.prefix_cache_snapshots);
+        assert_true(gs.prefix_cache_lookups == st.prefix_cache_lookups);
+        assert_true(gs.prefix_cache_hits == st.prefix_cache_hits);
+        assert_true(gs.prefix_cache_hit_tokens == st.prefix_cache_hit_tokens);
+        assert_true(gs.prefix_cache_evictions == st.prefix_cache_evictions);
         assert_int_equal(gs.n_kernels, st.n_kernels);
         for (uint32_t i = 0; i < st.n_kernels; i++)
             assert_string_equal(gs.kernels[i], st.kernels[i]);

@@ -1,0 +1,374 @@
+/* dsv4ctl bench (client/ctl_bench.h): worker threads over libdsv4client, one connection each. */
+#include "build-config.h"
+
+#include "client/ctl_bench.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define PROGRESS_PERIOD_MS 250
+#define MIN_REQUESTS 8
+#define REQUESTS_PER_CLIENT 4
+
+/* One request's measurements. */
+struct sample {
+    double ttft_ms;             /* send to first token, queueing included (what a user waits) */
+    double tpot_ms;             /* (last token - first token) / (tokens - 1); NAN below 2 tokens */
+    uint32_t tokens;
+    bool ok;                    /* finished by stop or length */
+};
+
+struct level {
+    const struct ctl_bench_opts *o;
+    int32_t lo, hi;             /* prompt ids are drawn from [lo, hi) */
+    uint32_t total;
+    struct sample *samples;     /* [total] */
+    atomic_uint next;           /* next request index to take */
+    atomic_uint done;
+    atomic_uint failed;
+    atomic_ullong tokens;
+    char first_error[256];      /* the first failure's message, for the report */
+    pthread_mutex_t lock;
+};
+
+struct stream_state {
+    struct level *lv;
+    double t0, first, last;
+    uint32_t n;
+};
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* splitmix64: the request index keys its prompt, so a level's prompts are the same on every run */
+static uint64_t mix64(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static void set_err(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static void set_err(char *err, size_t len, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, len, fmt, ap);
+    va_end(ap);
+}
+
+static void note_failure(struct level *lv, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void note_failure(struct level *lv, const char *fmt, ...)
+{
+    atomic_fetch_add(&lv->failed, 1);
+    pthread_mutex_lock(&lv->lock);
+    if (!lv->first_error[0]) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(lv->first_error, sizeof(lv->first_error), fmt, ap);
+        va_end(ap);
+    }
+    pthread_mutex_unlock(&lv->lock);
+}
+
+static int on_token(const struct dsv4_client_token *tok, void *user)
+{
+    struct stream_state *st = user;
+    const double t = now_ms();
+    (void)tok;
+    if (st->n++ == 0)
+        st->first = t;
+    st->last = t;
+    atomic_fetch_add(&st->lv->tokens, 1);
+    return 0;
+}
+
+static int connect_client(struct dsv4_client *c, const struct ctl_bench_opts *o)
+{
+    int rc = dsv4_client_connect(c, o->socket, o->connect_timeout_ms);
+    if (rc == 0)
+        dsv4_client_set_timeout(c, o->timeout_ms);
+    return rc;
+}
+
+static void *worker(void *arg)
+{
+    struct level *lv = arg;
+    const struct ctl_bench_opts *o = lv->o;
+    struct dsv4_client *c = dsv4_client_new();
+    int32_t *prompt = malloc(sizeof(int32_t) * o->prompt_tokens);
+    bool connected = false;
+
+    for (;;) {
+        const unsigned i = atomic_fetch_add(&lv->next, 1);
+        if (i >= lv->total)
+            break;
+        struct sample *sm = &lv->samples[i];
+        sm->tpot_ms = NAN;
+        if (!c || !prompt) {
+            note_failure(lv, "out of memory");
+            atomic_fetch_add(&lv->done, 1);
+            continue;
+        }
+        if (!connected) {
+            if (connect_client(c, o) < 0) {
+                note_failure(lv, "connect: %s", dsv4_client_error_message(c));
+                atomic_fetch_add(&lv->done, 1);
+                continue;
+            }
+            connected = true;
+        }
+        uint64_t r = o->seed ^ mix64(i);
+        for (uint32_t k = 0; k < o->prompt_tokens; k++) {
+            r = mix64(r);
+            prompt[k] = lv->lo + (int32_t)(r % (uint64_t)(lv->hi - lv->lo));
+        }
+        struct dsv4_client_generate_params p = o->gp;
+        p.tokens = prompt;
+        p.n_tokens = o->prompt_tokens;
+        if (!p.has_seed) {
+            p.has_seed = true;
+            p.seed = mix64(o->seed + i);
+        }
+        struct stream_state st = { .lv = lv, .t0 = now_ms() };
+        struct dsv4_client_result res;
+        const int rc = dsv4_client_generate_stream(c, &p, on_token, &st, &res);
+        if (rc < 0) {
+            note_failure(lv, "request %u: %s", i, dsv4_client_error_message(c));
+            if (rc != -EREMOTEIO && rc != -EINVAL)
+                connected = false;      /* the library closed the connection */
+        } else {
+            sm->ok = res.finish_reason == DSV4_CLIENT_FINISH_STOP || res.finish_reason == DSV4_CLIENT_FINISH_LENGTH;
+            if (!sm->ok)
+                note_failure(lv, "request %u: finished %s%s%s", i, dsv4_client_finish_name(res.finish_reason),
+                             res.error_message ? ": " : "", res.error_message ? res.error_message : "");
+            sm->tokens = st.n;
+            sm->ttft_ms = st.n ? st.first - st.t0 : NAN;
+            if (st.n > 1)
+                sm->tpot_ms = (st.last - st.first) / (st.n - 1);
+            dsv4_client_result_clear(&res);
+        }
+        atomic_fetch_add(&lv->done, 1);
+    }
+    free(prompt);
+    dsv4_client_close(c);
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Nearest-rank quantile q of the n finite values in v (sorted in place); NAN when none. */
+static double quantile(double *v, size_t n, double q)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (isfinite(v[i]))
+            v[m++] = v[i];
+    if (m == 0)
+        return NAN;
+    qsort(v, m, sizeof(*v), cmp_double);
+    size_t k = (size_t)ceil(q * (double)m);
+    return v[k > 0 ? k - 1 : 0];
+}
+
+struct level_report {
+    int concurrency;
+    uint32_t requests, failed;
+    uint64_t tokens;
+    double wall_s, ttft_med, ttft_p99, tpot_med, tpot_p99, out_tok_s, req_s;
+};
+
+static void summarize(const struct level *lv, int concurrency, double wall_ms, struct level_report *r)
+{
+    double *v = malloc(sizeof(double) * (lv->total ? lv->total : 1));
+    memset(r, 0, sizeof(*r));
+    r->concurrency = concurrency;
+    r->requests = lv->total;
+    r->failed = atomic_load(&lv->failed);
+    r->tokens = atomic_load(&lv->tokens);
+    r->wall_s = wall_ms / 1e3;
+    r->out_tok_s = r->wall_s > 0 ? (double)r->tokens / r->wall_s : 0.0;
+    r->req_s = r->wall_s > 0 ? (double)(r->requests - r->failed) / r->wall_s : 0.0;
+    r->ttft_med = r->ttft_p99 = r->tpot_med = r->tpot_p99 = NAN;
+    if (!v)
+        return;
+    for (uint32_t i = 0; i < lv->total; i++)
+        v[i] = lv->samples[i].ok ? lv->samples[i].ttft_ms : NAN;
+    r->ttft_med = quantile(v, lv->total, 0.5);
+    for (uint32_t i = 0; i < lv->total; i++)
+        v[i] = lv->samples[i].ok ? lv->samples[i].ttft_ms : NAN;
+    r->ttft_p99 = quantile(v, lv->total, 0.99);
+    for (uint32_t i = 0; i < lv->total; i++)
+        v[i] = lv->samples[i].ok ? lv->samples[i].tpot_ms : NAN;
+    r->tpot_med = quantile(v, lv->total, 0.5);
+    for (uint32_t i = 0; i < lv->total; i++)
+        v[i] = lv->samples[i].ok ? lv->samples[i].tpot_ms : NAN;
+    r->tpot_p99 = quantile(v, lv->total, 0.99);
+    free(v);
+}
+
+/* JSON has no NaN: a quantity with no sample is null. */
+static json_t *num_or_null(double v)
+{
+    return isfinite(v) ? json_real(v) : json_null();
+}
+
+static void print_report(FILE *out, const struct ctl_bench_opts *o, const struct level_report *r)
+{
+    if (o->json) {
+        json_t *j = json_pack("{s:i, s:I, s:I, s:I, s:I, s:I, s:f, s:o, s:o, s:o, s:o, s:f, s:f}",
+                              "concurrency", r->concurrency, "requests", (json_int_t)r->requests, "failed",
+                              (json_int_t)r->failed, "prompt_tokens", (json_int_t)o->prompt_tokens, "max_tokens",
+                              (json_int_t)o->gp.max_tokens, "output_tokens", (json_int_t)r->tokens, "wall_s",
+                              r->wall_s, "ttft_ms_median", num_or_null(r->ttft_med), "ttft_ms_p99",
+                              num_or_null(r->ttft_p99), "tpot_ms_median", num_or_null(r->tpot_med), "tpot_ms_p99",
+                              num_or_null(r->tpot_p99), "output_tokens_per_s", r->out_tok_s, "requests_per_s",
+                              r->req_s);
+        if (j) {
+            json_dumpf(j, out, JSON_COMPACT);
+            fputc('\n', out);
+            json_decref(j);
+        }
+        return;
+    }
+    fprintf(out, "%11d %8u %6u %9.1f %9.1f %9.2f %9.2f %10.1f %8.2f %7.1f\n", r->concurrency, r->requests, r->failed,
+            r->ttft_med, r->ttft_p99, r->tpot_med, r->tpot_p99, r->out_tok_s, r->req_s, r->wall_s);
+}
+
+static void progress_line(FILE *f, int concurrency, const struct level *lv, double t0)
+{
+    const double s = (now_ms() - t0) / 1e3;
+    const unsigned long long tok = atomic_load(&lv->tokens);
+    fprintf(f, "\r[C=%d] %u/%u requests, %u failed, %llu tokens, %.0f tokens/s, %.1f s   ", concurrency,
+            atomic_load(&lv->done), lv->total, atomic_load(&lv->failed), tok, s > 0 ? tok / s : 0.0, s);
+    fflush(f);
+}
+
+static int run_level(const struct ctl_bench_opts *o, int concurrency, int32_t lo, int32_t hi, FILE *out,
+                     FILE *progress, bool *any_failed, char *err, size_t err_len)
+{
+    uint32_t total = o->requests ? o->requests : (uint32_t)concurrency * REQUESTS_PER_CLIENT;
+    if (total < MIN_REQUESTS && !o->requests)
+        total = MIN_REQUESTS;
+    struct level lv = { .o = o, .lo = lo, .hi = hi, .total = total };
+    pthread_t *th = calloc((size_t)concurrency, sizeof(*th));
+    lv.samples = calloc(total, sizeof(*lv.samples));
+    if (!th || !lv.samples) {
+        free(th);
+        free(lv.samples);
+        set_err(err, err_len, "bench: out of memory for %u requests", total);
+        return -ENOMEM;
+    }
+    pthread_mutex_init(&lv.lock, NULL);
+    const double t0 = now_ms();
+    int started = 0, rc = 0;
+    for (; started < concurrency; started++)
+        if ((rc = pthread_create(&th[started], NULL, worker, &lv)) != 0)
+            break;
+    if (started == 0) {
+        set_err(err, err_len, "bench: cannot start a client thread: %s", strerror(rc));
+        rc = -rc;
+    } else {
+        rc = 0;
+        while (progress && atomic_load(&lv.done) < total) {
+            progress_line(progress, concurrency, &lv, t0);
+            nanosleep(&(struct timespec){ 0, PROGRESS_PERIOD_MS * 1000000L }, NULL);
+        }
+        for (int i = 0; i < started; i++)
+            pthread_join(th[i], NULL);
+        const double wall = now_ms() - t0;
+        if (progress) {
+            progress_line(progress, concurrency, &lv, t0);
+            fputc('\n', progress);
+        }
+        struct level_report r;
+        summarize(&lv, concurrency, wall, &r);
+        print_report(out, o, &r);
+        fflush(out);
+        if (r.failed) {
+            *any_failed = true;
+            fprintf(stderr, "dsv4ctl bench: C=%d: %u of %u requests failed; the first: %s\n", concurrency, r.failed,
+                    total, lv.first_error);
+        }
+    }
+    pthread_mutex_destroy(&lv.lock);
+    free(th);
+    free(lv.samples);
+    return rc;
+}
+
+int ctl_bench_run(const struct ctl_bench_opts *o, FILE *out, FILE *progress, char *err, size_t err_len)
+{
+    const struct dsv4_client_info *info;
+    struct dsv4_client *c = dsv4_client_new();
+    int rc;
+
+    if (!c) {
+        set_err(err, err_len, "bench: out of memory");
+        return -ENOMEM;
+    }
+    if ((rc = connect_client(c, o)) < 0 || (rc = dsv4_client_hello(c, &info)) < 0) {
+        set_err(err, err_len, "%s", dsv4_client_error_message(c));
+        dsv4_client_close(c);
+        return rc;
+    }
+    /* Prompt ids avoid the low ids (BOS, EOS, chat tags on the small models) and the top 1/16 of
+     * the vocabulary, where the release keeps its special tokens and padding. */
+    const int32_t V = (int32_t)info->vocab_size, lo = V >= 64 ? 16 : 1, hi = V - V / 16;
+    const uint32_t need = o->prompt_tokens + (o->gp.max_tokens ? o->gp.max_tokens : 1);
+    if (hi <= lo) {
+        set_err(err, err_len, "bench: the model's vocabulary (%d ids) is too small for random prompts", V);
+        rc = -EINVAL;
+    } else if (info->max_context && need > info->max_context) {
+        set_err(err, err_len, "bench: --prompt-tokens %u plus --max-tokens %u exceed the server's context of %u tokens",
+                o->prompt_tokens, o->gp.max_tokens, info->max_context);
+        rc = -EINVAL;
+    } else if (info->max_prompt_tokens && o->prompt_tokens > info->max_prompt_tokens) {
+        set_err(err, err_len, "bench: --prompt-tokens %u exceeds the server's limit of %u", o->prompt_tokens,
+                info->max_prompt_tokens);
+        rc = -EINVAL;
+    }
+    if (rc < 0) {
+        dsv4_client_close(c);
+        return rc;
+    }
+    if (!o->json) {
+        fprintf(out, "# %s, model %s, backend %s, max_batch %u: prompt %u random token ids, max_tokens %u, "
+                     "temperature %g\n",
+                info->server, info->model_name, info->backend, info->max_batch, o->prompt_tokens, o->gp.max_tokens,
+                (double)o->gp.temperature);
+        fprintf(out, "# ttft: send to first token (queueing included); tpot: per request, (last - first token) / "
+                     "(tokens - 1); median and p99 over requests\n");
+        fprintf(out, "%11s %8s %6s %9s %9s %9s %9s %10s %8s %7s\n", "concurrency", "requests", "failed", "ttft_ms",
+                "ttft_p99", "tpot_ms", "tpot_p99", "out_tok/s", "req/s", "wall_s");
+        fflush(out);
+    }
+    dsv4_client_close(c);
+    bool any_failed = false;
+    for (int i = 0; i < o->n_levels; i++)
+        if ((rc = run_level(o, o->levels[i], lo, hi, out, progress, &any_failed, err, err_len)) < 0)
+            return rc;
+    if (any_failed) {
+        set_err(err, err_len, "bench: some requests failed (counted above)");
+        return -EREMOTEIO;
+    }
+    return 0;
+}

@@ -1,0 +1,39 @@
+/* dsv4ctl bench: a load generator through the real daemon. For each concurrency level C it runs
+ * C client threads, each with its own connection, that send streamed requests with random token-id
+ * prompts back to back until the level's request count is reached, and reports time to first
+ * token, time per output token (median and p99 over requests) and output tokens/s over the level's
+ * wall time. */
+#ifndef DSV4_CLIENT_CTL_BENCH_H
+#define DSV4_CLIENT_CTL_BENCH_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "client/dsv4client.h"
+
+#define CTL_BENCH_MAX_LEVELS 16
+#define CTL_BENCH_MAX_CONCURRENCY 1024      /* client threads (and connections) of one level */
+#define CTL_BENCH_MAX_REQUESTS 1000000      /* requests of one level */
+#define CTL_BENCH_MAX_PROMPT (1u << 20)     /* prompt tokens of one request */
+
+struct ctl_bench_opts {
+    const char *socket;         /* NULL: $DSV4_SOCKET, then the default */
+    int connect_timeout_ms;
+    int timeout_ms;             /* per answer frame, <= 0 none */
+    int levels[CTL_BENCH_MAX_LEVELS];
+    int n_levels;
+    uint32_t prompt_tokens;
+    uint32_t requests;          /* per level; 0: 4 x C, at least 8 */
+    uint64_t seed;              /* prompt ids and sampling seeds derive from it and the request index */
+    bool json;                  /* one JSON object a level on out instead of the table */
+    /* sampling: every field but the prompt, which each request fills in */
+    struct dsv4_client_generate_params gp;
+};
+
+/* 0 when every request of every level finished (stop or length); -EREMOTEIO when some failed or
+ * were refused (counted in the report); another -errno when the daemon could not be reached or
+ * described (message in err, err_len bytes). progress: a line redrawn while a level runs, or NULL. */
+int ctl_bench_run(const struct ctl_bench_opts *o, FILE *out, FILE *progress, char *err, size_t err_len);
+
+#endif

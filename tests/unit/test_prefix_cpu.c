@@ -1,0 +1,444 @@
+/* The prefix cache on the CPU backend: a request restored from a snapshot computes exactly what the
+ * same request computes cold.
+ *  - backend: snapshots at every block boundary of one sequence, each restored into another slot and
+ *    continued (prefill of the rest, then decode): every logit bit-identical to the cold sequence's,
+ *    on the three fixture models and the default model, exact and fp8 numerics;
+ *  - scheduler: prompts that leave a cached prompt before, at and after every block boundary
+ *    (greedy, and seeded sampling with penalties), a hit on a request that is still running, a hit
+ *    on a snapshot written while decoding, and a pool small enough to evict: tokens, log-probabilities
+ *    and top alternatives bit-identical to a scheduler without a pool, cached_tokens as expected,
+ *    and the stats counting what happened. */
+#include "build-config.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "engine/backend.h"
+#include "engine/config.h"
+#include "engine/error.h"
+#include "engine/scheduler.h"
+#include "engine/weights.h"
+#include "tests/unit/sched_harness.h"
+
+#define POOL_BYTES (64 << 20)   /* untouched pages cost nothing: calloc'd */
+#define MAX_PROMPT 1024
+#define GEN 6                   /* tokens generated per scheduler request */
+
+static void model_dir(const char *name, char *out, size_t cap)
+{
+    const char *top = getenv("top_srcdir");
+    if (strcmp(name, "default") == 0)
+        snprintf(out, cap, "%s/models/default", top ? top : ".");
+    else
+        snprintf(out, cap, "%s/tests/fixtures/%s", top ? top : ".", name);
+}
+
+static struct dsv4_weights *load(const char *name)
+{
+    char dir[PATH_MAX];
+    struct dsv4_weights *w;
+    model_dir(name, dir, sizeof(dir));
+    if (dsv4_weights_load(dir, &w) < 0)
+        fail_msg("%s: %s", dir, dsv4_error_message());
+    return w;
+}
+
+static void tokens(int32_t *t, int n, int vocab, int salt)
+{
+    for (int i = 0; i < n; i++)
+        t[i] = (int32_t)((i * 37 + salt * 101 + (i * i) % 13 + 5) % vocab);
+}
+
+static int argmax(const float *v, int n)
+{
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (v[i] > v[best])
+            best = i;
+    return best;
+}
+
+/* ---- backend ---- */
+
+/* Prefill rows [from, n) of t into slot (all logits), then `dec` greedy decode steps; logits of
+ * every row into out [n - from + dec, V]. */
+static void run_rest(struct dsv4_backend *b, int slot, const int32_t *t, int from, int n, int dec, float *out)
+{
+    const int V = b->weights->cfg.vocab_size;
+    assert_int_equal(b->ops->prefill(b, slot, t + from, n - from, out, true), 0);
+    float *row = out + (size_t)(n - from - 1) * V;
+    for (int i = 0; i < dec; i++) {
+        int32_t next = argmax(row, V);
+        assert_int_equal(b->ops->decode(b, 1, &slot, &next, row + V), 0);
+        row += V;
+    }
+}
+
+static void backend_case(const char *name, enum dsv4_numerics num)
+{
+    struct dsv4_weights *w = load(name);
+    const int V = w->cfg.vocab_size, B = dsv4_config_prefix_block(&w->cfg), dec = 3;
+    assert_true(B > 0);
+    const int blocks = 4, n = blocks * B + B / 2 + 1, ctx = n + dec + B;
+    int32_t *t = malloc(sizeof(int32_t) * (size_t)n);
+    float *cold = malloc(sizeof(float) * (size_t)(n + dec) * (size_t)V);
+    float *warm = malloc(sizeof(float) * (size_t)(n + dec) * (size_t)V);
+    assert_non_null(t);
+    assert_non_null(cold);
+    assert_non_null(warm);
+    tokens(t, n, V, 1);
+
+    struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = ctx, .numerics = num, .threads = 1 };
+    struct dsv4_backend *plain, *b;
+    assert_int_equal(dsv4_backend_cpu_create(w, &bo, &plain), 0);
+    assert_int_equal(plain->prefix.n_pages, 0);
+    run_rest(plain, 0, t, 0, n, dec, cold);
+    dsv4_backend_destroy(plain);
+
+    bo.prefix_pool_bytes = POOL_BYTES;
+    assert_int_equal(dsv4_backend_cpu_create(w, &bo, &b), 0);
+    const struct dsv4_prefix_geom *g = &b->prefix;
+    assert_int_equal(g->block, B);
+    assert_true(g->n_pages >= blocks * (g->block_pages + g->boundary_pages));
+    /* pages handed out in order: block k's record, then the boundary record at (k + 1) B */
+    int32_t blk[16], bnd[16][64];
+    assert_true(blocks <= 16 && g->boundary_pages <= 64 && g->block_pages <= 1);
+    int32_t next_page = 0;
+    for (int k = 0; k < blocks; k++) {
+        assert_int_equal(b->ops->prefill(b, 0, t + k * B, B, NULL, false), 0);
+        blk[k] = next_page;
+        next_page += g->block_pages;
+        for (int j = 0; j < g->boundary_pages; j++)
+            bnd[k][j] = next_page++;
+        assert_int_equal(b->ops->prefix_save(b, 0, g->block_pages ? &blk[k] : NULL, bnd[k]), 0);
+    }
+    assert_int_equal(b->ops->prefix_save(b, 1, blk, bnd[0]), -EINVAL);    /* slot 1 is at 0 */
+
+    /* the source continues as if nothing was copied */
+    run_rest(b, 0, t, blocks * B, n, dec, warm);
+    assert_memory_equal(warm, cold + (size_t)blocks * B * V, sizeof(float) * (size_t)(n - blocks * B + dec) * V);
+
+    for (int k = 1; k <= blocks; k++) {
+        b->ops->slot_reset(b, 1);
+        assert_int_equal(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t), 0);
+        assert_int_equal(b->ops->slot_position(b, 1), k * B);
+        assert_int_equal(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t), -EBUSY);
+        run_rest(b, 1, t, k * B, n, dec, warm);
+        const size_t rows = (size_t)(n - k * B + dec);
+        if (memcmp(warm, cold + (size_t)k * B * V, sizeof(float) * rows * V) != 0)
+            fail_msg("%s (%s numerics): restored after %d blocks of %d, the logits differ from cold", name,
+                     num == DSV4_NUMERICS_FP8 ? "fp8" : "exact", k, B);
+    }
+    dsv4_backend_destroy(b);
+    free(t);
+    free(cold);
+    free(warm);
+    dsv4_weights_free(w);
+}
+
+static void test_backend_bit_identical(void **state)
+{
+    (void)state;
+    static const char *const models[] = { "tiny_a", "tiny_b", "tiny_c", "default" };
+    for (int m = 0; m < 4; m++) {
+        backend_case(models[m], DSV4_NUMERICS_EXACT);
+        backend_case(models[m], DSV4_NUMERICS_FP8);
+    }
+}
+
+/* A pool that cannot hold one snapshot is refused at create with the sizes. */
+static void test_pool_too_small(void **state)
+{
+    (void)state;
+    struct dsv4_weights *w = load("tiny_a");
+    struct dsv4_backend_opts bo = { .max_batch = 1, .max_context = 64, .threads = 1, .prefix_pool_bytes = 1024 };
+    struct dsv4_backend *b;
+    assert_int_equal(dsv4_backend_cpu_create(w, &bo, &b), -ENOSPC);
+    assert_non_null(strstr(dsv4_error_message(), "one snapshot takes"));
+    bo.max_context = 8;     /* below one block of 16 */
+    bo.prefix_pool_bytes = POOL_BYTES;
+    assert_int_equal(dsv4_backend_cpu_create(w, &bo, &b), -EINVAL);
+    dsv4_weights_free(w);
+}
+
+/* ---- scheduler ---- */
+
+struct pair {
+    struct env cold, warm;      /* no pool / a pool */
+    int B, V;
+};
+
+static void env_make(struct env *e, struct dsv4_weights *w, int max_batch, int ctx, int64_t pool, int budget)
+{
+    e->w = w;
+    struct dsv4_backend_opts bo = { .max_batch = max_batch, .max_context = ctx, .numerics = DSV4_NUMERICS_EXACT,
+                                    .threads = 1, .prefix_pool_bytes = pool };
+    if (dsv4_backend_cpu_create(w, &bo, &e->b) < 0)
+        fail_msg("cpu backend: %s", dsv4_error_message());
+    struct dsv4_sched_limits lim = { .prefill_budget = budget, .detok = { letter_bytes, NULL } };
+    if (dsv4_sched_create(e->b, NULL, &lim, &e->s) < 0)
+        fail_msg("scheduler: %s", dsv4_error_message());
+}
+
+/* ctx 0: 7 blocks */
+static void pair_open(struct pair *p, const char *name, int max_batch, int ctx, int64_t pool, int budget)
+{
+    struct dsv4_weights *w = load(name);
+    p->B = dsv4_config_prefix_block(&w->cfg);
+    p->V = w->cfg.vocab_size;
+    if (!ctx)
+        ctx = 7 * p->B;
+    env_make(&p->cold, w, 1, ctx, 0, budget);
+    env_make(&p->warm, w, max_batch, ctx, pool, budget);
+}
+
+static void pair_close(struct pair *p)
+{
+    dsv4_sched_destroy(p->cold.s);
+    dsv4_backend_destroy(p->cold.b);
+    dsv4_sched_destroy(p->warm.s);
+    dsv4_backend_destroy(p->warm.b);
+    dsv4_weights_free(p->cold.w);
+}
+
+static void submit(struct env *e, const int32_t *prompt, int n, const struct dsv4_sampling *sp, struct answer *a)
+{
+    memset(a, 0, sizeof(*a));
+    struct dsv4_sched_request rq = { .prompt = prompt, .n_prompt = n, .max_tokens = GEN, .sampling = *sp,
+                                     .ignore_eos = true, .user = a };
+    if (dsv4_sched_submit(e->s, &rq, &a->id) < 0)
+        fail_msg("submit: %s", dsv4_error_message());
+}
+
+static void expect_same(const struct answer *warm, const struct answer *cold, const char *what)
+{
+    if (warm->n != cold->n || memcmp(warm->tokens, cold->tokens, sizeof(int32_t) * (size_t)cold->n) ||
+        memcmp(warm->logprob, cold->logprob, sizeof(float) * (size_t)cold->n) ||
+        memcmp(warm->top0, cold->top0, sizeof(int32_t) * (size_t)cold->n) ||
+        memcmp(warm->top1, cold->top1, sizeof(int32_t) * (size_t)cold->n) ||
+        memcmp(warm->top_lp, cold->top_lp, sizeof(warm->top_lp[0]) * (size_t)cold->n))
+        fail_msg("%s: the cached answer differs from the cold one", what);
+}
+
+/* The request cold (a scheduler without a pool), then on the pool's scheduler: the same answer. */
+static void both(struct pair *p, const int32_t *prompt, int n, const struct dsv4_sampling *sp, struct answer *warm,
+                 const char *what)
+{
+    struct answer cold;
+    submit(&p->cold, prompt, n, sp, &cold);
+    run_until(&p->cold, &cold, 1);
+    assert_int_equal(cold.cached_tokens, 0);
+    submit(&p->warm, prompt, n, sp, warm);
+    run_until(&p->warm, warm, 1);
+    expect_same(warm, &cold, what);
+}
+
+static void samplings(struct dsv4_sampling sp[2])
+{
+    dsv4_sampling_defaults(&sp[0]);
+    sp[0].temperature = 0.0f;
+    sp[0].logprobs = 2;
+    dsv4_sampling_defaults(&sp[1]);
+    sp[1].temperature = 0.9f;
+    sp[1].repetition_penalty = 1.3f;
+    sp[1].presence_penalty = 0.4f;
+    sp[1].frequency_penalty = 0.2f;
+    sp[1].has_seed = true;
+    sp[1].seed = 1234567;
+    sp[1].logprobs = 2;
+}
+
+/* Prompts that share the first c tokens of a cached prompt T, for c around every block boundary:
+ * the hit is the deepest boundary at most c (and short of the prompt's last token), the answer
+ * the cold one. */
+static void hits_case(const char *name)
+{
+    struct pair p;
+    struct dsv4_sampling sp[2];
+    struct answer a;
+    char what[128];
+    samplings(sp);
+    pair_open(&p, name, 1, 0, POOL_BYTES, 512);
+    const int B = p.B, nt = 5 * B + 3, tail = 5;
+    int32_t T[MAX_PROMPT], u[MAX_PROMPT];
+    assert_true(nt + tail <= MAX_PROMPT);
+    /* T's ids are even, the divergent tails' odd: a tail never continues T */
+    for (int i = 0; i < nt; i++)
+        T[i] = (int32_t)((i * 74 + 10) % (p.V / 2) * 2);
+    both(&p, T, nt, &sp[0], &a, "the first request");
+    assert_int_equal(a.cached_tokens, 0);
+    uint64_t hit_tokens = 0;
+    int requests = 1;
+    for (int k = 1; k <= 5; k++)
+        for (int c = k * B - 1; c <= k * B + 1; c++) {
+            memcpy(u, T, sizeof(int32_t) * (size_t)c);
+            for (int i = 0; i < tail; i++)
+                u[c + i] = (int32_t)((c * 31 + i * 7) % (p.V / 2) * 2 + 1);
+            int n = c + tail, want = c / B < 5 ? c / B * B : 5 * B;
+            for (int s = 0; s < 2; s++) {
+                snprintf(what, sizeof(what), "%s, %d tokens of a %d-token prompt, %s", name, c, nt,
+                         s ? "seeded" : "greedy");
+                both(&p, u, n, &sp[s], &a, what);
+                /* the second run of the same prompt also finds its own tail's block when it has one */
+                int own = (n - 1) / B * B;
+                assert_int_equal(a.cached_tokens, s == 0 ? want : (own > want ? own : want));
+                hit_tokens += (uint64_t)a.cached_tokens;
+                requests++;
+            }
+        }
+    /* the whole prompt again: everything but the last block's tokens */
+    both(&p, T, nt, &sp[1], &a, "the first prompt again");
+    assert_int_equal(a.cached_tokens, 5 * B);
+    hit_tokens += (uint64_t)a.cached_tokens;
+    requests++;
+
+    struct dsv4_sched_stats st;
+    dsv4_sched_get_stats(p.warm.s, &st);
+    assert_true(st.prefix_cache);
+    assert_int_equal(st.prefix.lookups, requests);
+    assert_int_equal(st.prefix.hit_tokens, hit_tokens);
+    assert_int_equal(st.prefix.block, B);
+    assert_true(st.prefix.pages_used > 0);
+    assert_int_equal(st.prefix.boundaries_evicted, 0);
+    pair_close(&p);
+}
+
+static void test_hits_at_every_boundary(void **state)
+{
+    (void)state;
+    hits_case("tiny_a");
+    hits_case("tiny_b");
+    hits_case("default");
+}
+
+/* B arrives with A: A prefills first (oldest first), B's first prefill finds the blocks A
+ * snapshotted in that same step, while A goes on decoding. Then C continues A's answer: its hit
+ * reaches past A's prompt, into the blocks A snapshotted while decoding. */
+static void test_hit_on_running_source(void **state)
+{
+    (void)state;
+    struct pair p;
+    struct dsv4_sampling sp[2];
+    samplings(sp);
+    pair_open(&p, "tiny_c", 2, 256, POOL_BYTES, 2 * 16);
+    const int B = p.B;
+    assert_int_equal(B, 16);
+    int32_t a_prompt[3 * 16 + 5], b_prompt[4 * 16];
+    const int na = 3 * B + 5, nb = 4 * B;
+    tokens(a_prompt, na, p.V, 3);
+    memcpy(b_prompt, a_prompt, sizeof(int32_t) * 3 * B);
+    tokens(b_prompt + 3 * B, B, p.V, 4);
+
+    struct answer cold[2], warm[2];
+    submit(&p.cold, a_prompt, na, &sp[1], &cold[0]);
+    run_until(&p.cold, &cold[0], 1);
+    submit(&p.cold, b_prompt, nb, &sp[0], &cold[1]);
+    run_until(&p.cold, &cold[1], 1);
+
+    struct dsv4_sched_request ra = { .prompt = a_prompt, .n_prompt = na, .max_tokens = 2 * B, .sampling = sp[1],
+                                     .ignore_eos = true, .user = &warm[0] };
+    memset(warm, 0, sizeof(warm));
+    assert_int_equal(dsv4_sched_submit(p.warm.s, &ra, &warm[0].id), 0);
+    submit(&p.warm, b_prompt, nb, &sp[0], &warm[1]);
+    /* step 1: A prefills 2 blocks; step 2: A ends its prompt and B starts from A's 3 blocks */
+    assert_int_equal(dsv4_sched_step(p.warm.s), 1);
+    collect(p.warm.s);
+    assert_int_equal(warm[0].n, 0);
+    assert_int_equal(dsv4_sched_step(p.warm.s), 1);
+    collect(p.warm.s);
+    assert_int_equal(warm[0].n, 1);
+    run_until(&p.warm, warm, 2);
+    assert_int_equal(warm[1].cached_tokens, 3 * B);
+    assert_int_equal(warm[0].cached_tokens, 0);
+    /* A's answer (2 B tokens) ran past two boundaries while B was running */
+    struct answer cold_a;
+    struct dsv4_sched_request rc = ra;
+    rc.user = &cold_a;
+    memset(&cold_a, 0, sizeof(cold_a));
+    assert_int_equal(dsv4_sched_submit(p.cold.s, &rc, &cold_a.id), 0);
+    run_until(&p.cold, &cold_a, 1);
+    expect_same(&warm[0], &cold_a, "the source request");
+    expect_same(&warm[1], &cold[1], "the request that hit the running source");
+
+    /* C: A's prompt and answer, then a new turn */
+    int32_t c_prompt[3 * 16 + 5 + 2 * 16 + 7];
+    const int nc = na + warm[0].n + 7;
+    memcpy(c_prompt, a_prompt, sizeof(int32_t) * (size_t)na);
+    memcpy(c_prompt + na, warm[0].tokens, sizeof(int32_t) * (size_t)warm[0].n);
+    tokens(c_prompt + na + warm[0].n, 7, p.V, 5);
+    struct answer c;
+    both(&p, c_prompt, nc, &sp[1], &c, "the next turn of the source's conversation");
+    /* fed to A's slot: prompt + all but its last token = na + 2B - 1 = 84: 5 blocks */
+    assert_int_equal(c.cached_tokens, (na + warm[0].n - 1) / B * B);
+    assert_true(c.cached_tokens > na);
+    pair_close(&p);
+}
+
+/* A pool of a few snapshots under many prompts: evictions happen, hits continue on what is left,
+ * every answer stays the cold one, and the counts add up. */
+static void test_eviction(void **state)
+{
+    (void)state;
+    struct dsv4_weights *w = load("tiny_a");
+    struct dsv4_backend_opts bo = { .max_batch = 1, .max_context = 128, .threads = 1,
+                                    .prefix_pool_bytes = POOL_BYTES };
+    struct dsv4_backend *probe;
+    assert_int_equal(dsv4_backend_cpu_create(w, &bo, &probe), 0);
+    const struct dsv4_prefix_geom g = probe->prefix;
+    dsv4_backend_destroy(probe);
+    dsv4_weights_free(w);
+
+    struct pair p;
+    struct dsv4_sampling sp[2];
+    samplings(sp);
+    /* room for 5 snapshots: fewer than one round of the prompts below makes */
+    pair_open(&p, "tiny_a", 1, 128, 5 * (g.block_pages + g.boundary_pages) * g.page_bytes, 512);
+    const int B = p.B, n = 3 * B + 2;
+    int32_t prompts[6][3 * 16 + 2];
+    assert_int_equal(B, 16);
+    for (int i = 0; i < 6; i++)
+        tokens(prompts[i], n, p.V, 10 + i);
+    uint64_t hits = 0, hit_tokens = 0;
+    for (int round = 0; round < 3; round++)
+        for (int i = 0; i < 6; i++) {
+            struct answer a;
+            char what[64];
+            snprintf(what, sizeof(what), "round %d, prompt %d", round, i);
+            /* the same prompt twice in a row: the second finds it whatever the first did */
+            for (int twice = 0; twice < 2; twice++) {
+                both(&p, prompts[i], n, &sp[round % 2], &a, what);
+                hits += a.cached_tokens > 0;
+                hit_tokens += (uint64_t)a.cached_tokens;
+            }
+            assert_int_equal(a.cached_tokens, 3 * B);
+        }
+    struct dsv4_sched_stats st;
+    dsv4_sched_get_stats(p.warm.s, &st);
+    assert_true(st.prefix.boundaries_evicted > 0);
+    assert_true(st.prefix.nodes_evicted > 0);
+    assert_true(st.prefix.pages_used <= st.prefix.pages_total);
+    assert_int_equal(st.prefix.lookups, 36);
+    assert_int_equal(st.prefix.hits, hits);
+    assert_int_equal(st.prefix.hit_tokens, hit_tokens);
+    pair_close(&p);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_backend_bit_identical),
+        cmocka_unit_test(test_pool_too_small),
+        cmocka_unit_test(test_hits_at_every_boundary),
+        cmocka_unit_test(test_hit_on_running_source),
+        cmocka_unit_test(test_eviction),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
