@@ -724,8 +724,9 @@ static const char *finish_reason(const struct gen *G, const struct dsv4_client_r
 
 static json_t *usage(const struct dsv4_client_result *res)
 {
-    return json_pack("{s:i,s:i,s:i}", "prompt_tokens", (int)res->prompt_tokens, "completion_tokens",
-                     (int)res->completion_tokens, "total_tokens", (int)(res->prompt_tokens + res->completion_tokens));
+    return json_pack("{s:i,s:i,s:i,s:{s:i}}", "prompt_tokens", (int)res->prompt_tokens, "completion_tokens",
+                     (int)res->completion_tokens, "total_tokens", (int)(res->prompt_tokens + res->completion_tokens),
+                     "prompt_tokens_details", "cached_tokens", (int)res->cached_tokens);
 }
 
 /* Run the generation and respond (streamed or whole). */

@@ -53,7 +53,8 @@ try:
          "chat: 17*23 -> 391", r)
     t.ok(err is None and err2 is None and r.usage.prompt_tokens == len(bin_tokens(tok["tokens"]))
          and r.usage.completion_tokens == len(bin_tokens(ref["tokens"]))
-         and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens,
+         and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+         and 0 <= r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens,
          "chat: usage counts the prompt and completion tokens exactly", (r.usage, ref and ref["usage"]))
 
     # ---- streamed, with usage
