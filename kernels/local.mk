@@ -17,12 +17,20 @@ EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES) kernels/NOTES.md
 
 GPU_TEST_COMMON = tests/gpu/gpu_test.h
 
+# The switch table is plain C: CPU-only builds test it, and the documentation against it.
+check_PROGRAMS += tests/unit/test_cuda_switches
+TESTS += tests/unit/test_cuda_switches
+tests_unit_test_cuda_switches_SOURCES = tests/unit/test_cuda_switches.c kernels/switches.c kernels/switches.h
+tests_unit_test_cuda_switches_CFLAGS = $(TEST_ENGINE_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
+tests_unit_test_cuda_switches_LDADD = $(TEST_ENGINE_LIBS)
+
 # A checkpoint at real V4 shapes with random weights, in the release's formats (Python + numpy).
 dist_noinst_SCRIPTS += tools/dsv4-mkckpt
 
 if HAVE_CUDA
 noinst_LIBRARIES += libdsv4cuda.a
 libdsv4cuda_a_SOURCES = $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES)
+libdsv4cuda_a_SOURCES += kernels/switches.c kernels/switches.h
 
 # Machine code for Hopper (sm_90a: H100/H200), Blackwell (sm_100a) and RTX PRO 6000 (sm_120a), plus
 # compute_80 PTX as the portable fallback the driver compiles at load on anything else; the boot log
