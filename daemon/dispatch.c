@@ -9,8 +9,8 @@
 #include "daemon/reqmem.h"
 #include "daemon/server.h"
 #include "engine/error.h"
-#include "engine/sampler.h"
-#include "engine/scheduler.h"
+#include "engine/serve/sampler.h"
+#include "engine/serve/scheduler.h"
 
 /* The stats reply copies the scheduler's histogram: same bucket layout (1, 2, 3-4, ..., open last). */
 _Static_assert(DSV4_SCHED_BATCH_BUCKETS <= DSV4_PROTO_MAX_BATCH_BUCKETS, "batch_size_hist has too few buckets");

@@ -1,4 +1,4 @@
-/* engine/tokenizer: golden encodings/decodings from Hugging Face `tokenizers` on the real V4 file,
+/* engine/text/tokenizer: golden encodings/decodings from Hugging Face `tokenizers` on the real V4 file,
  * the streaming detokenizer against whole decoding on fresh random ids, long inputs, threads, and
  * small hand-made tokenizer files for the loader's rules and refusals. */
 #include "build-config.h"
@@ -17,8 +17,8 @@
 #include <cmocka.h>
 
 #include "engine/error.h"
-#include "engine/tok_internal.h"
-#include "engine/tokenizer.h"
+#include "engine/text/tok_internal.h"
+#include "engine/text/tokenizer.h"
 #include "tests/tokenizer/locate.h"
 
 #define GOLDEN_PATH "tests/tokenizer/golden/tokenizer_golden.json"

@@ -1,0 +1,33 @@
+/* Helpers shared by the tokenizer and chat modules; not part of the public API. */
+#ifndef DSV4_ENGINE_TEXT_TOK_INTERNAL_H
+#define DSV4_ENGINE_TEXT_TOK_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum dsv4_tok_utf8_step {
+    DSV4_TOK_UTF8_VALID,      /* a whole character of *ret_used bytes */
+    DSV4_TOK_UTF8_INVALID,    /* a maximal invalid subpart of *ret_used bytes (one U+FFFD) */
+    DSV4_TOK_UTF8_INCOMPLETE, /* all n bytes start a character that needs more */
+};
+
+/* Classify the UTF-8 sequence starting at p[0] (n >= 1 bytes available) by Rust's rules. */
+enum dsv4_tok_utf8_step dsv4_tok_utf8_step(const unsigned char *p, size_t n, size_t *ret_used);
+
+uint64_t dsv4_tok_hash_bytes(const void *data, size_t n);
+
+/* The code point each byte maps to in the byte-level alphabet. */
+void dsv4_tok_byte_to_codepoints(uint32_t cp[256]);
+
+/* Explicit members of a Unicode general category (\p{L} ...) as `tokenizers`' own Oniguruma has
+ * them (Unicode 16.0); the system libonig may be older. Generated into tok_unicode.c by
+ * tests/tokenizer/gen_unicode_classes.py. The array ends with a NULL name. */
+struct dsv4_tok_unicode_class {
+    const char *name;
+    const uint32_t (*ranges)[2];  /* [n][first, last] code points, ascending */
+    size_t n;
+};
+
+extern const struct dsv4_tok_unicode_class dsv4_tok_unicode_classes[];
+
+#endif
