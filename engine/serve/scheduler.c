@@ -593,9 +593,9 @@ static int check_request(const struct dsv4_sched *s, const struct dsv4_sched_req
         if (req->prompt[i] < 0 || req->prompt[i] >= s->vocab)
             return dsv4_error_set(-EINVAL, "request: prompt token %d at %d is outside vocab_size %d",
                                   req->prompt[i], i, s->vocab);
-    int r = dsv4_sampling_validate(&req->sampling);
-    if (r < 0)
-        return dsv4_error_prefix(r, "request: ");
+    /* The one place sampling parameters are checked on the way in; -EDOM tells the caller which. */
+    if (dsv4_sampling_validate(&req->sampling) < 0)
+        return dsv4_error_prefix(-EDOM, "request: ");
     if (req->n_stop < 0 || req->n_stop > DSV4_SCHED_STOP_STRINGS_MAX || (req->n_stop && !req->stop))
         return dsv4_error_set(-E2BIG, "request: %d stop strings: at most %d", req->n_stop,
                               DSV4_SCHED_STOP_STRINGS_MAX);
