@@ -1043,6 +1043,11 @@ struct tok_encode {
     OnigRegion *region[TOK_MAX_REGEXES];  /* one per regex: the scans nest */
     struct dsv4_tok_ids *out;
     unsigned flags;
+    /* dsv4_tokenizer_encode_parts(): the only byte ranges [start, end) of the text, starting at base,
+     * where an added token may be recognised; n_windows 0 means the whole text. Sorted, disjoint. */
+    const unsigned char *base;
+    const size_t (*windows)[2];
+    size_t n_windows;
 };
 
 struct tok_scan {
@@ -1087,38 +1092,64 @@ static int pre_tokenize(struct tok_encode *e, size_t level, const unsigned char 
     return pre_tokenize(e, level + 1, s.pos, (size_t)(p + n - s.pos));
 }
 
+/* First window of e that ends after text offset `off`. */
+static size_t first_window(const struct tok_encode *e, size_t off)
+{
+    size_t lo = 0, hi = e->n_windows;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (e->windows[mid][1] <= off)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 /* Pass `pass` of the added-token split: 0 finds tokens with normalized=false in the raw text,
- * 1 finds normalized=true tokens in what pass 0 left. */
+ * 1 finds normalized=true tokens in what pass 0 left. A token is recognised only wholly inside a
+ * window (the whole piece when there are none). */
 static int split_added(struct tok_encode *e, int pass, const unsigned char *p, size_t n)
 {
     if (pass == 2 || (e->flags & DSV4_TOK_ENCODE_ADDED_AS_TEXT))
         return pre_tokenize(e, 0, p, n);
     const struct tok_trie *t = pass == 0 ? &e->tok->trie_raw : &e->tok->trie_norm;
-    size_t gap = 0, from = 0;
+    size_t off = e->n_windows ? (size_t)(p - e->base) : 0;
+    size_t gap = 0;
     int r;
-    for (;;) {
-        size_t mend = n;        /* set by trie_find on a match; initialized for older gcc's flow analysis */
-        int32_t index = 0;
-        size_t ms = trie_find(t, p, n, from, &mend, &index);
-        if (ms == n)
-            break;
-        const struct tok_added *a = &e->tok->added[index];
-        from = mend;
-        /* Skipped specials still consume their text, like the library's matcher. */
-        if (a->special && (e->flags & DSV4_TOK_ENCODE_SPECIAL_AS_TEXT))
-            continue;
-        if ((r = split_added(e, pass + 1, p + gap, ms - gap)) || (r = dsv4_tok_ids_push(e->out, a->id)))
-            return r;
-        gap = mend;
+    for (size_t w = e->n_windows ? first_window(e, off) : 0; w < (e->n_windows ? e->n_windows : 1); w++) {
+        /* The window in piece coordinates, clipped to the piece. */
+        size_t ws = 0, we = n;
+        if (e->n_windows) {
+            if (e->windows[w][0] >= off + n)
+                break;
+            ws = e->windows[w][0] > off ? e->windows[w][0] - off : 0;
+            we = e->windows[w][1] - off < n ? e->windows[w][1] - off : n;
+        }
+        size_t from = ws > gap ? ws : gap;
+        for (;;) {
+            size_t mend = we;   /* set by trie_find on a match; initialized for older gcc's flow analysis */
+            int32_t index = 0;
+            size_t ms = trie_find(t, p, we, from, &mend, &index);
+            if (ms == we)
+                break;
+            const struct tok_added *a = &e->tok->added[index];
+            from = mend;
+            /* Skipped specials still consume their text, like the library's matcher. */
+            if (a->special && (e->flags & DSV4_TOK_ENCODE_SPECIAL_AS_TEXT))
+                continue;
+            if ((r = split_added(e, pass + 1, p + gap, ms - gap)) || (r = dsv4_tok_ids_push(e->out, a->id)))
+                return r;
+            gap = mend;
+        }
     }
     return split_added(e, pass + 1, p + gap, n - gap);
 }
 
-int dsv4_tokenizer_encode(const struct dsv4_tokenizer *tok, const char *text, size_t len,
-                          unsigned flags, struct dsv4_tok_ids *out)
+static int encode_checked(struct tok_encode *e, const char *text, size_t len)
 {
-    if (flags & ~(unsigned)(DSV4_TOK_ENCODE_SPECIAL_AS_TEXT | DSV4_TOK_ENCODE_ADDED_AS_TEXT))
-        return dsv4_error_set(-EINVAL, "tokenizer: unknown encode flags 0x%x", flags);
+    if (e->flags & ~(unsigned)(DSV4_TOK_ENCODE_SPECIAL_AS_TEXT | DSV4_TOK_ENCODE_ADDED_AS_TEXT))
+        return dsv4_error_set(-EINVAL, "tokenizer: unknown encode flags 0x%x", e->flags);
     if (len > DSV4_TOK_MAX_TEXT_BYTES)
         return dsv4_error_set(-E2BIG, "tokenizer: text of %zu bytes exceeds the limit of %zu", len,
                               DSV4_TOK_MAX_TEXT_BYTES);
@@ -1128,11 +1159,57 @@ int dsv4_tokenizer_encode(const struct dsv4_tokenizer *tok, const char *text, si
         return dsv4_error_set(-EILSEQ, "tokenizer: text is not valid UTF-8 at byte %zu", bad);
     if (!len)
         return 0;
-    struct tok_encode e = {.tok = tok, .out = out, .flags = flags};
-    int r = split_added(&e, 0, p, len);
+    e->base = p;
+    int r = split_added(e, 0, p, len);
     for (size_t i = 0; i < TOK_MAX_REGEXES; i++)
-        if (e.region[i])
-            onig_region_free(e.region[i], 1);
+        if (e->region[i])
+            onig_region_free(e->region[i], 1);
+    return r;
+}
+
+int dsv4_tokenizer_encode(const struct dsv4_tokenizer *tok, const char *text, size_t len,
+                          unsigned flags, struct dsv4_tok_ids *out)
+{
+    struct tok_encode e = {.tok = tok, .out = out, .flags = flags};
+    return encode_checked(&e, text, len);
+}
+
+int dsv4_tokenizer_encode_parts(const struct dsv4_tokenizer *tok, const char *const *parts, const size_t *lens,
+                                size_t n, unsigned flags, struct dsv4_tok_ids *out)
+{
+    size_t total = 0, n_windows = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (lens[i] > DSV4_TOK_MAX_TEXT_BYTES - total)
+            return dsv4_error_set(-E2BIG, "tokenizer: parts of more than %zu bytes", DSV4_TOK_MAX_TEXT_BYTES);
+        total += lens[i];
+    }
+    char *text = malloc(total ? total : 1);
+    size_t (*windows)[2] = malloc(sizeof(*windows) * (n / 2 + 1));
+    if (!text || !windows) {
+        free(text);
+        free(windows);
+        return dsv4_error_set(-ENOMEM, "tokenizer: out of memory");
+    }
+    size_t at = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (i % 2 == 0 && lens[i]) {
+            windows[n_windows][0] = at;
+            windows[n_windows][1] = at + lens[i];
+            n_windows++;
+        }
+        memcpy(text + at, parts[i], lens[i]);
+        at += lens[i];
+    }
+    /* No window at all must still forbid every added token: an empty window at the end does. */
+    if (!n_windows) {
+        windows[0][0] = windows[0][1] = total;
+        n_windows = 1;
+    }
+    struct tok_encode e = {.tok = tok, .out = out, .flags = flags, .windows = (const size_t (*)[2])windows,
+                           .n_windows = n_windows};
+    int r = encode_checked(&e, text, total);
+    free(text);
+    free(windows);
     return r;
 }
 

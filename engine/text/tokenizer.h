@@ -83,6 +83,14 @@ size_t dsv4_tokenizer_vocab_size(const struct dsv4_tokenizer *tok);
 int dsv4_tokenizer_encode(const struct dsv4_tokenizer *tok, const char *text, size_t len,
                           unsigned flags, struct dsv4_tok_ids *out);
 
+/* Encode the concatenation of `n` parts as one text (so ids are exactly those of the whole string
+ * wherever no tag is involved), APPENDING to `out`: even-indexed parts are the caller's own template,
+ * where added tokens are recognised as `flags` say; odd-indexed parts are literal text (message
+ * content from untrusted users), and an added token is recognised only when it lies wholly inside
+ * one template part. Errors as dsv4_tokenizer_encode(). */
+int dsv4_tokenizer_encode_parts(const struct dsv4_tokenizer *tok, const char *const *parts, const size_t *lens,
+                                size_t n, unsigned flags, struct dsv4_tok_ids *out);
+
 /* Decode ids to bytes: the concatenation of dsv4_tokenizer_token_bytes() of each id (special ids
  * dropped with DSV4_TOK_DECODE_SKIP_SPECIAL). The result is NUL-terminated, malloc'd, owned by the
  * caller, and may end in (or contain) incomplete UTF-8 if the ids cut a character: apply
