@@ -14,6 +14,8 @@
 
 /* The stats reply copies the scheduler's histogram: same bucket layout (1, 2, 3-4, ..., open last). */
 _Static_assert(DSV4_SCHED_BATCH_BUCKETS <= DSV4_PROTO_MAX_BATCH_BUCKETS, "batch_size_hist has too few buckets");
+/* A token event's alternatives are copied into the protocol's fixed arrays. */
+_Static_assert(DSV4_SAMPLER_LOGPROBS_MAX <= DSV4_PROTO_MAX_LOGPROBS, "top_logprobs has too few entries");
 
 #define DSV4_WARMUP_PROMPT "Hello"
 
@@ -330,9 +332,8 @@ static int submit(struct dsv4_server *s, struct dsv4_request *req, struct dsv4_p
     sr.sampling.has_seed = ps->has_seed;
     sr.sampling.seed = ps->seed;
     sr.sampling.logprobs = ps->logprobs > 0 ? ps->logprobs : 0;
-    if (dsv4_sampling_validate(&sr.sampling) < 0)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_SAMPLING, "%s", dsv4_error_message());
 
+    /* The scheduler checks the request, sampling parameters included; its errors become codes here. */
     r = dsv4_sched_submit(s->sched, &sr, &req->sched_id);
     switch (r) {
     case 0:
@@ -344,6 +345,8 @@ static int submit(struct dsv4_server *s, struct dsv4_request *req, struct dsv4_p
         return dsv4_proto_error_set(err, DSV4_PROTO_E_QUEUE_FULL, "%s", dsv4_error_message());
     case -E2BIG:
         return dsv4_proto_error_set(err, DSV4_PROTO_E_PROMPT_TOO_LONG, "%s", dsv4_error_message());
+    case -EDOM:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_SAMPLING, "%s", dsv4_error_message());
     case -EINVAL:
         return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s", dsv4_error_message());
     default:
@@ -398,9 +401,6 @@ static int admit_generate(struct dsv4_server *s, struct dsv4_conn *c, uint32_t m
     if (ps->n_stop_token_ids > DSV4_SCHED_STOP_TOKENS_MAX)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_STOP, "stop_token_ids: %u ids, at most %d",
                                     ps->n_stop_token_ids, DSV4_SCHED_STOP_TOKENS_MAX);
-    if (ps->logprobs > DSV4_SAMPLER_LOGPROBS_MAX)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_SAMPLING, "logprobs = %d, at most %d", ps->logprobs,
-                                    DSV4_SAMPLER_LOGPROBS_MAX);
     return dsv4_proto_check_generate(gen, &lim, err);
 }
 

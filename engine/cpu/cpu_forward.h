@@ -1,5 +1,6 @@
 /* The CPU reference forward pass: one sequence's state and the step that appends tokens to it.
- * Plain C, fp32 math. It is the oracle for the CUDA kernels.
+ * Plain C, fp32 math. The CUDA backend's decode step is checked against it (which kernel is checked
+ * against what on its own: engine/cpu/cpu_twin_cuda.h).
  *
  * exact: caches in f32, nothing rounded: what transformers' deepseek_v4 computes.
  * fp8 (official, SPEC §4-5): the window and compressed KV entries are rounded as the FP8 cache

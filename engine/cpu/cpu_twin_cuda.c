@@ -1,4 +1,5 @@
-/* CPU twins of the CUDA kernels (see cpu_twin_cuda.h): scalar, exact number formats, fp32 math. */
+/* CPU twins of the CUDA kernels: scalar, exact number formats, fp32 math. cpu_twin_cuda.h says which
+ * kernel each one checks. */
 #include "build-config.h"
 
 #include <math.h>

@@ -1,6 +1,19 @@
 /* CPU twins of the CUDA kernels that the reference backend does not expose as functions of their
- * own: plain scalar C, fp32 accumulation in index order, written from SPEC.md §2-3. tests/gpu
- * compares every kernel in kernels/ against these on fresh random inputs. */
+ * own: plain scalar C, fp32 accumulation in index order, written from SPEC.md §2-3.
+ *
+ * What each kernel in kernels/ is checked against (tests/gpu, fresh random inputs), stated here once:
+ *   - linears (GEMV, GEMM, the FP8 activation quantizer), router, routed experts, RMSNorm, mHC
+ *     fn/pre/post: the twins below (test_gpu_linear, test_gpu_moe, test_gpu_norm, test_gpu_device).
+ *     Their number formats are a second implementation kept apart from engine/model/quant.c, and
+ *     test_cpu_twin checks them against it on every code, and the matvec against engine/model/linear.c;
+ *   - the KV entry and indexer-key codecs of the official numerics: engine/model/quant.c, bit for bit
+ *     (test_gpu_codec);
+ *   - RoPE: engine/cpu/cpu_rope.c (test_gpu_norm); sampling: engine/serve/sampler.c (test_gpu_sample);
+ *   - attention and the indexer's scores and top-k: a double-precision reference in their tests
+ *     (test_gpu_attention, test_gpu_indexer);
+ *   - everything else (compressors, hc_head, embedding) and the ops together: the CPU reference
+ *     backend, engine/cpu/, through the whole decode step and serving (test_gpu_step, test_gpu_serve).
+ * Built for the tests only (engine/cpu/local.mk): dsv4d does not carry them. */
 #ifndef DSV4_ENGINE_CPU_TWIN_CUDA_H
 #define DSV4_ENGINE_CPU_TWIN_CUDA_H
 

@@ -1,4 +1,5 @@
-/* y = W x for every weight format, dequantizing on use: the CPU reference for the GPU GEMVs. */
+/* y = W x for every weight format, dequantizing on use: the CPU backend's linears (what the GPU's
+ * are checked against: engine/cpu/cpu_twin_cuda.h). */
 #include "build-config.h"
 
 #include <pthread.h>

@@ -1,5 +1,5 @@
-/* Scalar number formats: exact bit-level conversions, no lookup tables, so that every value the
- * CUDA kernels produce can be checked against these. */
+/* Scalar number formats: exact bit-level conversions, no lookup tables (quant.h; what the CUDA
+ * kernels are checked against: engine/cpu/cpu_twin_cuda.h). */
 #include "build-config.h"
 
 #include <math.h>

@@ -130,7 +130,7 @@ void dsv4_weights_free(struct dsv4_weights *w);   /* accepts NULL */
 
 /* Dequantize row r of W into out[W->in] (f32). */
 void dsv4_linear_row(const struct dsv4_linear *W, int64_t r, float *out);
-/* y[out] = W x[in], f32 accumulation, dequantizing on the fly (CPU reference). */
+/* y[out] = W x[in], f32 accumulation (per scale block, then across), dequantizing on the fly. */
 void dsv4_linear_matvec(const struct dsv4_linear *W, const float *x, float *y);
 
 #endif

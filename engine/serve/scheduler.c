@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/utf8.h"
 #include "engine/error.h"
 #include "engine/serve/scheduler.h"
 #include "engine/text/tokenizer.h"
@@ -39,7 +40,6 @@
 #define SCHED_ID_INDEX_BITS 16
 #define SCHED_ID_INDEX_MASK ((1u << SCHED_ID_INDEX_BITS) - 1)
 #define SCHED_PREFILL_BUDGET_MAX (1 << 20)
-#define SCHED_REPLACEMENT "\xEF\xBF\xBD"   /* U+FFFD */
 
 enum req_state { REQ_FREE, REQ_QUEUED, REQ_RUNNING, REQ_FINISHED };
 
@@ -199,69 +199,36 @@ static int tokenizer_token_bytes(void *ctx, int32_t id, char *buf, size_t cap)
     return (int)len;
 }
 
-/* ---- UTF-8 repair (as Rust's from_utf8_lossy) ---- */
-
-/* Length of the sequence that lead byte b starts and the valid range of its second byte; 0 when b
- * cannot start one (Unicode Table 3-7). */
-static int utf8_lead(unsigned char b, unsigned char *lo, unsigned char *hi)
-{
-    *lo = 0x80;
-    *hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF)
-        return 2;
-    if (b == 0xE0) { *lo = 0xA0; return 3; }
-    if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF)
-        return 3;
-    if (b == 0xED) { *hi = 0x9F; return 3; }
-    if (b == 0xF0) { *lo = 0x90; return 4; }
-    if (b >= 0xF1 && b <= 0xF3)
-        return 4;
-    if (b == 0xF4) { *hi = 0x8F; return 4; }
-    return 0;
-}
+/* ---- UTF-8 repair (as Rust's from_utf8_lossy; base/utf8.h scans) ---- */
 
 /* Append bytes in[0..n) to text (capacity cap) repaired; an incomplete sequence at the end is kept
- * in raw[] unless `final`, where it becomes one U+FFFD. Returns the new length, or -1 when it would
- * not fit (text is then unchanged past *len... the caller treats it as the byte limit). */
+ * in raw[] unless `final`, where it becomes one U+FFFD. Returns 0, or -1 when it would not fit
+ * (*len is then unchanged: the caller treats it as the byte limit). */
 static int utf8_append(char *text, size_t cap, size_t *len, const unsigned char *in, int n, bool final,
                        unsigned char *raw, int *n_raw)
 {
-    size_t w = *len;
-    int i = 0;
+    size_t w = *len, i = 0;
+
     *n_raw = 0;
-    while (i < n) {
-        unsigned char b = in[i];
-        if (b < 0x80) {
-            if (w + 1 > cap)
+    while (i < (size_t)n) {
+        size_t used;
+        enum dsv4_utf8_step st = dsv4_utf8_step(in + i, (size_t)n - i, &used);
+
+        if (st == DSV4_UTF8_INCOMPLETE && !final) {
+            memcpy(raw, in + i, used);      /* may still complete */
+            *n_raw = (int)used;
+        } else if (st == DSV4_UTF8_VALID) {
+            if (w + used > cap)
                 return -1;
-            text[w++] = (char)b;
-            i++;
-            continue;
-        }
-        unsigned char lo, hi;
-        int need = utf8_lead(b, &lo, &hi);
-        int k = 1;
-        while (need && k < need && i + k < n) {
-            unsigned char c = in[i + k];
-            if (c < (k == 1 ? lo : 0x80) || c > (k == 1 ? hi : 0xBF))
-                break;
-            k++;
-        }
-        if (need && k == need) {
-            if (w + (size_t)need > cap)
-                return -1;
-            memcpy(text + w, in + i, (size_t)need);
-            w += (size_t)need;
-        } else if (need && i + k == n && !final) {
-            memcpy(raw, in + i, (size_t)k);     /* may still complete */
-            *n_raw = k;
+            memcpy(text + w, in + i, used);
+            w += used;
         } else {
-            if (w + 3 > cap)
+            if (w + DSV4_UTF8_REPLACEMENT_LEN > cap)
                 return -1;
-            memcpy(text + w, SCHED_REPLACEMENT, 3);
-            w += 3;
+            memcpy(text + w, DSV4_UTF8_REPLACEMENT, DSV4_UTF8_REPLACEMENT_LEN);
+            w += DSV4_UTF8_REPLACEMENT_LEN;
         }
-        i += k;
+        i += used;
     }
     *len = w;
     return 0;
@@ -626,9 +593,9 @@ static int check_request(const struct dsv4_sched *s, const struct dsv4_sched_req
         if (req->prompt[i] < 0 || req->prompt[i] >= s->vocab)
             return dsv4_error_set(-EINVAL, "request: prompt token %d at %d is outside vocab_size %d",
                                   req->prompt[i], i, s->vocab);
-    int r = dsv4_sampling_validate(&req->sampling);
-    if (r < 0)
-        return dsv4_error_prefix(r, "request: ");
+    /* The one place sampling parameters are checked on the way in; -EDOM tells the caller which. */
+    if (dsv4_sampling_validate(&req->sampling) < 0)
+        return dsv4_error_prefix(-EDOM, "request: ");
     if (req->n_stop < 0 || req->n_stop > DSV4_SCHED_STOP_STRINGS_MAX || (req->n_stop && !req->stop))
         return dsv4_error_set(-E2BIG, "request: %d stop strings: at most %d", req->n_stop,
                               DSV4_SCHED_STOP_STRINGS_MAX);
@@ -638,12 +605,7 @@ static int check_request(const struct dsv4_sched *s, const struct dsv4_sched_req
             return dsv4_error_set(-E2BIG, "request: stop string %d has %zu bytes: must be 1..%d", i, len,
                                   DSV4_SCHED_STOP_LEN_MAX);
         /* Stop strings must be valid UTF-8: the text they are matched against is. */
-        char tmp[DSV4_SCHED_STOP_LEN_MAX * 3];
-        size_t w = 0;
-        unsigned char raw[4];
-        int n_raw;
-        if (utf8_append(tmp, sizeof(tmp), &w, (const unsigned char *)req->stop[i], (int)len, true, raw,
-                        &n_raw) < 0 || w != len || memcmp(tmp, req->stop[i], len) != 0)
+        if (!dsv4_utf8_valid(req->stop[i], len))
             return dsv4_error_set(-EINVAL, "request: stop string %d is not valid UTF-8", i);
     }
     if (req->n_stop_token_ids < 0 || req->n_stop_token_ids > DSV4_SCHED_STOP_TOKENS_MAX ||

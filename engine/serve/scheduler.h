@@ -194,8 +194,9 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
 void dsv4_sched_destroy(struct dsv4_sched *s);
 
 /* Queue a request; *ret_id identifies it in events, cancel and release. Copies stop strings and ids.
- * Fails with a message naming the field and limit: -EINVAL (bad params or ids), -E2BIG (prompt or
- * max_tokens over the limits), -EAGAIN (max_requests in the engine), -ESHUTDOWN (draining). */
+ * Fails with a message naming the field and limit: -EDOM (sampling parameters outside
+ * dsv4_sampling_validate's ranges), -EINVAL (other bad params or ids), -E2BIG (prompt or max_tokens
+ * over the limits), -EAGAIN (max_requests in the engine), -ESHUTDOWN (draining). */
 int dsv4_sched_submit(struct dsv4_sched *s, const struct dsv4_sched_request *req, uint64_t *ret_id);
 
 /* Ask for a request to end (client gone, or told so). Any thread. The slot is freed at the next

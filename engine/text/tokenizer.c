@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "base/utf8.h"
 #include "engine/error.h"
 #include "engine/text/tokenizer.h"
 #include "engine/text/tok_internal.h"
@@ -134,74 +135,7 @@ void dsv4_tok_byte_to_codepoints(uint32_t cp[256])
         cp[b] = byte_is_printable(b) ? (uint32_t)b : 256 + n++;
 }
 
-static size_t utf8_put(char *out, uint32_t cp)
-{
-    if (cp < 0x80) {
-        out[0] = (char)cp;
-        return 1;
-    }
-    if (cp < 0x800) {
-        out[0] = (char)(0xC0 | (cp >> 6));
-        out[1] = (char)(0x80 | (cp & 0x3F));
-        return 2;
-    }
-    if (cp < 0x10000) {
-        out[0] = (char)(0xE0 | (cp >> 12));
-        out[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        out[2] = (char)(0x80 | (cp & 0x3F));
-        return 3;
-    }
-    out[0] = (char)(0xF0 | (cp >> 18));
-    out[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-    out[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
-    out[3] = (char)(0x80 | (cp & 0x3F));
-    return 4;
-}
-
-/* ---- UTF-8 scanning with Rust's rules (maximal invalid subparts) ---- */
-
-enum dsv4_tok_utf8_step dsv4_tok_utf8_step(const unsigned char *p, size_t n, size_t *ret_used)
-{
-    unsigned char b = p[0];
-    size_t need;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (b < 0x80) {
-        *ret_used = 1;
-        return DSV4_TOK_UTF8_VALID;
-    } else if (b >= 0xC2 && b <= 0xDF) {
-        need = 2;
-    } else if (b >= 0xE0 && b <= 0xEF) {
-        need = 3;
-        if (b == 0xE0)
-            lo = 0xA0;
-        else if (b == 0xED)
-            hi = 0x9F;
-    } else if (b >= 0xF0 && b <= 0xF4) {
-        need = 4;
-        if (b == 0xF0)
-            lo = 0x90;
-        else if (b == 0xF4)
-            hi = 0x8F;
-    } else {
-        *ret_used = 1;
-        return DSV4_TOK_UTF8_INVALID;
-    }
-    for (size_t i = 1; i < need; i++) {
-        if (i >= n) {
-            *ret_used = n;
-            return DSV4_TOK_UTF8_INCOMPLETE;
-        }
-        unsigned char c = p[i];
-        if (i == 1 ? (c < lo || c > hi) : (c < 0x80 || c > 0xBF)) {
-            *ret_used = i;
-            return DSV4_TOK_UTF8_INVALID;
-        }
-    }
-    *ret_used = need;
-    return DSV4_TOK_UTF8_VALID;
-}
-
-#define UTF8_REPLACEMENT "\xEF\xBF\xBD"
+/* ---- UTF-8 repair (base/utf8.h scans) ---- */
 
 char *dsv4_utf8_lossy(const char *bytes, size_t len, size_t *ret_len)
 {
@@ -213,12 +147,12 @@ char *dsv4_utf8_lossy(const char *bytes, size_t len, size_t *ret_len)
     size_t i = 0, o = 0;
     while (i < len) {
         size_t used;
-        enum dsv4_tok_utf8_step st = dsv4_tok_utf8_step(p + i, len - i, &used);
-        if (st == DSV4_TOK_UTF8_VALID) {
+        enum dsv4_utf8_step st = dsv4_utf8_step(p + i, len - i, &used);
+        if (st == DSV4_UTF8_VALID) {
             memcpy(out + o, p + i, used);
             o += used;
         } else {
-            memcpy(out + o, UTF8_REPLACEMENT, 3);
+            memcpy(out + o, DSV4_UTF8_REPLACEMENT, DSV4_UTF8_REPLACEMENT_LEN);
             o += 3;
         }
         i += used;
@@ -227,23 +161,6 @@ char *dsv4_utf8_lossy(const char *bytes, size_t len, size_t *ret_len)
     if (ret_len)
         *ret_len = o;
     return out;
-}
-
-/* Offset of the first byte that is not valid UTF-8, or len. */
-static size_t utf8_validate(const unsigned char *p, size_t len)
-{
-    size_t i = 0;
-    while (i < len) {
-        if (p[i] < 0x80) {
-            i++;
-            continue;
-        }
-        size_t used;
-        if (dsv4_tok_utf8_step(p + i, len - i, &used) != DSV4_TOK_UTF8_VALID)
-            return i;
-        i += used;
-    }
-    return len;
 }
 
 /* ---- id arrays ---- */
@@ -836,7 +753,7 @@ static int build_bytes(struct dsv4_tokenizer *tok)
             const unsigned char *p = (const unsigned char *)s + i;
             uint32_t c;
             size_t used;
-            if (dsv4_tok_utf8_step(p, len - i, &used) != DSV4_TOK_UTF8_VALID)
+            if (dsv4_utf8_step(p, len - i, &used) != DSV4_UTF8_VALID)
                 return dsv4_error_set(-EINVAL, "token %zu is not valid UTF-8", id);
             if (used == 1)
                 c = p[0];
@@ -860,7 +777,7 @@ static int build_bytes(struct dsv4_tokenizer *tok)
     /* The byte-level symbol of each byte must be in the vocab: every text must be encodable. */
     for (int b = 0; b < 256; b++) {
         char sym[4];
-        size_t n = utf8_put(sym, cp[b]);
+        size_t n = dsv4_utf8_put(sym, cp[b]);
         if ((tok->byte_id[b] = str_lookup(tok, sym, n)) < 0)
             return dsv4_error_set(-EINVAL, "model.vocab has no symbol for byte 0x%02x", b);
     }
@@ -1237,7 +1154,7 @@ static int encode_checked(struct tok_encode *e, const char *text, size_t len)
         return dsv4_error_set(-E2BIG, "tokenizer: text of %zu bytes exceeds the limit of %zu", len,
                               DSV4_TOK_MAX_TEXT_BYTES);
     const unsigned char *p = (const unsigned char *)text;
-    size_t bad = utf8_validate(p, len);
+    size_t bad = dsv4_utf8_valid_prefix(text, len);
     if (bad != len)
         return dsv4_error_set(-EILSEQ, "tokenizer: text is not valid UTF-8 at byte %zu", bad);
     if (!len)
@@ -1385,18 +1302,18 @@ int dsv4_detok_feed(struct dsv4_detok *d, int32_t id, const char **ret_bytes, si
         memcpy(tmp, d->pending, d->npending);
         memcpy(tmp + d->npending, b + i, take);
         size_t used;
-        enum dsv4_tok_utf8_step st = dsv4_tok_utf8_step(tmp, d->npending + take, &used);
-        if (st == DSV4_TOK_UTF8_INCOMPLETE) {
+        enum dsv4_utf8_step st = dsv4_utf8_step(tmp, d->npending + take, &used);
+        if (st == DSV4_UTF8_INCOMPLETE) {
             memcpy(d->pending + d->npending, b + i, take);
             d->npending += take;
             i += take;
             break;
         }
-        if (st == DSV4_TOK_UTF8_VALID)
+        if (st == DSV4_UTF8_VALID)
             memcpy(d->out + o, tmp, used);
         else
-            memcpy(d->out + o, UTF8_REPLACEMENT, 3);
-        o += st == DSV4_TOK_UTF8_VALID ? used : 3;
+            memcpy(d->out + o, DSV4_UTF8_REPLACEMENT, DSV4_UTF8_REPLACEMENT_LEN);
+        o += st == DSV4_UTF8_VALID ? used : 3;
         /* `used` may end inside the pending bytes (an invalid subpart): re-queue the rest. */
         if (used < d->npending) {
             size_t rest = d->npending - used;
@@ -1409,17 +1326,17 @@ int dsv4_detok_feed(struct dsv4_detok *d, int32_t id, const char **ret_bytes, si
     }
     while (i < n) {
         size_t used;
-        enum dsv4_tok_utf8_step st = dsv4_tok_utf8_step(b + i, n - i, &used);
-        if (st == DSV4_TOK_UTF8_INCOMPLETE) {
+        enum dsv4_utf8_step st = dsv4_utf8_step(b + i, n - i, &used);
+        if (st == DSV4_UTF8_INCOMPLETE) {
             memcpy(d->pending, b + i, used);
             d->npending = used;
             break;
         }
-        if (st == DSV4_TOK_UTF8_VALID) {
+        if (st == DSV4_UTF8_VALID) {
             memcpy(d->out + o, b + i, used);
             o += used;
         } else {
-            memcpy(d->out + o, UTF8_REPLACEMENT, 3);
+            memcpy(d->out + o, DSV4_UTF8_REPLACEMENT, DSV4_UTF8_REPLACEMENT_LEN);
             o += 3;
         }
         i += used;
@@ -1441,7 +1358,7 @@ int dsv4_detok_flush(struct dsv4_detok *d, const char **ret_bytes, size_t *ret_l
     }
     size_t o = 0;
     if (d->npending) {
-        memcpy(d->out, UTF8_REPLACEMENT, 3);
+        memcpy(d->out, DSV4_UTF8_REPLACEMENT, DSV4_UTF8_REPLACEMENT_LEN);
         o = 3;
     }
     d->npending = 0;

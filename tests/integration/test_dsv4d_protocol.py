@@ -163,6 +163,11 @@ try:
          "an absent max_tokens means the default, 1024", (err, res and res["usage"]))
     err, _ = greedy(c, PROMPTS[2], 4097)
     t.ok(err is not None and err["code"] == 405, "max_tokens above max_context gets max_tokens_limit (405)", err)
+    # top_p 0 is inside the protocol's range but not the sampler's (0, 1]: the scheduler refuses it and
+    # the daemon answers bad_sampling, naming the parameter.
+    err, _ = c.call("generate", {"tokens": tokens_bin(PROMPTS[2]), "max_tokens": 2, "top_p": 0.0})
+    t.ok(err is not None and err["code"] == 302 and "top_p" in err["message"],
+         "a sampling parameter the scheduler refuses gets bad_sampling (302)", err)
 
     # Cancel mid-stream.
     mid = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 3000, "temperature": 0.0,

@@ -555,7 +555,8 @@ static void test_limits(void **state)
     assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -E2BIG);
     rq = make_request(prompt, 4, 4, 0);
     rq.sampling.top_p = 2.0f;
-    assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -EINVAL);
+    assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -EDOM);
+    assert_non_null(strstr(dsv4_error_message(), "top_p"));
     struct dsv4_sched_stats stt;
     dsv4_sched_get_stats(e.s, &stt);
     assert_int_equal(stt.rejected, 6);
