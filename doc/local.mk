@@ -11,3 +11,9 @@ CLEANFILES += doc/dsv4d.8
 doc/dsv4d.8: doc/dsv4d.8.in Makefile
 	$(AM_V_GEN)$(MKDIR_P) doc && sed -e 's|@sysconfdir[@]|$(sysconfdir)|g' $(srcdir)/doc/dsv4d.8.in > $@.tmp && \
 		mv $@.tmp $@
+
+if HAVE_OPENAI
+dist_man8_MANS = doc/dsv4-openai.8
+else
+EXTRA_DIST += doc/dsv4-openai.8
+endif

@@ -6,11 +6,12 @@ FUZZ_FLAGS = -std=gnu11 -g -O1 $(WARN_CFLAGS) -fsanitize=fuzzer,address,undefine
 	-I$(top_srcdir) -I$(top_builddir)
 FUZZ_PROTOCOL_FILES = tests/fuzz/fuzz_protocol.c protocol/frame.c protocol/validate.c protocol/message.c \
 	protocol/generate.c protocol/wire.c protocol/codes.c
-FUZZ_TEXT_FILES = engine/tokenizer.c engine/tok_unicode.c engine/chat.c engine/error.c
-FUZZ_CONFIG_FILES = tests/fuzz/fuzz_config.c engine/config.c engine/error.c
-FUZZ_SAFETENSORS_FILES = tests/fuzz/fuzz_safetensors.c engine/safetensors.c engine/error.c
+FUZZ_TEXT_FILES = engine/text/tokenizer.c engine/text/tok_unicode.c engine/text/chat.c engine/error.c
+FUZZ_CONFIG_FILES = tests/fuzz/fuzz_config.c engine/model/config.c engine/error.c
+FUZZ_SAFETENSORS_FILES = tests/fuzz/fuzz_safetensors.c engine/model/safetensors.c engine/error.c
 FUZZ_INCLUDES = protocol/frame.h protocol/validate.h protocol/message.h protocol/wire.h protocol/codes.h \
-	engine/tokenizer.h engine/tok_internal.h engine/chat.h engine/error.h engine/config.h engine/safetensors.h
+	engine/text/tokenizer.h engine/text/tok_internal.h engine/text/chat.h engine/error.h engine/model/config.h \
+	engine/model/safetensors.h
 EXTRA_DIST += tests/fuzz/fuzz_protocol.c tests/fuzz/fuzz_tokenizer.c tests/fuzz/fuzz_chat.c \
 	tests/fuzz/fuzz_config.c tests/fuzz/fuzz_safetensors.c tests/fuzz/corpus
 TESTS += tests/fuzz/run_fuzz.sh

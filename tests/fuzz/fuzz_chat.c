@@ -1,4 +1,4 @@
-/* libFuzzer target for the chat format (engine/chat.c). The first input byte picks the mode (bit 0:
+/* libFuzzer target for the chat format (engine/text/chat.c). The first input byte picks the mode (bit 0:
  * thinking) and the form of the rest:
  *   bit 1 clear: ids, 3 bytes each modulo the vocab size: dsv4_chat_parse_ids() and the stream
  *                (dsv4_chat_stream_feed/flush) must give the same reasoning and content;
@@ -14,9 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/chat.h"
+#include "engine/text/chat.h"
 #include "engine/error.h"
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 #define FUZZ_CHAT_MAX_MESSAGES 64
 

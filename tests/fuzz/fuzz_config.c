@@ -1,4 +1,4 @@
-/* libFuzzer target for config.json parsing (engine/config.c): both spellings (transformers' and
+/* libFuzzer target for config.json parsing (engine/model/config.c): both spellings (transformers' and
  * DeepSeek's inference config). The input is the file's text. A config that parses must hold what
  * the loader and the backends divide and index by: positive sizes, layers within DSV4_MAX_LAYERS,
  * rotary dims even and within the head, experts per token within the experts, o_groups dividing
@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/config.h"
+#include "engine/model/config.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

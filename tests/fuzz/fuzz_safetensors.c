@@ -1,4 +1,4 @@
-/* libFuzzer target for the safetensors header parser (engine/safetensors.c). The input is the whole
+/* libFuzzer target for the safetensors header parser (engine/model/safetensors.c). The input is the whole
  * file: written as model.safetensors into a private directory (under /dev/shm when it exists) and
  * opened with dsv4_st_open(), as the loader does. Every tensor of a file that opens must be found by
  * its name and hold the bytes its shape and dtype give, all readable. */
@@ -10,7 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine/safetensors.h"
+#include "engine/model/safetensors.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

@@ -14,8 +14,8 @@
 #include <cmocka.h>
 
 #include "engine/backend.h"
-#include "engine/scheduler.h"
-#include "engine/weights.h"
+#include "engine/serve/scheduler.h"
+#include "engine/model/weights.h"
 #include "tests/gpu/gpu_test.h"
 
 #define MAX_CONTEXT 128
