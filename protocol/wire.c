@@ -343,7 +343,7 @@ int dsv4_wire_read_messages(const msgpack_object *o, const char *ctx, struct dsv
                 r = k;
         }
         /* Every string is UTF-8 first (PROTOCOL.md): a role that is not is invalid_utf8, not bad_role. */
-        if (r < 0 && !dsv4_wire_utf8_valid(role->via.str.ptr, role->via.str.size)) {
+        if (r < 0 && !dsv4_utf8_valid(role->via.str.ptr, role->via.str.size)) {
             rc = dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s: %s.role is not valid UTF-8", ctx, field);
             break;
         }

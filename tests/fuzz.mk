@@ -9,7 +9,7 @@ FUZZ_PROTOCOL_FILES = tests/fuzz/fuzz_protocol.c protocol/frame.c protocol/valid
 FUZZ_TEXT_FILES = engine/text/tokenizer.c engine/text/tok_unicode.c engine/text/chat.c engine/error.c
 FUZZ_CONFIG_FILES = tests/fuzz/fuzz_config.c engine/model/config.c engine/error.c
 FUZZ_SAFETENSORS_FILES = tests/fuzz/fuzz_safetensors.c engine/model/safetensors.c engine/error.c
-FUZZ_INCLUDES = protocol/frame.h protocol/validate.h protocol/message.h protocol/wire.h protocol/codes.h \
+FUZZ_INCLUDES = base/utf8.h protocol/frame.h protocol/validate.h protocol/message.h protocol/wire.h protocol/codes.h \
 	engine/text/tokenizer.h engine/text/tok_internal.h engine/text/chat.h engine/error.h engine/model/config.h \
 	engine/model/safetensors.h
 EXTRA_DIST += tests/fuzz/fuzz_protocol.c tests/fuzz/fuzz_tokenizer.c tests/fuzz/fuzz_chat.c \

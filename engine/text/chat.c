@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/utf8.h"
 #include "engine/text/chat.h"
 #include "engine/error.h"
 

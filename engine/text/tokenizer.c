@@ -163,23 +163,6 @@ char *dsv4_utf8_lossy(const char *bytes, size_t len, size_t *ret_len)
     return out;
 }
 
-size_t dsv4_utf8_valid_prefix(const char *text, size_t len)
-{
-    const unsigned char *p = (const unsigned char *)text;
-    size_t i = 0;
-    while (i < len) {
-        if (p[i] < 0x80) {
-            i++;
-            continue;
-        }
-        size_t used;
-        if (dsv4_tok_utf8_step(p + i, len - i, &used) != DSV4_TOK_UTF8_VALID)
-            return i;
-        i += used;
-    }
-    return len;
-}
-
 /* ---- id arrays ---- */
 
 void dsv4_tok_ids_free(struct dsv4_tok_ids *ids)

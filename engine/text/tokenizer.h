@@ -123,8 +123,6 @@ bool dsv4_tokenizer_is_added(const struct dsv4_tokenizer *tok, int32_t id);
 /* Rewrite `len` bytes into valid UTF-8 exactly as Rust's String::from_utf8_lossy does (each maximal
  * invalid subpart becomes U+FFFD). Returns a malloc'd NUL-terminated string or NULL on ENOMEM. */
 char *dsv4_utf8_lossy(const char *bytes, size_t len, size_t *ret_len);
-/* Offset of the first byte that is not valid UTF-8, or len when all of it is. */
-size_t dsv4_utf8_valid_prefix(const char *text, size_t len);
 
 /* Streaming detokenizer: feed ids one at a time, get back only bytes that form complete UTF-8
  * characters. Whatever the token boundaries, the concatenation of every feed's output and the
