@@ -31,7 +31,7 @@ static inline int dsv4_cuda_errno(cudaError_t e)
     }
 }
 
-/* Test-only (DSV4_CUDA_TEST_FAULT_AFTER_DECODES=N): on the (N+1)th call, launch a kernel that writes
+/* Test-only (DSV4_TEST_CUDA_FAULT_AFTER_DECODES=N): on the (N+1)th call, launch a kernel that writes
  * to an invalid device address on stream s, a real sticky fault that the next synchronisation
  * reports. Returns 0, or the launch error. Without the variable it does nothing. */
 int dsv4_cuda_test_fault(cudaStream_t s);

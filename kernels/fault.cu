@@ -18,7 +18,7 @@ int dsv4_cuda_test_fault(cudaStream_t s)
     /* Read once; the engine thread alone calls this. -1: off. */
     static long long left = -2;
     if (left == -2) {
-        const char *v = getenv("DSV4_CUDA_TEST_FAULT_AFTER_DECODES");
+        const char *v = getenv("DSV4_TEST_CUDA_FAULT_AFTER_DECODES");
         left = v && *v ? strtoll(v, NULL, 10) : -1;
     }
     if (left < 0 || left-- > 0)

@@ -1,4 +1,4 @@
-/* GPU: a sticky device fault at run time. DSV4_CUDA_TEST_FAULT_AFTER_DECODES makes the CUDA backend
+/* GPU: a sticky device fault at run time. DSV4_TEST_CUDA_FAULT_AFTER_DECODES makes the CUDA backend
  * launch a kernel that writes to an invalid address after the given number of decode steps (a real
  * cudaErrorIllegalAddress, which poisons the context); the backend must report it as the fatal
  * -ENOTRECOVERABLE, from that call and every later one, and the scheduler must end every request,
@@ -38,7 +38,7 @@ static void test_sticky_fault_fails_everything(void **state)
     DSV4_OK(dsv4_weights_load(dir, &e.w));
     struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = MAX_CONTEXT, .numerics = DSV4_NUMERICS_FP8,
                                     .threads = 1 };
-    setenv("DSV4_CUDA_TEST_FAULT_AFTER_DECODES", FAULT_AFTER, 1);
+    setenv("DSV4_TEST_CUDA_FAULT_AFTER_DECODES", FAULT_AFTER, 1);
     DSV4_OK(dsv4_backend_cuda_create(e.w, &bo, &e.b));
     struct dsv4_sched_limits lim = { .detok = { letter_bytes, NULL } };
     DSV4_OK(dsv4_sched_create(e.b, NULL, &lim, &e.s));
@@ -78,7 +78,7 @@ static void test_sticky_fault_fails_everything(void **state)
     dsv4_sampling_defaults(&rq.sampling);
     uint64_t id;
     assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -ENOTRECOVERABLE);
-    unsetenv("DSV4_CUDA_TEST_FAULT_AFTER_DECODES");
+    unsetenv("DSV4_TEST_CUDA_FAULT_AFTER_DECODES");
     dsv4_sched_destroy(e.s);
     dsv4_backend_destroy(e.b);
     dsv4_weights_free(e.w);

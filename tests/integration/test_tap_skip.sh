@@ -1,10 +1,11 @@
 #!/bin/sh
 # Skips stay skips where the optional test dependencies are absent: a cmocka test whose cases skip
 # (test_chat without the V4 tokenizer.json), run as make check runs it, prints "ok N # SKIP" and no
-# "not ok"; an integration test without the Python msgpack module skips as a whole ("1..0 # SKIP").
+# "not ok"; an integration test without the Python msgpack (or openai) module skips as a whole
+# ("1..0 # SKIP").
 top_srcdir=${top_srcdir:-$(cd "$(dirname "$0")/../.." && pwd)}
 top_builddir=${top_builddir:-.}
-echo "1..4"
+echo "1..5"
 out=$(DSV4_TOKENIZER_JSON=/nonexistent/tokenizer.json CMOCKA_MESSAGE_OUTPUT=TAP \
       sh "$top_srcdir/tests/tap-skip.sh" "$top_builddir/tests/unit/test_chat" 2>/dev/null); rc=$?
 [ $rc = 0 ] && echo "ok 1 - test_chat without the V4 tokenizer exits 0" || echo "not ok 1 - test_chat exited $rc"
@@ -17,4 +18,9 @@ out=$(cd "$top_srcdir/tests/integration" && python3 -c 'import sys; sys.modules[
 case $out in
 "1..0 # SKIP python3 module msgpack not installed"*) echo "ok 4 - the integration harness skips without msgpack" ;;
 *) echo "not ok 4 - the integration harness without msgpack"; echo "$out" | sed 's/^/# /' ;;
+esac
+out=$(cd "$top_srcdir/tests/integration" && python3 -c 'import sys; sys.modules["openai"] = None; sys.path.insert(0, "."); import openai_harness' 2>&1)
+case $out in
+"1..0 # SKIP python3 module openai not installed"*) echo "ok 5 - the OpenAI front's harness skips without openai" ;;
+*) echo "not ok 5 - the OpenAI front's harness without openai"; echo "$out" | sed 's/^/# /' ;;
 esac
