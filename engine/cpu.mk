@@ -14,7 +14,7 @@ tests_integration_test_fixtures_SOURCES = tests/integration/test_fixtures.c \
 tests_integration_test_fixtures_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_integration_test_fixtures_LDADD = $(TEST_ENGINE_LIBS)
 
-# Unit tests of the pieces, each against SPEC's formulas computed in double.
+# Unit tests of the pieces, each against doc/MODEL.md §3's formulas computed in double.
 noinst_HEADERS += tests/unit/cpu_test_util.h
 check_PROGRAMS += tests/unit/test_cpu_rope tests/unit/test_cpu_mhc tests/unit/test_cpu_compressor \
 	tests/unit/test_cpu_moe tests/unit/test_cpu_backend

@@ -1,5 +1,5 @@
 /* CPU twins of the CUDA kernels that the reference backend does not expose as functions of their
- * own: plain scalar C, fp32 accumulation in index order, written from SPEC.md §2-3. tests/gpu
+ * own: plain scalar C, fp32 accumulation in index order, written from doc/MODEL.md §2-3. tests/gpu
  * compares every kernel in kernels/ against these on fresh random inputs. */
 #ifndef DSV4_ENGINE_CPU_TWIN_CUDA_H
 #define DSV4_ENGINE_CPU_TWIN_CUDA_H
