@@ -14,8 +14,6 @@ enum dsv4_tok_utf8_step {
 /* Classify the UTF-8 sequence starting at p[0] (n >= 1 bytes available) by Rust's rules. */
 enum dsv4_tok_utf8_step dsv4_tok_utf8_step(const unsigned char *p, size_t n, size_t *ret_used);
 
-uint64_t dsv4_tok_hash_bytes(const void *data, size_t n);
-
 /* The code point each byte maps to in the byte-level alphabet. */
 void dsv4_tok_byte_to_codepoints(uint32_t cp[256]);
 
