@@ -1,5 +1,5 @@
 /* Compressors (decode update and entry emission), the lightning indexer's query prep,
- * and the small pieces around the layers: embedding into the streams, hc_head, add. CPU twins:
+ * and the small pieces around the layers: embedding into the streams, hc_head. CPU twins:
  * dsv4_cpu_compressor_push, dsv4_cpu_indexer_select, dsv4_cpu_hc_head (engine/cpu_*.c), checked
  * through the whole decode step (tests/gpu/test_gpu_step.c). */
 #include "kernels/cuda_util.cuh"
@@ -314,23 +314,6 @@ int dsv4_cuda_embed(const struct dsv4_cuda_linear *E, const int32_t *d_tokens, i
     default: return dsv4_error_set(-ENOTSUP, "embed: weight format %d has no CUDA kernel", (int)E->fmt);
     }
     DSV4_CUDA_LAUNCHED("embed");
-    return 0;
-}
-
-__global__ void add_kernel(float *y, const float *x, int64_t n)
-{
-    dsv4_pdl_enter();
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n)
-        y[i] += x[i];
-}
-
-int dsv4_cuda_add(float *d_y, const float *d_x, int64_t n, void *stream)
-{
-    if (n <= 0)
-        return 0;
-    dsv4_launch(add_kernel, (unsigned)((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream), d_y, d_x, n);
-    DSV4_CUDA_LAUNCHED("add");
     return 0;
 }
 

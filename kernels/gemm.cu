@@ -36,6 +36,7 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/norm_row.cuh"
 
 #define GEMM_ROWS 128               /* output rows per CTA: one FP8 scale block */
 #define GEMM_WARPS 8                /* one m16 tile of rows each */
@@ -396,6 +397,52 @@ __global__ void gemm_split_kernel(const float *__restrict__ x, int64_t ldx, int 
     xa[(int64_t)rows * k + i] = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
+/* One block per row: y = RMSNorm(x) [rows, k] as rmsnorm_kernel writes it, then y prepared for a
+ * linear of MODE in the same launch: fp8, the 1x128 quantizer with gemm_quant_kernel's arithmetic
+ * (warp w takes blocks w, w + 8, ..., each lane the values i * 32 + lane, as prep_block reads them);
+ * bf16, hi and lo planes as gemm_split_kernel writes them. y is read back after the barrier: every
+ * thread's normalized values are visible to the block by then. */
+template <int MODE>
+__global__ void __launch_bounds__(NORM_THREADS)
+gemm_norm_prep_kernel(const float *__restrict__ x, const float *__restrict__ w, int rows, int k, float eps, float *y,
+                      void *__restrict__ xa, float *__restrict__ sa)
+{
+    dsv4_pdl_enter();
+    const int64_t n = blockIdx.x;
+    float *yr = y + n * k;
+    rmsnorm_row(x + n * k, w, k, eps, yr);
+    __syncthreads();
+    if (MODE == GEMM_BF16) {
+        __nv_bfloat16 *hi = static_cast<__nv_bfloat16 *>(xa) + n * k, *lo = hi + (int64_t)rows * k;
+        for (int i = threadIdx.x; i < k; i += NORM_THREADS) {
+            const float v = yr[i];
+            const __nv_bfloat16 h = __float2bfloat16_rn(v);
+            hi[i] = h;
+            lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
+        }
+        return;
+    }
+    const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
+    __half *q = static_cast<__half *>(xa) + n * k;
+    for (int kb = warp; kb < k / 128; kb += NORM_THREADS / DSV4_CUDA_WARP) {
+        float v[4], m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = yr[kb * 128 + i * DSV4_CUDA_WARP + lane];
+            m = fmaxf(m, fabsf(v[i]));
+        }
+        const float s = dsv4_act_scale(dsv4_warp_max(m)), inv = 1.0f / s;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
+            __half_raw h = __nv_cvt_fp8_to_halfraw(e, __NV_E4M3);
+            q[kb * 128 + i * DSV4_CUDA_WARP + lane] = *reinterpret_cast<__half *>(&h);
+        }
+        if (lane == 0)
+            sa[n * (k / 128) + kb] = s;
+    }
+}
+
 extern "C" size_t dsv4_cuda_gemm_ws_bytes(int rows, int64_t max_k)
 {
     const size_t xa = (size_t)rows * (size_t)max_k * 4;         /* f16 values or bf16 hi + lo */
@@ -643,6 +690,43 @@ extern "C" int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const flo
                                      void *stream)
 {
     return gemm_one(W, d_x, ldx, rows, quant_act, true, ws, d_y, ldy, stream);
+}
+
+extern "C" bool dsv4_cuda_gemm_norm_supports(const struct dsv4_cuda_linear *W, bool quant_act)
+{
+    const int mode = gemm_mode(W, quant_act);
+    return (mode == GEMM_FP8 || mode == GEMM_BF16) && dsv4_cuda_gemm_supports(W, quant_act) && W->in % 128 == 0;
+}
+
+extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_act, const float *d_x,
+                                   const float *d_w, int rows, float eps, struct dsv4_cuda_gemm_ws *ws, float *d_y,
+                                   void *stream)
+{
+    const int mode = gemm_mode(W, quant_act);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int k = (int)W->in;
+
+    ws->prepared.x = nullptr;
+    if (!dsv4_cuda_gemm_norm_supports(W, quant_act))
+        return dsv4_error_set(-EINVAL, "gemm_norm: a linear [%lld, %lld] of format %d with %s activations has no "
+                              "fused preparation (FP8 quantized or BF16, K a multiple of 128)", (long long)W->out,
+                              (long long)W->in, (int)W->fmt, quant_act ? "quantized" : "raw");
+    if (rows < 1 || rows > ws->rows || k > ws->max_k)
+        return dsv4_error_set(-EINVAL, "gemm_norm: %d rows of width %d exceed the workspace (%d rows, width %lld)",
+                              rows, k, ws->rows, (long long)ws->max_k);
+    if (mode == GEMM_FP8)
+        dsv4_launch(gemm_norm_prep_kernel<GEMM_FP8>, rows, NORM_THREADS, 0, s, d_x, d_w, rows, k, eps, d_y, ws->xa,
+                    ws->sa);
+    else
+        dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, rows, NORM_THREADS, 0, s, d_x, d_w, rows, k, eps, d_y, ws->xa,
+                    ws->sa);
+    DSV4_CUDA_LAUNCHED("gemm_norm_prep");
+    ws->prepared.x = d_y;
+    ws->prepared.ldx = k;
+    ws->prepared.k = k;
+    ws->prepared.rows = rows;
+    ws->prepared.mode = mode;
+    return 0;
 }
 
 extern "C" int dsv4_cuda_gemm_grouped(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx,

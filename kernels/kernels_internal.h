@@ -113,7 +113,5 @@ int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, c
 /* d_X [B, hc, D] = embed[token_b] (any linear format) copied to every stream. */
 int dsv4_cuda_embed(const struct dsv4_cuda_linear *E, const int32_t *d_tokens, int batch, int hc, float *d_X,
                     void *stream);
-/* d_y[i] += d_x[i] */
-int dsv4_cuda_add(float *d_y, const float *d_x, int64_t n, void *stream);
 
 #endif

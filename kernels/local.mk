@@ -12,7 +12,7 @@ tests_unit_test_cpu_twin_LDADD = $(TEST_ENGINE_LIBS)
 
 DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/gemm.cu kernels/indexer.cu kernels/sample.cu kernels/moe.cu kernels/norm.cu kernels/attention.cu \
 	kernels/compressor.cu kernels/step.cu
-DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/kernels_internal.h kernels/kv_entry.cuh kernels/index_key.cuh kernels/sample.h kernels/mma.cuh
+DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/kernels_internal.h kernels/kv_entry.cuh kernels/index_key.cuh kernels/sample.h kernels/mma.cuh kernels/norm_row.cuh
 EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES) kernels/NOTES.md
 
 GPU_TEST_COMMON = tests/gpu/gpu_test.h

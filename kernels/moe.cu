@@ -734,9 +734,11 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     return 0;
 }
 
+/* add (the shared expert's output, or NULL) joins the sum last: acc + add[i], one rounding, the
+ * result the separate add kernel gave. */
 __global__ void moe_combine_kernel(const float *__restrict__ out, const int32_t *__restrict__ idx,
                                    const float *__restrict__ w, int batch, int topk, int n_experts,
-                                   int64_t dim, float *__restrict__ y)
+                                   int64_t dim, const float *__restrict__ add, float *__restrict__ y)
 {
     dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -749,16 +751,14 @@ __global__ void moe_combine_kernel(const float *__restrict__ out, const int32_t 
         if (idx[p] >= 0 && idx[p] < n_experts)
             acc += w[p] * out[p * dim + d];
     }
-    y[i] = acc;
+    y[i] = add ? acc + add[i] : acc;
 }
 
-extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const float *d_x, int batch,
-                                     int topk, const int32_t *d_idx, const float *d_w,
-                                     const struct dsv4_cuda_moe_ws *ws, float *d_y, void *stream)
+extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,
+                                    const int32_t *d_idx, const struct dsv4_cuda_moe_ws *ws, void *stream)
 {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int pairs = batch * topk;
-    const int threads = 256;
     int rc;
 
     if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH || topk < 1 || topk > DSV4_MAX_TOPK)
@@ -801,12 +801,30 @@ extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const f
             return dsv4_error_set(-ENOTSUP, "moe_experts: expert weight format %d has no CUDA kernel", (int)ex->fmt);
         }
     }
-    if (rc < 0)
-        return rc;
-    dsv4_launch(moe_combine_kernel, (unsigned)(((int64_t)batch * ex->dim + threads - 1) / threads), threads, 0, s,
-                ws->d_out, d_idx, d_w, batch, topk, ex->n_experts, ex->dim, d_y);
+    return rc;
+}
+
+extern "C" int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int topk, const int32_t *d_idx,
+                                     const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add,
+                                     float *d_y, void *stream)
+{
+    const int threads = 256;
+    if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH || topk < 1 || topk > DSV4_MAX_TOPK)
+        return dsv4_error_set(-EINVAL, "moe_combine: batch %d (max %d), top-%d (max %d)", batch,
+                              DSV4_CUDA_MAX_BATCH, topk, DSV4_MAX_TOPK);
+    dsv4_launch(moe_combine_kernel, (unsigned)(((int64_t)batch * ex->dim + threads - 1) / threads), threads, 0,
+                static_cast<cudaStream_t>(stream), ws->d_out, d_idx, d_w, batch, topk, ex->n_experts, ex->dim, d_add,
+                d_y);
     DSV4_CUDA_LAUNCHED("moe_combine");
     return 0;
+}
+
+extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const float *d_x, int batch,
+                                     int topk, const int32_t *d_idx, const float *d_w,
+                                     const struct dsv4_cuda_moe_ws *ws, float *d_y, void *stream)
+{
+    const int rc = dsv4_cuda_moe_routed(ex, d_x, batch, topk, d_idx, ws, stream);
+    return rc < 0 ? rc : dsv4_cuda_moe_combine(ex, batch, topk, d_idx, d_w, ws, nullptr, d_y, stream);
 }
 
 __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u, int64_t n,

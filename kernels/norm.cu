@@ -2,33 +2,7 @@
  * Twins: dsv4_twin_rmsnorm, dsv4_twin_linear_matvec (mHC fn), dsv4_twin_mhc_pre, dsv4_twin_mhc_post
  * (engine/cpu_twin_cuda.c). */
 #include "kernels/cuda_util.cuh"
-
-#define NORM_THREADS 256
-
-/* Block-wide sum over NORM_THREADS threads; every thread gets the result. */
-static __device__ float block_sum(float v)
-{
-    __shared__ float part[NORM_THREADS / DSV4_CUDA_WARP];
-    const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
-    v = dsv4_warp_sum(v);
-    __syncthreads();            /* part[] may still be read by a previous call */
-    if (lane == 0)
-        part[warp] = v;
-    __syncthreads();
-    v = lane < NORM_THREADS / DSV4_CUDA_WARP ? part[lane] : 0.0f;
-    return dsv4_warp_sum(v);
-}
-
-/* yr = w * xr / sqrt(mean(xr^2) + eps) over n values, by the whole block (w NULL: no weight). */
-static __device__ __forceinline__ void rmsnorm_row(const float *xr, const float *w, int n, float eps, float *yr)
-{
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += NORM_THREADS)
-        ss += xr[i] * xr[i];
-    const float r = 1.0f / sqrtf(block_sum(ss) / n + eps);
-    for (int i = threadIdx.x; i < n; i += NORM_THREADS)
-        yr[i] = (w ? w[i] : 1.0f) * (xr[i] * r);
-}
+#include "kernels/norm_row.cuh"
 
 /* One block per row. */
 __global__ void __launch_bounds__(NORM_THREADS)
