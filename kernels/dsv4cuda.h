@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 #include "engine/backend.h"
-#include "engine/weights.h"
+#include "engine/model/weights.h"
 
 #define DSV4_CUDA_MAX_BATCH 64          /* decode rows per step: the largest graph bucket */
 #define DSV4_CUDA_ARENA_ALIGN 256       /* bytes; every arena carve-out starts on this boundary */

@@ -37,6 +37,7 @@
 #include "kernels/cuda_util.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/norm_row.cuh"
+#include "kernels/switches.h"
 
 #define GEMM_ROWS 128               /* output rows per CTA: one FP8 scale block */
 #define GEMM_WARPS 8                /* one m16 tile of rows each */
@@ -47,8 +48,6 @@
 #define GEMM_TARGET_CTAS 256        /* split K until tiles x splits reaches this */
 #define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
 #define GEMM_PREFETCH_TILES 8       /* most k-tiles a CTA prefetches before its inputs are ready (128 KB) */
-#define GEMM_PREFETCH_BYTES (8 << 20) /* most weight bytes one launch prefetches: well inside L2 */
-#define GEMM_PREFETCH_KB_MAX (1 << 20)  /* DSV4_CUDA_GEMM_PREFETCH_KB is clamped to 0..1 GiB */
 #define GEMM_MAX_NT (DSV4_CUDA_MAX_BATCH / 8)
 
 enum { GEMM_FP8 = 0, GEMM_BF16 = 1, GEMM_FP8RAW = 2 };
@@ -497,7 +496,7 @@ static void gemm_splits(int64_t out, int nkt, int *per, int *splits)
 
 static int gemm_stages = GEMM_STAGES_MAX;     /* chosen by dsv4_cuda_gemm_prepare */
 static int gemm_sms = 1;                        /* the device's SMs: CTAs of a launch's first wave, at least */
-static int64_t gemm_prefetch = GEMM_PREFETCH_BYTES;
+static int64_t gemm_prefetch = (int64_t)DSV4_CUDA_PREFETCH_KB_DEFAULT << 10;   /* bytes; well inside L2 */
 
 template <int MODE, int NT, int STAGES>
 static int prepare_one()
@@ -532,19 +531,20 @@ static int prepare_stages()
 extern "C" int dsv4_cuda_gemm_prepare(void)
 {
     int dev = 0, optin = 0;
-    const char *e = getenv("DSV4_CUDA_GEMM_STAGES");
+    struct dsv4_cuda_switches sw;
+    int rc = dsv4_cuda_switches_read(&sw);
+    if (rc < 0)
+        return rc;
     DSV4_CUDA_TRY(cudaGetDevice(&dev));
     DSV4_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     DSV4_CUDA_TRY(cudaDeviceGetAttribute(&gemm_sms, cudaDevAttrMultiProcessorCount, dev));
-    const char *pf = getenv("DSV4_CUDA_GEMM_PREFETCH_KB");
-    gemm_prefetch = pf ? (int64_t)min(max(strtoll(pf, NULL, 10), 0LL), (long long)GEMM_PREFETCH_KB_MAX) << 10
-                       : GEMM_PREFETCH_BYTES;
+    gemm_prefetch = sw.gemm_prefetch_kb << 10;
     const size_t big = stage_bytes(GEMM_FP8RAW, GEMM_MAX_NT);
     if ((size_t)optin < GEMM_STAGES_MIN * big)
         return dsv4_error_set(-ENOTSUP, "gemm: device %d offers %d bytes of shared memory a block; the tensor-core "
                               "linears need %zu", dev, optin, GEMM_STAGES_MIN * big);
-    gemm_stages = (size_t)optin >= GEMM_STAGES_MAX * big && !(e && strcmp(e, "2") == 0) ? GEMM_STAGES_MAX
-                                                                                          : GEMM_STAGES_MIN;
+    gemm_stages = (size_t)optin >= GEMM_STAGES_MAX * big && sw.gemm_stages != GEMM_STAGES_MIN ? GEMM_STAGES_MAX
+                                                                                              : GEMM_STAGES_MIN;
     return gemm_stages == GEMM_STAGES_MAX ? prepare_stages<GEMM_STAGES_MAX>() : prepare_stages<GEMM_STAGES_MIN>();
 }
 

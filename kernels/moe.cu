@@ -21,6 +21,7 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/switches.h"
 
 #define MOE_ROWS 8              /* warps (weight rows) per block */
 #define MOE_NB 8                /* tokens per pass over a weight row */
@@ -684,14 +685,14 @@ __global__ void moe_quant_kernel(float *__restrict__ h, int inter)
         reinterpret_cast<uint4 *>(row)[q] = bf16x8_operand(v);
 }
 
-/* The tensor-core path is the default where the shapes allow; DSV4_CUDA_MOE_MMA=0 (read once) keeps
- * the FMA kernels, for comparison. */
+/* The tensor-core path is the default where the shapes allow; DSV4_CUDA_MOE_MMA=0 (read once, from
+ * the switch table: the backend refuses a bad value before any launch) keeps the FMA kernels. */
 static bool tc_enabled(void)
 {
     static int on = -1;
     if (on < 0) {
-        const char *e = getenv("DSV4_CUDA_MOE_MMA");
-        on = !(e && strcmp(e, "0") == 0);
+        struct dsv4_cuda_switches sw;
+        on = dsv4_cuda_switches_read(&sw) < 0 || sw.moe_mma;
     }
     return on;
 }

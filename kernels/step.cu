@@ -20,6 +20,7 @@
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
 #include "kernels/sample.h"
+#include "kernels/switches.h"
 
 #define STEP_MAX_BUCKETS 8      /* 1, 2, 4, ..., 64 */
 #define STEP_IN_FIELDS 5        /* per row: token, slot, position, first and last position of its slot in the step */
@@ -971,14 +972,13 @@ static int sampling_boot(struct cuda_backend *cb)
 
 static void log_stderr(void *ctx, const char *line)
 {
-    if (getenv("DSV4_CUDA_LOG"))
-        fprintf(stderr, "%s\n", line);
+    fprintf(stderr, "%s\n", line);
 }
 
-static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const struct dsv4_backend_opts *opts)
+static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
+                  const struct dsv4_cuda_switches *sw)
 {
     const struct dsv4_config *c = &w->cfg;
-    const char *g = getenv("DSV4_CUDA_GRAPHS"), *gm = getenv("DSV4_CUDA_GEMM"), *br = getenv("DSV4_CUDA_BRANCHES");
     float inv[2][DSV4_CUDA_MAX_HEAD_DIM / 2];
     void *p;
 
@@ -989,12 +989,12 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->fp8 = opts->numerics == DSV4_NUMERICS_FP8;
     cb->kvf = kv_format(opts);
     cb->slots = opts->max_batch + 1;
-    cb->use_graphs = !(g && strcmp(g, "0") == 0);
-    cb->use_gemm = !(gm && strcmp(gm, "0") == 0);
-    cb->branches = !(br && strcmp(br, "0") == 0);
+    cb->use_graphs = sw->graphs;
+    cb->use_gemm = sw->gemm;
+    cb->branches = sw->branches;
     STEP(dsv4_cuda_attention_prepare(c->head_dim));
     STEP(dsv4_cuda_gemm_prepare());
-    STEP(dsv4_cuda_dev_create(0, w, opts, log_stderr, NULL, &cb->dev));
+    STEP(dsv4_cuda_dev_create(0, w, opts, sw->log ? log_stderr : NULL, NULL, &cb->dev));
     cb->L = static_cast<struct step_layer *>(calloc(c->n_layers, sizeof(*cb->L)));
     cb->pos = static_cast<int64_t *>(calloc(cb->slots, sizeof(*cb->pos)));
     cb->h_in = static_cast<int32_t *>(calloc(STEP_IN_FIELDS * (size_t)opts->max_batch, sizeof(*cb->h_in)));
@@ -1061,24 +1061,26 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
 extern "C" int dsv4_backend_cuda_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
                                         struct dsv4_backend **ret)
 {
+    struct dsv4_cuda_switches sw;
     struct cuda_backend *cb;
     int rc;
 
     if (dsv4_cuda_device_count() == 0)
         return -ENODEV;
+    if ((rc = dsv4_cuda_switches_read(&sw)) < 0)
+        return rc;
     cb = static_cast<struct cuda_backend *>(calloc(1, sizeof(*cb)));
     if (!cb)
         return dsv4_error_set(-ENOMEM, "cuda: backend state");
-    const char *smp = getenv("DSV4_CUDA_SAMPLE");
     /* DSV4_CUDA_SAMPLE=0: no sample op, so the engine samples copied-back logits on the host */
     cb->ops = cuda_ops;
-    if (smp && strcmp(smp, "0") == 0)
+    if (!sw.sample)
         cb->ops.sample = nullptr;
     cb->base.ops = &cb->ops;
     cb->base.weights = w;
     cb->base.opts = *opts;
     cb->base.impl = cb;
-    rc = create(cb, w, opts);
+    rc = create(cb, w, opts, &sw);
     if (rc < 0) {
         op_destroy(&cb->base);
         return rc;

@@ -44,7 +44,7 @@
 
 #include "engine/backend.h"
 #include "engine/error.h"
-#include "engine/weights.h"
+#include "engine/model/weights.h"
 #include "kernels/dsv4cuda.h"
 
 #define BENCH_ROTATE_BYTES (512u << 20)     /* rotate weight copies until they span 512 MiB */

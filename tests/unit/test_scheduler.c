@@ -1,4 +1,4 @@
-/* engine/scheduler over the fake backend (tests/unit/fake_backend.c): outputs checked against a
+/* engine/serve/scheduler over the fake backend (tests/unit/fake_backend.c): outputs checked against a
  * direct oracle (fake logits + sampler over the request's own history), batch invariance, stops,
  * limits, cancellation, drain, a random workload, and the engine thread driven from another thread.
  * Allocations inside scheduler calls are counted by wrapping malloc/calloc/realloc at link time. */
@@ -19,9 +19,9 @@
 #include <jansson.h>
 
 #include "engine/error.h"
-#include "engine/sampler.h"
-#include "engine/scheduler.h"
-#include "engine/tokenizer.h"
+#include "engine/serve/sampler.h"
+#include "engine/serve/scheduler.h"
+#include "engine/text/tokenizer.h"
 #include "tests/unit/fake_backend.h"
 
 /* ---- allocation counting (linked with --wrap=malloc,--wrap=calloc,--wrap=realloc) ---- */
@@ -555,7 +555,8 @@ static void test_limits(void **state)
     assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -E2BIG);
     rq = make_request(prompt, 4, 4, 0);
     rq.sampling.top_p = 2.0f;
-    assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -EINVAL);
+    assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -EDOM);
+    assert_non_null(strstr(dsv4_error_message(), "top_p"));
     struct dsv4_sched_stats stt;
     dsv4_sched_get_stats(e.s, &stt);
     assert_int_equal(stt.rejected, 6);
