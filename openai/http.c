@@ -357,13 +357,13 @@ int dsv4_oai_http_start(struct dsv4_oai_server *s, int listen_fd)
     s->mhd = MHD_start_daemon(
         MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG, 0, NULL,
         NULL, on_request, s,
+        MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,   /* first, so that no message goes to stderr raw */
         MHD_OPTION_LISTEN_SOCKET, listen_fd,
         MHD_OPTION_CONNECTION_LIMIT, cfg->max_connections,
         MHD_OPTION_CONNECTION_TIMEOUT, cfg->idle_timeout,
         MHD_OPTION_CONNECTION_MEMORY_LIMIT, cfg->max_header,
         MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
         MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
-        MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,
         MHD_OPTION_END);
     if (!s->mhd) {
         dsv4_oai_log(LOG_ERR, "libmicrohttpd would not start on fd %d", listen_fd);
