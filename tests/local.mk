@@ -9,3 +9,4 @@ include $(srcdir)/tests/integration.mk
 include $(srcdir)/tests/fixtures_fp8.mk
 include $(srcdir)/tests/default_model.mk
 include $(srcdir)/tests/fuzz.mk
+EXTRA_DIST += tests/README.md
