@@ -494,10 +494,14 @@ static int convert_messages(struct dsv4_client *c, const struct dsv4_client_mess
 static int build_generate(struct dsv4_client *c, const struct dsv4_client_generate_params *p, bool stream,
                           struct dsv4_proto_generate *g)
 {
-    int sources = !!p->prompt + !!p->messages + !!p->tokens;
+    int sources = !!p->prompt + !!p->messages + !!p->tokens + !!p->prompt_parts;
     dsv4_proto_generate_init(g);
     if (sources != 1)
-        return fail(c, -EINVAL, "give exactly one of prompt, messages, tokens");
+        return fail(c, -EINVAL, "give exactly one of prompt, messages, tokens, prompt_parts");
+    if (p->prompt_parts && (!p->prompt_part_lens || p->n_prompt_parts == 0 ||
+                            p->n_prompt_parts > DSV4_PROTO_MAX_PROMPT_PARTS))
+        return fail(c, -EINVAL, "prompt_parts: %zu parts (1..%u, each with its length)", p->n_prompt_parts,
+                    DSV4_PROTO_MAX_PROMPT_PARTS);
     if (p->n_stop > DSV4_PROTO_MAX_STOP || p->n_stop_token_ids > DSV4_PROTO_MAX_STOP_TOKEN_IDS)
         return fail(c, -EINVAL, "at most %u stop strings and %u stop token ids", DSV4_PROTO_MAX_STOP,
                     DSV4_PROTO_MAX_STOP_TOKEN_IDS);
@@ -507,6 +511,12 @@ static int build_generate(struct dsv4_client *c, const struct dsv4_client_genera
         g->prompt_kind = DSV4_PROTO_PROMPT_TEXT;
         g->prompt = (char *)p->prompt;
         g->prompt_len = strlen(p->prompt);
+        g->add_bos = p->add_bos;
+    } else if (p->prompt_parts) {
+        g->prompt_kind = DSV4_PROTO_PROMPT_PARTS;
+        g->parts = (char **)p->prompt_parts;
+        g->part_lens = (size_t *)p->prompt_part_lens;
+        g->n_parts = (uint32_t)p->n_prompt_parts;
         g->add_bos = p->add_bos;
     } else if (p->messages) {
         g->prompt_kind = DSV4_PROTO_PROMPT_MESSAGES;

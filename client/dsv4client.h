@@ -110,7 +110,7 @@ struct dsv4_client_message {
     const char *content;
 };
 
-/* Exactly one prompt source: prompt, messages (chat format) or tokens. Numbers left at the values
+/* Exactly one prompt source: prompt, messages (chat format), tokens or prompt_parts. Numbers left at the values
  * dsv4_client_generate_params_init() sets are the protocol's defaults (doc/PROTOCOL.md). */
 struct dsv4_client_generate_params {
     const char *prompt;         /* raw completion */
@@ -120,6 +120,13 @@ struct dsv4_client_generate_params {
     bool thinking;              /* messages only: reasoning mode */
     const int32_t *tokens;      /* token-id prompt */
     size_t n_tokens;
+    /* A prompt the caller renders itself (protocol 2): the parts are tokenized as one text; tags such
+     * as <｜User｜> are recognised only in even-indexed parts (the caller's template), never in
+     * odd-indexed ones (message text). Lengths in bytes, both arrays n_prompt_parts long. add_bos
+     * applies as to prompt. */
+    const char *const *prompt_parts;
+    const size_t *prompt_part_lens;
+    size_t n_prompt_parts;
 
     uint32_t max_tokens;        /* 0: the server's default */
     float temperature;          /* [0, 10], 0 greedy; default 1 */

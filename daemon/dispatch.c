@@ -9,11 +9,13 @@
 #include "daemon/reqmem.h"
 #include "daemon/server.h"
 #include "engine/error.h"
-#include "engine/sampler.h"
-#include "engine/scheduler.h"
+#include "engine/serve/sampler.h"
+#include "engine/serve/scheduler.h"
 
 /* The stats reply copies the scheduler's histogram: same bucket layout (1, 2, 3-4, ..., open last). */
 _Static_assert(DSV4_SCHED_BATCH_BUCKETS <= DSV4_PROTO_MAX_BATCH_BUCKETS, "batch_size_hist has too few buckets");
+/* A token event's alternatives are copied into the protocol's fixed arrays. */
+_Static_assert(DSV4_SAMPLER_LOGPROBS_MAX <= DSV4_PROTO_MAX_LOGPROBS, "top_logprobs has too few entries");
 
 #define DSV4_WARMUP_PROMPT "Hello"
 
@@ -130,6 +132,17 @@ static struct dsv4_proto_model_limits model_limits(const struct dsv4_server *s)
     return lim;
 }
 
+static int encode_error(int r, struct dsv4_proto_error *err)
+{
+    if (r == -EILSEQ)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s", dsv4_error_message());
+    if (r == -ENOMEM)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "prompt: out of memory");
+    if (r < 0)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s", dsv4_error_message());
+    return 0;
+}
+
 /* The ids generate and tokenize see: raw text (BOS unless add_bos is false; tags in the text are
  * recognised, the caller owns the whole prompt) or chat messages (their text can never become a
  * tag: a user cannot forge <｜Assistant｜>). */
@@ -166,13 +179,18 @@ static int build_prompt(struct dsv4_server *s, enum dsv4_proto_prompt_kind kind,
     } else {
         return dsv4_proto_error_set(err, DSV4_PROTO_E_MISSING_FIELD, "no prompt, messages or tokens");
     }
-    if (r == -EILSEQ)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s", dsv4_error_message());
-    if (r == -ENOMEM)
+    return encode_error(r, err);
+}
+
+/* prompt_parts: the caller's own template with literal text between (a front rendering a chat format
+ * the daemon does not know); tags are recognised only in the template parts. */
+static int build_parts(struct dsv4_server *s, const struct dsv4_proto_generate *gen, struct dsv4_tok_ids *ids,
+                       struct dsv4_proto_error *err)
+{
+    if (gen->add_bos && s->bos_id >= 0 && dsv4_tok_ids_push(ids, s->bos_id) < 0)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "prompt: out of memory");
-    if (r < 0)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s", dsv4_error_message());
-    return 0;
+    return encode_error(dsv4_tokenizer_encode_parts(s->tok, (const char *const *)gen->parts, gen->part_lens,
+                                                    gen->n_parts, 0, ids), err);
 }
 
 /* ---- responses ---------------------------------------------------------------------------------- */
@@ -314,9 +332,8 @@ static int submit(struct dsv4_server *s, struct dsv4_request *req, struct dsv4_p
     sr.sampling.has_seed = ps->has_seed;
     sr.sampling.seed = ps->seed;
     sr.sampling.logprobs = ps->logprobs > 0 ? ps->logprobs : 0;
-    if (dsv4_sampling_validate(&sr.sampling) < 0)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_SAMPLING, "%s", dsv4_error_message());
 
+    /* The scheduler checks the request, sampling parameters included; its errors become codes here. */
     r = dsv4_sched_submit(s->sched, &sr, &req->sched_id);
     switch (r) {
     case 0:
@@ -328,6 +345,8 @@ static int submit(struct dsv4_server *s, struct dsv4_request *req, struct dsv4_p
         return dsv4_proto_error_set(err, DSV4_PROTO_E_QUEUE_FULL, "%s", dsv4_error_message());
     case -E2BIG:
         return dsv4_proto_error_set(err, DSV4_PROTO_E_PROMPT_TOO_LONG, "%s", dsv4_error_message());
+    case -EDOM:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_SAMPLING, "%s", dsv4_error_message());
     case -EINVAL:
         return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s", dsv4_error_message());
     default:
@@ -382,9 +401,6 @@ static int admit_generate(struct dsv4_server *s, struct dsv4_conn *c, uint32_t m
     if (ps->n_stop_token_ids > DSV4_SCHED_STOP_TOKENS_MAX)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_STOP, "stop_token_ids: %u ids, at most %d",
                                     ps->n_stop_token_ids, DSV4_SCHED_STOP_TOKENS_MAX);
-    if (ps->logprobs > DSV4_SAMPLER_LOGPROBS_MAX)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_SAMPLING, "logprobs = %d, at most %d", ps->logprobs,
-                                    DSV4_SAMPLER_LOGPROBS_MAX);
     return dsv4_proto_check_generate(gen, &lim, err);
 }
 
@@ -415,6 +431,9 @@ static void do_generate(struct dsv4_server *s, struct dsv4_conn *c, const struct
                 dsv4_proto_error_set(&err, DSV4_PROTO_E_OUT_OF_MEMORY, "tokens: out of memory");
                 goto fail;
             }
+    } else if (gen.prompt_kind == DSV4_PROTO_PROMPT_PARTS) {
+        if (build_parts(s, &gen, &req->prompt, &err) < 0)
+            goto fail;
     } else if (build_prompt(s, gen.prompt_kind, gen.prompt, gen.prompt_len, gen.add_bos, gen.messages,
                             gen.n_messages, gen.thinking, &req->prompt, &err) < 0) {
         goto fail;

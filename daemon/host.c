@@ -13,7 +13,7 @@
 #include "daemon/log.h"
 #include "engine/backend.h"
 #include "engine/error.h"
-#include "engine/weights.h"
+#include "engine/model/weights.h"
 
 /* threads = 0 takes the online CPUs, up to this many. */
 #define DSV4_HOST_THREADS_MAX 64

@@ -7,8 +7,8 @@
 #include <stdbool.h>
 
 #include "daemon/settings.h"
-#include "engine/scheduler.h"
-#include "engine/tokenizer.h"
+#include "engine/serve/scheduler.h"
+#include "engine/text/tokenizer.h"
 
 enum dsv4_host_phase {
     DSV4_HOST_LOADING_WEIGHTS,

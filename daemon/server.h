@@ -13,9 +13,9 @@
 #include "daemon/host.h"
 #include "daemon/listen.h"
 #include "daemon/settings.h"
-#include "engine/chat.h"
-#include "engine/config.h"
-#include "engine/tokenizer.h"
+#include "engine/text/chat.h"
+#include "engine/model/config.h"
+#include "engine/text/tokenizer.h"
 #include "protocol/message.h"
 
 /* Frames handled per readable event on one connection before the loop serves the others. */

@@ -6,3 +6,9 @@ dist_man1_MANS = doc/dsv4ctl.1
 
 # Section 8: daemons.
 dist_man8_MANS = doc/dsv4d.8
+
+if HAVE_OPENAI
+dist_man8_MANS += doc/dsv4-openai.8
+else
+EXTRA_DIST += doc/dsv4-openai.8
+endif

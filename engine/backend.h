@@ -7,8 +7,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "engine/sampler.h"
-#include "engine/weights.h"
+#include "engine/serve/sampler.h"
+#include "engine/model/weights.h"
 
 enum dsv4_numerics {
     DSV4_NUMERICS_EXACT,    /* caches in f32, no rounding: what transformers' deepseek_v4 computes */
@@ -23,7 +23,7 @@ struct dsv4_backend_opts {
     int64_t prefix_pool_bytes;  /* prefix-cache pool reserved at create (device memory on CUDA); 0 = none */
 };
 
-/* The prefix cache (engine/prefix_cache.h) keeps slot state at block boundaries in a pool of pages
+/* The prefix cache (engine/serve/prefix_cache.h) keeps slot state at block boundaries in a pool of pages
  * that the backend reserves at create and addresses by page index. Two records:
  *   block record: the compressed entries (CSA and HCA KV, indexer keys) the tokens of one block
  *     produced, every layer: block_pages pages (0 for a model without compressed layers);
@@ -70,7 +70,7 @@ struct dsv4_backend_ops {
     /* One token for each of n slots (distinct); logits [n, V] f32, row i for slots[i]. */
     int (*decode)(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens,
                   float *logits);
-    /* Optional (NULL: the engine samples the copied-back logits on the host, engine/sampler.c).
+    /* Optional (NULL: the engine samples the copied-back logits on the host, engine/serve/sampler.c).
      * Sample the rows of the call just made, without copying logits back: after prefill, n == 1
      * and req[0].slot is that prefill's slot (its last prompt token); after decode, the decode's n
      * rows in its order. Same semantics as dsv4_sampler_sample; the backend keeps each slot's

@@ -13,6 +13,7 @@
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
 #include "kernels/prefix.h"
+#include "kernels/switches.h"
 
 #define DEV_VARIANTS_MAX 2048           /* bytes of the variant report */
 
@@ -383,16 +384,17 @@ __global__ void arch_probe_kernel(int *out)
 
 /* Programmatic dependent launch needs griddepcontrol in every kernel, which only images built for sm_90
  * or later have (the compute_80 PTX fallback has none, even when JIT-compiled for a newer GPU).
- * Decided once per process: all GPUs of a host run the same image. DSV4_CUDA_PDL=0 turns it off. */
+ * Decided once per process: all GPUs of a host run the same image. DSV4_CUDA_PDL=0 turns it off (the
+ * backend refuses a bad value before any launch). */
 bool dsv4_cuda_pdl(void)
 {
     static std::atomic<int> on{ -1 };
     int v = on.load(std::memory_order_relaxed);
     if (v < 0) {
         cudaFuncAttributes fa;
-        const char *e = getenv("DSV4_CUDA_PDL");
+        struct dsv4_cuda_switches sw;
         v = cudaFuncGetAttributes(&fa, arch_probe_kernel) == cudaSuccess && fa.ptxVersion >= 90 &&
-            fa.binaryVersion >= 90 && !(e && strcmp(e, "0") == 0);
+            fa.binaryVersion >= 90 && (dsv4_cuda_switches_read(&sw) < 0 || sw.pdl);
         on.store(v, std::memory_order_relaxed);
     }
     return v;
@@ -536,6 +538,13 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     vlog(dev, log, log_ctx, true, "launch: %s", dsv4_cuda_pdl() ? "programmatic dependent launch (each kernel "
          "scheduled while the previous one drains; DSV4_CUDA_PDL=0 turns it off)" : "stream order (no programmatic "
          "dependent launch: image before sm_90, or DSV4_CUDA_PDL=0)");
+    {
+        struct dsv4_cuda_switches sw;
+        char line[DSV4_CUDA_SWITCH_LINE];
+        WALK(dsv4_cuda_switches_read(&sw));
+        dsv4_cuda_switches_describe(&sw, line, sizeof(line));
+        vlog(dev, log, log_ctx, false, "switches: %s", line);
+    }
     DSV4_CUDA_TRY(cudaStreamSynchronize(dev->stream));
     return 0;
 }

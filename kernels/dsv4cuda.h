@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 #include "engine/backend.h"
-#include "engine/weights.h"
+#include "engine/model/weights.h"
 
 #define DSV4_CUDA_MAX_BATCH 64          /* decode rows per step: the largest graph bucket */
 #define DSV4_CUDA_ARENA_ALIGN 256       /* bytes; every arena carve-out starts on this boundary */
@@ -203,6 +203,13 @@ int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t l
  * this x in the same form, rows and width. Otherwise x is prepared as dsv4_cuda_gemm does. */
 int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
                           struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
+/* RMSNorm of d_x [rows, W->in] into d_y, bit for bit as dsv4_cuda_rmsnorm writes it, and in the same
+ * launch d_y prepared in ws for W, so that dsv4_cuda_gemm_same_x(W, d_y, W->in, rows, quant_act, ws,
+ * ...) skips its own preparation launch. W: FP8 with quantized activations, or BF16
+ * (dsv4_cuda_gemm_norm_supports). */
+bool dsv4_cuda_gemm_norm_supports(const struct dsv4_cuda_linear *W, bool quant_act);
+int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_act, const float *d_x, const float *d_w,
+                        int rows, float eps, struct dsv4_cuda_gemm_ws *ws, float *d_y, void *stream);
 /* The grouped output projection in one launch: W [groups R, K] FP8 with raw activations,
  * d_y[n, g R + r] = sum_k W[g R + r, k] d_x[n, g K + k]; R a multiple of 128 (one scale block). */
 bool dsv4_cuda_gemm_grouped_supports(const struct dsv4_cuda_linear *W, int groups);
@@ -231,6 +238,15 @@ int dsv4_cuda_router(const float *d_logits, int batch, int n_experts, int topk, 
 int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,
                           const int32_t *d_idx, const float *d_w, const struct dsv4_cuda_moe_ws *ws,
                           float *d_y, void *stream);
+/* The same in two launches' worth of calls, so that other work can join before the sum: routed runs
+ * every expert on its rows into ws; combine then writes d_y[b] = sum_j w[b,j] out[b,j] (j order)
+ * + d_add[b] when d_add (the shared expert's output) is not NULL: the sum rounded, then the add
+ * rounded, as a separate add of the two would give. */
+int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,
+                         const int32_t *d_idx, const struct dsv4_cuda_moe_ws *ws, void *stream);
+int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int topk, const int32_t *d_idx,
+                          const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add, float *d_y,
+                          void *stream);
 
 /* d_h[b, i] = silu(min(g, L)) * clamp(u, -L, L) for g = d_gate[b, i], u = d_up[b, i] (shared expert). */
 int dsv4_cuda_swiglu(const float *d_gate, const float *d_up, int rows, int64_t n, float limit,

@@ -36,6 +36,8 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/norm_row.cuh"
+#include "kernels/switches.h"
 
 #define GEMM_ROWS 128               /* output rows per CTA: one FP8 scale block */
 #define GEMM_WARPS 8                /* one m16 tile of rows each */
@@ -46,8 +48,6 @@
 #define GEMM_TARGET_CTAS 256        /* split K until tiles x splits reaches this */
 #define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
 #define GEMM_PREFETCH_TILES 8       /* most k-tiles a CTA prefetches before its inputs are ready (128 KB) */
-#define GEMM_PREFETCH_BYTES (8 << 20) /* most weight bytes one launch prefetches: well inside L2 */
-#define GEMM_PREFETCH_KB_MAX (1 << 20)  /* DSV4_CUDA_GEMM_PREFETCH_KB is clamped to 0..1 GiB */
 #define GEMM_MAX_NT (DSV4_CUDA_MAX_BATCH / 8)
 
 enum { GEMM_FP8 = 0, GEMM_BF16 = 1, GEMM_FP8RAW = 2 };
@@ -396,6 +396,52 @@ __global__ void gemm_split_kernel(const float *__restrict__ x, int64_t ldx, int 
     xa[(int64_t)rows * k + i] = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
+/* One block per row: y = RMSNorm(x) [rows, k] as rmsnorm_kernel writes it, then y prepared for a
+ * linear of MODE in the same launch: fp8, the 1x128 quantizer with gemm_quant_kernel's arithmetic
+ * (warp w takes blocks w, w + 8, ..., each lane the values i * 32 + lane, as prep_block reads them);
+ * bf16, hi and lo planes as gemm_split_kernel writes them. y is read back after the barrier: every
+ * thread's normalized values are visible to the block by then. */
+template <int MODE>
+__global__ void __launch_bounds__(NORM_THREADS)
+gemm_norm_prep_kernel(const float *__restrict__ x, const float *__restrict__ w, int rows, int k, float eps, float *y,
+                      void *__restrict__ xa, float *__restrict__ sa)
+{
+    dsv4_pdl_enter();
+    const int64_t n = blockIdx.x;
+    float *yr = y + n * k;
+    rmsnorm_row(x + n * k, w, k, eps, yr);
+    __syncthreads();
+    if (MODE == GEMM_BF16) {
+        __nv_bfloat16 *hi = static_cast<__nv_bfloat16 *>(xa) + n * k, *lo = hi + (int64_t)rows * k;
+        for (int i = threadIdx.x; i < k; i += NORM_THREADS) {
+            const float v = yr[i];
+            const __nv_bfloat16 h = __float2bfloat16_rn(v);
+            hi[i] = h;
+            lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
+        }
+        return;
+    }
+    const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
+    __half *q = static_cast<__half *>(xa) + n * k;
+    for (int kb = warp; kb < k / 128; kb += NORM_THREADS / DSV4_CUDA_WARP) {
+        float v[4], m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = yr[kb * 128 + i * DSV4_CUDA_WARP + lane];
+            m = fmaxf(m, fabsf(v[i]));
+        }
+        const float s = dsv4_act_scale(dsv4_warp_max(m)), inv = 1.0f / s;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
+            __half_raw h = __nv_cvt_fp8_to_halfraw(e, __NV_E4M3);
+            q[kb * 128 + i * DSV4_CUDA_WARP + lane] = *reinterpret_cast<__half *>(&h);
+        }
+        if (lane == 0)
+            sa[n * (k / 128) + kb] = s;
+    }
+}
+
 extern "C" size_t dsv4_cuda_gemm_ws_bytes(int rows, int64_t max_k)
 {
     const size_t xa = (size_t)rows * (size_t)max_k * 4;         /* f16 values or bf16 hi + lo */
@@ -450,7 +496,7 @@ static void gemm_splits(int64_t out, int nkt, int *per, int *splits)
 
 static int gemm_stages = GEMM_STAGES_MAX;     /* chosen by dsv4_cuda_gemm_prepare */
 static int gemm_sms = 1;                        /* the device's SMs: CTAs of a launch's first wave, at least */
-static int64_t gemm_prefetch = GEMM_PREFETCH_BYTES;
+static int64_t gemm_prefetch = (int64_t)DSV4_CUDA_PREFETCH_KB_DEFAULT << 10;   /* bytes; well inside L2 */
 
 template <int MODE, int NT, int STAGES>
 static int prepare_one()
@@ -485,19 +531,20 @@ static int prepare_stages()
 extern "C" int dsv4_cuda_gemm_prepare(void)
 {
     int dev = 0, optin = 0;
-    const char *e = getenv("DSV4_CUDA_GEMM_STAGES");
+    struct dsv4_cuda_switches sw;
+    int rc = dsv4_cuda_switches_read(&sw);
+    if (rc < 0)
+        return rc;
     DSV4_CUDA_TRY(cudaGetDevice(&dev));
     DSV4_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     DSV4_CUDA_TRY(cudaDeviceGetAttribute(&gemm_sms, cudaDevAttrMultiProcessorCount, dev));
-    const char *pf = getenv("DSV4_CUDA_GEMM_PREFETCH_KB");
-    gemm_prefetch = pf ? (int64_t)min(max(strtoll(pf, NULL, 10), 0LL), (long long)GEMM_PREFETCH_KB_MAX) << 10
-                       : GEMM_PREFETCH_BYTES;
+    gemm_prefetch = sw.gemm_prefetch_kb << 10;
     const size_t big = stage_bytes(GEMM_FP8RAW, GEMM_MAX_NT);
     if ((size_t)optin < GEMM_STAGES_MIN * big)
         return dsv4_error_set(-ENOTSUP, "gemm: device %d offers %d bytes of shared memory a block; the tensor-core "
                               "linears need %zu", dev, optin, GEMM_STAGES_MIN * big);
-    gemm_stages = (size_t)optin >= GEMM_STAGES_MAX * big && !(e && strcmp(e, "2") == 0) ? GEMM_STAGES_MAX
-                                                                                          : GEMM_STAGES_MIN;
+    gemm_stages = (size_t)optin >= GEMM_STAGES_MAX * big && sw.gemm_stages != GEMM_STAGES_MIN ? GEMM_STAGES_MAX
+                                                                                              : GEMM_STAGES_MIN;
     return gemm_stages == GEMM_STAGES_MAX ? prepare_stages<GEMM_STAGES_MAX>() : prepare_stages<GEMM_STAGES_MIN>();
 }
 
@@ -643,6 +690,43 @@ extern "C" int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const flo
                                      void *stream)
 {
     return gemm_one(W, d_x, ldx, rows, quant_act, true, ws, d_y, ldy, stream);
+}
+
+extern "C" bool dsv4_cuda_gemm_norm_supports(const struct dsv4_cuda_linear *W, bool quant_act)
+{
+    const int mode = gemm_mode(W, quant_act);
+    return (mode == GEMM_FP8 || mode == GEMM_BF16) && dsv4_cuda_gemm_supports(W, quant_act) && W->in % 128 == 0;
+}
+
+extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_act, const float *d_x,
+                                   const float *d_w, int rows, float eps, struct dsv4_cuda_gemm_ws *ws, float *d_y,
+                                   void *stream)
+{
+    const int mode = gemm_mode(W, quant_act);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int k = (int)W->in;
+
+    ws->prepared.x = nullptr;
+    if (!dsv4_cuda_gemm_norm_supports(W, quant_act))
+        return dsv4_error_set(-EINVAL, "gemm_norm: a linear [%lld, %lld] of format %d with %s activations has no "
+                              "fused preparation (FP8 quantized or BF16, K a multiple of 128)", (long long)W->out,
+                              (long long)W->in, (int)W->fmt, quant_act ? "quantized" : "raw");
+    if (rows < 1 || rows > ws->rows || k > ws->max_k)
+        return dsv4_error_set(-EINVAL, "gemm_norm: %d rows of width %d exceed the workspace (%d rows, width %lld)",
+                              rows, k, ws->rows, (long long)ws->max_k);
+    if (mode == GEMM_FP8)
+        dsv4_launch(gemm_norm_prep_kernel<GEMM_FP8>, rows, NORM_THREADS, 0, s, d_x, d_w, rows, k, eps, d_y, ws->xa,
+                    ws->sa);
+    else
+        dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, rows, NORM_THREADS, 0, s, d_x, d_w, rows, k, eps, d_y, ws->xa,
+                    ws->sa);
+    DSV4_CUDA_LAUNCHED("gemm_norm_prep");
+    ws->prepared.x = d_y;
+    ws->prepared.ldx = k;
+    ws->prepared.k = k;
+    ws->prepared.rows = rows;
+    ws->prepared.mode = mode;
+    return 0;
 }
 
 extern "C" int dsv4_cuda_gemm_grouped(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx,

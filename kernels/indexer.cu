@@ -273,3 +273,68 @@ extern "C" int dsv4_cuda_indexer_once(const struct dsv4_cuda_index_args *a, int 
 {
     return dsv4_cuda_indexer(a, batch, stream);
 }
+
+/* ---- the indexer's queries: RoPE, then (fp8) the Hadamard rotation and FP4, as the keys ---- */
+
+/* grid (B, nI), block 128: RoPE then (fp8) Hadamard + FP4 on one query head. */
+__global__ void indexer_q_kernel(float *q, int nI, int dI, int rd, bool fp8, const int32_t *pos, const float *inv_freq)
+{
+    dsv4_pdl_enter();
+    extern __shared__ float sm[];
+    float *v_s = sm, *sc_s = sm + dI;
+    float *qh = q + ((int64_t)blockIdx.x * nI + blockIdx.y) * dI;
+    for (int i = threadIdx.x; i < dI; i += blockDim.x)
+        v_s[i] = qh[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < rd / 2; i += blockDim.x)
+        dsv4_rope_pair(&v_s[dI - rd + 2 * i], &v_s[dI - rd + 2 * i + 1], inv_freq[i], pos[blockIdx.x], false);
+    __syncthreads();
+    if (fp8)
+        dsv4_hadamard_fp4(v_s, dI, sc_s);
+    for (int i = threadIdx.x; i < dI; i += blockDim.x)
+        qh[i] = v_s[i];
+}
+
+int dsv4_cuda_indexer_q(float *d_q, int batch, int nI, int dI, int rd, bool fp8, const int32_t *d_pos,
+                        const float *d_inv_freq, void *stream)
+{
+    if (fp8 && (dI & (dI - 1)))
+        return dsv4_error_set(-EINVAL, "indexer: head dim %d must be a power of two (Hadamard)", dI);
+    if (batch < 1)
+        return 0;
+    dsv4_launch(indexer_q_kernel, dim3(batch, nI), 128, (size_t)(dI + dI / DSV4_INDEX_KEY_GROUP + 2) * sizeof(float),
+                static_cast<cudaStream_t>(stream), d_q, nI, dI, rd, fp8, d_pos, d_inv_freq);
+    DSV4_CUDA_LAUNCHED("indexer_q");
+    return 0;
+}
+
+/* The Hadamard + FP4 rounding alone, through the stored key format: the codec's test entry. */
+__global__ void hadamard_fp4_kernel(const float *x, int n, float *y)
+{
+    dsv4_pdl_enter();
+    extern __shared__ float sm[];
+    float *v_s = sm, *sc_s = sm + n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        v_s[i] = x[(int64_t)blockIdx.x * n + i];
+    __syncthreads();
+    dsv4_hadamard_fp4(v_s, n, sc_s);
+    /* through the stored key format, as the indexer reads it back */
+    uint8_t *key = reinterpret_cast<uint8_t *>(sc_s + n / DSV4_INDEX_KEY_GROUP + 2);
+    dsv4_index_key_store(v_s, sc_s, key, n);
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        y[(int64_t)blockIdx.x * n + i] = dsv4_index_key_load(key, i, n);
+}
+
+extern "C" int dsv4_cuda_hadamard_fp4(const float *d_x, int rows, int n, float *d_y, void *stream)
+{
+    if (n < 2 || (n & (n - 1)))
+        return dsv4_error_set(-EINVAL, "hadamard_fp4: n %d must be a power of two", n);
+    if (rows < 1)
+        return 0;
+    dsv4_launch(hadamard_fp4_kernel, rows, 128,
+                (size_t)(n + n / DSV4_INDEX_KEY_GROUP + 2) * sizeof(float) + dsv4_index_key_bytes(n) + 16,
+                static_cast<cudaStream_t>(stream), d_x, n, d_y);
+    DSV4_CUDA_LAUNCHED("hadamard_fp4");
+    return 0;
+}

@@ -63,7 +63,7 @@ int dsv4_cuda_attention_prepare(int hd);
 int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const float *d_sink,
                         const float *d_inv_freq, float *d_o, void *stream);
 
-/* One compressor's update for `batch` rows: when row b completes a block (pos % ratio == ratio - 1)
+/* kernels/compressor.cu. One compressor's update for `batch` rows: when row b completes a block (pos % ratio == ratio - 1)
  * the entry pos / ratio is pooled from the block's C = d_c and Z = d_z + ape (and the previous
  * block's first d channels when overlapping), RMSNormed, RoPE'd at pos - ratio + 1 and stored: as a
  * KV entry (main compressor, d_entries) or, for the indexer, as f32 (Hadamard + FP4 rounded in fp8
@@ -91,7 +91,7 @@ int dsv4_cuda_compressor(const struct dsv4_cuda_comp_args *a, int batch, void *s
 /* floats of one slot's state for one compressor */
 int64_t dsv4_cuda_comp_state_floats(int ratio, int d, bool overlap);
 
-/* The lightning indexer. q_prep: d_q [B, nI, dI] gets RoPE (compress frequencies) on each head's last
+/* The lightning indexer (kernels/indexer.cu). q_prep: d_q [B, nI, dI] gets RoPE (compress frequencies) on each head's last
  * rd values and, in fp8 numerics, the Hadamard rotation and FP4 rounding. */
 int dsv4_cuda_indexer_q(float *d_q, int batch, int nI, int dI, int rd, bool fp8, const int32_t *d_pos,
                         const float *d_inv_freq, void *stream);
@@ -117,13 +117,11 @@ int dsv4_cuda_indexer(const struct dsv4_cuda_index_args *a, int batch, void *str
  * dI f32 values. */
 int dsv4_cuda_index_key_bytes(int dI, bool packed);
 
-/* hc_head: d_y [B, D] = sum_j pre_j X[j], pre = sigmoid(m * rsqrt(mean(X^2)+eps) * scale + base) + hc_eps. */
+/* kernels/mhc.cu, hc_head: d_y [B, D] = sum_j pre_j X[j], pre = sigmoid(m * rsqrt(mean(X^2)+eps) * scale + base) + hc_eps. */
 int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,
                       int hc, int dim, float hc_eps, float norm_eps, float *d_y, void *stream);
-/* d_X [B, hc, D] = embed[token_b] (any linear format) copied to every stream. */
+/* kernels/embed.cu: d_X [B, hc, D] = embed[token_b] (any linear format) copied to every stream. */
 int dsv4_cuda_embed(const struct dsv4_cuda_linear *E, const int32_t *d_tokens, int batch, int hc, float *d_X,
                     void *stream);
-/* d_y[i] += d_x[i] */
-int dsv4_cuda_add(float *d_y, const float *d_x, int64_t n, void *stream);
 
 #endif

@@ -2,21 +2,20 @@
 # Programs that link libdsv4engine.la and want the CUDA backend add $(DSV4_CUDA_LDADD) to their LDADD
 # (empty without CUDA) and $(DSV4_CUDA_CPPFLAGS) to their CFLAGS (defines nothing without CUDA).
 
-# The kernels' CPU twins are plain C and always built, so CI compiles them with the engine.
-libdsv4engine_la_SOURCES += engine/cpu_twin_cuda.c engine/cpu_twin_cuda.h
-check_PROGRAMS += tests/unit/test_cpu_twin
-TESTS += tests/unit/test_cpu_twin
-tests_unit_test_cpu_twin_SOURCES = tests/unit/test_cpu_twin.c tests/unit/seed_util.h
-tests_unit_test_cpu_twin_CFLAGS = $(TEST_ENGINE_CFLAGS)
-tests_unit_test_cpu_twin_LDADD = $(TEST_ENGINE_LIBS)
-
 DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/gemm.cu kernels/indexer.cu kernels/sample.cu kernels/moe.cu kernels/norm.cu kernels/attention.cu \
-	kernels/compressor.cu kernels/step.cu kernels/prefix.cu
-DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/kernels_internal.h kernels/kv_entry.cuh kernels/index_key.cuh kernels/sample.h kernels/mma.cuh \
+	kernels/compressor.cu kernels/step.cu kernels/mhc.cu kernels/embed.cu kernels/prefix.cu
+DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/kernels_internal.h kernels/kv_entry.cuh kernels/index_key.cuh kernels/sample.h kernels/mma.cuh kernels/norm_row.cuh \
 	kernels/prefix.h
 EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES) kernels/NOTES.md
 
 GPU_TEST_COMMON = tests/gpu/gpu_test.h
+
+# The switch table is plain C: CPU-only builds test it, and the documentation against it.
+check_PROGRAMS += tests/unit/test_cuda_switches
+TESTS += tests/unit/test_cuda_switches
+tests_unit_test_cuda_switches_SOURCES = tests/unit/test_cuda_switches.c kernels/switches.c kernels/switches.h
+tests_unit_test_cuda_switches_CFLAGS = $(TEST_ENGINE_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
+tests_unit_test_cuda_switches_LDADD = $(TEST_ENGINE_LIBS)
 
 # A checkpoint at real V4 shapes with random weights, in the release's formats (Python + numpy).
 dist_noinst_SCRIPTS += tools/dsv4-mkckpt
@@ -24,6 +23,7 @@ dist_noinst_SCRIPTS += tools/dsv4-mkckpt
 if HAVE_CUDA
 noinst_LIBRARIES += libdsv4cuda.a
 libdsv4cuda_a_SOURCES = $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES)
+libdsv4cuda_a_SOURCES += kernels/switches.c kernels/switches.h
 
 # Machine code for Hopper (sm_90a: H100/H200), Blackwell (sm_100a) and RTX PRO 6000 (sm_120a), plus
 # compute_80 PTX as the portable fallback the driver compiles at load on anything else; the boot log
@@ -36,7 +36,7 @@ DSV4_NVCCFLAGS = -std=c++17 -O3 $(NVCC_GENCODE) -I$(top_srcdir) -I$(top_builddir
 SUFFIXES = .cu
 .cu.o:
 	$(AM_V_GEN)$(NVCC) $(DSV4_NVCCFLAGS) $(NVCCFLAGS) -c -o $@ $<
-$(libdsv4cuda_a_OBJECTS): $(DSV4_CUDA_HDR_FILES) engine/weights.h engine/backend.h engine/config.h engine/error.h
+$(libdsv4cuda_a_OBJECTS): $(DSV4_CUDA_HDR_FILES) engine/model/weights.h engine/backend.h engine/model/config.h engine/error.h
 
 DSV4_CUDA_LDADD = libdsv4cuda.a $(CUDA_LIBS) -lstdc++
 DSV4_CUDA_CPPFLAGS = $(CUDA_CFLAGS)

@@ -21,6 +21,7 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/switches.h"
 
 #define MOE_ROWS 8              /* warps (weight rows) per block */
 #define MOE_NB 8                /* tokens per pass over a weight row */
@@ -40,7 +41,9 @@ static __device__ __forceinline__ float swiglu(float g, float u, float limit)
     return g / (1.0f + expf(-g)) * u;
 }
 
-/* One warp per token. Shared: scores [E], selection values [E]. */
+/* One warp per token. Shared: scores [E], selection values [E]. Lane j keeps the j-th choice in a
+ * register and writes its index and weight: nothing is read back from global memory (a serial
+ * round trip per choice was most of this kernel's time at batch 1). */
 __global__ void router_kernel(const float *__restrict__ logits, int n_experts, int topk,
                               const float *__restrict__ bias, const int32_t *__restrict__ tid2eid,
                               const int32_t *__restrict__ tokens, float route_scale,
@@ -52,6 +55,7 @@ __global__ void router_kernel(const float *__restrict__ logits, int n_experts, i
     const int b = blockIdx.x, lane = threadIdx.x;
     const float *l = logits + (int64_t)b * n_experts;
     float sum = 0.0f;
+    int mine = -1;          /* lane j < topk: choice j */
 
     for (int e = lane; e < n_experts; e += DSV4_CUDA_WARP) {
         score[e] = sqrt_softplus(l[e]);
@@ -85,15 +89,14 @@ __global__ void router_kernel(const float *__restrict__ logits, int n_experts, i
         }
         if (best < 0 || best >= n_experts)
             best = -1;      /* NaN scores or a bad table entry: the pair is skipped downstream */
-        if (lane == 0)
-            idx[(int64_t)b * topk + j] = best;
-        sum += best >= 0 ? score[best] : 0.0f;
+        if (lane == j)
+            mine = best;
+        sum += best >= 0 ? score[best] : 0.0f;      /* every lane: the same sum in the same order */
     }
-    if (lane == 0)
-        for (int j = 0; j < topk; j++) {
-            const int e = idx[(int64_t)b * topk + j];
-            w[(int64_t)b * topk + j] = e >= 0 ? score[e] / (sum + 1e-20f) * route_scale : 0.0f;
-        }
+    if (lane < topk) {
+        idx[(int64_t)b * topk + lane] = mine;
+        w[(int64_t)b * topk + lane] = mine >= 0 ? score[mine] / (sum + 1e-20f) * route_scale : 0.0f;
+    }
 }
 
 extern "C" int dsv4_cuda_router(const float *d_logits, int batch, int n_experts, int topk,
@@ -682,14 +685,14 @@ __global__ void moe_quant_kernel(float *__restrict__ h, int inter)
         reinterpret_cast<uint4 *>(row)[q] = bf16x8_operand(v);
 }
 
-/* The tensor-core path is the default where the shapes allow; DSV4_CUDA_MOE_MMA=0 (read once) keeps
- * the FMA kernels, for comparison. */
+/* The tensor-core path is the default where the shapes allow; DSV4_CUDA_MOE_MMA=0 (read once, from
+ * the switch table: the backend refuses a bad value before any launch) keeps the FMA kernels. */
 static bool tc_enabled(void)
 {
     static int on = -1;
     if (on < 0) {
-        const char *e = getenv("DSV4_CUDA_MOE_MMA");
-        on = !(e && strcmp(e, "0") == 0);
+        struct dsv4_cuda_switches sw;
+        on = dsv4_cuda_switches_read(&sw) < 0 || sw.moe_mma;
     }
     return on;
 }
@@ -732,9 +735,11 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     return 0;
 }
 
+/* add (the shared expert's output, or NULL) joins the sum last: acc + add[i], one rounding, the
+ * result the separate add kernel gave. */
 __global__ void moe_combine_kernel(const float *__restrict__ out, const int32_t *__restrict__ idx,
                                    const float *__restrict__ w, int batch, int topk, int n_experts,
-                                   int64_t dim, float *__restrict__ y)
+                                   int64_t dim, const float *__restrict__ add, float *__restrict__ y)
 {
     dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -747,16 +752,14 @@ __global__ void moe_combine_kernel(const float *__restrict__ out, const int32_t 
         if (idx[p] >= 0 && idx[p] < n_experts)
             acc += w[p] * out[p * dim + d];
     }
-    y[i] = acc;
+    y[i] = add ? acc + add[i] : acc;
 }
 
-extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const float *d_x, int batch,
-                                     int topk, const int32_t *d_idx, const float *d_w,
-                                     const struct dsv4_cuda_moe_ws *ws, float *d_y, void *stream)
+extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,
+                                    const int32_t *d_idx, const struct dsv4_cuda_moe_ws *ws, void *stream)
 {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int pairs = batch * topk;
-    const int threads = 256;
     int rc;
 
     if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH || topk < 1 || topk > DSV4_MAX_TOPK)
@@ -799,12 +802,30 @@ extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const f
             return dsv4_error_set(-ENOTSUP, "moe_experts: expert weight format %d has no CUDA kernel", (int)ex->fmt);
         }
     }
-    if (rc < 0)
-        return rc;
-    dsv4_launch(moe_combine_kernel, (unsigned)(((int64_t)batch * ex->dim + threads - 1) / threads), threads, 0, s,
-                ws->d_out, d_idx, d_w, batch, topk, ex->n_experts, ex->dim, d_y);
+    return rc;
+}
+
+extern "C" int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int topk, const int32_t *d_idx,
+                                     const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add,
+                                     float *d_y, void *stream)
+{
+    const int threads = 256;
+    if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH || topk < 1 || topk > DSV4_MAX_TOPK)
+        return dsv4_error_set(-EINVAL, "moe_combine: batch %d (max %d), top-%d (max %d)", batch,
+                              DSV4_CUDA_MAX_BATCH, topk, DSV4_MAX_TOPK);
+    dsv4_launch(moe_combine_kernel, (unsigned)(((int64_t)batch * ex->dim + threads - 1) / threads), threads, 0,
+                static_cast<cudaStream_t>(stream), ws->d_out, d_idx, d_w, batch, topk, ex->n_experts, ex->dim, d_add,
+                d_y);
     DSV4_CUDA_LAUNCHED("moe_combine");
     return 0;
+}
+
+extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const float *d_x, int batch,
+                                     int topk, const int32_t *d_idx, const float *d_w,
+                                     const struct dsv4_cuda_moe_ws *ws, float *d_y, void *stream)
+{
+    const int rc = dsv4_cuda_moe_routed(ex, d_x, batch, topk, d_idx, ws, stream);
+    return rc < 0 ? rc : dsv4_cuda_moe_combine(ex, batch, topk, d_idx, d_w, ws, nullptr, d_y, stream);
 }
 
 __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u, int64_t n,

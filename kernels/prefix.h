@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #include "engine/backend.h"
-#include "engine/config.h"
+#include "engine/model/config.h"
 #include "kernels/dsv4cuda.h"
 #include "kernels/sample.h"
 

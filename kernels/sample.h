@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 #include "engine/error.h"
-#include "engine/sampler.h"     /* DSV4_SAMPLER_LOGPROBS_MAX, DSV4_SAMPLER_VOCAB_MAX, dsv4_sampling */
+#include "engine/serve/sampler.h"     /* DSV4_SAMPLER_LOGPROBS_MAX, DSV4_SAMPLER_VOCAB_MAX, dsv4_sampling */
 
 #define DSV4_SAMPLE_LIST_MAX 4096       /* boundary-bin tokens sorted in shared memory */
 #define DSV4_SAMPLE_SMEM_BYTES (96 * 1024)      /* upper bound of one block's shared memory */

@@ -21,6 +21,7 @@
 #include "kernels/kernels_internal.h"
 #include "kernels/prefix.h"
 #include "kernels/sample.h"
+#include "kernels/switches.h"
 
 #define STEP_MAX_BUCKETS 8      /* 1, 2, 4, ..., 64 */
 #define STEP_IN_FIELDS 5        /* per row: token, slot, position, first and last position of its slot in the step */
@@ -305,10 +306,15 @@ static bool quantized(const struct dsv4_cuda_linear *W)
  * quantized and `raw` is false (the CPU reference's dsv4_cpu_linear_rows). */
 /* same_x: x is the previous linear's x, unchanged since, so the tensor-core path need not prepare it
  * again (dsv4_cuda_gemm_same_x). */
+static bool lin_quant(const struct cuda_backend *cb, const struct dsv4_cuda_linear *W, bool raw)
+{
+    return cb->fp8 && !raw && quantized(W);
+}
+
 static int lin_x(const struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx, int B,
                  float *y, int64_t ldy, bool raw, bool same_x, const struct lane *ln)
 {
-    const bool quant = cb->fp8 && !raw && quantized(W);
+    const bool quant = lin_quant(cb, W, raw);
     if (cb->use_gemm && dsv4_cuda_gemm_supports(W, quant))
         return (same_x ? dsv4_cuda_gemm_same_x : dsv4_cuda_gemm)(W, x, ldx, B, quant, ln->gemm, y, ldy, ln->s);
     if (quant) {
@@ -429,7 +435,8 @@ static int index_select(const struct cuda_backend *cb, const struct step_layer *
 
 /* Main lane: q (wq_a, norm, wq_b, RoPE) and this position's KV into the window. Side lane, from xn:
  * compress(), then index_select() once the main lane has normalized qr. Attention joins them. */
-static int attention(struct cuda_backend *cb, const struct step_layer *L, int B)
+/* prepared: sublayer_pre left xn prepared for wq_a in the main lane's workspace. */
+static int attention(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared)
 {
     const struct lane *m = &cb->ln[0], *sd = &cb->ln[1];
     const cudaStream_t s = m->s;
@@ -444,7 +451,7 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B)
         STEP(lane_wait(cb, sd, m, cb->ev_fork));
         STEP(compress(cb, L, B, sd));
     }
-    STEP(lin(cb, &L->wq_a, t->xn, c->dim, B, t->qr, c->q_lora_rank, false, m));
+    STEP(lin_x(cb, &L->wq_a, t->xn, c->dim, B, t->qr, c->q_lora_rank, false, prepared, m));
     STEP(lin_same_x(cb, &L->wkv, t->xn, c->dim, B, t->kv, hd, m));
     STEP(dsv4_cuda_rmsnorm(t->qr, L->q_norm, B, c->q_lora_rank, eps, t->qr, s));
     if (L->csa) {
@@ -501,9 +508,10 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B)
     return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, m);
 }
 
-/* Main lane: gate, router and the routed experts into sub. Side lane, from xn: the shared expert
- * into sout, added to sub once both are done. */
-static int moe(struct cuda_backend *cb, const struct step_layer *L, int B)
+/* Main lane: gate, router and the routed experts. Side lane, from xn: the shared expert into sout,
+ * which the routed experts' combine adds as it writes sub. */
+/* prepared: sublayer_pre left xn prepared for the gate in the main lane's workspace. */
+static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared)
 {
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
@@ -520,7 +528,7 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B)
         STEP(dsv4_cuda_swiglu(t->sg, t->su, B, Is, (float)c->swiglu_limit, t->sh, sd->s));
         STEP(lin(cb, &L->sw2, t->sh, Is, B, t->sout, D, false, sd));
     }
-    STEP(lin(cb, &L->gate, t->xn, D, B, t->rlogits, c->n_experts, false, m));
+    STEP(lin_x(cb, &L->gate, t->xn, D, B, t->rlogits, c->n_experts, false, prepared, m));
     STEP(dsv4_cuda_router(t->rlogits, B, c->n_experts, K, L->hash ? NULL : L->gate_bias, L->hash ? L->tid2eid : NULL,
                           t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
     ex.quant_act = cb->fp8 && (ex.fmt == DSV4_W_FP8 || ex.fmt == DSV4_W_FP4);
@@ -529,12 +537,10 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B)
         STEP(dsv4_cuda_fp8_roundtrip(t->xn, B, D, DSV4_CUDA_ACT_BLOCK, t->xq, s));
         x = t->xq;
     }
-    STEP(dsv4_cuda_moe_experts(&ex, x, B, K, t->ridx, t->rw, &t->moe, t->sub, s));
-    if (L->sw1.w) {
+    STEP(dsv4_cuda_moe_routed(&ex, x, B, K, t->ridx, &t->moe, s));
+    if (L->sw1.w)
         STEP(lane_wait(cb, m, sd, cb->ev_join));
-        STEP(dsv4_cuda_add(t->sub, t->sout, (int64_t)B * D, s));
-    }
-    return 0;
+    return dsv4_cuda_moe_combine(&ex, B, K, t->ridx, t->rw, &t->moe, L->sw1.w ? t->sout : NULL, t->sub, s);
 }
 
 /* F32 mHC fn weights (both releases) take the split-K kernel; other formats (converted test
@@ -554,8 +560,24 @@ static int hc_fn(struct cuda_backend *cb, const struct dsv4_cuda_linear *fn, int
     return dsv4_cuda_gemv(fn, t->X, ldx, B, y, fn->out, s);
 }
 
+/* xn = RMSNorm(y) with weight w; where `next`, the first linear to read xn on the main lane, allows,
+ * the same launch prepares xn for it (*prepared: the linear then skips its own preparation). */
+static int norm_xn(struct cuda_backend *cb, const float *w, const struct dsv4_cuda_linear *next, int B, cudaStream_t s,
+                   bool *prepared)
+{
+    struct step_buf *t = &cb->b;
+    const float eps = (float)cb->cfg->rms_norm_eps;
+    const bool quant = lin_quant(cb, next, false);
+    *prepared = cb->use_gemm && dsv4_cuda_gemm_norm_supports(next, quant);
+    if (*prepared)
+        return dsv4_cuda_gemm_norm(next, quant, t->y, w, B, eps, cb->ln[0].gemm, t->xn, s);
+    return dsv4_cuda_rmsnorm(t->y, w, B, cb->cfg->dim, eps, t->xn, s);
+}
+
+/* mHC pre, then the sublayer's RMSNorm into xn (norm_xn, for `next`). */
 static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *fn, const float *base,
-                        const float *scale, const float *norm, int B, cudaStream_t s)
+                        const float *scale, const float *norm, const struct dsv4_cuda_linear *next, int B,
+                        cudaStream_t s, bool *prepared)
 {
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
@@ -568,7 +590,7 @@ static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *
         STEP(dsv4_cuda_mhc_pre(t->X, t->mix, base, scale, B, hc, D, iters, (float)c->hc_eps, (float)c->rms_norm_eps,
                                t->y, t->post, t->comb, s));
     }
-    return dsv4_cuda_rmsnorm(t->y, norm, B, D, (float)c->rms_norm_eps, t->xn, s);
+    return norm_xn(cb, norm, next, B, s, prepared);
 }
 
 static int sublayer_post(struct cuda_backend *cb, int B, cudaStream_t s)
@@ -592,10 +614,14 @@ static int step_launches(struct cuda_backend *cb, int B, cudaStream_t s)
     int rc = dsv4_cuda_embed(&cb->embed, t->in, B, c->hc_mult, t->X, s);
     for (int l = 0; rc == 0 && l < c->n_layers; l++) {
         const struct step_layer *L = &cb->L[l];
-        if ((rc = sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, B, s)) < 0 ||
-            (rc = attention(cb, L, B)) < 0 || (rc = sublayer_post(cb, B, s)) < 0 ||
-            (rc = sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, B, s)) < 0 ||
-            (rc = moe(cb, L, B)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
+        bool pa, pf;    /* xn prepared for wq_a, for the gate */
+        if ((rc = sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, &L->wq_a, B, s, &pa)) < 0)
+            break;
+        if ((rc = attention(cb, L, B, pa)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
+            break;
+        if ((rc = sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, &L->gate, B, s, &pf)) < 0)
+            break;
+        if ((rc = moe(cb, L, B, pf)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
             break;
     }
     if (rc == 0)
@@ -603,10 +629,11 @@ static int step_launches(struct cuda_backend *cb, int B, cudaStream_t s)
     if (rc == 0)
         rc = dsv4_cuda_hc_head(t->X, t->hm, cb->hch_base, cb->hch_scale, B, c->hc_mult, c->dim, (float)c->hc_eps,
                                (float)c->rms_norm_eps, t->y, s);
+    bool ph = false;
     if (rc == 0)
-        rc = dsv4_cuda_rmsnorm(t->y, cb->norm, B, c->dim, (float)c->rms_norm_eps, t->xn, s);
+        rc = norm_xn(cb, cb->norm, &cb->head, B, s, &ph);
     if (rc == 0)
-        rc = lin(cb, &cb->head, t->xn, c->dim, B, t->logits, c->vocab_size, false, &cb->ln[0]);
+        rc = lin_x(cb, &cb->head, t->xn, c->dim, B, t->logits, c->vocab_size, false, ph, &cb->ln[0]);
     /* the stream buffers swap per sublayer; an even count of swaps leaves them in place, but restore
      * them so every bucket's launches (and graph) see the same assignment */
     t->X = X0;
@@ -961,14 +988,13 @@ static int sampling_boot(struct cuda_backend *cb)
 
 static void log_stderr(void *ctx, const char *line)
 {
-    if (getenv("DSV4_CUDA_LOG"))
-        fprintf(stderr, "%s\n", line);
+    fprintf(stderr, "%s\n", line);
 }
 
-static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const struct dsv4_backend_opts *opts)
+static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
+                  const struct dsv4_cuda_switches *sw)
 {
     const struct dsv4_config *c = &w->cfg;
-    const char *g = getenv("DSV4_CUDA_GRAPHS"), *gm = getenv("DSV4_CUDA_GEMM"), *br = getenv("DSV4_CUDA_BRANCHES");
     float inv[2][DSV4_CUDA_MAX_HEAD_DIM / 2];
     void *p;
 
@@ -979,12 +1005,12 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->fp8 = opts->numerics == DSV4_NUMERICS_FP8;
     cb->kvf = kv_format(opts);
     cb->slots = opts->max_batch + 1;
-    cb->use_graphs = !(g && strcmp(g, "0") == 0);
-    cb->use_gemm = !(gm && strcmp(gm, "0") == 0);
-    cb->branches = !(br && strcmp(br, "0") == 0);
+    cb->use_graphs = sw->graphs;
+    cb->use_gemm = sw->gemm;
+    cb->branches = sw->branches;
     STEP(dsv4_cuda_attention_prepare(c->head_dim));
     STEP(dsv4_cuda_gemm_prepare());
-    STEP(dsv4_cuda_dev_create(0, w, opts, log_stderr, NULL, &cb->dev));
+    STEP(dsv4_cuda_dev_create(0, w, opts, sw->log ? log_stderr : NULL, NULL, &cb->dev));
     cb->L = static_cast<struct step_layer *>(calloc(c->n_layers, sizeof(*cb->L)));
     cb->pos = static_cast<int64_t *>(calloc(cb->slots, sizeof(*cb->pos)));
     cb->h_in = static_cast<int32_t *>(calloc(STEP_IN_FIELDS * (size_t)opts->max_batch, sizeof(*cb->h_in)));
@@ -1053,24 +1079,26 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
 extern "C" int dsv4_backend_cuda_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
                                         struct dsv4_backend **ret)
 {
+    struct dsv4_cuda_switches sw;
     struct cuda_backend *cb;
     int rc;
 
     if (dsv4_cuda_device_count() == 0)
         return -ENODEV;
+    if ((rc = dsv4_cuda_switches_read(&sw)) < 0)
+        return rc;
     cb = static_cast<struct cuda_backend *>(calloc(1, sizeof(*cb)));
     if (!cb)
         return dsv4_error_set(-ENOMEM, "cuda: backend state");
-    const char *smp = getenv("DSV4_CUDA_SAMPLE");
     /* DSV4_CUDA_SAMPLE=0: no sample op, so the engine samples copied-back logits on the host */
     cb->ops = cuda_ops;
-    if (smp && strcmp(smp, "0") == 0)
+    if (!sw.sample)
         cb->ops.sample = nullptr;
     cb->base.ops = &cb->ops;
     cb->base.weights = w;
     cb->base.opts = *opts;
     cb->base.impl = cb;
-    rc = create(cb, w, opts);
+    rc = create(cb, w, opts, &sw);
     if (rc < 0) {
         op_destroy(&cb->base);
         return rc;

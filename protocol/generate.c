@@ -60,7 +60,7 @@ void dsv4_proto_generate_init(struct dsv4_proto_generate *req)
 }
 
 static const char *const generate_keys[] = {
-    "prompt", "messages", "tokens", "add_bos", "thinking", "stream",
+    "prompt", "messages", "tokens", "prompt_parts", "add_bos", "thinking", "stream",
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "logprobs",
 };
@@ -97,6 +97,14 @@ int dsv4_proto_encode_generate(struct dsv4_proto_buf *out, uint32_t msgid, const
         dsv4_wire_tokens(pk, req->tokens, req->n_tokens);
         dsv4_wire_key(pk, "thinking");
         dsv4_wire_bool(pk, req->thinking);
+        break;
+    case DSV4_PROTO_PROMPT_PARTS:
+        dsv4_wire_key(pk, "prompt_parts");
+        msgpack_pack_array(pk, req->n_parts);
+        for (uint32_t i = 0; i < req->n_parts; i++)
+            dsv4_wire_str(pk, req->parts[i], req->part_lens[i]);
+        dsv4_wire_key(pk, "add_bos");
+        dsv4_wire_bool(pk, req->add_bos);
         break;
     default:
         dsv4_wire_key(pk, "prompt");
@@ -206,6 +214,30 @@ static int read_stop_token_ids(const msgpack_object *o, struct dsv4_proto_sampli
     return 0;
 }
 
+static int read_parts(const msgpack_object *o, struct dsv4_proto_generate *req, struct dsv4_proto_error *err)
+{
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "generate: prompt_parts must be an array of strings");
+    uint32_t n = o->via.array.size;
+    if (n == 0)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "generate: prompt_parts is empty");
+    if (n > DSV4_PROTO_MAX_PROMPT_PARTS)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "generate: %u prompt_parts, above the limit %u", n,
+                                    DSV4_PROTO_MAX_PROMPT_PARTS);
+    req->parts = calloc(n, sizeof(*req->parts));
+    req->part_lens = calloc(n, sizeof(*req->part_lens));
+    if (!req->parts || !req->part_lens)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "generate: no memory for prompt_parts");
+    for (uint32_t i = 0; i < n; i++) {
+        int rc = dsv4_wire_read_str(&o->via.array.ptr[i], "generate", "prompt_parts[]", 0, &req->parts[i],
+                                    &req->part_lens[i], err);
+        if (rc)
+            return rc;
+        req->n_parts = i + 1;
+    }
+    return 0;
+}
+
 static int read_sampling(const msgpack_object *map, struct dsv4_proto_sampling *s, struct dsv4_proto_error *err)
 {
     const char *ctx = "generate";
@@ -265,7 +297,7 @@ int dsv4_proto_decode_generate(const struct dsv4_proto_message *msg, struct dsv4
                                struct dsv4_proto_error *err)
 {
     const char *ctx = "generate";
-    const msgpack_object *map, *prompt, *messages, *tokens;
+    const msgpack_object *map, *prompt, *messages, *tokens, *parts;
     dsv4_proto_generate_init(req);
     int rc = dsv4_wire_body_map(msg, ctx, &map, err);
     if (rc == 0)
@@ -275,13 +307,18 @@ int dsv4_proto_decode_generate(const struct dsv4_proto_message *msg, struct dsv4
     prompt = dsv4_wire_get(map, "prompt");
     messages = dsv4_wire_get(map, "messages");
     tokens = dsv4_wire_get(map, "tokens");
-    int sources = !!prompt + !!messages + !!tokens;
+    parts = dsv4_wire_get(map, "prompt_parts");
+    int sources = !!prompt + !!messages + !!tokens + !!parts;
     if (sources == 0)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_MISSING_FIELD, "generate: needs prompt, messages or tokens");
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_MISSING_FIELD,
+                                    "generate: needs prompt, messages, tokens or prompt_parts");
     if (sources > 1)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_PROMPT_CONFLICT,
-                                    "generate: give exactly one of prompt, messages, tokens");
-    if (prompt) {
+                                    "generate: give exactly one of prompt, messages, tokens, prompt_parts");
+    if (parts) {
+        req->prompt_kind = DSV4_PROTO_PROMPT_PARTS;
+        rc = read_parts(parts, req, err);
+    } else if (prompt) {
         req->prompt_kind = DSV4_PROTO_PROMPT_TEXT;
         rc = dsv4_wire_read_str(prompt, ctx, "prompt", 0, &req->prompt, &req->prompt_len, err);
     } else if (messages) {
@@ -307,6 +344,10 @@ void dsv4_proto_generate_clear(struct dsv4_proto_generate *req)
     free(req->prompt);
     dsv4_wire_free_messages(req->messages, req->n_messages);
     free(req->tokens);
+    for (uint32_t i = 0; i < req->n_parts; i++)
+        free(req->parts[i]);
+    free(req->parts);
+    free(req->part_lens);
     for (uint32_t i = 0; i < req->sampling.n_stop && i < DSV4_PROTO_MAX_STOP; i++)
         free(req->sampling.stop[i]);
     memset(req, 0, sizeof(*req));

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/utf8.h"
 #include "protocol/wire.h"
 
 #define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
@@ -127,7 +128,7 @@ int dsv4_proto_message_decode(const uint8_t *payload, size_t len, const struct d
             return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "method must be a string");
         msg->method = lookup_method(&a[2], DSV4_PROTO_METHOD_HELLO, DSV4_PROTO_METHOD_HEALTH);
         if (msg->method == DSV4_PROTO_METHOD_UNKNOWN) {
-            if (!dsv4_wire_utf8_valid(a[2].via.str.ptr, a[2].via.str.size))
+            if (!dsv4_utf8_valid(a[2].via.str.ptr, a[2].via.str.size))
                 return dsv4_proto_error_set(err, DSV4_PROTO_E_UNKNOWN_METHOD, "unknown method (not valid UTF-8)");
             return dsv4_proto_error_set(err, DSV4_PROTO_E_UNKNOWN_METHOD, "unknown method \"%.*s\"",
                                         (int)(a[2].via.str.size > 64 ? 64 : a[2].via.str.size), a[2].via.str.ptr);
@@ -180,7 +181,7 @@ static void pack_error_map(msgpack_packer *pk, int code, const char *message)
     dsv4_wire_key(pk, "message");
     const char *m = message ? message : dsv4_proto_code_describe(code);
     /* the message quotes client input: never echo invalid UTF-8 back */
-    dsv4_wire_cstr(pk, dsv4_wire_utf8_valid(m, strlen(m)) ? m : dsv4_proto_code_describe(code));
+    dsv4_wire_cstr(pk, dsv4_utf8_valid(m, strlen(m)) ? m : dsv4_proto_code_describe(code));
 }
 
 int dsv4_proto_encode_error(struct dsv4_proto_buf *out, uint32_t msgid, int code, const char *message)

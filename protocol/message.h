@@ -29,11 +29,12 @@
 #include "protocol/validate.h"
 
 /* Version spoken by this build; hello negotiates min(client, server) when >= DSV4_PROTO_VERSION_MIN. */
-#define DSV4_PROTO_VERSION 1u
+#define DSV4_PROTO_VERSION 2u          /* 2: generate takes prompt_parts */
 #define DSV4_PROTO_VERSION_MIN 1u
 
 /* Request limits that need no model (the model-dependent ones are in struct dsv4_proto_model_limits). */
 #define DSV4_PROTO_MAX_MESSAGES 4096u          /* chat messages in one generate/tokenize */
+#define DSV4_PROTO_MAX_PROMPT_PARTS 65536u     /* strings in one prompt_parts */
 #define DSV4_PROTO_MAX_STOP 16u                /* stop strings */
 #define DSV4_PROTO_MAX_STOP_LEN 256u           /* bytes of one stop string */
 #define DSV4_PROTO_MAX_STOP_TOKEN_IDS 64u
@@ -172,6 +173,7 @@ enum dsv4_proto_prompt_kind {
     DSV4_PROTO_PROMPT_TEXT,       /* "prompt": str, raw completion */
     DSV4_PROTO_PROMPT_MESSAGES,   /* "messages": [{role, content}], chat format */
     DSV4_PROTO_PROMPT_TOKENS,     /* "tokens": bin of little-endian int32 */
+    DSV4_PROTO_PROMPT_PARTS,      /* "prompt_parts": [str], template and literal text alternating */
 };
 
 enum dsv4_proto_role {
@@ -219,6 +221,11 @@ struct dsv4_proto_generate {
     uint32_t n_messages;
     int32_t *tokens;               /* PROMPT_TOKENS, host order */
     uint32_t n_tokens;
+    /* PROMPT_PARTS: tokenized as one text; even-indexed parts are the caller's template (tags are
+     * recognised), odd-indexed parts literal text (never a tag). add_bos applies as to PROMPT_TEXT. */
+    char **parts;
+    size_t *part_lens;
+    uint32_t n_parts;
     bool thinking;                 /* chat only: reply starts with reasoning; default false */
     bool stream;                   /* token notifications before the result; default false */
     struct dsv4_proto_sampling sampling;

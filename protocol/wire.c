@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/utf8.h"
 #include "protocol/wire.h"
 
 static int write_cb(void *data, const char *buf, size_t len)
@@ -147,7 +148,7 @@ int dsv4_wire_check_keys(const msgpack_object *map, const char *const *names, si
         const msgpack_object *k = &map->via.map.ptr[i].key;
         if (k->type != MSGPACK_OBJECT_STR)
             return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: map keys must be strings", ctx);
-        if (!dsv4_wire_utf8_valid(k->via.str.ptr, k->via.str.size))
+        if (!dsv4_utf8_valid(k->via.str.ptr, k->via.str.size))
             return dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s: a key is not valid UTF-8", ctx);
         size_t j = 0;
         while (j < n_names && !key_is(k, names[j]))
@@ -176,43 +177,6 @@ const msgpack_object *dsv4_wire_get(const msgpack_object *map, const char *key)
     return NULL;
 }
 
-/* RFC 3629: shortest form only, no surrogates, nothing above U+10FFFF. */
-bool dsv4_wire_utf8_valid(const char *str, size_t n)
-{
-    const unsigned char *s = (const unsigned char *)str;
-    size_t i = 0;
-    while (i < n) {
-        unsigned c = s[i];
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        unsigned need;
-        uint32_t cp, min;
-        if (c >= 0xc2 && c <= 0xdf) {
-            need = 1; cp = c & 0x1f; min = 0x80;
-        } else if (c >= 0xe0 && c <= 0xef) {
-            need = 2; cp = c & 0x0f; min = 0x800;
-        } else if (c >= 0xf0 && c <= 0xf4) {
-            need = 3; cp = c & 0x07; min = 0x10000;
-        } else {
-            return false;
-        }
-        if (n - i - 1 < need)
-            return false;
-        for (unsigned k = 1; k <= need; k++) {
-            unsigned cc = s[i + k];
-            if ((cc & 0xc0) != 0x80)
-                return false;
-            cp = cp << 6 | (cc & 0x3f);
-        }
-        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
-            return false;
-        i += need + 1;
-    }
-    return true;
-}
-
 int dsv4_wire_read_str(const msgpack_object *o, const char *ctx, const char *field, size_t max, char **ret,
                        size_t *ret_len, struct dsv4_proto_error *err)
 {
@@ -225,7 +189,7 @@ int dsv4_wire_read_str(const msgpack_object *o, const char *ctx, const char *fie
     if (max && n > max)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: %s is %zu bytes, above the limit %zu", ctx,
                                     field, n, max);
-    if (!dsv4_wire_utf8_valid(o->via.str.ptr, n))
+    if (!dsv4_utf8_valid(o->via.str.ptr, n))
         return dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s: %s is not valid UTF-8", ctx, field);
     char *s = malloc(n + 1);
     if (!s)

@@ -57,8 +57,6 @@ int dsv4_wire_check_keys(const msgpack_object *map, const char *const *names, si
 /* Value of key in map (map may be NULL), NULL when absent. */
 const msgpack_object *dsv4_wire_get(const msgpack_object *map, const char *key);
 
-bool dsv4_wire_utf8_valid(const char *s, size_t n);
-
 /* str of at most max bytes (0: no cap besides the validator's), valid UTF-8, copied NUL-terminated. */
 int dsv4_wire_read_str(const msgpack_object *o, const char *ctx, const char *field, size_t max, char **ret,
                        size_t *ret_len, struct dsv4_proto_error *err);

@@ -2,3 +2,12 @@
 # oracle), and the script that makes them. The directory ships whole so `make distcheck` can run the
 # tests from the tarball; models/local.mk ships and installs models/default.
 EXTRA_DIST += tests/fixtures tools/mkfixtures.py
+
+# The oracle: every case of every tests/fixtures/ model, exact numerics (fp8's deviation from them only
+# reported; tests/fixtures_fp8.mk asserts fp8 against its own oracle). fixture_cases.{c,h}: shared by both.
+check_PROGRAMS += tests/integration/test_fixtures
+TESTS += tests/integration/test_fixtures
+tests_integration_test_fixtures_SOURCES = tests/integration/test_fixtures.c \
+	tests/integration/fixture_cases.c tests/integration/fixture_cases.h tools/greedy.h
+tests_integration_test_fixtures_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_integration_test_fixtures_LDADD = $(TEST_ENGINE_LIBS)

@@ -19,7 +19,7 @@ DeepSeek's release spelling and formats (SPEC section 2):
 
 Every block scale is the smallest power of two s with amax/s <= the format's largest value (448 for
 e4m3, 6 for e2m1), so no value saturates; values are rounded to nearest, ties to even (for e2m1
-exactly as engine/quant.c's dsv4_f32_to_e2m1, sign kept on zero). A block of zeros gets the
+exactly as engine/model/quant.c's dsv4_f32_to_e2m1, sign kept on zero). A block of zeros gets the
 smallest scale, 2^-127. Dequantized values (code * scale) are exactly representable in BF16, so
 --dequantized DIR can write them back in the transformers spelling: transformers then computes
 what the quantized checkpoint means under exact numerics.

@@ -2,7 +2,8 @@
  * bytes it must move over the measured device copy bandwidth: the floor no version can beat.
  *
  *   dsv4-bench [--batch 1,64] [--reps N]
- *   dsv4-bench --model DIR [--batch 1,16,64] [--context N] [--prefill N]   (the whole step, prefill)
+ *   dsv4-bench --model DIR [--batch 1,16,64] [--context N] [--prefill N] [--layers N]
+ *                                                               (the whole step, prefill)
  *
  * Each kernel is captured REPS times into one CUDA graph (launch gaps out of the numbers), reading
  * rotating copies of its weights that together exceed the L2 several times over, so the numbers
@@ -16,6 +17,10 @@
  * the host instead of sampled there (what dsv4-run and host sampling do). The floor counts the
  * weights every step reads (everything but the routed experts, plus the experts the batch routes
  * to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy bandwidth.
+ * --layers N deepens the model to N layers by repeating the checkpoint's last two (a CSA and an HCA
+ * layer with scored routing, as dsv4-mkckpt writes from layer 4 on), so that a deep model is timed
+ * from a short checkpoint: the repeats alias the checkpoint's host tensors, the device holds a copy
+ * per layer as usual, and a layer's values do not change its time.
  *
  * The peer: each BF16 shape is also run through cuBLASLt (bf16 x bf16 -> f32, f32 compute, its own
  * heuristic choice), the vendor GEMM a user would otherwise call, in the same run and graph
@@ -39,7 +44,7 @@
 
 #include "engine/backend.h"
 #include "engine/error.h"
-#include "engine/weights.h"
+#include "engine/model/weights.h"
 #include "kernels/dsv4cuda.h"
 
 #define BENCH_ROTATE_BYTES (512u << 20)     /* rotate weight copies until they span 512 MiB */
@@ -408,9 +413,74 @@ static double linear_bytes(const struct dsv4_linear *l)
     return 0.0;
 }
 
-static int bench_model(const char *dir, const int *batches, int nb, int context, int prefill)
+/* Weight bytes of one layer's linears (its small vectors, under 1 MB a layer, are left out). */
+static double layer_bytes(const struct dsv4_config *c, const struct dsv4_layer *L)
+{
+    const struct dsv4_attn *a = &L->attn;
+    const struct dsv4_ffn *f = &L->ffn;
+    const bool comp = L->ratio > 0, index = comp && L->ratio == c->csa_ratio;
+    const struct dsv4_linear *lin[] = {
+        &L->hc_attn.fn, &L->hc_ffn.fn, &a->wq_a, &a->wq_b, &a->wkv, &a->wo_a, &a->wo_b, &f->gate, &f->sw1, &f->sw3,
+        &f->sw2, comp ? &a->comp.wkv : NULL, comp ? &a->comp.wgate : NULL, index ? &a->indexer.wq_b : NULL,
+        index ? &a->indexer.weights_proj : NULL, index ? &a->indexer.comp.wkv : NULL,
+        index ? &a->indexer.comp.wgate : NULL,
+    };
+    double b = 0.0;
+    for (size_t i = 0; i < sizeof(lin) / sizeof(lin[0]); i++)
+        if (lin[i] && lin[i]->w)
+            b += linear_bytes(lin[i]);
+    for (int e = 0; f->w1 && e < c->n_experts; e++)
+        b += linear_bytes(&f->w1[e]) + linear_bytes(&f->w3[e]) + linear_bytes(&f->w2[e]);
+    return b;
+}
+
+/* --layers n: w's layers become n, the last two repeated in turn (see the header). The original
+ * array is returned in *saved for restore_layers, which must run before dsv4_weights_free. */
+static int extend_layers(struct dsv4_weights *w, int n, struct dsv4_layer **saved)
+{
+    struct dsv4_config *c = &w->cfg;
+    const int n0 = c->n_layers, a = n0 - 2, b = n0 - 1;
+    *saved = NULL;
+    if (n <= n0)
+        return 0;
+    if (n > DSV4_MAX_LAYERS)
+        return dsv4_error_set(-EINVAL, "--layers %d: at most %d", n, DSV4_MAX_LAYERS);
+    if (n0 < 2 || c->mlp_type[a] == DSV4_MLP_HASH || c->mlp_type[b] == DSV4_MLP_HASH ||
+        !((c->compress_ratio[a] == c->csa_ratio && c->compress_ratio[b] == c->hca_ratio) ||
+          (c->compress_ratio[a] == c->hca_ratio && c->compress_ratio[b] == c->csa_ratio)))
+        return dsv4_error_set(-EINVAL, "--layers %d: the checkpoint must end with a CSA and an HCA layer with scored "
+                              "routing (dsv4-mkckpt --layers 6 or more)", n);
+    struct dsv4_layer *L = malloc(sizeof(*L) * (size_t)n);
+    if (!L)
+        return dsv4_error_set(-ENOMEM, "--layers %d: layer table", n);
+    memcpy(L, w->layers, sizeof(*L) * (size_t)n0);
+    for (int i = n0; i < n; i++) {
+        const int src = (i - n0) % 2 == 0 ? a : b;
+        L[i] = w->layers[src];
+        c->compress_ratio[i] = c->compress_ratio[src];
+        c->mlp_type[i] = c->mlp_type[src];
+        w->bytes_total += (uint64_t)layer_bytes(c, &w->layers[src]);
+    }
+    *saved = w->layers;
+    w->layers = L;
+    c->n_layers = n;
+    return 0;
+}
+
+static void restore_layers(struct dsv4_weights *w, struct dsv4_layer *saved, int n0, uint64_t bytes0)
+{
+    if (!saved)
+        return;
+    free(w->layers);
+    w->layers = saved;
+    w->cfg.n_layers = n0;
+    w->bytes_total = bytes0;
+}
+
+static int bench_model(const char *dir, const int *batches, int nb, int context, int prefill, int layers)
 {
     struct dsv4_weights *w = NULL;
+    struct dsv4_layer *saved;
     struct dsv4_backend *b = NULL;
     struct dsv4_backend_opts opts = { .max_batch = DSV4_CUDA_MAX_BATCH, .max_context = context,
                                       .numerics = DSV4_NUMERICS_FP8 };
@@ -418,6 +488,9 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     double t0 = now_us();
 
     OK(dsv4_weights_load(dir, &w));
+    const int n0 = w->cfg.n_layers;
+    const uint64_t bytes0 = w->bytes_total;
+    OK(extend_layers(w, layers, &saved));
     const struct dsv4_config *c = &w->cfg;
     OK(dsv4_backend_cuda_create(w, &opts, &b));
     b->ops->get_stats(b, &st);
@@ -535,13 +608,14 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     free(logits);
     free(msgs);
     dsv4_backend_destroy(b);
+    restore_layers(w, saved, n0, bytes0);
     dsv4_weights_free(w);
     return 0;
 }
 
 int main(int argc, char **argv)
 {
-    int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096, prefill = BENCH_PREFILL;
+    int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096, prefill = BENCH_PREFILL, layers = 0;
     const char *model = NULL;
     const int topk = 6, E = 256, D = 4096, I = 2048;
     struct job j;
@@ -566,6 +640,12 @@ int main(int argc, char **argv)
                 fprintf(stderr, "dsv4-bench: --context must be at least %d\n", BENCH_PROMPT + BENCH_STEPS + 1);
                 return 2;
             }
+        } else if (!strcmp(argv[i], "--layers") && i + 1 < argc) {
+            layers = atoi(argv[++i]);
+            if (layers < 1 || layers > DSV4_MAX_LAYERS) {
+                fprintf(stderr, "dsv4-bench: --layers 1..%d\n", DSV4_MAX_LAYERS);
+                return 2;
+            }
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
             reps = atoi(argv[++i]);
             if (reps < 1 || reps > BENCH_MAX_COPIES * 4) {
@@ -573,7 +653,8 @@ int main(int argc, char **argv)
                 return 2;
             }
         } else {
-            fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N] [--prefill N]\n");
+            fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N] "
+                            "[--prefill N] [--layers N]\n");
             return 2;
         }
     }
@@ -589,7 +670,7 @@ int main(int argc, char **argv)
                     context);
             return 2;
         }
-        return bench_model(model, batches, nb, context, prefill);
+        return bench_model(model, batches, nb, context, prefill, layers);
     }
 
     {

@@ -19,10 +19,10 @@
 
 #include "engine/backend.h"
 #include "engine/error.h"
-#include "engine/philox.h"
-#include "engine/sampler.h"
-#include "engine/scheduler.h"
-#include "engine/weights.h"
+#include "engine/serve/philox.h"
+#include "engine/serve/sampler.h"
+#include "engine/serve/scheduler.h"
+#include "engine/model/weights.h"
 
 #define BENCH_WARM_STEPS 20         /* decode-only steps before the long prompt arrives */
 #define BENCH_DECODERS_MAX 64

@@ -16,7 +16,7 @@
 
 #include "engine/backend.h"
 #include "engine/error.h"
-#include "engine/weights.h"
+#include "engine/model/weights.h"
 #include "tools/greedy.h"
 #include "tools/run.h"
 

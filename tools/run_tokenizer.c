@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "engine/error.h"
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 #include "tools/run.h"
 
 /* Refuse more input than this on stdin. */

@@ -17,3 +17,12 @@ units/dsv4d.conf: units/dsv4d.conf.in Makefile
 units/dsv4d.service units/dsv4d.conf:
 	$(AM_V_GEN)$(MKDIR_P) units && sed -e 's|@sbindir[@]|$(sbindir)|g' -e 's|@sysconfdir[@]|$(sysconfdir)|g' \
 		-e 's|@pkgdatadir[@]|$(pkgdatadir)|g' $(srcdir)/$@.in > $@.tmp && mv $@.tmp $@
+
+# dsv4-openai's units, when it is built.
+if HAVE_OPENAI
+systemdsystemunit_DATA += units/dsv4-openai.socket units/dsv4-openai.service
+CLEANFILES += units/dsv4-openai.service
+endif
+EXTRA_DIST += units/dsv4-openai.socket units/dsv4-openai.service.in
+units/dsv4-openai.service: units/dsv4-openai.service.in Makefile
+	$(AM_V_GEN)$(MKDIR_P) units && sed -e 's|@bindir[@]|$(bindir)|g' $(srcdir)/$@.in > $@.tmp && mv $@.tmp $@

@@ -13,9 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/chat.h"
+#include "engine/text/chat.h"
 #include "engine/error.h"
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

@@ -19,7 +19,7 @@ tok=$DSV4_TOKENIZER_JSON
 out=$top_builddir/tests/fuzz
 mkdir -p "$out/corpus"
 bin=$out/fuzz_tokenizer
-src="$top_srcdir/engine/tokenizer.c $top_srcdir/engine/tok_unicode.c $top_srcdir/engine/chat.c $top_srcdir/engine/error.c $top_srcdir/tests/fuzz/fuzz_tokenizer.c"
+src="$top_srcdir/engine/text/tokenizer.c $top_srcdir/engine/text/tok_unicode.c $top_srcdir/engine/text/chat.c $top_srcdir/engine/error.c $top_srcdir/tests/fuzz/fuzz_tokenizer.c"
 # shellcheck disable=SC2086
 if ! $cc -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
         -I"$top_srcdir" -I"$top_builddir" $(pkg-config --cflags jansson oniguruma) $src \

@@ -14,7 +14,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "engine/cpu_twin_cuda.h"
+#include "engine/cpu/cpu_twin_cuda.h"
 #include "engine/error.h"
 #include "kernels/dsv4cuda.h"
 

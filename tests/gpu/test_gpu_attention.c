@@ -12,7 +12,7 @@
  *   - every row of a batch bit-identical to the same row run alone (batch invariance).
  *   - the launch counted under the variant that ran (FP8 entries: DSV4_CUDA_V_ATTENTION_MMA).
  *   - shapes the kernels cannot take refused with -EINVAL.
- * Entries are written with the CPU reference's quantizers (engine/quant.c) in the layout of SPEC §5,
+ * Entries are written with the CPU reference's quantizers (engine/model/quant.c) in the layout of SPEC §5,
  * which tests/gpu/test_gpu_codec.c checks against the GPU's own store. */
 #include "build-config.h"
 
@@ -21,7 +21,7 @@
 #include <stddef.h>
 #include <cmocka.h>
 
-#include "engine/quant.h"
+#include "engine/model/quant.h"
 #include "tests/gpu/gpu_test.h"
 #include "kernels/kernels_internal.h"
 

@@ -443,6 +443,70 @@ static void test_same_x(void **state)
     ws_close();
 }
 
+/* dsv4_cuda_gemm_norm: the normalized rows are dsv4_cuda_rmsnorm's bit for bit, and a linear that
+ * then reads them through dsv4_cuda_gemm_same_x gives what RMSNorm followed by the plain linear
+ * gives, bit for bit, with the normalized rows overwritten in between (so the fused preparation is
+ * what it used). Forms without a fused preparation (FP8 with raw x) are refused. */
+static void test_norm_prep(void **state)
+{
+    static const struct { enum dsv4_wfmt fmt; bool quant; int64_t out; const char *what; } forms[] = {
+        { DSV4_W_FP8, true, 1024, "fp8 wq_a [1024,4096], quantized x" },
+        { DSV4_W_BF16, false, 256, "bf16 gate [256,4096]" },
+    };
+    static const int rows[] = { 1, 17, 64 };
+    const int64_t in = 4096;
+    const float eps = 1e-6f;
+
+    (void)state;
+    ws_open();
+    for (size_t f = 0; f < sizeof(forms) / sizeof(forms[0]); f++) {
+        const int64_t out = forms[f].out;
+        const bool q = forms[f].quant;
+        struct pair W;
+        make_linear(&W, forms[f].fmt, out, in);
+        assert_true(dsv4_cuda_gemm_norm_supports(&W.d, q));
+        for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++) {
+            const int B = rows[r];
+            float *x = malloc(sizeof(float) * B * in), *nw = malloc(sizeof(float) * in);
+            fill_activations(x, (size_t)B * in);
+            gt_fill_normal(nw, (size_t)in, 0.1f);
+            for (int64_t i = 0; i < in; i++)
+                nw[i] += 1.0f;
+            float *dx = gt_dev_copy(x, sizeof(float) * B * in), *dw = gt_dev_copy(nw, sizeof(float) * in);
+            float *dn_ref = gt_dev_poisoned((size_t)B * in), *dn = gt_dev_poisoned((size_t)B * in);
+            float *dy_ref = gt_dev_poisoned((size_t)B * out), *dy = gt_dev_poisoned((size_t)B * out);
+
+            DSV4_OK(dsv4_cuda_rmsnorm(dx, dw, B, (int)in, eps, dn_ref, NULL));
+            DSV4_OK(dsv4_cuda_gemm(&W.d, dn_ref, in, B, q, &gemm_ws, dy_ref, out, NULL));
+            DSV4_OK(dsv4_cuda_gemm_norm(&W.d, q, dx, dw, B, eps, &gemm_ws, dn, NULL));
+            assert_ptr_equal(gemm_ws.prepared.x, dn);
+            float *n_ref = gt_host_from(dn_ref, (size_t)B * in), *n_got = gt_host_from(dn, (size_t)B * in);
+            assert_memory_equal(n_got, n_ref, sizeof(float) * B * in);
+            assert_int_equal(cudaMemset(dn, 0xff, sizeof(float) * B * in), cudaSuccess);  /* NaN: must not be read */
+            DSV4_OK(dsv4_cuda_gemm_same_x(&W.d, dn, in, B, q, &gemm_ws, dy, out, NULL));
+            float *y_ref = gt_host_from(dy_ref, (size_t)B * out), *y_got = gt_host_from(dy, (size_t)B * out);
+            assert_memory_equal(y_got, y_ref, sizeof(float) * B * out);
+            printf("# norm + prepare, %s, %d rows: norm and linear bit-identical to the two-step path\n",
+                   forms[f].what, B);
+            free(x); free(nw); free(n_ref); free(n_got); free(y_ref); free(y_got);
+            cudaFree(dx); cudaFree(dw); cudaFree(dn_ref); cudaFree(dn); cudaFree(dy_ref); cudaFree(dy);
+        }
+        free_linear(&W);
+    }
+    {   /* FP8 with raw activations has no fused preparation */
+        struct pair W;
+        float *dx = gt_dev_poisoned((size_t)in), *dn = gt_dev_poisoned((size_t)in);
+        make_linear(&W, DSV4_W_FP8, 256, in);
+        assert_false(dsv4_cuda_gemm_norm_supports(&W.d, false));
+        assert_int_equal(dsv4_cuda_gemm_norm(&W.d, false, dx, NULL, 1, eps, &gemm_ws, dn, NULL), -EINVAL);
+        assert_null(gemm_ws.prepared.x);
+        free_linear(&W);
+        cudaFree(dx);
+        cudaFree(dn);
+    }
+    ws_close();
+}
+
 /* A strided view (a stacked transformers expert) is refused when misaligned, never misread. */
 static void test_refuses_misaligned(void **state)
 {
@@ -466,6 +530,7 @@ int main(void)
         cmocka_unit_test(test_short_ring),
         cmocka_unit_test(test_fp8_view_mid_block),
         cmocka_unit_test(test_same_x),
+        cmocka_unit_test(test_norm_prep),
         cmocka_unit_test(test_refuses_misaligned),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));

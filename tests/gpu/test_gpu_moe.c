@@ -148,9 +148,10 @@ static void fx_free(struct fx *f)
 }
 
 /* The experts kernel on host inputs: y [batch, D] (caller frees); the groups buffer (3 P + 2 ints)
- * is copied to groups when non-NULL. Workspace buffers start as NaN. */
-static float *fx_run(const struct fx *f, bool quant_act, const float *x, int batch, int topk, const int32_t *idx,
-                     const float *w, int32_t *groups)
+ * is copied to groups when non-NULL. Workspace buffers start as NaN. With add [batch, D] it runs
+ * as the step does: dsv4_cuda_moe_routed, then dsv4_cuda_moe_combine adding it. */
+static float *fx_run_add(const struct fx *f, bool quant_act, const float *x, int batch, int topk, const int32_t *idx,
+                         const float *w, int32_t *groups, const float *add)
 {
     const size_t P = (size_t)batch * topk;
     struct dsv4_cuda_experts ex = f->ex;
@@ -166,13 +167,25 @@ static float *fx_run(const struct fx *f, bool quant_act, const float *x, int bat
     didx = gt_dev_copy(idx, P * sizeof(int32_t));
     dw = gt_dev_copy(w, P * sizeof(float));
     dy = gt_dev_poisoned((size_t)batch * f->D);
-    DSV4_OK(dsv4_cuda_moe_experts(&ex, dx, batch, topk, didx, dw, &ws, dy, NULL));
+    float *dadd = add ? gt_dev_copy(add, (size_t)batch * f->D * sizeof(float)) : NULL;
+    if (add) {
+        DSV4_OK(dsv4_cuda_moe_routed(&ex, dx, batch, topk, didx, &ws, NULL));
+        DSV4_OK(dsv4_cuda_moe_combine(&ex, batch, topk, didx, dw, &ws, dadd, dy, NULL));
+    } else {
+        DSV4_OK(dsv4_cuda_moe_experts(&ex, dx, batch, topk, didx, dw, &ws, dy, NULL));
+    }
     y = gt_host_from(dy, (size_t)batch * f->D);
     if (groups)
         CUDA_OK(cudaMemcpy(groups, ws.d_groups, (3 * P + 2) * sizeof(int32_t), cudaMemcpyDeviceToHost));
     cudaFree(ws.d_groups); cudaFree(ws.d_h); cudaFree(ws.d_out);
-    cudaFree(dx); cudaFree(didx); cudaFree(dw); cudaFree(dy);
+    cudaFree(dx); cudaFree(didx); cudaFree(dw); cudaFree(dy); cudaFree(dadd);
     return y;
+}
+
+static float *fx_run(const struct fx *f, bool quant_act, const float *x, int batch, int topk, const int32_t *idx,
+                     const float *w, int32_t *groups)
+{
+    return fx_run_add(f, quant_act, x, batch, topk, idx, w, groups, NULL);
 }
 
 /* eo [nb, E, D]: every expert on every row of x [nb, D] with the twin's arithmetic (dsv4_twin_expert:
@@ -438,6 +451,17 @@ static void test_experts_tiny(void **state)
     y = fx_run(&f, true, xq, B, K, idx, w, NULL);
     check_rows("experts fp8 tiny E=4 D=256 I=128 top-2 batch 5", y, ref, B, D, EXPERT_BOUND);
     assert_int_equal(dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4) - l_mma, 1);
+    {   /* the shared expert's output added by the combine: the sum, then one f32 add, bit for bit */
+        float add[5 * 256], *ya;
+        gt_fill_normal(add, (size_t)B * D, 1.0f);
+        ya = fx_run_add(&f, true, xq, B, K, idx, w, NULL, add);
+        for (int i = 0; i < B * D; i++) {
+            const float want = y[i] + add[i];
+            if (memcmp(&ya[i], &want, sizeof(want)) != 0)
+                fail_msg("combine + add [%d]: %.9g, want %.9g (the experts' sum then the add)", i, ya[i], want);
+        }
+        free(ya);
+    }
     free(y);
 
     fx_reference(&f, x, B, false, eo);

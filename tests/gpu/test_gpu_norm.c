@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <cmocka.h>
 
-#include "engine/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 #include "tests/gpu/gpu_test.h"
 
 #define FP32_BOUND 1e-5

@@ -17,9 +17,9 @@
 #include <cmocka.h>
 
 #include "engine/backend.h"
-#include "engine/config.h"
-#include "engine/scheduler.h"
-#include "engine/weights.h"
+#include "engine/model/config.h"
+#include "engine/serve/scheduler.h"
+#include "engine/model/weights.h"
 #include "tests/gpu/gpu_test.h"
 #include "tests/unit/sched_harness.h"
 

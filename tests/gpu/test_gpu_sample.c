@@ -1,4 +1,4 @@
-/* GPU: the device sampler (kernels/sample.cu) against the CPU sampler (engine/sampler.c) on fresh
+/* GPU: the device sampler (kernels/sample.cu) against the CPU sampler (engine/serve/sampler.c) on fresh
  * random logits: V 129280 (rows 1 and 64), 1000 and 999 (a row length that is not a multiple of 4,
  * ld 1000), every parameter combination of the sampler's ten steps, logits shaped like a language
  * model's, flat, tied, masked with -inf, one sharp token, constant, and packed within 1/64 logit
@@ -21,8 +21,8 @@
 #include <stddef.h>
 #include <cmocka.h>
 
-#include "engine/philox.h"
-#include "engine/sampler.h"
+#include "engine/serve/philox.h"
+#include "engine/serve/sampler.h"
 #include "kernels/sample.h"
 #include "tests/gpu/gpu_test.h"
 

@@ -1,4 +1,4 @@
-/* GPU: engine/scheduler over the CUDA backend, sampling on the device (the backend's `sample` op),
+/* GPU: engine/serve/scheduler over the CUDA backend, sampling on the device (the backend's `sample` op),
  * on the fixture models in fp8 numerics:
  *   - greedy answers equal the CPU backend's (host sampling), alone and four requests together,
  *     up to a near-tie: an answer may leave the CPU's only where the CPU's top two tokens are within
@@ -20,8 +20,8 @@
 #include <cmocka.h>
 
 #include "engine/backend.h"
-#include "engine/scheduler.h"
-#include "engine/weights.h"
+#include "engine/serve/scheduler.h"
+#include "engine/model/weights.h"
 #include "tests/gpu/gpu_test.h"
 #include "tests/unit/sched_harness.h"
 

@@ -49,7 +49,7 @@ static void test_hello(void **state)
 
     assert_int_equal(dsv4_client_hello(c, &info), 0);
     assert_non_null(info);
-    assert_int_equal(info->protocol, 1);
+    assert_int_equal(info->protocol, 2);   /* both sides speak version 2 */
     assert_string_equal(info->backend, "cpu");
     assert_int_equal(info->vocab_size, (uint32_t)atoi(getenv("DSV4_TEST_VOCAB")));
     assert_true(info->max_batch >= 1);

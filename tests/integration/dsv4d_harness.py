@@ -270,7 +270,16 @@ class Daemon:
         if not self.wait_socket():
             return False
         if self.activation:
-            self.trigger = Client(self.sock_path)
+            # systemd-socket-activate binds (the path appears) a moment before it listens.
+            deadline = time.monotonic() + TIMEOUT
+            while True:
+                try:
+                    self.trigger = Client(self.sock_path)
+                    break
+                except ConnectionRefusedError:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        return False
+                    time.sleep(0.01)
         return self.notify.wait_for("READY", "1", proc=self.proc) >= 0
 
     def stop(self, sig=signal.SIGTERM):

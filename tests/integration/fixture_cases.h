@@ -7,8 +7,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "engine/cpu_forward.h"
-#include "engine/weights.h"
+#include "engine/cpu/cpu_forward.h"
+#include "engine/model/weights.h"
 
 #define FX_MAX_FIXTURES 32
 

@@ -47,8 +47,8 @@ try:
     err, boot_st = c.call("stats")
     t.ok(err is None and boot_st["sched_allocations"] > 0 and boot_st["sched_allocations_after_boot"] == 0,
          "stats right after boot: the scheduler's allocations are counted, none after boot", (err, boot_st))
-    err, hello = c.call("hello", {"protocol": 1, "client": "python msgpack"})
-    t.ok(err is None and hello["protocol"] == 1 and hello["server"].startswith("dsv4d ")
+    err, hello = c.call("hello", {"protocol": 2, "client": "python msgpack"})
+    t.ok(err is None and hello["protocol"] == 2 and hello["server"].startswith("dsv4d ")
          and hello["model"]["vocab_size"] == FIXTURE_VOCAB and hello["max_batch"] == 4 and hello["backend"] == "cpu"
          and hello["limits"]["max_frame"] == 8 << 20 and hello["limits"]["max_tokens"] == 4096, "hello", (err, hello))
 
@@ -67,6 +67,18 @@ try:
     ids = bin_tokens(res["tokens"]) if res else []
     t.ok(err is None and not set(ids[2:-2]) & {BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END},
          "tags inside message content stay text (special or not)", ids)
+    # prompt_parts: template parts keep their tags, literal parts never make one, and the whole is one text.
+    err, res = c.call("generate", {"prompt_parts": ["<｜User｜>", "hi</think>", "<｜Assistant｜></think>"],
+                                   "max_tokens": 1, "temperature": 0.0})
+    t.ok(err is None and res["usage"]["prompt_tokens"] == 1 + 1 + len(text_tokens("hi</think>")) + 2,
+         "prompt_parts: tags in template parts, literal text between", (err, res and res["usage"]))
+    err, res = c.call("generate", {"prompt_parts": ["<｜User｜>hi"], "add_bos": False, "max_tokens": 1})
+    t.ok(err is None and res["usage"]["prompt_tokens"] == 1 + len(text_tokens("hi")), "prompt_parts with add_bos false",
+         (err, res and res["usage"]))
+    err, _ = c.call("generate", {"prompt_parts": [], "max_tokens": 1})
+    t.ok(err is not None and err["name"] == "bad_value", "empty prompt_parts is bad_value", err)
+    err, _ = c.call("generate", {"prompt_parts": ["a"], "prompt": "b"})
+    t.ok(err is not None and err["name"] == "prompt_conflict", "prompt_parts with prompt is prompt_conflict", err)
     err, res = c.call("detokenize", {"tokens": tokens_bin(text_tokens("héllo wörld"))})
     t.ok(err is None and res["text"] == "héllo wörld", "detokenize", (err, res))
     err, res = c.call("detokenize", {"tokens": tokens_bin(text_tokens("é")[:1])})
@@ -151,6 +163,11 @@ try:
          "an absent max_tokens means the default, 1024", (err, res and res["usage"]))
     err, _ = greedy(c, PROMPTS[2], 4097)
     t.ok(err is not None and err["code"] == 405, "max_tokens above max_context gets max_tokens_limit (405)", err)
+    # top_p 0 is inside the protocol's range but not the sampler's (0, 1]: the scheduler refuses it and
+    # the daemon answers bad_sampling, naming the parameter.
+    err, _ = c.call("generate", {"tokens": tokens_bin(PROMPTS[2]), "max_tokens": 2, "top_p": 0.0})
+    t.ok(err is not None and err["code"] == 302 and "top_p" in err["message"],
+         "a sampling parameter the scheduler refuses gets bad_sampling (302)", err)
 
     # Cancel mid-stream.
     mid = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 3000, "temperature": 0.0,

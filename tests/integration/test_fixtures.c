@@ -21,9 +21,9 @@
 #include <cmocka.h>
 
 #include "engine/backend.h"
-#include "engine/cpu_forward.h"
+#include "engine/cpu/cpu_forward.h"
 #include "engine/error.h"
-#include "engine/weights.h"
+#include "engine/model/weights.h"
 #include "tests/integration/fixture_cases.h"
 #include "tools/greedy.h"
 

@@ -29,8 +29,8 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "engine/cpu_forward.h"
-#include "engine/weights.h"
+#include "engine/cpu/cpu_forward.h"
+#include "engine/model/weights.h"
 #include "tests/integration/fixture_cases.h"
 #include "tools/greedy.h"
 

@@ -41,6 +41,28 @@ done
 for key in "ListenStream=/run/dsv4d/dsv4d.sock" "SocketMode=0660" "SocketGroup=dsv4"; do
     grep -q "^$key" "$tmp/dsv4d.socket"; ok $? "dsv4d.socket sets $key"
 done
+# dsv4-openai's units, when it was built.
+if [ -x "$builddir/dsv4-openai" ]; then
+    front=$(cd "$builddir" && pwd)/dsv4-openai
+    sed -e "s|@bindir@/dsv4-openai|$front|" "$srcdir/units/dsv4-openai.service.in" > "$tmp/dsv4-openai.service"
+    cp "$srcdir/units/dsv4-openai.socket" "$tmp/dsv4-openai.socket"
+    out=$(cd "$tmp" && systemd-analyze verify --man=no ./dsv4-openai.socket ./dsv4-openai.service 2>&1)
+    rc=$?
+    [ -z "$out" ] || echo "$out" | sed 's/^/# /'
+    [ $rc = 0 ] && [ -z "$out" ]; ok $? "systemd-analyze verify dsv4-openai.socket dsv4-openai.service, no warnings"
+    out=$(cd "$tmp" && systemd-analyze security --offline=true ./dsv4-openai.service 2>&1)
+    score=$(echo "$out" | sed -n 's/.*Overall exposure level for dsv4-openai.service: \([0-9.]*\).*/\1/p')
+    echo "# dsv4-openai exposure: ${score:-unknown}"
+    echo "$out" | grep '✗' | sed 's/  */ /g; s/^/# /'
+    [ -n "$score" ] && awk -v s="$score" 'BEGIN { exit !(s <= 2.0) }'; ok $? "dsv4-openai exposure $score is at most 2.0"
+    for key in "ListenStream=127.0.0.1:8000"; do
+        grep -q "^$key" "$tmp/dsv4-openai.socket"; ok $? "dsv4-openai.socket sets $key"
+    done
+    for key in "Type=notify" "Wants=dsv4d.socket" "After=dsv4-openai.socket dsv4d.socket" "SupplementaryGroups=dsv4" \
+               "RestrictAddressFamilies=AF_UNIX" "PrivateNetwork=yes" "IPAddressDeny=any"; do
+        grep -q "^$key" "$tmp/dsv4-openai.service"; ok $? "dsv4-openai.service sets $key"
+    done
+fi
 grep -q '^g dsv4 ' "$srcdir/units/sysusers.d/dsv4d.conf" && grep -q '^u dsv4d ' "$srcdir/units/sysusers.d/dsv4d.conf"
 ok $? "sysusers.d creates the dsv4d user and the dsv4 group"
 echo "1..$n"

@@ -11,7 +11,7 @@
 #include <time.h>
 
 #include "engine/error.h"
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 static double cpu_seconds(void)
 {

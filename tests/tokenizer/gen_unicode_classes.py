@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write engine/tok_unicode.c: the members of \\p{L}, \\p{N}, \\p{P}, \\p{S}, \\p{M} as
+"""Write engine/text/tok_unicode.c: the members of \\p{L}, \\p{N}, \\p{P}, \\p{S}, \\p{M} as
 Hugging Face `tokenizers` sees them.
 
 Why: `tokenizers` links its own Oniguruma, whose Unicode tables are newer than the system
@@ -49,7 +49,7 @@ def main():
         " * Hugging Face `tokenizers` classifies them (see tok_internal.h). */",
         '#include "build-config.h"',
         "",
-        '#include "engine/tok_internal.h"',
+        '#include "engine/text/tok_internal.h"',
         "",
     ]
     tables = []

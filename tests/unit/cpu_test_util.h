@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 
 #define TEST_MAX_ALLOCS 256
 

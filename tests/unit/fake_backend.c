@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "engine/error.h"
-#include "engine/philox.h"
+#include "engine/serve/philox.h"
 #include "tests/unit/fake_backend.h"
 
 #define FAKE_HASH_START 0x243F6A8885A308D3ull

@@ -18,7 +18,7 @@ struct fake_backend_opts {
     float spread;               /* logits are spread * (uniform - 0.5); larger: peakier rows */
     int64_t fail_after;         /* > 0: a call that would take tokens_in past this fails with -EIO */
     bool device_sampling;       /* offer ops->sample as the CUDA backend does: the fake keeps each
-                                 * slot's penalty history and samples its own rows (engine/sampler.c) */
+                                 * slot's penalty history and samples its own rows (engine/serve/sampler.c) */
 };
 
 int fake_backend_create(const struct fake_backend_opts *fo, const struct dsv4_backend_opts *opts,

@@ -11,8 +11,8 @@
 
 #include "engine/backend.h"
 #include "engine/error.h"
-#include "engine/scheduler.h"
-#include "engine/weights.h"
+#include "engine/serve/scheduler.h"
+#include "engine/model/weights.h"
 
 #define ANSWER_MAX_TOKENS 256
 

@@ -1,4 +1,4 @@
-/* engine/chat: the V4 prompt format against hand-checked strings (SPEC section 6) and tag ids,
+/* engine/text/chat: the V4 prompt format against hand-checked strings (SPEC section 6) and tag ids,
  * ids vs the encoded text, injection of tags through user content, completion parsing from ids,
  * text and a stream. The id cases need the V4 tokenizer.json (see tests/tokenizer/locate.h). */
 #include "build-config.h"
@@ -11,10 +11,10 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "engine/chat.h"
+#include "engine/text/chat.h"
 #include "engine/error.h"
-#include "engine/tok_internal.h"
-#include "engine/tokenizer.h"
+#include "engine/text/tok_internal.h"
+#include "engine/text/tokenizer.h"
 #include "tests/tokenizer/locate.h"
 
 #define BOS "<｜begin▁of▁sentence｜>"

@@ -1,4 +1,4 @@
-/* engine/config: both spellings of config.json, transformers' defaulting and legacy folds
+/* engine/model/config: both spellings of config.json, transformers' defaulting and legacy folds
  * (expected values checked against DeepseekV4Config of transformers 5.17), and the refusals,
  * each of which must name the offending field. */
 #include "build-config.h"
@@ -14,7 +14,7 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "engine/config.h"
+#include "engine/model/config.h"
 #include "engine/error.h"
 #include "tests/unit/st_writer.h"
 

@@ -1,4 +1,4 @@
-/* engine/cpu_backend and the sequence state, on the tiny_a fixture model: batch invariance of decode,
+/* engine/cpu/cpu_backend and the sequence state, on the tiny_a fixture model: batch invariance of decode,
  * slot reset, chunk invariance in fp8 numerics, refused inputs, and the MTP step. The MTP block
  * cannot be checked against transformers (it does not implement one); its test gives tiny_a a
  * random MTP block and checks shapes, finiteness, determinism and that its inputs matter. */
@@ -15,7 +15,7 @@
 #include <cmocka.h>
 
 #include "engine/error.h"
-#include "engine/weights.h"
+#include "engine/model/weights.h"
 #include "cpu_test_util.h"
 
 #define CTX 64

@@ -1,7 +1,7 @@
-/* engine/cpu_ops: linears over row ranges (the grouped wo_a) in every stored format, and the fp8
+/* engine/cpu/cpu_ops: linears over row ranges (the grouped wo_a) in every stored format, and the fp8
  * numerics' activation quantization (1x128 e4m3 before FP8/FP4 matrices, none for f32/bf16 or when
  * the caller asks for the raw activation). The oracle dequantizes each row with dsv4_linear_row and
- * takes the dot product in double. With worker threads (engine/cpu_pool) the rows are bitwise the
+ * takes the dot product in double. With worker threads (engine/cpu/cpu_pool) the rows are bitwise the
  * same as with one. */
 #include "build-config.h"
 
@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <cmocka.h>
 
-#include "engine/quant.h"
+#include "engine/model/quant.h"
 #include "cpu_test_util.h"
 
 #define OUT 384

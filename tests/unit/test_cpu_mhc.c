@@ -1,4 +1,4 @@
-/* engine/cpu_mhc: hyper-connection pre/post/head against SPEC §3's mHC formulas computed in double
+/* engine/cpu/cpu_mhc: hyper-connection pre/post/head against SPEC §3's mHC formulas computed in double
  * (mixes scaled after the projection, Sinkhorn as written there), for hc_mult 4 and 3. */
 #include "build-config.h"
 

@@ -1,4 +1,4 @@
-/* engine/cpu_rope: interleaved-pair RoPE and YaRN frequencies against SPEC §3's formulas in double. */
+/* engine/cpu/cpu_rope: interleaved-pair RoPE and YaRN frequencies against SPEC §3's formulas in double. */
 #include "build-config.h"
 
 #include <math.h>
@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <cmocka.h>
 
-#include "engine/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 
 static double frand(void)
 {

@@ -1,8 +1,8 @@
-/* engine/cpu_twin_cuda: the CUDA kernels' CPU twins against the engine's own number formats and
- * reference GEMV (engine/quant.c, engine/linear.c), which were written independently: every e4m3,
+/* engine/cpu/cpu_twin_cuda: the CUDA kernels' CPU twins against the engine's own number formats and
+ * GEMV (engine/model/quant.c, engine/model/linear.c), which were written independently: every e4m3,
  * e2m1 and bf16 code, the activation quantizer on fresh random data with small and outlier blocks,
  * and the dequantizing matvec in every format. Bit-exact where the arithmetic is the same; the
- * matvec sums in a different order (f32 here, double in linear.c): 1e-5 relative. */
+ * matvec sums in a different order (index order here, per scale block in linear.c): 1e-5 relative. */
 #include "build-config.h"
 
 #include <math.h>
@@ -15,9 +15,9 @@
 #include <time.h>
 #include <cmocka.h>
 
-#include "engine/cpu_twin_cuda.h"
-#include "engine/quant.h"
-#include "engine/weights.h"
+#include "engine/cpu/cpu_twin_cuda.h"
+#include "engine/model/quant.h"
+#include "engine/model/weights.h"
 #include "tests/unit/seed_util.h"
 
 static uint64_t rng;

@@ -1,4 +1,4 @@
-/* engine/prefix_cache on its own, over a host array standing in for a backend's pool: what a lookup
+/* engine/serve/prefix_cache on its own, over a host array standing in for a backend's pool: what a lookup
  * finds (longest prefix with a boundary record, partial matches, the same block under different
  * parents), that every page a lookup lists holds what was saved for that prefix (also after pages
  * were evicted and reused), references (a held chain is never evicted; ENOSPC when everything is
@@ -14,7 +14,7 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "engine/prefix_cache.h"
+#include "engine/serve/prefix_cache.h"
 
 #define B 4                 /* tokens per block */
 #define CTX 64              /* max_context: 16 blocks */

@@ -22,10 +22,10 @@
 #include <cmocka.h>
 
 #include "engine/backend.h"
-#include "engine/config.h"
+#include "engine/model/config.h"
 #include "engine/error.h"
-#include "engine/scheduler.h"
-#include "engine/weights.h"
+#include "engine/serve/scheduler.h"
+#include "engine/model/weights.h"
 #include "tests/unit/sched_harness.h"
 
 #define POOL_BYTES (64 << 20)   /* untouched pages cost nothing: calloc'd */

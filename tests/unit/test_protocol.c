@@ -238,14 +238,14 @@ static void test_generate(void **state)
 {
     struct dsv4_proto_limits sl;
     server_limits(&sl);
-    for (int r = 0; r < 3 * ROUNDS; r++) {
+    for (int r = 0; r < 4 * ROUNDS; r++) {
         struct dsv4_proto_buf buf = { 0 };
         struct dsv4_proto_message msg;
         struct dsv4_proto_error err;
         struct dsv4_proto_generate req, got;
         uint32_t msgid = (uint32_t)rnd();
         dsv4_proto_generate_init(&req);
-        req.prompt_kind = (enum dsv4_proto_prompt_kind)(1 + r % 3);
+        req.prompt_kind = (enum dsv4_proto_prompt_kind)(1 + r % 4);
         switch (req.prompt_kind) {
         case DSV4_PROTO_PROMPT_TEXT:
             req.prompt = rnd_utf8(300, &req.prompt_len);
@@ -254,6 +254,16 @@ static void test_generate(void **state)
         case DSV4_PROTO_PROMPT_MESSAGES:
             rnd_messages(&req.messages, &req.n_messages);
             req.thinking = rnd_below(2);
+            break;
+        case DSV4_PROTO_PROMPT_PARTS:
+            req.n_parts = 1 + rnd_below(9);
+            req.parts = calloc(req.n_parts, sizeof(*req.parts));
+            req.part_lens = calloc(req.n_parts, sizeof(*req.part_lens));
+            assert_non_null(req.parts);
+            assert_non_null(req.part_lens);
+            for (uint32_t i = 0; i < req.n_parts; i++)
+                req.parts[i] = rnd_utf8(60, &req.part_lens[i]);
+            req.add_bos = rnd_below(2);
             break;
         default:
             req.n_tokens = 1 + rnd_below(500);
@@ -300,6 +310,12 @@ static void test_generate(void **state)
             assert_messages(req.messages, req.n_messages, got.messages, got.n_messages);
             assert_int_equal(got.thinking, req.thinking);
             break;
+        case DSV4_PROTO_PROMPT_PARTS:
+            assert_int_equal(got.n_parts, req.n_parts);
+            for (uint32_t i = 0; i < req.n_parts; i++)
+                assert_bytes(req.parts[i], req.part_lens[i], got.parts[i], got.part_lens[i]);
+            assert_int_equal(got.add_bos, req.add_bos);
+            break;
         default:
             assert_int_equal(got.n_tokens, req.n_tokens);
             assert_memory_equal(got.tokens, req.tokens, req.n_tokens * sizeof(int32_t));
@@ -332,6 +348,10 @@ static void test_generate(void **state)
         dsv4_proto_message_clear(&msg);
         free(req.prompt);
         free(req.tokens);
+        for (uint32_t i = 0; i < req.n_parts; i++)
+            free(req.parts[i]);
+        free(req.parts);
+        free(req.part_lens);
         free_messages(req.messages, req.n_messages);
         for (uint32_t i = 0; i < s->n_stop; i++)
             free(s->stop[i]);

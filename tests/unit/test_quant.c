@@ -1,4 +1,4 @@
-/* engine/quant: hand-computed encodings (subnormals, negative zero, NaN codes, saturation,
+/* engine/model/quant: hand-computed encodings (subnormals, negative zero, NaN codes, saturation,
  * rounding ties, extreme scales), exhaustive code round trips, and the converters against
  * brute-force nearest-value oracles on fresh random inputs. */
 #include "build-config.h"
@@ -14,7 +14,7 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "engine/quant.h"
+#include "engine/model/quant.h"
 #include "tests/unit/seed_util.h"
 #include "tests/unit/st_writer.h"
 

@@ -1,4 +1,4 @@
-/* engine/safetensors: every dtype read back in place, the three ways to find the shards, and
+/* engine/model/safetensors: every dtype read back in place, the three ways to find the shards, and
  * every malformed file refused with a message naming the file and, where there is one, the
  * tensor. */
 #include "build-config.h"
@@ -17,7 +17,7 @@
 #include <cmocka.h>
 
 #include "engine/error.h"
-#include "engine/safetensors.h"
+#include "engine/model/safetensors.h"
 #include "tests/unit/seed_util.h"
 #include "tests/unit/st_writer.h"
 

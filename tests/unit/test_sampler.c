@@ -1,4 +1,4 @@
-/* engine/sampler and engine/philox: Philox known answers; each sampling step against a
+/* engine/serve/sampler and engine/serve/philox: Philox known answers; each sampling step against a
  * straightforward reference (full sort, dense arrays) on fresh random logits; the draw checked
  * exactly (the reference CDF interval of the chosen token holds the Philox uniform) and
  * statistically (frequencies within 5 standard errors of the reference probabilities). */
@@ -15,8 +15,8 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "engine/philox.h"
-#include "engine/sampler.h"
+#include "engine/serve/philox.h"
+#include "engine/serve/sampler.h"
 
 /* Test-side random numbers (a different generator from the one under test). */
 static uint64_t rng_state = 0x1234567887654321ull;

@@ -1,4 +1,4 @@
-/* engine/scheduler over the real CPU backend on the tiny fixture models (tests/fixtures/): greedy
+/* engine/serve/scheduler over the real CPU backend on the tiny fixture models (tests/fixtures/): greedy
  * answers equal transformers' greedy tokens, alone and batched with chunked prefill; seeded
  * answers are the same alone and in a batch with arrivals mid-way. */
 #include "build-config.h"
@@ -17,8 +17,8 @@
 
 #include "engine/backend.h"
 #include "engine/error.h"
-#include "engine/scheduler.h"
-#include "engine/weights.h"
+#include "engine/serve/scheduler.h"
+#include "engine/model/weights.h"
 #include "tests/unit/sched_harness.h"
 
 #define MAX_CASES 8

@@ -1,4 +1,4 @@
-/* engine/weights + engine/linear: tiny checkpoints written here in each spelling (DeepSeek's,
+/* engine/model/weights + engine/model/linear: tiny checkpoints written here in each spelling (DeepSeek's,
  * transformers' state_dict, transformers' save_pretrained), single file or sharded, float or
  * quantized; every spelling must load into identical structs, and every broken checkpoint must
  * fail with a message naming the tensor and the file. The GEMV is checked against an explicit
@@ -19,8 +19,8 @@
 #include <cmocka.h>
 
 #include "engine/error.h"
-#include "engine/quant.h"
-#include "engine/weights.h"
+#include "engine/model/quant.h"
+#include "engine/model/weights.h"
 #include "tests/unit/seed_util.h"
 #include "tests/unit/st_writer.h"
 

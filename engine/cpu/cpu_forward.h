@@ -1,0 +1,99 @@
+/* The CPU reference forward pass: one sequence's state and the step that appends tokens to it.
+ * Plain C, fp32 math. The CUDA backend's decode step is checked against it (which kernel is checked
+ * against what on its own: engine/cpu/cpu_twin_cuda.h).
+ *
+ * exact: caches in f32, nothing rounded: what transformers' deepseek_v4 computes.
+ * fp8 (official, SPEC §4-5): the window and compressed KV entries are rounded as the FP8 cache
+ *   stores them (the first head_dim - rope_dim values e4m3 with a UE8M0 scale per 64, the RoPE
+ *   part bf16); indexer keys and queries are Hadamard-rotated and rounded through FP4 e2m1 with a
+ *   UE8M0 scale per 32; activations entering an FP8/FP4 matrix are rounded through e4m3 per 1x128
+ *   (not wo_a's, which the official code runs in BF16). Everything else stays f32. */
+#ifndef DSV4_ENGINE_CPU_FORWARD_H
+#define DSV4_ENGINE_CPU_FORWARD_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine/backend.h"
+#include "engine/model/weights.h"
+
+#define DSV4_CPU_MAX_CONTEXT (1 << 24)  /* positions stay exact in the f32 RoPE angle */
+#define DSV4_CPU_MAX_ROPE_DIM 256       /* qk_rope_head_dim */
+#define DSV4_CPU_MAX_THREADS 256
+
+/* A compressor's running state: the rows of the block being filled, and for the overlapping
+ * (CSA) compressor the Ca half of the previous complete block, which the next entry needs. */
+struct dsv4_cpu_comp_state {
+    float *kv;          /* [ratio, coff*d]: row pos % ratio of the current block */
+    float *gate;        /* [ratio, coff*d]: gate logits with the position bias already added */
+    float *prev_kv;     /* [ratio, d] overlap only: Ca of the previous complete block */
+    float *prev_gate;   /* [ratio, d] */
+    bool have_prev;     /* false until one block has completed (block 0 has no Ca slots) */
+};
+
+/* One layer's caches. */
+struct dsv4_cpu_layer_state {
+    float *window;      /* [window, head_dim] ring: slot pos % window holds the kv of pos */
+    float *entries;     /* [max_context / ratio, head_dim] compressed entries (ratio > 0) */
+    float *index_keys;  /* [max_context / ratio, index_head_dim] indexer keys (CSA layers) */
+    struct dsv4_cpu_comp_state comp;        /* main compressor (ratio > 0) */
+    struct dsv4_cpu_comp_state index_comp;  /* indexer compressor (CSA layers) */
+};
+
+struct dsv4_cpu_work;
+struct dsv4_cpu_pool;
+
+/* Worker threads that split the rows of big matrix-vector products (results are bitwise those of
+ * one thread). max_in: the widest matrix input, dsv4_cpu_max_linear_in(). */
+int dsv4_cpu_pool_create(int threads, int64_t max_in, struct dsv4_cpu_pool **ret);
+void dsv4_cpu_pool_free(struct dsv4_cpu_pool *pool);   /* accepts NULL */
+int64_t dsv4_cpu_max_linear_in(const struct dsv4_weights *w);
+
+/* Everything one sequence needs, allocated once at create for max_context tokens. */
+struct dsv4_cpu_seq {
+    int64_t pos;                        /* tokens appended so far */
+    int64_t max_context;
+    int n_layers;
+    struct dsv4_cpu_layer_state *layers;    /* [n_layers] */
+    bool has_mtp;
+    struct dsv4_cpu_layer_state mtp_layer;  /* the MTP block's window ring */
+    int64_t mtp_pos;                    /* tokens the MTP block has been fed */
+    float *streams;                     /* [hc, D]: final streams of the last token, MTP input */
+    struct dsv4_cpu_work *work;         /* scratch for one token */
+    struct dsv4_cpu_pool *pool;         /* borrowed worker threads, or NULL for one */
+    void *arena;                        /* the one block every cache and scratch buffer lives in */
+    uint64_t bytes;                     /* caches + scratch */
+};
+
+/* Allocate a sequence for w's shapes and max_context tokens. Returns 0 or -errno. */
+int dsv4_cpu_seq_create(const struct dsv4_weights *w, int64_t max_context, struct dsv4_cpu_seq **ret);
+void dsv4_cpu_seq_free(struct dsv4_cpu_seq *s);        /* accepts NULL */
+/* Back to position 0 (the caches are overwritten before they are read again). */
+void dsv4_cpu_seq_reset(struct dsv4_cpu_seq *s);
+
+/* Append tokens[n] at s->pos (prefill of any length, a later chunk, or a decode step).
+ * logits: [n, vocab] when all_rows, else [vocab] for the last token; may be NULL.
+ * Returns 0, or -errno (bad token id, context full) with nothing appended. */
+int dsv4_cpu_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,
+                     const int32_t *tokens, int n, float *logits, bool all_rows);
+
+/* Prefix-cache records of a sequence (engine/cpu/cpu_prefix.c; engine/backend.h says what they hold).
+ * geom: the record layout for s's shapes and a pool of pool_bytes (0: n_pages 0), or -errno when
+ * the pool cannot hold one snapshot. save: s's state at its position (a block boundary) into the
+ * pages given (either list may be NULL). load: s (at position 0) continues after n_blocks blocks. */
+int dsv4_cpu_prefix_geom(const struct dsv4_weights *w, const struct dsv4_cpu_seq *s, int64_t pool_bytes,
+                         struct dsv4_prefix_geom *ret);
+int dsv4_cpu_prefix_save(const struct dsv4_weights *w, const struct dsv4_cpu_seq *s, uint8_t *pool,
+                         const struct dsv4_prefix_geom *g, const int32_t *block_pages, const int32_t *boundary_pages);
+int dsv4_cpu_prefix_load(const struct dsv4_weights *w, struct dsv4_cpu_seq *s, uint8_t *pool,
+                         const struct dsv4_prefix_geom *g, int n_blocks, const int32_t *block_pages,
+                         const int32_t *boundary_pages);
+
+/* One step of the (first) MTP block: the main model's final streams for position p (s->streams after the
+ * forward of token p) and the token at p+1 give logits [vocab] for the token at p+2. The block's
+ * window advances by one position per call (s->mtp_pos). Returns 0, or -errno (-ENOENT when the
+ * checkpoint carries no MTP block). */
+int dsv4_cpu_mtp_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,
+                         const float *streams, int32_t next_token, float *logits);
+
+#endif

@@ -1,0 +1,96 @@
+/* The MoE sublayer: router (hash table or scored top-k), routed experts and the shared expert.
+ *
+ *   s = sqrt(softplus(gate x))                      [E]
+ *   hash layers: idx = tid2eid[token]; scored: idx = top-k of (s + bias)  (the bias only selects)
+ *   w = s[idx] / (sum s[idx] + 1e-20) * routed_scaling_factor
+ *   expert(x) = w2( silu(min(w1 x, L)) * clamp(w3 x, -L, L) ),  L = swiglu_limit
+ *   out = sum_e w_e expert_e(x) + shared(x)          (the shared expert clamps the same way)
+ *
+ * transformers normalizes the selected weights whatever norm_topk_prob says (both releases set
+ * it true); this follows transformers. swiglu_limit 0 means no clamp here, where transformers
+ * would clamp at 0; no config uses 0. */
+#include "build-config.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "engine/cpu/cpu_ops.h"
+
+static float softplus(float x)
+{
+    /* torch's softplus returns x itself above its threshold of 20 */
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+/* y[D] = w2( silu(min(w1 x, L)) * clamp(w3 x, -L, L) ) */
+static void swiglu(const struct dsv4_cpu_ctx *c, const struct dsv4_linear *w1,
+                   const struct dsv4_linear *w3, const struct dsv4_linear *w2, const float *x, float *y)
+{
+    struct dsv4_cpu_work *wk = c->wk;
+    float L = (float)c->cfg->swiglu_limit;
+    int n = (int)w1->out;
+    dsv4_cpu_linear(c, w1, x, wk->h1);
+    dsv4_cpu_linear(c, w3, x, wk->h3);
+    for (int i = 0; i < n; i++) {
+        float g = wk->h1[i], u = wk->h3[i];
+        if (L > 0.0f) {
+            g = fminf(g, L);
+            u = fminf(fmaxf(u, -L), L);
+        }
+        wk->h1[i] = dsv4_cpu_silu(g) * u;
+    }
+    dsv4_cpu_linear(c, w2, wk->h1, y);
+}
+
+void dsv4_cpu_moe(const struct dsv4_cpu_ctx *c, const struct dsv4_ffn *ffn, const float *xn,
+                  int32_t token, float *out)
+{
+    const struct dsv4_config *cfg = c->cfg;
+    struct dsv4_cpu_work *wk = c->wk;
+    int E = cfg->n_experts, K = cfg->n_experts_per_tok, D = cfg->dim;
+    int idx[DSV4_MAX_TOPK];
+    float wt[DSV4_MAX_TOPK];
+
+    dsv4_cpu_linear(c, &ffn->gate, xn, wk->router);
+    for (int e = 0; e < E; e++)
+        wk->router[e] = sqrtf(softplus(wk->router[e]));
+
+    if (ffn->type == DSV4_MLP_HASH) {
+        for (int k = 0; k < K; k++)
+            idx[k] = ffn->tid2eid[(size_t)token * K + k];
+    } else {
+        /* Top-k by score + bias; ties keep the lower expert. */
+        for (int e = 0; e < E; e++)
+            wk->rsel[e] = wk->router[e] + (ffn->gate_bias ? ffn->gate_bias[e] : 0.0f);
+        for (int k = 0; k < K; k++) {
+            int best = -1;
+            for (int e = 0; e < E; e++)
+                if (wk->rsel[e] != -INFINITY && (best < 0 || wk->rsel[e] > wk->rsel[best]))
+                    best = e;
+            idx[k] = best;
+            wk->rsel[best] = -INFINITY;
+        }
+    }
+    float sum = 0.0f;
+    for (int k = 0; k < K; k++) {
+        wt[k] = wk->router[idx[k]];
+        sum += wt[k];
+    }
+    for (int k = 0; k < K; k++)
+        wt[k] = wt[k] / (sum + 1e-20f) * (float)cfg->routed_scaling_factor;
+
+    /* transformers adds the experts' outputs in ascending expert order, then the shared expert. */
+    memset(out, 0, (size_t)D * sizeof(float));
+    for (int e = 0; e < E; e++) {
+        for (int k = 0; k < K; k++) {
+            if (idx[k] != e)
+                continue;
+            swiglu(c, &ffn->w1[e], &ffn->w3[e], &ffn->w2[e], xn, wk->eout);
+            for (int d = 0; d < D; d++)
+                out[d] += wk->eout[d] * wt[k];
+        }
+    }
+    swiglu(c, &ffn->sw1, &ffn->sw3, &ffn->sw2, xn, wk->eout);
+    for (int d = 0; d < D; d++)
+        out[d] += wk->eout[d];
+}

@@ -1,0 +1,48 @@
+/* The CUDA backend's environment switches: one table, read from the environment in one place
+ * (kernels/switches.c), every value checked (an unknown one is refused with the values allowed),
+ * named in the boot log. Each switch exists for comparisons and tests; the defaults are what
+ * serving runs. README.md and dsv4d(8) list exactly these (tests/unit/test_cuda_switches.c). */
+#ifndef DSV4_KERNELS_SWITCHES_H
+#define DSV4_KERNELS_SWITCHES_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DSV4_CUDA_PREFETCH_KB_DEFAULT 8192
+#define DSV4_CUDA_PREFETCH_KB_MAX (1 << 20)     /* 1 GiB */
+
+struct dsv4_cuda_switches {
+    bool graphs;                /* DSV4_CUDA_GRAPHS: replay captured graphs (0: eager launches) */
+    bool gemm;                  /* DSV4_CUDA_GEMM: tensor-core linears (0: GEMV only) */
+    int gemm_stages;            /* DSV4_CUDA_GEMM_STAGES: 4 (the most that fit, else 2) or 2 */
+    int64_t gemm_prefetch_kb;   /* DSV4_CUDA_GEMM_PREFETCH_KB: a GEMM's first-wave weight prefetch, 0 off */
+    bool pdl;                   /* DSV4_CUDA_PDL: programmatic dependent launch where the image has it */
+    bool sample;                /* DSV4_CUDA_SAMPLE: sample on the device (0: on the host) */
+    bool moe_mma;               /* DSV4_CUDA_MOE_MMA: tensor-core routed experts (0: FMA) */
+    bool branches;              /* DSV4_CUDA_BRANCHES: a layer's branches on a second stream */
+    bool log;                   /* DSV4_CUDA_LOG: the boot log on stderr */
+};
+
+/* The switches as the environment sets them (unset: the default). -EINVAL with a message naming
+ * the variable, its value and the values allowed; *ret then holds the defaults. */
+int dsv4_cuda_switches_read(struct dsv4_cuda_switches *ret);
+
+/* "DSV4_CUDA_GRAPHS=1 DSV4_CUDA_GEMM=1 ..." for the boot log; truncated to len (a buffer of
+ * DSV4_CUDA_SWITCH_LINE holds it whole). */
+#define DSV4_CUDA_SWITCH_LINE 256
+void dsv4_cuda_switches_describe(const struct dsv4_cuda_switches *sw, char *buf, size_t len);
+
+/* The table's variable names, for the documentation check: i in [0, dsv4_cuda_switch_count()). */
+int dsv4_cuda_switch_count(void);
+const char *dsv4_cuda_switch_name(int i);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

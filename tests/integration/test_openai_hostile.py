@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""dsv4-openai under stress: a client that leaves mid-stream (or mid-wait) frees its dsv4d slot;
+hostile HTTP (a huge Content-Length, a chunked body without end, bodies that are not JSON, wrong types
+in every field, 500 idle connections, a header sent one byte a second, an oversized header) leaves it
+serving; and DSML tool calls, whole and streamed, from a scripted dsv4d that also shows the prompt
+parts the front sends."""
+
+import json
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+
+from dsv4d_harness import TIMEOUT, Client, Daemon, Tap, program, tokens_bin
+
+t = Tap()
+if not os.path.exists(program("dsv4-openai")):
+    t.skip_all("dsv4-openai was not built (configure found no libmicrohttpd)")
+import msgpack  # noqa: E402
+from openai_harness import FIXTURE, KEY, MODEL, Q391, Front, chat, http, raw  # noqa: E402
+
+REQUEST_TIMEOUT = 3
+
+
+def wait_stats(c, cond, timeout=20):
+    """dsv4d's stats once cond(stats) holds, or the last ones after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        err, st = c.call("stats")
+        if err is None and cond(st) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def post(front, body, path="/v1/chat/completions"):
+    data = json.dumps(body).encode()
+    return ("POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\n"
+            "Content-Length: %d\r\n\r\n" % (path, KEY, len(data))).encode() + data
+
+
+def leave_mid_request(t, front, c, stream):
+    """Send a long generation, leave once dsv4d works on it, check the slot is freed early."""
+    st0 = wait_stats(c, lambda s: s["slots_busy"] == 0)
+    s = socket.create_connection(("127.0.0.1", front.port), timeout=TIMEOUT)
+    s.sendall(post(front, {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3000, "stream": stream}))
+    if stream:
+        got = b""
+        while b"data: " not in got:
+            got += s.recv(4096)
+    st1 = wait_stats(c, lambda x: x["slots_busy"] == 1)
+    s.close()
+    st2 = wait_stats(c, lambda x: x["slots_busy"] == 0)
+    what = "streamed" if stream else "whole"
+    t.ok(st1["slots_busy"] == 1 and st2["slots_busy"] == 0
+         and st2["requests_cancelled"] == st0["requests_cancelled"] + 1
+         and st2["generated_tokens_total"] - st0["generated_tokens_total"] < 3000,
+         "a client leaving a %s request cancels it in dsv4d: the slot is free, %d of 3000 tokens made" %
+         (what, st2["generated_tokens_total"] - st0["generated_tokens_total"]), (st0, st1, st2, front.log_text()))
+
+
+def status_of(response):
+    line = response.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = line.split(" ")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
+# ---- a scripted dsv4d: answers with DSML tool calls, records what it was sent -----------------------
+
+REPLY = ("Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+         "<｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n"
+         "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+         "<｜DSML｜invoke name=\"get_weather\">\n"
+         "<｜DSML｜parameter name=\"city\" string=\"true\">Tōkyō \"east\"</｜DSML｜parameter>\n"
+         "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+
+
+class ScriptedDsv4d:
+    def __init__(self, path):
+        self.path = path
+        self.requests = []
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(16)
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def send(conn, obj):
+        body = msgpack.packb(obj, use_bin_type=True)
+        conn.sendall(struct.pack(">I", len(body)) + body)
+
+    def serve(self, conn):
+        buf = b""
+        while True:
+            while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
+                b = conn.recv(65536)
+                if not b:
+                    return
+                buf += b
+            n = struct.unpack(">I", buf[:4])[0]
+            msg = msgpack.unpackb(buf[4:4 + n], raw=False)
+            buf = buf[4 + n:]
+            _, msgid, method, params = msg
+            p = params[0] if isinstance(params, list) and params else params
+            if method != "generate":
+                self.send(conn, [1, msgid, {"code": 200, "name": "unknown_method", "message": "scripted"}, None])
+                continue
+            self.requests.append(p)
+            # The reply in pieces that cut its markers anywhere, as tokens do.
+            pieces = [REPLY[i:i + 7] for i in range(0, len(REPLY), 7)]
+            if p.get("stream"):
+                for i, piece in enumerate(pieces):
+                    self.send(conn, [2, "token", [{"msgid": msgid, "token": i, "text": piece}]])
+            self.send(conn, [1, msgid, None, {"text": REPLY, "tokens": tokens_bin(list(range(len(pieces)))),
+                                              "finish_reason": "stop",
+                                              "usage": {"prompt_tokens": 42, "completion_tokens": len(pieces),
+                                                        "total_tokens": 42 + len(pieces)}}])
+
+    def close(self):
+        self.srv.close()
+
+
+tmp = tempfile.TemporaryDirectory(prefix="dsv4-openai-hostile-")
+d = Daemon(args=["--max-batch", "4", "--max-context", "4096"], model=MODEL, tokenizer=False, endless=True)
+front = fake_front = fake = None
+try:
+    t.ok(d.start(), "dsv4d is ready (models/default, end of sentence disabled: answers run to max_tokens)",
+         d.log_text())
+    c = Client(d.sock_path)
+    front = Front(d.sock_path, tmp.name, ["--request-timeout", str(REQUEST_TIMEOUT), "--max-body", "65536",
+                                          "--max-header", "16384"])
+    t.ok(front.wait_ready(), "dsv4-openai is up", front.log_text())
+
+    # ---- leaving
+    leave_mid_request(t, front, c, stream=True)
+    leave_mid_request(t, front, c, stream=False)
+    _, _, body = http(front, "GET", "/metrics")
+    t.ok("dsv4_openai_disconnects_total 2" in body.decode(), "metrics count the two clients that left", body)
+
+    # ---- hostile HTTP
+    r = raw(front, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Length: 99999999999999\r\n\r\n")
+    t.ok(status_of(r) == 413 and b'"code":"body_too_large"' in r, "a huge Content-Length: 413 before any body", r)
+    r = raw(front, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Length: 70000\r\n\r\n" + b"x" * 70000)
+    t.ok(status_of(r) == 413, "a body above --max-body: 413", r[:300])
+
+    s = socket.create_connection(("127.0.0.1", front.port), timeout=TIMEOUT)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+              b"\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+    t0 = time.monotonic()
+    status, _, _ = http(front, "GET", "/health")
+    t.ok(status == 200, "serving while a chunked body has no end", status)
+    s.settimeout(REQUEST_TIMEOUT + 5)
+    try:
+        got = s.recv(4096)
+    except (socket.timeout, ConnectionError):
+        got = None
+    t.ok(got == b"" and time.monotonic() - t0 < REQUEST_TIMEOUT + 4,
+         "a chunked body without end is cut off after --request-timeout (%.1f s)" % (time.monotonic() - t0), got)
+    s.close()
+
+    for body in [b"{", b"[1, 2]", b"\xff\xfe{}", b"", b'{"messages": [{"role": "user", "content": "x"}]'
+                 + b"}" * 3, b"null"]:
+        status, _, out = http(front, "POST", "/v1/chat/completions", body)
+        t.ok(status == 400 and json.loads(out)["error"]["type"] == "invalid_request_error",
+             "not a JSON object (%r): 400" % body[:20], out)
+
+    base = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    wrong = {
+        "model": 5, "messages": "hi", "stream": "yes", "stream_options": [], "max_tokens": "10",
+        "max_completion_tokens": 1.5, "temperature": "hot", "top_p": [], "top_k": 0.5, "min_p": {}, "seed": "42",
+        "presence_penalty": True, "frequency_penalty": "0", "repetition_penalty": [1], "stop": 7, "logprobs": 1,
+        "top_logprobs": "3", "n": "1", "tools": {}, "tool_choice": 3, "chat_template_kwargs": "thinking",
+        "reasoning_effort": 2, "response_format": "json", "stop_token_ids": "1", "user": 9, "logit_bias": [],
+        "best_of": "1",
+    }
+    bad_fields = []
+    for field, value in wrong.items():
+        status, _, out = http(front, "POST", "/v1/chat/completions", dict(base, **{field: value}))
+        err = json.loads(out).get("error", {}) if out else {}
+        if not (status == 400 and (err.get("param") or "").split(".")[0] == field):
+            bad_fields.append((field, status, err))
+    t.ok(not bad_fields, "a wrong type in each of %d fields: 400 naming the field" % len(wrong), bad_fields)
+    bad_msgs = [[{"role": 5, "content": "x"}], [{"role": "user", "content": {"a": 1}}], [7], [{"content": "x"}],
+                [{"role": "assistant", "content": "x", "tool_calls": "f"}], [{"role": "tool", "content": "x",
+                                                                                "tool_call_id": 3}],
+                [{"role": "assistant", "reasoning_content": 1}], [{"role": "user", "content": [{"type": "image_url"}]}]]
+    bad_fields = []
+    for m in bad_msgs:
+        status, _, out = http(front, "POST", "/v1/chat/completions", dict(base, messages=m))
+        err = json.loads(out).get("error", {})
+        if not (status == 400 and err.get("param") == "messages" and "messages" in err.get("message", "")):
+            bad_fields.append((m, status, err))
+    t.ok(not bad_fields, "a wrong type inside messages: 400 naming the message", bad_fields)
+    for field, value in {"prompt": {"a": 1}, "echo": "no", "logprobs": True, "suffix": 3}.items():
+        status, _, out = http(front, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
+        t.ok(status == 400 and json.loads(out)["error"]["param"] == field, "completions: wrong %s: 400" % field, out)
+
+    idle = [socket.create_connection(("127.0.0.1", front.port), timeout=TIMEOUT) for _ in range(500)]
+    r = chat(front, Q391, temperature=0, max_tokens=3)
+    status, _, _ = http(front, "GET", "/health")
+    t.ok(r.choices[0].message.content.startswith("391") and status == 200,
+         "500 idle connections open: still answering", r.choices[0].message)
+    for s in idle:
+        s.close()
+
+    drip = socket.create_connection(("127.0.0.1", front.port), timeout=TIMEOUT)
+    header = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 64
+    closed_after = None
+    served = []
+
+    def other():
+        time.sleep(1.5)
+        served.append(http(front, "GET", "/health")[0])
+    th = threading.Thread(target=other)
+    th.start()
+    t0 = time.monotonic()
+    for i in range(len(header)):
+        try:
+            drip.sendall(header[i:i + 1])
+            drip.settimeout(1.0)
+            if drip.recv(1) == b"":
+                closed_after = time.monotonic() - t0
+                break
+        except socket.timeout:
+            continue
+        except ConnectionError:
+            closed_after = time.monotonic() - t0
+            break
+    th.join()
+    drip.close()
+    t.ok(closed_after is not None and closed_after < REQUEST_TIMEOUT + 3 and served == [200],
+         "a header sent one byte a second is cut off after --request-timeout (%s s), others served meanwhile" %
+         (closed_after and "%.1f" % closed_after), (closed_after, served))
+
+    r = raw(front, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 40000 + b"\r\n\r\n")
+    t.ok(r == b"" or status_of(r) in (400, 413, 431), "a header above --max-header is refused", r[:200])
+
+    r = chat(front, Q391, temperature=0, max_tokens=3)
+    t.ok(r.choices[0].message.content.startswith("391") and front.proc.poll() is None,
+         "after all of it the front still serves", r.choices[0].message)
+
+    # ---- DSML tool calls from a scripted dsv4d
+    fake = ScriptedDsv4d(os.path.join(tmp.name, "scripted.sock"))
+    fake_front = Front(fake.path, tmp.name, ["--model-name", "scripted"])
+    case = next(x for x in FIXTURE["encode"] if x["name"] == "tools, chat")
+    r = fake_front.client.chat.completions.create(model="scripted", messages=case["messages"], tools=case["tools"])
+    m = r.choices[0].message
+    want = [("get_weather", '{"city": "Paris", "days": 3}'), ("get_weather", '{"city": "Tōkyō \\"east\\""}')]
+    t.ok(r.choices[0].finish_reason == "tool_calls" and m.content == "Let me check."
+         and [(x.function.name, x.function.arguments) for x in m.tool_calls] == want
+         and all(x.id.startswith("call_") and x.type == "function" for x in m.tool_calls)
+         and len({x.id for x in m.tool_calls}) == 2 and r.usage.prompt_tokens == 42,
+         "tool calls: the DSML reply comes back as tool_calls, finish_reason tool_calls", r)
+    p = fake.requests[-1]
+    parts = p.get("prompt_parts", [])
+    t.ok("".join(parts) == case["prompt"] and p.get("add_bos") is False
+         and any("Weather in Paris?" == x for x in parts[1::2]) and not any("<｜" in x for x in parts[1::2])
+         and "<｜User｜>" in "".join(parts[0::2]),
+         "tool calls: dsv4d is sent DeepSeek's encoding as parts, message text only in literal parts", p)
+    stream = list(fake_front.client.chat.completions.create(model="scripted", messages=case["messages"],
+                                                            tools=case["tools"], stream=True))
+    calls = {}
+    deltas = 0
+    for ch in stream:
+        for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            deltas += 1
+            e = calls.setdefault(tc.index, {"id": None, "name": "", "args": ""})
+            if tc.id:
+                e["id"] = tc.id
+            if tc.function and tc.function.name:
+                e["name"] += tc.function.name
+            if tc.function and tc.function.arguments:
+                e["args"] += tc.function.arguments
+    content = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    finish = [ch.choices[0].finish_reason for ch in stream if ch.choices and ch.choices[0].finish_reason]
+    t.ok([(calls[i]["name"], calls[i]["args"]) for i in sorted(calls)] == want and content == "Let me check."
+         and finish == ["tool_calls"] and deltas >= 5 and all(calls[i]["id"] for i in calls),
+         "tool calls streamed: name first, then the arguments a parameter at a time (%d deltas)" % deltas,
+         [str(x) for x in stream])
+    r = fake_front.client.chat.completions.create(model="scripted", messages=case["messages"])
+    t.ok(r.choices[0].message.tool_calls is None and r.choices[0].message.content == REPLY
+         and r.choices[0].finish_reason == "stop", "without tools, DSML in the reply is only text", r)
+finally:
+    for f in (front, fake_front):
+        if f:
+            rc = f.stop()
+            t.ok(rc == 0, "dsv4-openai stops cleanly", (rc, f.log_text()[-3000:]))
+    if fake:
+        fake.close()
+    d.stop()
+    d.close()
+t.done()
