@@ -25,7 +25,7 @@ int64_t dsv4_cuda_step_slot_layout(const struct dsv4_config *c, const struct dsv
 /* Entries of a slot's window ring: position p lives at p % ring. */
 int dsv4_cuda_step_ring_entries(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
 
-/* KV entry formats: f32 (exact numerics); the official FP8 entry (SPEC §5: nope e4m3 in 1x64 UE8M0
+/* KV entry formats: f32 (exact numerics); the official FP8 entry (doc/MODEL.md §5.2: nope e4m3 in 1x64 UE8M0
  * blocks, RoPE values bf16; 584 B at head_dim 512, rope 64). */
 enum { DSV4_KV_F32 = 0, DSV4_KV_FP8 = 1 };
 int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf);

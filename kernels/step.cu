@@ -1,4 +1,4 @@
-/* The CUDA backend (engine/backend.h): the whole decode step of SPEC §3 batched over slots, one CUDA
+/* The CUDA backend (engine/backend.h): the whole decode step of doc/MODEL.md §3 batched over slots, one CUDA
  * graph per batch bucket captured at create, caches in the official layout.
  *
  * Boot: the device arena holds the weights, (max_batch + 1) slots of caches (the extra slot takes
@@ -260,7 +260,7 @@ size_t dsv4_cuda_step_workspace_bytes(const struct dsv4_config *c, const struct 
     return (size_t)buffers(c, o, NULL, NULL) + DSV4_CUDA_ARENA_ALIGN;
 }
 
-/* Inverse frequencies as transformers computes them in f32 (SPEC §3: YaRN ramp, no mscale). */
+/* Inverse frequencies as transformers computes them in f32 (doc/MODEL.md §3.1: YaRN ramp, no mscale). */
 static void inv_freq(const struct dsv4_rope *p, int rd, float *out)
 {
     const float base = (float)p->theta;
