@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Prefix-cache records of a CPU sequence (engine/backend.h says what a block record and a boundary
  * record hold). A record is a list of segments, each a span of the sequence's f32 caches, packed
  * into pool pages in order: a segment that would cross the end of a page starts the next page, so
