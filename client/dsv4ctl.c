@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4ctl: the dsv4d daemon from the shell (generate, info, stats, health, tokenize, detokenize,
  * bench).
  * Exit codes are documented in doc/dsv4ctl.1 and in usage(); scripts rely on them. */

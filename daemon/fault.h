@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Test-only fault injection: with DSV4_TEST_FAULT_AFTER_DECODES=N in the environment, the backend is
  * wrapped so that its decode calls after the first N fail the way a GPU with a sticky error does:
  * -ENOTRECOVERABLE, and from then on every compute call fails the same way. It exercises the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The prompt worker: one thread that tokenizes large prompts off the io thread, so a client sending
  * megabytes of text does not stall everyone else's requests (a 4 MiB prompt takes about a second to
  * encode). The io thread submits jobs and watches fd(); each job comes back through take_done() in

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Sticky CUDA errors. After one of these (a kernel that faulted, an uncorrectable ECC error) the
  * context is unusable: every later call fails the same way. The backend then reports
  * -ENOTRECOVERABLE (engine/backend.h) so the engine ends every request and dsv4d exits to be

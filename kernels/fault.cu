@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The test-only device fault of cuda_fault.cuh. */
 #include <stdint.h>
 #include <stdlib.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Private to protocol/: msgpack-c packing into frames and typed reads of unpacked fields.
  * Not installed and not for the daemon or the client: they use protocol/message.h. */
 #ifndef DSV4_PROTOCOL_WIRE_H

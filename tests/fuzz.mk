@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # tests/fuzz: libFuzzer targets, built with $(FUZZ_CC) (clang, found by configure or given with
 # --enable-fuzz=CLANG) under ASan and UBSan from the sources they test, whatever compiler builds the
 # rest. make check runs each for $(DSV4_FUZZ_SECONDS) over its committed seeds and regression inputs

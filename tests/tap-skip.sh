@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # Runs one test for automake's TAP driver (LOG_COMPILER). cmocka 1.1.5 (Debian 12) prints a skipped
 # test as "not ok N # SKIP", which TAP, and the driver, count as a failure; a skip is "ok N # SKIP".
 # The test's output passes through with that one form rewritten; its exit status is kept.

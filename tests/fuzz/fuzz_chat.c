@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libFuzzer target for the chat format (engine/text/chat.c). The first input byte picks the mode (bit 0:
  * thinking) and the form of the rest:
  *   bit 1 clear: ids, 3 bytes each modulo the vocab size: dsv4_chat_parse_ids() and the stream

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libFuzzer target for config.json parsing (engine/model/config.c): both spellings (transformers' and
  * DeepSeek's inference config). The input is the file's text. A config that parses must hold what
  * the loader and the backends divide and index by: positive sizes, layers within DSV4_MAX_LAYERS,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libFuzzer target for the receiving side of the protocol: the frame reader, the pre-validator, the
  * message decoder and every typed decoder. The first input byte sets how many bytes each simulated
  * recv() delivers (1..256); the rest is the byte stream a peer sends. Checks:

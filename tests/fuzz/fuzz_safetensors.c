@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libFuzzer target for the safetensors header parser (engine/model/safetensors.c). The input is the whole
  * file: written as model.safetensors into a private directory (under /dev/shm when it exists) and
  * opened with dsv4_st_open(), as the loader does. Every tensor of a file that opens must be found by

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # make check: run each libFuzzer target (tests/fuzz.mk builds them with clang, ASan and UBSan) for
 # $DSV4_FUZZ_SECONDS (default 15) over its committed seeds and regression inputs, one TAP line each.
 # Skips when configure found no clang that links libFuzzer (--enable-fuzz), and in the sanitizer

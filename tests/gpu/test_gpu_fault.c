@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: a sticky device fault at run time. DSV4_TEST_CUDA_FAULT_AFTER_DECODES makes the CUDA backend
  * launch a kernel that writes to an invalid address after the given number of decode steps (a real
  * cudaErrorIllegalAddress, which poisons the context); the backend must report it as the fatal

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # The documentation says what the binary does: the config path dsv4d(8) names is the one dsv4d reads
 # (the configured sysconfdir), `--config ""` renders with its quotes, allow_groups is described the
 # same way in the man page and the installed config file, and a --listen directory that does not
@@ -13,6 +14,7 @@ conf=$top_builddir/units/dsv4d.conf
 path=$("$top_builddir/dsv4d" --help | sed -n 's/.*(default \([^;]*\); "" for none).*/\1/p')
 [ -n "$path" ]; ok $? "dsv4d --help names its config file ($path)"
 grep -q "^\.I $path\$" "$man8"; ok $? "dsv4d(8) names the same file"
+head -1 "$conf" | grep -q "^# $path:"; ok $? "so does the installed dsv4d.conf"
 others=$(grep -o "[^ ]*/dsv4d/dsv4d\.conf" "$man8" | grep -v -x -F "$path")
 [ -z "$others" ]; ok $? "dsv4d(8) names no other config path ($others)"
 if command -v nroff >/dev/null 2>&1; then

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # Skips stay skips where the optional test dependencies are absent: a cmocka test whose cases skip
 # (test_chat without the V4 tokenizer.json), run as make check runs it, prints "ok N # SKIP" and no
 # "not ok"; an integration test without the Python msgpack (or openai) module skips as a whole
