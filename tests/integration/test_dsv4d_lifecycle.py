@@ -201,6 +201,9 @@ try:
         t.ok(err is None and h["status"] == "ready" and "no usable GPU" in (h.get("reason") or ""),
              "--backend auto without a GPU says so in health", h)
         t.ok("no usable GPU" in d.log_text() and "<4>" in d.log_text(), "... and in the log, as a warning")
+        t.ok((h.get("reason") or "").count("no usable GPU") == 1 and
+             all(line.count("no usable GPU") <= 1 for line in d.log_text().splitlines()),
+             "... once, not 'no usable GPU (no usable GPU: ...)'", (h, d.log_text()[-1500:]))
     # A second daemon on the same path must refuse to take it over.
     out = run_dsv4d(d.tmp, d.sock_path)
     t.ok(out.returncode != 0 and "another server" in out.stderr, "a live socket is refused", out.stderr)
