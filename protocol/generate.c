@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "protocol/wire.h"
+#include "protocol/message_codec.h"
 
 #define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -19,6 +19,93 @@ static const char *const role_names[] = {
 const char *dsv4_proto_role_name(enum dsv4_proto_role r)
 {
     return (unsigned)r < ARRAY_SIZE(role_names) ? role_names[r] : "user";
+}
+
+/* ---- the chat-message list (message_codec.h) ---- */
+
+static const char *const message_keys[] = { "role", "content" };
+
+int dsv4_proto_read_chat_messages(const msgpack_object *o, const char *ctx, struct dsv4_proto_chat_message **ret,
+                                  uint32_t *ret_n, struct dsv4_proto_error *err)
+{
+    *ret = NULL;
+    *ret_n = 0;
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: messages must be an array of maps", ctx);
+    uint32_t n = o->via.array.size;
+    if (n == 0)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: messages is empty", ctx);
+    if (n > DSV4_PROTO_MAX_MESSAGES)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_MESSAGES, "%s: %u messages, above the limit %u",
+                                    ctx, n, DSV4_PROTO_MAX_MESSAGES);
+    struct dsv4_proto_chat_message *m = calloc(n, sizeof(*m));
+    if (!m)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "%s: no memory for %u messages", ctx, n);
+    int rc = 0;
+    for (uint32_t i = 0; i < n && rc == 0; i++) {
+        const msgpack_object *mo = &o->via.array.ptr[i];
+        char field[48];
+        snprintf(field, sizeof(field), "messages[%u]", i);
+        if (mo->type != MSGPACK_OBJECT_MAP) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a map {role, content}", ctx,
+                                      field);
+            break;
+        }
+        rc = dsv4_wire_check_keys(mo, message_keys, 2, true, ctx, err);
+        if (rc)
+            break;
+        const msgpack_object *role = dsv4_wire_get(mo, "role"), *content = dsv4_wire_get(mo, "content");
+        if (!role || !content) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_MISSING_FIELD, "%s: %s has no %s", ctx, field,
+                                      role ? "content" : "role");
+            break;
+        }
+        if (role->type != MSGPACK_OBJECT_STR) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s.role must be a string", ctx, field);
+            break;
+        }
+        int r = -1;
+        for (int k = DSV4_PROTO_ROLE_SYSTEM; k <= DSV4_PROTO_ROLE_ASSISTANT; k++) {
+            const char *name = dsv4_proto_role_name((enum dsv4_proto_role)k);
+            if (role->via.str.size == strlen(name) && memcmp(role->via.str.ptr, name, role->via.str.size) == 0)
+                r = k;
+        }
+        if (r < 0) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_ROLE,
+                                      "%s: %s.role must be system, user or assistant", ctx, field);
+            break;
+        }
+        m[i].role = (enum dsv4_proto_role)r;
+        rc = dsv4_wire_read_str(content, ctx, "content", 0, &m[i].content, &m[i].content_len, err);
+    }
+    if (rc) {
+        dsv4_proto_free_chat_messages(m, n);
+        return rc;
+    }
+    *ret = m;
+    *ret_n = n;
+    return 0;
+}
+
+void dsv4_proto_free_chat_messages(struct dsv4_proto_chat_message *m, uint32_t n)
+{
+    if (!m)
+        return;
+    for (uint32_t i = 0; i < n; i++)
+        free(m[i].content);
+    free(m);
+}
+
+void dsv4_proto_pack_chat_messages(msgpack_packer *pk, const struct dsv4_proto_chat_message *m, uint32_t n)
+{
+    msgpack_pack_array(pk, n);
+    for (uint32_t i = 0; i < n; i++) {
+        msgpack_pack_map(pk, 2);
+        dsv4_wire_key(pk, "role");
+        dsv4_wire_cstr(pk, dsv4_proto_role_name(m[i].role));
+        dsv4_wire_key(pk, "content");
+        dsv4_wire_str(pk, m[i].content ? m[i].content : "", m[i].content ? m[i].content_len : 0);
+    }
 }
 
 static const char *const finish_names[] = {
@@ -83,12 +170,12 @@ int dsv4_proto_encode_generate(struct dsv4_proto_buf *out, uint32_t msgid, const
     uint32_t n = 10 + (s->max_tokens ? 1 : 0) + (s->has_seed ? 1 : 0) + (n_stop ? 1 : 0) + (n_ids ? 1 : 0) +
                  (s->logprobs >= 0 ? 1 : 0);
 
-    dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_GENERATE);
+    dsv4_proto_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_GENERATE);
     msgpack_pack_map(pk, n);
     switch (req->prompt_kind) {
     case DSV4_PROTO_PROMPT_MESSAGES:
         dsv4_wire_key(pk, "messages");
-        dsv4_wire_pack_messages(pk, req->messages, req->n_messages);
+        dsv4_proto_pack_chat_messages(pk, req->messages, req->n_messages);
         dsv4_wire_key(pk, "thinking");
         dsv4_wire_bool(pk, req->thinking);
         break;
@@ -299,7 +386,7 @@ int dsv4_proto_decode_generate(const struct dsv4_proto_message *msg, struct dsv4
     const char *ctx = "generate";
     const msgpack_object *map, *prompt, *messages, *tokens, *parts;
     dsv4_proto_generate_init(req);
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, generate_keys, ARRAY_SIZE(generate_keys), true, ctx, err);
     if (rc)
@@ -323,7 +410,7 @@ int dsv4_proto_decode_generate(const struct dsv4_proto_message *msg, struct dsv4
         rc = dsv4_wire_read_str(prompt, ctx, "prompt", 0, &req->prompt, &req->prompt_len, err);
     } else if (messages) {
         req->prompt_kind = DSV4_PROTO_PROMPT_MESSAGES;
-        rc = dsv4_wire_read_messages(messages, ctx, &req->messages, &req->n_messages, err);
+        rc = dsv4_proto_read_chat_messages(messages, ctx, &req->messages, &req->n_messages, err);
     } else {
         req->prompt_kind = DSV4_PROTO_PROMPT_TOKENS;
         rc = dsv4_wire_read_tokens(tokens, ctx, "tokens", false, &req->tokens, &req->n_tokens, err);
@@ -342,7 +429,7 @@ void dsv4_proto_generate_clear(struct dsv4_proto_generate *req)
     if (!req)
         return;
     free(req->prompt);
-    dsv4_wire_free_messages(req->messages, req->n_messages);
+    dsv4_proto_free_chat_messages(req->messages, req->n_messages);
     free(req->tokens);
     for (uint32_t i = 0; i < req->n_parts; i++)
         free(req->parts[i]);
@@ -473,7 +560,7 @@ int dsv4_proto_encode_token(struct dsv4_proto_buf *out, const struct dsv4_proto_
 {
     struct dsv4_wire_enc e;
     msgpack_packer *pk = &e.pk;
-    dsv4_wire_begin_notification(&e, out, DSV4_PROTO_NOTIFY_TOKEN);
+    dsv4_proto_begin_notification(&e, out, DSV4_PROTO_NOTIFY_TOKEN);
     msgpack_pack_map(pk, ev->has_logprob ? 5 : 3);
     dsv4_wire_key(pk, "msgid");
     msgpack_pack_uint32(pk, ev->msgid);
@@ -495,7 +582,7 @@ int dsv4_proto_decode_token(const struct dsv4_proto_message *msg, struct dsv4_pr
     const char *ctx = "token";
     const msgpack_object *map;
     memset(ev, 0, sizeof(*ev));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, token_keys, ARRAY_SIZE(token_keys), false, ctx, err);
     if (rc == 0 && (!dsv4_wire_get(map, "msgid") || !dsv4_wire_get(map, "token") || !dsv4_wire_get(map, "text")))
@@ -534,7 +621,7 @@ int dsv4_proto_encode_generate_result(struct dsv4_proto_buf *out, uint32_t msgid
     struct dsv4_wire_enc e;
     msgpack_packer *pk = &e.pk;
     bool has_error = res->finish_reason == DSV4_PROTO_FINISH_ERROR && res->error_message;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(pk, 5 + (has_error ? 1 : 0) + (res->logprobs ? 1 : 0));
     dsv4_wire_key(pk, "text");
     dsv4_wire_str(pk, res->text ? res->text : "", res->text ? res->text_len : 0);
@@ -608,7 +695,7 @@ int dsv4_proto_decode_generate_result(const struct dsv4_proto_message *msg,
     const msgpack_object *map, *o;
     char *finish = NULL;
     memset(res, 0, sizeof(*res));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, result_keys, ARRAY_SIZE(result_keys), false, ctx, err);
     if (rc == 0 && (!dsv4_wire_get(map, "text") || !dsv4_wire_get(map, "tokens") ||

@@ -9,7 +9,14 @@
 #include <string.h>
 
 #include "base/utf8.h"
-#include "protocol/wire.h"
+#include "protocol/message_codec.h"
+
+/* A decoded frame: msgpack-c's objects point into the copy of its payload. */
+struct dsv4_proto_unpacked {
+    uint8_t *copy;                 /* the payload; msgpack-c's str/bin objects point into it */
+    msgpack_unpacked up;
+    const msgpack_object *body;    /* params map (NULL when absent) or result */
+};
 
 #define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -171,6 +178,52 @@ void dsv4_proto_message_clear(struct dsv4_proto_message *msg)
 
 /* ---- errors ---- */
 
+/* ---- the envelope (message_codec.h) ---- */
+
+void dsv4_proto_begin_request(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid,
+                              enum dsv4_proto_method method)
+{
+    dsv4_wire_begin_frame(e, out);
+    msgpack_pack_array(&e->pk, 4);
+    msgpack_pack_uint32(&e->pk, DSV4_PROTO_REQUEST);
+    msgpack_pack_uint32(&e->pk, msgid);
+    dsv4_wire_cstr(&e->pk, dsv4_proto_method_name(method));
+    msgpack_pack_array(&e->pk, 1);
+}
+
+void dsv4_proto_begin_response(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid)
+{
+    dsv4_wire_begin_frame(e, out);
+    msgpack_pack_array(&e->pk, 4);
+    msgpack_pack_uint32(&e->pk, DSV4_PROTO_RESPONSE);
+    msgpack_pack_uint32(&e->pk, msgid);
+    msgpack_pack_nil(&e->pk);
+}
+
+void dsv4_proto_begin_notification(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out,
+                                   enum dsv4_proto_method method)
+{
+    dsv4_wire_begin_frame(e, out);
+    msgpack_pack_array(&e->pk, 3);
+    msgpack_pack_uint32(&e->pk, DSV4_PROTO_NOTIFICATION);
+    dsv4_wire_cstr(&e->pk, dsv4_proto_method_name(method));
+    msgpack_pack_array(&e->pk, 1);
+}
+
+int dsv4_proto_body_map(const struct dsv4_proto_message *msg, const char *ctx, const msgpack_object **ret,
+                        struct dsv4_proto_error *err)
+{
+    const msgpack_object *b = msg->body ? msg->body->body : NULL;
+    *ret = NULL;
+    if (!b)
+        return 0;
+    if (b->type != MSGPACK_OBJECT_MAP)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a map", ctx,
+                                    msg->kind == DSV4_PROTO_RESPONSE ? "result" : "params");
+    *ret = b;
+    return 0;
+}
+
 static void pack_error_map(msgpack_packer *pk, int code, const char *message)
 {
     msgpack_pack_map(pk, 3);
@@ -199,7 +252,7 @@ int dsv4_proto_encode_error(struct dsv4_proto_buf *out, uint32_t msgid, int code
 int dsv4_proto_encode_error_notification(struct dsv4_proto_buf *out, int code, const char *message)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_notification(&e, out, DSV4_PROTO_NOTIFY_ERROR);
+    dsv4_proto_begin_notification(&e, out, DSV4_PROTO_NOTIFY_ERROR);
     pack_error_map(&e.pk, code, message);
     return dsv4_wire_end(&e);
 }
@@ -208,7 +261,7 @@ int dsv4_proto_decode_error_notification(const struct dsv4_proto_message *msg,
                                          struct dsv4_proto_error *out, struct dsv4_proto_error *err)
 {
     const msgpack_object *map;
-    int rc = dsv4_wire_body_map(msg, "error", &map, err);
+    int rc = dsv4_proto_body_map(msg, "error", &map, err);
     if (rc)
         return rc;
     if (!map)
@@ -223,7 +276,7 @@ static const char *const hello_keys[] = { "protocol", "client" };
 int dsv4_proto_encode_hello(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_hello *req)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_HELLO);
+    dsv4_proto_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_HELLO);
     msgpack_pack_map(&e.pk, req->client ? 2 : 1);
     dsv4_wire_key(&e.pk, "protocol");
     msgpack_pack_uint32(&e.pk, req->protocol);
@@ -239,7 +292,7 @@ int dsv4_proto_decode_hello(const struct dsv4_proto_message *msg, struct dsv4_pr
 {
     const msgpack_object *map;
     memset(req, 0, sizeof(*req));
-    int rc = dsv4_wire_body_map(msg, "hello", &map, err);
+    int rc = dsv4_proto_body_map(msg, "hello", &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, hello_keys, ARRAY_SIZE(hello_keys), true, "hello", err);
     if (rc)
@@ -303,7 +356,7 @@ int dsv4_proto_encode_hello_result(struct dsv4_proto_buf *out, uint32_t msgid,
 {
     struct dsv4_wire_enc e;
     msgpack_packer *pk = &e.pk;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(pk, 7);
     pack_kv_u32(pk, "protocol", res->protocol);
     pack_kv_str(pk, "server", res->server);
@@ -389,7 +442,7 @@ int dsv4_proto_decode_hello_result(const struct dsv4_proto_message *msg, struct 
     memset(res, 0, sizeof(*res));
     res->model.bos_id = -1;
     res->model.eos_id = -1;
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, hello_result_keys, ARRAY_SIZE(hello_result_keys), false, ctx, err);
     if (rc == 0 && (!dsv4_wire_get(map, "protocol") || !dsv4_wire_get(map, "server")))
@@ -426,7 +479,7 @@ static const char *const cancel_result_keys[] = { "cancelled" };
 int dsv4_proto_encode_cancel(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_cancel *req)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_CANCEL);
+    dsv4_proto_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_CANCEL);
     msgpack_pack_map(&e.pk, 1);
     pack_kv_u32(&e.pk, "msgid", req->msgid);
     return dsv4_wire_end(&e);
@@ -437,7 +490,7 @@ int dsv4_proto_decode_cancel(const struct dsv4_proto_message *msg, struct dsv4_p
 {
     const msgpack_object *map, *o;
     memset(req, 0, sizeof(*req));
-    int rc = dsv4_wire_body_map(msg, "cancel", &map, err);
+    int rc = dsv4_proto_body_map(msg, "cancel", &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, cancel_keys, ARRAY_SIZE(cancel_keys), true, "cancel", err);
     if (rc)
@@ -450,7 +503,7 @@ int dsv4_proto_decode_cancel(const struct dsv4_proto_message *msg, struct dsv4_p
 int dsv4_proto_encode_cancel_result(struct dsv4_proto_buf *out, uint32_t msgid, bool cancelled)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(&e.pk, 1);
     dsv4_wire_key(&e.pk, "cancelled");
     dsv4_wire_bool(&e.pk, cancelled);
@@ -462,7 +515,7 @@ int dsv4_proto_decode_cancel_result(const struct dsv4_proto_message *msg, bool *
 {
     const msgpack_object *map;
     *cancelled = false;
-    int rc = dsv4_wire_body_map(msg, "cancel result", &map, err);
+    int rc = dsv4_proto_body_map(msg, "cancel result", &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, cancel_result_keys, 1, false, "cancel result", err);
     if (rc == 0 && !dsv4_wire_get(map, "cancelled"))
@@ -487,11 +540,11 @@ void dsv4_proto_tokenize_init(struct dsv4_proto_tokenize *req)
 int dsv4_proto_encode_tokenize(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_tokenize *req)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_TOKENIZE);
+    dsv4_proto_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_TOKENIZE);
     msgpack_pack_map(&e.pk, 2);
     if (req->prompt_kind == DSV4_PROTO_PROMPT_MESSAGES) {
         dsv4_wire_key(&e.pk, "messages");
-        dsv4_wire_pack_messages(&e.pk, req->messages, req->n_messages);
+        dsv4_proto_pack_chat_messages(&e.pk, req->messages, req->n_messages);
         dsv4_wire_key(&e.pk, "thinking");
         dsv4_wire_bool(&e.pk, req->thinking);
     } else {
@@ -509,7 +562,7 @@ int dsv4_proto_decode_tokenize(const struct dsv4_proto_message *msg, struct dsv4
     const char *ctx = "tokenize";
     const msgpack_object *map, *text, *messages;
     dsv4_proto_tokenize_init(req);
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, tokenize_keys, ARRAY_SIZE(tokenize_keys), true, ctx, err);
     if (rc)
@@ -525,7 +578,7 @@ int dsv4_proto_decode_tokenize(const struct dsv4_proto_message *msg, struct dsv4
         rc = dsv4_wire_read_str(text, ctx, "text", 0, &req->text, &req->text_len, err);
     } else {
         req->prompt_kind = DSV4_PROTO_PROMPT_MESSAGES;
-        rc = dsv4_wire_read_messages(messages, ctx, &req->messages, &req->n_messages, err);
+        rc = dsv4_proto_read_chat_messages(messages, ctx, &req->messages, &req->n_messages, err);
     }
     if (rc == 0) rc = dsv4_wire_opt_bool(map, "add_bos", ctx, &req->add_bos, err);
     if (rc == 0) rc = dsv4_wire_opt_bool(map, "thinking", ctx, &req->thinking, err);
@@ -539,7 +592,7 @@ void dsv4_proto_tokenize_clear(struct dsv4_proto_tokenize *req)
     if (!req)
         return;
     free(req->text);
-    dsv4_wire_free_messages(req->messages, req->n_messages);
+    dsv4_proto_free_chat_messages(req->messages, req->n_messages);
     memset(req, 0, sizeof(*req));
 }
 
@@ -556,7 +609,7 @@ static int decode_tokens_map(const struct dsv4_proto_message *msg, const char *c
 {
     const msgpack_object *map, *o;
     memset(t, 0, sizeof(*t));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, tokens_keys, 1, strict, ctx, err);
     if (rc)
@@ -569,7 +622,7 @@ static int decode_tokens_map(const struct dsv4_proto_message *msg, const char *c
 int dsv4_proto_encode_tokenize_result(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_tokens *res)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     return encode_tokens_map(&e, res);
 }
 
@@ -582,7 +635,7 @@ int dsv4_proto_decode_tokenize_result(const struct dsv4_proto_message *msg, stru
 int dsv4_proto_encode_detokenize(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_tokens *req)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_DETOKENIZE);
+    dsv4_proto_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_DETOKENIZE);
     return encode_tokens_map(&e, req);
 }
 
@@ -603,7 +656,7 @@ void dsv4_proto_tokens_clear(struct dsv4_proto_tokens *t)
 int dsv4_proto_encode_detokenize_result(struct dsv4_proto_buf *out, uint32_t msgid, const char *text, size_t len)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(&e.pk, 1);
     dsv4_wire_key(&e.pk, "text");
     dsv4_wire_str(&e.pk, text ? text : "", text ? len : 0);
@@ -616,7 +669,7 @@ int dsv4_proto_decode_detokenize_result(const struct dsv4_proto_message *msg, st
     const char *ctx = "detokenize result";
     const msgpack_object *map, *o;
     memset(res, 0, sizeof(*res));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, text_keys, 1, false, ctx, err);
     if (rc)
@@ -639,7 +692,7 @@ void dsv4_proto_text_clear(struct dsv4_proto_text *t)
 static int encode_empty_request(struct dsv4_proto_buf *out, uint32_t msgid, enum dsv4_proto_method m)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_request(&e, out, msgid, m);
+    dsv4_proto_begin_request(&e, out, msgid, m);
     msgpack_pack_map(&e.pk, 0);
     return dsv4_wire_end(&e);
 }
@@ -658,7 +711,7 @@ int dsv4_proto_decode_empty_params(const struct dsv4_proto_message *msg, struct 
 {
     const char *ctx = dsv4_proto_method_name(msg->method);
     const msgpack_object *map;
-    int rc = dsv4_wire_body_map(msg, ctx ? ctx : "request", &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx ? ctx : "request", &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, NULL, 0, true, ctx ? ctx : "request", err);
     return rc;
@@ -714,7 +767,7 @@ int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, c
     msgpack_packer *pk = &e.pk;
     uint32_t nk = st->n_kernels < DSV4_PROTO_MAX_KERNELS ? st->n_kernels : DSV4_PROTO_MAX_KERNELS;
     uint32_t nb = st->n_batch_hist < DSV4_PROTO_MAX_BATCH_BUCKETS ? st->n_batch_hist : DSV4_PROTO_MAX_BATCH_BUCKETS;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(pk, ARRAY_SIZE(stat_fields) + 3);
     for (size_t i = 0; i < ARRAY_SIZE(stat_fields); i++) {
         const void *p = (const char *)st + stat_fields[i].offset;
@@ -742,7 +795,7 @@ int dsv4_proto_decode_stats_result(const struct dsv4_proto_message *msg, struct 
     const char *ctx = "stats result";
     const msgpack_object *map, *k;
     memset(st, 0, sizeof(*st));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc)
         return rc;
     /* lenient: unknown keys are a newer server's additions */
@@ -819,7 +872,7 @@ int dsv4_proto_health_from_name(const char *name)
 int dsv4_proto_encode_health_result(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_health *h)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(&e.pk, 2);
     pack_kv_str(&e.pk, "status", dsv4_proto_health_name(h->status));
     pack_kv_str(&e.pk, "reason", h->reason);
@@ -833,7 +886,7 @@ int dsv4_proto_decode_health_result(const struct dsv4_proto_message *msg, struct
     const msgpack_object *map;
     char *status = NULL;
     memset(h, 0, sizeof(*h));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, health_keys, ARRAY_SIZE(health_keys), false, ctx, err);
     if (rc == 0 && !dsv4_wire_get(map, "status"))
