@@ -251,11 +251,6 @@ const char *dsv4_host_backend_note(const struct dsv4_host *h)
     return h->backend_note;
 }
 
-const char *dsv4_host_numerics_name(const struct dsv4_host *h)
-{
-    return h->numerics;
-}
-
 int dsv4_host_max_output_tokens(const struct dsv4_host *h)
 {
     return h->max_output_tokens;

@@ -37,7 +37,6 @@ struct dsv4_sched *dsv4_host_sched(const struct dsv4_host *h);
 const char *dsv4_host_backend_name(const struct dsv4_host *h);     /* "cpu", "cuda"; "" before */
 /* Why this backend: "requested", or for auto without a usable GPU the reason ("" before). */
 const char *dsv4_host_backend_note(const struct dsv4_host *h);
-const char *dsv4_host_numerics_name(const struct dsv4_host *h);
 int dsv4_host_max_output_tokens(const struct dsv4_host *h);
 
 /* Stop the step loop (after its current step) and join the thread. When boot is still running the

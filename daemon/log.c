@@ -20,11 +20,6 @@ void dsv4_log_set_level(int level)
     atomic_store(&log_level, level);
 }
 
-int dsv4_log_get_level(void)
-{
-    return atomic_load(&log_level);
-}
-
 void dsv4_log_set_timestamps(int on)
 {
     atomic_store(&log_timestamps, on);

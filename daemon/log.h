@@ -10,7 +10,6 @@
 
 /* LOG_ERR .. LOG_DEBUG from <syslog.h>. */
 void dsv4_log_set_level(int level);
-int dsv4_log_get_level(void);
 /* "err", "warning", "notice", "info", "debug" (or 3..7) -> level; -EINVAL when unknown. */
 int dsv4_log_parse_level(const char *s);
 /* Prefix lines with a monotonic timestamp (when stderr is not the journal). */

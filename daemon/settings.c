@@ -180,7 +180,9 @@ static int parse_id_list(const char *v, bool users, uint32_t *ids, int *count, c
     return 0;
 }
 
-int dsv4_settings_set(struct dsv4_settings *s, const char *key, const char *value, const char *where)
+/* Apply one key = value; key in file spelling (max_batch) or flag spelling (max-batch).
+ * where names the origin for messages ("dsv4d.conf:12", "--max-batch"). */
+static int dsv4_settings_set(struct dsv4_settings *s, const char *key, const char *value, const char *where)
 {
     const struct opt *o = find_opt(key);
     char *field;

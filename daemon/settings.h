@@ -54,10 +54,6 @@ enum dsv4_settings_action { DSV4_SETTINGS_RUN, DSV4_SETTINGS_HELP, DSV4_SETTINGS
 
 void dsv4_settings_defaults(struct dsv4_settings *s);
 
-/* Apply one key = value; key in file spelling (max_batch) or flag spelling (max-batch).
- * where names the origin for messages ("dsv4d.conf:12", "--max-batch"). */
-int dsv4_settings_set(struct dsv4_settings *s, const char *key, const char *value, const char *where);
-
 /* Read a config file. A missing file is an error only when must_exist. */
 int dsv4_settings_load_file(struct dsv4_settings *s, const char *path, bool must_exist);
 

@@ -1,5 +1,5 @@
-# doc/: the protocol description and the man pages, installed by `make install`.
-dist_doc_DATA = doc/PROTOCOL.md
+# doc/: the model and protocol descriptions and the man pages, installed by `make install`.
+dist_doc_DATA = doc/PROTOCOL.md doc/MODEL.md
 
 # Section 1: user commands.
 dist_man1_MANS = doc/dsv4ctl.1

@@ -1,4 +1,4 @@
-/* Attention for the decode step: interleaved RoPE, the KV entry codec of SPEC §5, the window-ring
+/* Attention for the decode step: interleaved RoPE, the KV entry codec of doc/MODEL.md §5.2, the window-ring
  * store, and sparse MQA over window + compressed entries with per-head sinks, split over keys with a
  * log-sum-exp combine that also undoes RoPE on the output. The CPU twin is dsv4_cpu_attention
  * (engine/cpu_attention.c), checked through the whole decode step (tests/gpu/test_gpu_step.c); the

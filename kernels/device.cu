@@ -12,6 +12,7 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
+#include "kernels/prefix.h"
 #include "kernels/switches.h"
 
 #define DEV_VARIANTS_MAX 2048           /* bytes of the variant report */
@@ -432,7 +433,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     const struct dsv4_config *c = &w->cfg;
     struct walker wk = {};
     cudaDeviceProp prop;
-    size_t free_b = 0, total_b = 0, cache, ws, lt_ws = DSV4_CUDA_LT_WORKSPACE;
+    size_t free_b = 0, total_b = 0, cache, ws, prefix, lt_ws = DSV4_CUDA_LT_WORKSPACE;
     void *p;
 
     if (o->max_batch < 1 || o->max_batch > DSV4_CUDA_MAX_BATCH || o->max_context < 1)
@@ -457,20 +458,26 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     WALK(walk_weights(&wk, w));
     cache = align_up(dsv4_cuda_step_cache_bytes(c, o));
     ws = align_up(dsv4_cuda_step_workspace_bytes(c, o)) + align_up(lt_ws) + 2 * DSV4_CUDA_ARENA_ALIGN;
-    dev->arena_size = wk.bytes + cache + ws;
+    const int64_t pb = dsv4_cuda_prefix_bytes(c, o);
+    if (pb < 0)
+        return (int)pb;
+    prefix = align_up((size_t)pb);
+    dev->arena_size = wk.bytes + cache + ws + prefix;
     DSV4_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
     if (dev->arena_size > free_b)
         return dsv4_error_set(-ENOMEM, "cuda: device %d (%s) has %.2f GiB free; the plan needs %.2f GiB "
-                              "(weights %.2f + caches %.2f for %d slots x %d tokens + workspace %.2f): lower "
-                              "max_batch or max_context", dev->ordinal, prop.name, free_b / 1073741824.0,
-                              dev->arena_size / 1073741824.0, wk.bytes / 1073741824.0, cache / 1073741824.0,
-                              o->max_batch, o->max_context, ws / 1073741824.0);
+                              "(weights %.2f + caches %.2f for %d slots x %d tokens + workspace %.2f + prefix cache "
+                              "%.2f): lower max_batch, max_context or prefix_cache", dev->ordinal, prop.name,
+                              free_b / 1073741824.0, dev->arena_size / 1073741824.0, wk.bytes / 1073741824.0,
+                              cache / 1073741824.0, o->max_batch, o->max_context, ws / 1073741824.0,
+                              prefix / 1073741824.0);
     DSV4_CUDA_TRY(cudaMalloc(&p, dev->arena_size));
     dev->stats.device_allocs++;
     dev->arena = static_cast<uint8_t *>(p);
     dev->stats.arena_bytes = dev->arena_size;
     dev->stats.cache_bytes = cache;
     dev->stats.workspace_bytes = ws;
+    dev->stats.prefix_bytes = prefix;
 
     /* pass 2: upload, in checkpoint formats */
     dev->linears = static_cast<struct dev_linear *>(calloc(dev->cap_linears + 1, sizeof(*dev->linears)));

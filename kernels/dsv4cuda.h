@@ -108,6 +108,7 @@ struct dsv4_cuda_dev_stats {
     uint64_t weight_bytes;      /* weights as uploaded (checkpoint formats) */
     uint64_t cache_bytes;       /* per-slot caches */
     uint64_t workspace_bytes;   /* activations, scratch, cuBLASLt workspace */
+    uint64_t prefix_bytes;      /* the prefix-cache pool and its copy tables (kernels/prefix.cu) */
     uint64_t launches[DSV4_CUDA_V_COUNT];  /* per-variant launch counters (process-wide) */
     char device_name[96];
     int cc_major, cc_minor;

@@ -1,4 +1,4 @@
-/* The lightning indexer's scores and top-k selection (SPEC §3): for each row, over the complete
+/* The lightning indexer's scores and top-k selection (doc/MODEL.md §3.6): for each row, over the complete
  * compressed entries n = (pos+1)/ratio of its slot (the sequence's actual length),
  *   score_s = sum_h ReLU(q_h . k_s) dI^-0.5 (w_h nI^-0.5),
  * then the topk largest (ties: lower index) in ascending order. Rows with n <= topk take every entry

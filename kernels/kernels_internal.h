@@ -15,7 +15,17 @@
 size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
 size_t dsv4_cuda_step_workspace_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
 
-/* KV entry formats: f32 (exact numerics); the official FP8 entry (SPEC §5: nope e4m3 in 1x64 UE8M0
+/* Per-slot cache layout of one layer: byte offsets within a slot's block. */
+struct dsv4_cuda_layer_cache {
+    int64_t win, comp, ikeys, cstate, istate;
+};
+/* Bytes of one slot's caches, and each layer's offsets (lc [n_layers], or NULL). */
+int64_t dsv4_cuda_step_slot_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o,
+                                   struct dsv4_cuda_layer_cache *lc);
+/* Entries of a slot's window ring: position p lives at p % ring. */
+int dsv4_cuda_step_ring_entries(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
+
+/* KV entry formats: f32 (exact numerics); the official FP8 entry (doc/MODEL.md §5.2: nope e4m3 in 1x64 UE8M0
  * blocks, RoPE values bf16; 584 B at head_dim 512, rope 64). */
 enum { DSV4_KV_F32 = 0, DSV4_KV_FP8 = 1 };
 int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf);

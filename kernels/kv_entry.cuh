@@ -1,4 +1,4 @@
-/* The KV entry codec of SPEC §5, shared by the window store, the compressors and attention. */
+/* The KV entry codec of doc/MODEL.md §5.2, shared by the window store, the compressors and attention. */
 #ifndef DSV4_KERNELS_KV_ENTRY_CUH
 #define DSV4_KERNELS_KV_ENTRY_CUH
 

@@ -1,4 +1,4 @@
-/* The CUDA backend (engine/backend.h): the whole decode step of SPEC §3 batched over slots, one CUDA
+/* The CUDA backend (engine/backend.h): the whole decode step of doc/MODEL.md §3 batched over slots, one CUDA
  * graph per batch bucket captured at create, caches in the official layout.
  *
  * Boot: the device arena holds the weights, (max_batch + 1) slots of caches (the extra slot takes
@@ -19,16 +19,12 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
+#include "kernels/prefix.h"
 #include "kernels/sample.h"
 #include "kernels/switches.h"
 
 #define STEP_MAX_BUCKETS 8      /* 1, 2, 4, ..., 64 */
 #define STEP_IN_FIELDS 5        /* per row: token, slot, position, first and last position of its slot in the step */
-
-/* Per-slot cache layout of one layer: byte offsets within a slot's block. */
-struct layer_cache {
-    int64_t win, comp, ikeys, cstate, istate;
-};
 
 /* A layer's device weights. */
 struct step_layer {
@@ -40,7 +36,7 @@ struct step_layer {
     const float *c_ape, *c_norm, *ic_ape, *ic_norm, *gate_bias;
     const int32_t *tid2eid;
     struct dsv4_cuda_experts ex;
-    struct layer_cache cache;
+    struct dsv4_cuda_layer_cache cache;
 };
 
 /* Step buffers, each [rows of the largest bucket, ...]. */
@@ -74,6 +70,7 @@ struct cuda_backend {
     struct dsv4_backend base;
     struct dsv4_backend_ops ops;    /* cuda_ops, less `sample` with DSV4_CUDA_SAMPLE=0 */
     struct dsv4_cuda_dev *dev;
+    struct dsv4_cuda_prefix *prefix;    /* the prefix-cache pool, or NULL */
     const struct dsv4_config *cfg;
     bool fp8;
     int kvf;                    /* DSV4_KV_* */
@@ -128,13 +125,19 @@ static int ring_entries(const struct dsv4_config *c, const struct dsv4_backend_o
     return c->window + o->max_batch - 1;
 }
 
-static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o, struct layer_cache *lc)
+int dsv4_cuda_step_ring_entries(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
+{
+    return ring_entries(c, o);
+}
+
+int64_t dsv4_cuda_step_slot_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o,
+                                   struct dsv4_cuda_layer_cache *lc)
 {
     const int eb = dsv4_cuda_kv_entry_bytes(c->head_dim, c->rope_dim, kv_format(o));
     int64_t off = 0;
     for (int i = 0; i < c->n_layers; i++) {
         const int r = c->compress_ratio[i];
-        struct layer_cache l = {};
+        struct dsv4_cuda_layer_cache l = {};
         l.win = off;
         off += a256((int64_t)ring_entries(c, o) * eb);
         if (r > 0) {
@@ -159,7 +162,7 @@ static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backen
 
 size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
 {
-    return (size_t)slot_layout(c, o, NULL) * (size_t)(o->max_batch + 1);
+    return (size_t)dsv4_cuda_step_slot_layout(c, o, NULL) * (size_t)(o->max_batch + 1);
 }
 
 static int64_t max_linear_in(const struct dsv4_config *c)
@@ -257,7 +260,7 @@ size_t dsv4_cuda_step_workspace_bytes(const struct dsv4_config *c, const struct 
     return (size_t)buffers(c, o, NULL, NULL) + DSV4_CUDA_ARENA_ALIGN;
 }
 
-/* Inverse frequencies as transformers computes them in f32 (SPEC §3: YaRN ramp, no mscale). */
+/* Inverse frequencies as transformers computes them in f32 (doc/MODEL.md §3.1: YaRN ramp, no mscale). */
 static void inv_freq(const struct dsv4_rope *p, int rd, float *out)
 {
     const float base = (float)p->theta;
@@ -827,7 +830,7 @@ static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats
     memset(ret, 0, sizeof(*ret));
     ret->device_allocs = st.device_allocs;
     ret->graph_captures = cb->captures;
-    ret->bytes_reserved = st.cache_bytes + st.workspace_bytes;
+    ret->bytes_reserved = st.cache_bytes + st.workspace_bytes + st.prefix_bytes;
     snprintf(ret->variant, sizeof(ret->variant),
              "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, %d streams, sampling on %s", st.kernel_build,
              st.device_name, cb->fp8 ? "fp8" : "exact", cb->kvf == DSV4_KV_FP8 ? "fp8 e4m3+bf16 (584 B at 512/64)" : "f32",
@@ -846,6 +849,7 @@ static void op_destroy(struct dsv4_backend *b)
         cudaEventDestroy(cb->ev_join);
     if (cb->side)
         cudaStreamDestroy(cb->side);
+    dsv4_cuda_prefix_free(cb->prefix);
     dsv4_cuda_dev_destroy(cb->dev);
     free(cb->L);
     free(cb->pos);
@@ -857,9 +861,21 @@ static void op_destroy(struct dsv4_backend *b)
     free(cb);
 }
 
+static int op_prefix_save(struct dsv4_backend *b, int slot, const int32_t *block_pages, const int32_t *boundary_pages)
+{
+    return dsv4_cuda_prefix_save(impl(b)->prefix, slot, block_pages, boundary_pages);
+}
+
+static int op_prefix_load(struct dsv4_backend *b, int slot, int n_blocks, const int32_t *block_pages,
+                          const int32_t *boundary_pages, const int32_t *tokens)
+{
+    return dsv4_cuda_prefix_load(impl(b)->prefix, slot, n_blocks, block_pages, boundary_pages, tokens);
+}
+
 static const struct dsv4_backend_ops cuda_ops = {
     .name = "cuda", .prefill = op_prefill, .decode = op_decode, .sample = op_sample, .slot_reset = op_slot_reset,
     .slot_position = op_slot_position, .get_stats = op_get_stats, .destroy = op_destroy,
+    .prefix_save = op_prefix_save, .prefix_load = op_prefix_load,
 };
 
 /* ---- create ---- */
@@ -1004,10 +1020,10 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->h_sslots = static_cast<int32_t *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_sslots)));
     if (!cb->L || !cb->pos || !cb->h_in || !cb->h_slots || !cb->h_sparams || !cb->h_sres || !cb->h_sslots)
         return dsv4_error_set(-ENOMEM, "cuda: backend tables");
-    struct layer_cache *lc = static_cast<struct layer_cache *>(calloc(c->n_layers, sizeof(*lc)));
+    struct dsv4_cuda_layer_cache *lc = static_cast<struct dsv4_cuda_layer_cache *>(calloc(c->n_layers, sizeof(*lc)));
     if (!lc)
         return dsv4_error_set(-ENOMEM, "cuda: cache layout");
-    cb->slot_bytes = slot_layout(c, opts, lc);
+    cb->slot_bytes = dsv4_cuda_step_slot_layout(c, opts, lc);
     for (int i = 0; i < c->n_layers; i++)
         cb->L[i].cache = lc[i];
     free(lc);
@@ -1025,6 +1041,8 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
         DSV4_CUDA_TRY(cudaEventCreateWithFlags(&cb->ev_join, cudaEventDisableTiming));
     }
     STEP(sampling_boot(cb));
+    STEP(dsv4_cuda_prefix_create(cb->dev, c, opts, cb->caches, cb->slot_bytes, cb->pos, &cb->hist, &cb->base.prefix,
+                                 &cb->prefix));
     inv_freq(&c->rope_main, c->rope_dim, inv[0]);
     inv_freq(&c->rope_compress, c->rope_dim, inv[1]);
     DSV4_CUDA_TRY(cudaMemcpy(cb->b.inv_main, inv[0], sizeof(float) * c->rope_dim / 2, cudaMemcpyHostToDevice));

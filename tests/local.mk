@@ -8,3 +8,4 @@ include $(srcdir)/tests/fixtures.mk
 include $(srcdir)/tests/integration.mk
 include $(srcdir)/tests/fixtures_fp8.mk
 include $(srcdir)/tests/default_model.mk
+EXTRA_DIST += tests/README.md

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Convert a transformers-spelled DeepSeek-V4 checkpoint (what tools/train_default.py writes) into
-DeepSeek's release spelling and formats (SPEC section 2):
+DeepSeek's release spelling and formats (doc/MODEL.md §2):
 
   names        embed.weight, head.weight, norm.weight, hc_head_{fn,base,scale},
                layers.i.{attn_norm,ffn_norm}.weight, layers.i.hc_{attn,ffn}_{fn,base,scale},

@@ -3,7 +3,7 @@
 
 For every tests/fixtures/<model>/ made by tools/mkfixtures.py this loads the model with transformers'
 deepseek_v4 (float32, eager attention and experts, CPU), wraps its modules with hooks that round the
-caches the way DeepSeek's reference inference code does (SPEC.md sections 2-5), and runs the prompts of
+caches the way DeepSeek's reference inference code does (doc/MODEL.md §2-5), and runs the prompts of
 cases.json again: one-shot and chunked prefill, then greedy decode on the fp8 model's own argmax.  It
 writes cases_fp8.json (the cases.json format) and <case>.fp8.f32 logits beside the exact ones.
 
@@ -13,8 +13,8 @@ forwards, and its kernel.py quantizers), and how it is reproduced here:
     ("nope") values are rounded in place through FP8 e4m3 in blocks of 64 with a UE8M0 scale; the rounded
     vector is what the window ring stores, what the token itself attends to, and the value too (K = V).
     The RoPE slice is rounded to bf16: the reference keeps it in BF16 ("for positional precision", its
-    whole model runs in BF16) and the cache entry of SPEC section 5 stores it as 64 bf16 values; this
-    numerics is "the caches as the official layout stores them" (SPEC section 4), everything else f32.
+    whole model runs in BF16) and the cache entry of doc/MODEL.md §5.2 stores it as 64 bf16 values; this
+    numerics is the caches as the official layout stores them (doc/MODEL.md §4.2), everything else f32.
     Both roundings act on the vector after RoPE: the kv_norm output is marked by a forward hook on
     self_attn.kv_norm, and the wrapped apply_rotary_pos_emb rounds its result for a marked input.
   * compressed entries (CSA and HCA compressors): RMSNorm, RoPE at the block's first position, then the

@@ -18,7 +18,7 @@
 #include "engine/cpu/cpu_ops.h"
 #include "engine/model/quant.h"
 
-/* Official numerics store the window and compressed entries as the FP8 cache holds them (SPEC §5):
+/* Official numerics store the window and compressed entries as the FP8 cache holds them (doc/MODEL.md §5.2):
  * the non-RoPE part in e4m3 with a UE8M0 scale per 64 values, the RoPE part in bf16. */
 static void round_kv(const struct dsv4_cpu_ctx *c, float *kv)
 {

@@ -5,15 +5,15 @@
  * compressor state), so a prefill of any length, split into chunks anywhere, computes the same
  * numbers as decode, and a row's arithmetic never depends on what else is in flight.
  *
- * Where SPEC.md and transformers' deepseek_v4 differ, this follows transformers (the exact numerics
- * are defined by it):
- *  - the hc residual streams stay f32 in both numerics (SPEC: bf16 in the official code);
+ * Where DeepSeek's reference code and transformers' deepseek_v4 differ (doc/MODEL.md §4.3), this
+ * follows transformers (the exact numerics are defined by it):
+ *  - the hc residual streams stay f32 in both numerics (bf16 in the official code);
  *  - mHC and hc_head RMS-normalize the flattened streams before the fn projection, with eps =
- *    rms_norm_eps (SPEC scales after the projection and names no eps; same value, other rounding);
+ *    rms_norm_eps (the official code scales after the projection; same value, other rounding);
  *  - the routed weights are s / (sum s + 1e-20), normalized whatever norm_topk_prob says, and
  *    softplus returns x above 20 (torch's threshold);
  *  - YaRN: transformers multiplies cos/sin by an attention_factor that its config pins to 1.0 for
- *    V4 (SPEC: "no mscale"); engine/model/config refuses any other attention_factor;
+ *    V4 (the official code has no mscale); engine/model/config refuses any other attention_factor;
  *  - equal indexer or router scores keep the lower index; torch's topk leaves tie order unspecified
  *    (and its one-shot and decode paths can disagree), so the fixtures are built free of near ties. */
 #include "build-config.h"

@@ -3,7 +3,7 @@
  * against what on its own: engine/cpu/cpu_twin_cuda.h).
  *
  * exact: caches in f32, nothing rounded: what transformers' deepseek_v4 computes.
- * fp8 (official, SPEC §4-5): the window and compressed KV entries are rounded as the FP8 cache
+ * fp8 (official, doc/MODEL.md §4.2, §5.2): the window and compressed KV entries are rounded as the FP8 cache
  *   stores them (the first head_dim - rope_dim values e4m3 with a UE8M0 scale per 64, the RoPE
  *   part bf16); indexer keys and queries are Hadamard-rotated and rounded through FP4 e2m1 with a
  *   UE8M0 scale per 32; activations entering an FP8/FP4 matrix are rounded through e4m3 per 1x128

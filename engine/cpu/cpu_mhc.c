@@ -8,7 +8,7 @@
 #include "engine/cpu/cpu_ops.h"
 
 /* flat = X / rms(X) over all hc*D values (transformers normalizes before the fn projection;
- * the SPEC writes the same scaling after it). */
+ * the official code applies the same scaling after it: doc/MODEL.md §4.3). */
 static void hc_mixes(const struct dsv4_cpu_ctx *c, const struct dsv4_linear *fn, const float *X,
                      float *mix)
 {

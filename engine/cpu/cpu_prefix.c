@@ -1,8 +1,8 @@
 /* Prefix-cache records of a CPU sequence (engine/backend.h says what a block record and a boundary
- * record hold). A record is a list of segments, each a span of the sequence's f32 caches, packed
- * into pool pages in order: a segment that would cross the end of a page starts the next page, so
- * every segment is one memcpy. The page is as large as a whole block record and as the largest
- * boundary segment (a layer's window ring), so a block record is one page.
+ * record hold). A record is a list of segments, each a span of the sequence's f32 caches, laid one
+ * after the other through the record's pages. A page holds one block record exactly (a whole
+ * boundary record in a model without compressed layers); a boundary record spans as many pages as
+ * its bytes need.
  *
  * Block record of block k (positions [k B, (k+1) B)), per compressed layer of ratio r:
  *   entries [k B / r, (k+1) B / r) x head_dim; CSA layers also the indexer keys of those entries.
@@ -79,49 +79,37 @@ static int boundary_segs(const struct dsv4_weights *w, const struct dsv4_cpu_seq
     return n;
 }
 
-/* Packs segments into pages in order; a segment never straddles two pages. */
-struct cursor {
-    int64_t page_bytes;
-    int page;
-    int64_t off;
-    bool used;
-};
-
-static void place(struct cursor *c, int64_t bytes, int *page, int64_t *off)
+/* A record's bytes: its segments one after the other, each starting CPU_PREFIX_ALIGN-aligned. */
+static int64_t record_bytes(const struct seg *g, int n)
 {
-    if (c->used && c->off + bytes > c->page_bytes) {
-        c->page++;
-        c->off = 0;
-    }
-    *page = c->page;
-    *off = c->off;
-    c->off += align_up(bytes);
-    c->used = true;
-}
-
-static int record_pages(const struct seg *g, int n, int64_t page_bytes)
-{
-    struct cursor c = { .page_bytes = page_bytes };
-    int page;
-    int64_t off;
+    int64_t b = 0;
     for (int i = 0; i < n; i++)
-        place(&c, g[i].bytes, &page, &off);
-    return c.used ? c.page + 1 : 0;
+        b += align_up(g[i].bytes);
+    return b;
 }
 
+/* The record's bytes run through its pages in order: a segment that reaches the end of a page
+ * goes on at the start of the next. */
 static void copy_record(uint8_t *pool, int64_t page_bytes, const int32_t *pages, const struct seg *g, int n,
                         bool to_pool)
 {
-    struct cursor c = { .page_bytes = page_bytes };
+    int page = 0;
+    int64_t off = 0;
     for (int i = 0; i < n; i++) {
-        int page;
-        int64_t off;
-        place(&c, g[i].bytes, &page, &off);
-        uint8_t *p = pool + (int64_t)pages[page] * page_bytes + off;
-        if (to_pool)
-            memcpy(p, g[i].mem, (size_t)g[i].bytes);
-        else
-            memcpy(g[i].mem, p, (size_t)g[i].bytes);
+        uint8_t *mem = (uint8_t *)g[i].mem;
+        for (int64_t left = g[i].bytes; left > 0;) {
+            if (off == page_bytes) {
+                page++;
+                off = 0;
+            }
+            const int64_t k = left < page_bytes - off ? left : page_bytes - off;
+            uint8_t *p = pool + (int64_t)pages[page] * page_bytes + off;
+            memcpy(to_pool ? p : mem, to_pool ? mem : p, (size_t)k);
+            mem += k;
+            left -= k;
+            off += k;
+        }
+        off = align_up(off);
     }
 }
 
@@ -140,18 +128,13 @@ int dsv4_cpu_prefix_geom(const struct dsv4_weights *w, const struct dsv4_cpu_seq
     if (block > s->max_context)
         return dsv4_error_set(-EINVAL, "prefix cache: blocks of %d tokens do not fit max_context %lld (raise "
                               "max_context, or set the pool to 0)", block, (long long)s->max_context);
-    int64_t block_bytes = 0, page = 0;
-    int n = block_segs(w, s, block, 0, g);
-    for (int i = 0; i < n; i++)
-        block_bytes += align_up(g[i].bytes);
-    n = boundary_segs(w, s, g);
-    for (int i = 0; i < n; i++)
-        page = g[i].bytes > page ? g[i].bytes : page;
-    page = align_up(block_bytes > page ? block_bytes : page);
+    const int64_t block_bytes = record_bytes(g, block_segs(w, s, block, 0, g));
+    const int64_t boundary_bytes = record_bytes(g, boundary_segs(w, s, g));
+    const int64_t page = block_bytes > 0 ? block_bytes : boundary_bytes;
     ret->block = block;
     ret->page_bytes = page;
     ret->block_pages = block_bytes > 0;
-    ret->boundary_pages = record_pages(g, n, page);
+    ret->boundary_pages = (int)((boundary_bytes + page - 1) / page);
     int64_t pages = pool_bytes / page;
     if (pages < ret->block_pages + ret->boundary_pages)
         return dsv4_error_set(-ENOSPC, "prefix cache: a pool of %lld bytes holds %lld pages of %lld bytes, one "

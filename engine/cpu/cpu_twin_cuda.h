@@ -1,5 +1,5 @@
 /* CPU twins of the CUDA kernels that the reference backend does not expose as functions of their
- * own: plain scalar C, fp32 accumulation in index order, written from SPEC.md §2-3.
+ * own: plain scalar C, fp32 accumulation in index order, written from doc/MODEL.md §2-3.
  *
  * What each kernel in kernels/ is checked against (tests/gpu, fresh random inputs), stated here once:
  *   - linears (GEMV, GEMM, the FP8 activation quantizer), router, routed experts, RMSNorm, mHC

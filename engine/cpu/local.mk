@@ -6,7 +6,7 @@ libdsv4engine_la_SOURCES += \
 	engine/cpu/cpu_compressor.c engine/cpu/cpu_indexer.c engine/cpu/cpu_attention.c \
 	engine/cpu/cpu_moe.c engine/cpu/cpu_pool.c engine/cpu/cpu_backend.c engine/cpu/cpu_prefix.c
 
-# Unit tests of the pieces, each against SPEC's formulas computed in double.
+# Unit tests of the pieces, each against doc/MODEL.md §3's formulas computed in double.
 noinst_HEADERS += tests/unit/cpu_test_util.h
 check_PROGRAMS += tests/unit/test_cpu_rope tests/unit/test_cpu_mhc tests/unit/test_cpu_compressor \
 	tests/unit/test_cpu_moe tests/unit/test_cpu_backend

@@ -1,4 +1,4 @@
-/* The DeepSeek-V4 chat format (SPEC section 6) and parsing of a completion.
+/* The DeepSeek-V4 chat format (doc/MODEL.md §6) and parsing of a completion.
  *
  *   <｜begin▁of▁sentence｜>{system}<｜User｜>{u1}<｜Assistant｜></think>{a1}<｜end▁of▁sentence｜>
  *   <｜User｜>{u2}<｜Assistant｜></think>                          (chat mode)

@@ -5,8 +5,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-uint64_t dsv4_tok_hash_bytes(const void *data, size_t n);
-
 /* The code point each byte maps to in the byte-level alphabet. */
 void dsv4_tok_byte_to_codepoints(uint32_t cp[256]);
 

@@ -102,7 +102,7 @@ static uint64_t mix64(uint64_t h)
     return h;
 }
 
-uint64_t dsv4_tok_hash_bytes(const void *data, size_t n)
+static uint64_t dsv4_tok_hash_bytes(const void *data, size_t n)
 {
     const unsigned char *p = data;
     uint64_t h = 0x9e3779b97f4a7c15ULL ^ (n * 0x100000001b3ULL);

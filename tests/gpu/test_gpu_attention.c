@@ -12,7 +12,7 @@
  *   - every row of a batch bit-identical to the same row run alone (batch invariance).
  *   - the launch counted under the variant that ran (FP8 entries: DSV4_CUDA_V_ATTENTION_MMA).
  *   - shapes the kernels cannot take refused with -EINVAL.
- * Entries are written with the CPU reference's quantizers (engine/model/quant.c) in the layout of SPEC §5,
+ * Entries are written with the CPU reference's quantizers (engine/model/quant.c) in the layout of doc/MODEL.md §5.2,
  * which tests/gpu/test_gpu_codec.c checks against the GPU's own store. */
 #include "build-config.h"
 
@@ -68,7 +68,7 @@ static const struct att_case cases[] = {
       { 0, 3, 15, 16, 22, 23, 60, 200 } },
 };
 
-/* SPEC §5: [nope e4m3][rd bf16][ceil(nope/64) UE8M0], padded to 8 bytes; f32: hd values. */
+/* MODEL.md §5.2: [nope e4m3][rd bf16][ceil(nope/64) UE8M0], padded to 8 bytes; f32: hd values. */
 static int entry_bytes(int hd, int rd, int kvf)
 {
     const int nope = hd - rd;

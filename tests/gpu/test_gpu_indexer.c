@@ -123,7 +123,7 @@ static void expect_choice(const struct ix_case *c, int r, const int32_t *sel, co
 static void check_case(const struct ix_case *c)
 {
     const int B = c->rows, nI = c->nI, dI = c->dI, K = c->topk;
-    /* the official key (SPEC §5): dI/2 bytes of e2m1 codes + one UE8M0 scale per 32; or dI f32 */
+    /* the official key (doc/MODEL.md §5.2): dI/2 bytes of e2m1 codes + one UE8M0 scale per 32; or dI f32 */
     const int kb = c->packed ? dI / 2 + (dI + FP4_GROUP - 1) / FP4_GROUP : dI * (int)sizeof(float);
     int max_n = 0;
     for (int r = 0; r < B; r++)

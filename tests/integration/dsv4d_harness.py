@@ -30,7 +30,7 @@ with open(os.path.join(FIXTURE_MODEL, "config.json")) as _f:
     FIXTURE_VOCAB = json.load(_f)["vocab_size"]
 BYTE_BASE = 6           # the test tokenizer's id of byte b is BYTE_BASE + b
 
-# Special tokens of the test tokenizer: the chat tags of SPEC section 6 at ids 0..5.
+# Special tokens of the test tokenizer: the chat tags of doc/MODEL.md §6 at ids 0..5.
 TAGS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
 BOS, EOS = 0, 1
 # Any prompt: on an endless_model() daemon its greedy answer runs to max_tokens.

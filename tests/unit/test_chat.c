@@ -1,4 +1,4 @@
-/* engine/text/chat: the V4 prompt format against hand-checked strings (SPEC section 6) and tag ids,
+/* engine/text/chat: the V4 prompt format against hand-checked strings (doc/MODEL.md §6) and tag ids,
  * ids vs the encoded text, injection of tags through user content, completion parsing from ids,
  * text and a stream. The id cases need the V4 tokenizer.json (see tests/tokenizer/locate.h). */
 #include "build-config.h"
@@ -82,7 +82,7 @@ static const struct dsv4_chat_message with_system[] = {
 
 #define SYS "You are helpful."
 static const struct text_case text_cases[] = {
-    /* The SPEC's example: chat mode, earlier reasoning dropped. */
+    /* MODEL.md §6.2's example: chat mode, earlier reasoning dropped. */
     {conversation, 3, {DSV4_CHAT_MODE_CHAT, SYS, sizeof(SYS) - 1, 0, false},
      BOS SYS USER "Hi" ASSISTANT "</think>Hello!" EOS USER "How are you?" ASSISTANT "</think>"},
     /* Thinking mode: only the last user turn opens <think>; earlier reasoning still dropped. */
@@ -135,7 +135,7 @@ static void test_build_ids(void **state)
     assert_int_equal(tags.think_start, ID_THINK);
     assert_int_equal(tags.think_end, ID_THINK_END);
 
-    /* The SPEC example, id by id: tags from the file, text through the tokenizer. */
+    /* MODEL.md §6.2's example, id by id: tags from the file, text through the tokenizer. */
     struct dsv4_tok_ids got = {0}, want = {0};
     assert_int_equal(dsv4_chat_build_ids(v4, conversation, 3, &text_cases[0].opts, &got), 0);
     dsv4_tok_ids_push(&want, ID_BOS);

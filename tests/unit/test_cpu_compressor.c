@@ -1,5 +1,5 @@
 /* engine/cpu/cpu_compressor: the incremental compressor against the block formula computed in double
- * from all projected rows at once (SPEC §3 "Compressor"; transformers' CSA/HCA compressors):
+ * from all projected rows at once (doc/MODEL.md §3.5; transformers' CSA/HCA compressors):
  *   entry_i = RMSNorm_w( sum_slots softmax_slots(gate + ape) * kv ),  RoPE at position i*r,
  *   slots = block i's rows (no overlap) or {Ca of block i-1, Cb of block i} (overlap; none before 0). */
 #include "build-config.h"

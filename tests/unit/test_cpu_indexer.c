@@ -1,4 +1,4 @@
-/* engine/cpu/cpu_indexer: the lightning indexer's choice against SPEC §3 in double:
+/* engine/cpu/cpu_indexer: the lightning indexer's choice against doc/MODEL.md §3.6 in double:
  *   qI = wq_b qr, RoPE on each head's last rope_dim values; w = weights_proj xn * nI^-0.5;
  *   score_s = sum_h w_h ReLU(qI_h . k_s) dI^-0.5; the top index_topk entries, ascending. */
 #include "build-config.h"

@@ -1,4 +1,4 @@
-/* engine/cpu/cpu_mhc: hyper-connection pre/post/head against SPEC §3's mHC formulas computed in double
+/* engine/cpu/cpu_mhc: hyper-connection pre/post/head against doc/MODEL.md §3.3's mHC formulas computed in double
  * (mixes scaled after the projection, Sinkhorn as written there), for hc_mult 4 and 3. */
 #include "build-config.h"
 
@@ -18,7 +18,7 @@ static double sigmoid(double x)
     return 1.0 / (1.0 + exp(-x));
 }
 
-/* SPEC: m = (fn @ flatten(X)) * rsqrt(mean(X^2) + eps) */
+/* MODEL.md §3.3: m = (fn @ flatten(X)) * rsqrt(mean(X^2) + eps) */
 static void mixes(const struct dsv4_linear *fn, const float *X, int hc, double eps, double *m)
 {
     double ss = 0.0;

@@ -1,4 +1,4 @@
-/* engine/cpu/cpu_rope: interleaved-pair RoPE and YaRN frequencies against SPEC §3's formulas in double. */
+/* engine/cpu/cpu_rope: interleaved-pair RoPE and YaRN frequencies against doc/MODEL.md §3.1's formulas in double. */
 #include "build-config.h"
 
 #include <math.h>
@@ -23,7 +23,7 @@ static void assert_rel(double got, double want, double tol)
 }
 
 /* V4-Flash's compress RoPE: theta 160000, rope_dim 64, YaRN factor 16 over 65536 positions, betas 32/1.
- * SPEC: low 15, high 25; pairs up to low keep f_i, pairs from high on use f_i / 16, linear in between. */
+ * MODEL.md §3.1: low 15, high 25; pairs up to low keep f_i, pairs from high on use f_i / 16, linear in between. */
 static void test_yarn_flash(void **state)
 {
     struct dsv4_rope p = {.theta = 160000.0, .yarn = true, .yarn_factor = 16.0, .yarn_original_max = 65536,

@@ -108,16 +108,16 @@ static void backend_case(const char *name, enum dsv4_numerics num)
     const struct dsv4_prefix_geom *g = &b->prefix;
     assert_int_equal(g->block, B);
     assert_true(g->n_pages >= blocks * (g->block_pages + g->boundary_pages));
-    /* pages handed out in order: block k's record, then the boundary record at (k + 1) B */
-    int32_t blk[16], bnd[16][64];
+        int32_t blk[16], bnd[16][64];
     assert_true(blocks <= 16 && g->boundary_pages <= 64 && g->block_pages <= 1);
-    int32_t next_page = 0;
+    /* pages from the top of the pool down: a record's pages are never adjacent in order */
+    int32_t next_page = g->n_pages - 1;
     for (int k = 0; k < blocks; k++) {
         assert_int_equal(b->ops->prefill(b, 0, t + k * B, B, NULL, false), 0);
         blk[k] = next_page;
-        next_page += g->block_pages;
+        next_page -= g->block_pages;
         for (int j = 0; j < g->boundary_pages; j++)
-            bnd[k][j] = next_page++;
+            bnd[k][j] = next_page--;
         assert_int_equal(b->ops->prefix_save(b, 0, g->block_pages ? &blk[k] : NULL, bnd[k]), 0);
     }
     assert_int_equal(b->ops->prefix_save(b, 1, blk, bnd[0]), -EINVAL);    /* slot 1 is at 0 */
@@ -204,9 +204,7 @@ static void pair_close(struct pair *p)
 {
     dsv4_sched_destroy(p->cold.s);
     dsv4_backend_destroy(p->cold.b);
-    dsv4_sched_destroy(p->warm.s);
-    dsv4_backend_destroy(p->warm.b);
-    dsv4_weights_free(p->cold.w);
+    env_close(&p->warm);    /* and the weights both used */
 }
 
 static void submit(struct env *e, const int32_t *prompt, int n, const struct dsv4_sampling *sp, struct answer *a)
@@ -329,9 +327,9 @@ static void test_hit_on_running_source(void **state)
     struct dsv4_sampling sp[2];
     samplings(sp);
     pair_open(&p, "tiny_c", 2, 256, POOL_BYTES, 2 * 16);
-    const int B = p.B;
-    assert_int_equal(B, 16);
-    int32_t a_prompt[3 * 16 + 5], b_prompt[4 * 16];
+    enum { B = 16 };            /* tiny_c's block */
+    assert_int_equal(p.B, B);
+    int32_t a_prompt[3 * B + 5], b_prompt[4 * B];
     const int na = 3 * B + 5, nb = 4 * B;
     tokens(a_prompt, na, p.V, 3);
     memcpy(b_prompt, a_prompt, sizeof(int32_t) * 3 * B);
@@ -369,11 +367,12 @@ static void test_hit_on_running_source(void **state)
     expect_same(&warm[1], &cold[1], "the request that hit the running source");
 
     /* C: A's prompt and answer, then a new turn */
-    int32_t c_prompt[3 * 16 + 5 + 2 * 16 + 7];
-    const int nc = na + warm[0].n + 7;
+    int32_t c_prompt[3 * B + 5 + 2 * B + 7];
+    const int nc = na + 2 * B + 7;
+    assert_int_equal(warm[0].n, 2 * B);
     memcpy(c_prompt, a_prompt, sizeof(int32_t) * (size_t)na);
-    memcpy(c_prompt + na, warm[0].tokens, sizeof(int32_t) * (size_t)warm[0].n);
-    tokens(c_prompt + na + warm[0].n, 7, p.V, 5);
+    memcpy(c_prompt + na, warm[0].tokens, sizeof(int32_t) * 2 * B);
+    tokens(c_prompt + na + 2 * B, 7, p.V, 5);
     struct answer c;
     both(&p, c_prompt, nc, &sp[1], &c, "the next turn of the source's conversation");
     /* fed to A's slot: prompt + all but its last token = na + 2B - 1 = 84: 5 blocks */
@@ -404,6 +403,7 @@ static void test_eviction(void **state)
     const int B = p.B, n = 3 * B + 2;
     int32_t prompts[6][3 * 16 + 2];
     assert_int_equal(B, 16);
+    assert_true(n <= 3 * 16 + 2);
     for (int i = 0; i < 6; i++)
         tokens(prompts[i], n, p.V, 10 + i);
     uint64_t hits = 0, hit_tokens = 0;
