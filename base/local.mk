@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # base/: header-only pieces below every component (the protocol, the engine and the daemon may all
 # include them; they include nothing of the project's).
 noinst_HEADERS += base/utf8.h

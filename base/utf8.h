@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* UTF-8 as RFC 3629 defines it (shortest form only, no surrogates, nothing above U+10FFFF), scanned
  * one character at a time the way Rust's String::from_utf8_lossy scans it: a bad sequence ends at its
  * maximal invalid subpart (Unicode §3.9, "U+FFFD substitution of maximal subparts"), so a repair that

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libdsv4client: one connection per handle, requests answered in order on the calling thread; only
  * dsv4_client_cancel() crosses threads, through the write lock. */
 #include "build-config.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4ctl bench (client/ctl_bench.h): worker threads over libdsv4client, one connection each. */
 #include "build-config.h"
 

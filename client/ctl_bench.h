@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4ctl bench: a load generator through the real daemon. For each concurrency level C it runs
  * C client threads, each with its own connection, that send streamed requests with random token-id
  * prompts back to back until the level's request count is reached, and reports time to first

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libdsv4client: talk to the dsv4d inference daemon over its Unix socket.
  *
  *   struct dsv4_client *c = dsv4_client_new();

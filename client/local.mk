@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # client/: libdsv4client (public header dsv4client.h, pkg-config dsv4client) and dsv4ctl.
 lib_LTLIBRARIES += libdsv4client.la
 libdsv4client_la_SOURCES = client/client.c client/dsv4client.h

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The engine host: the engine thread that loads the model, builds the backend and the scheduler,
  * and then runs the scheduler's step loop until told to stop. The io thread watches boot_fd to learn
  * when boot has finished (successfully or not), then talks to the scheduler directly. */

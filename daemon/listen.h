@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The listening sockets: handed over by systemd (socket activation) or bound by hand with --listen. */
 #ifndef DSV4_DAEMON_LISTEN_H
 #define DSV4_DAEMON_LISTEN_H

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # daemon/: dsv4d. main (settings, startup), log, settings, listen (sockets), notify (sd_notify),
 # reqmem (jemalloc request arena), host (engine thread), server (sd-event loop, lifecycle),
 # conn (connections, frames, bounded buffers), dispatch (methods, engine events).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4d logging: one line per message on stderr, prefixed with the sd-daemon priority ("<3>") so
  * journald files it at the right level; lines below the configured level are dropped. Safe to call
  * from any thread (each line is one write). */

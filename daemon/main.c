@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4d: the DeepSeek-V4 inference daemon. Reads its settings, takes its sockets, boots the engine
  * on its own thread and serves the protocol on the io thread until SIGTERM has drained it. */
 #include "build-config.h"

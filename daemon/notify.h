@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Talking to the service manager (sd_notify): boot progress, readiness after warm-up, the watchdog
  * and the stop. Every call is a no-op without $NOTIFY_SOCKET. */
 #ifndef DSV4_DAEMON_NOTIFY_H

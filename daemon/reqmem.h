@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Request memory: connection buffers and per-request state live in their own jemalloc arena, so
  * their footprint is measured apart from the engine's boot-time allocations and a burst of clients
  * cannot fragment the engine's heap. Without jemalloc (sanitizer builds) this is plain malloc. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The io thread: one sd-event loop owning the listening sockets, the connections, the protocol and
  * the tokenizer; it hands generate requests to the scheduler and turns the scheduler's events into
  * token notifications and results. Split into server.c (loop, lifecycle, systemd), conn.c (sockets,

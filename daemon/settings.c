@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 #include "build-config.h"
 
 #include <ctype.h>

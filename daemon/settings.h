@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4d settings: defaults, then the config file (key = value), then command-line flags, each
  * overriding the one before. Every key is also a flag (`max_batch = 8` <=> `--max-batch 8`). */
 #ifndef DSV4_DAEMON_SETTINGS_H

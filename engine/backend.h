@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The operations one engine step needs, implemented by the CPU reference backend and the CUDA
  * backend. A backend owns `max_batch` sequence slots, each sized for `max_context` tokens, all
  * allocated at create time: nothing is allocated per request or per step afterwards. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Error reporting: functions return 0 or a negative errno-style code; the message a user can act
  * on is kept per thread and read with dsv4_error_message(). */
 #ifndef DSV4_ENGINE_ERROR_H

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # engine/: backend.h (the seam between the scheduler and a backend) and error.{c,h} (the per-thread
 # error message every part uses) here; one folder per concern, each with its own fragment holding its
 # sources and their unit tests: model/ (checkpoint and number formats), cpu/ (the reference backend),

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Attention for the decode step: interleaved RoPE, the KV entry codec of doc/MODEL.md §5.2, the window-ring
  * store, and sparse MQA over window + compressed entries with per-head sinks, split over keys with a
  * log-sum-exp combine that also undoes RoPE on the output. The CPU twin is dsv4_cpu_attention

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The compressors of CSA and HCA layers and of the indexer's keys: each step's rows update their
  * slot's partial state and, at a block's last position, emit the compressed entry (KV in the cache
  * layout, or the indexer's FP4 key). CPU twin: dsv4_cpu_compressor_push (engine/cpu_compressor.c),

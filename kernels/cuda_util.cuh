@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Shared by the kernel files: checked CUDA calls, launch checks, number-format helpers. */
 #ifndef DSV4_KERNELS_CUDA_UTIL_CUH
 #define DSV4_KERNELS_CUDA_UTIL_CUH

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Per-device state: one cudaMalloc carved into weights (checkpoint formats), per-slot caches and
  * workspaces; the compute stream, the cuBLASLt handle and its workspace; counters that prove no
  * allocation or capture happens after the device is sealed. Everything one GPU owns lives in

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CUDA backend's C interface: the per-device state (one arena, streams, cuBLASLt, graphs) and
  * the kernel launchers, each checked in tests/gpu against its CPU twin (engine/cpu_twin_cuda.h).
  * Pointers named d_* are device pointers; `stream` is a cudaStream_t passed as void * so that C

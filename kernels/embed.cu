@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The embedding: row token_b of the table, dequantized from its checkpoint format, copied into
  * each of the hc residual streams. Checked through the whole decode step (tests/gpu/test_gpu_step.c). */
 #include "kernels/cuda_util.cuh"

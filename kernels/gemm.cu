@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Tensor-core linears for a step's rows (decode batches and prefill chunks, up to
  * DSV4_CUDA_MAX_BATCH rows): y[b] = W x[b] with W in its checkpoint format, streamed once per
  * launch whatever the row count, through mma.sync (sm_80+, so every image we build runs it).

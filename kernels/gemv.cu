@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Skinny-batch linears: y[b] = W x[b] for up to DSV4_CUDA_MAX_BATCH rows, weights in their
  * checkpoint format (F32, BF16, FP8 e4m3 128x128 UE8M0, FP4 e2m1 1x32 UE8M0) dequantized in
  * registers, f32 accumulation. One warp per output row; each lane loads 16 weight bytes a step, so

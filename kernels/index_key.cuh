@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The official indexer key (doc/MODEL.md §5.2): dI values in e2m1 (two a byte, low nibble first) followed by
  * ceil(dI/32) UE8M0 scales, one per 32 values: 68 bytes at dI = 128. Written by the indexer
  * compressor (kernels/compressor.cu) after the Hadamard rotation and FP4 rounding

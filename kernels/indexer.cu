@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The lightning indexer's scores and top-k selection (doc/MODEL.md §3.6): for each row, over the complete
  * compressed entries n = (pos+1)/ratio of its slot (the sequence's actual length),
  *   score_s = sum_h ReLU(q_h . k_s) dI^-0.5 (w_h nI^-0.5),

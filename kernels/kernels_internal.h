@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Kernels of the decode step that only the step (kernels/step.cu) launches: attention, RoPE, the
  * KV entry codec, compressors and the lightning indexer. Device pointers throughout. */
 #ifndef DSV4_KERNELS_INTERNAL_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The KV entry codec of doc/MODEL.md §5.2, shared by the window store, the compressors and attention. */
 #ifndef DSV4_KERNELS_KV_ENTRY_CUH
 #define DSV4_KERNELS_KV_ENTRY_CUH

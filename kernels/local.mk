@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # kernels/: the CUDA backend, built into libdsv4cuda.a by nvcc when configure found it.
 # Programs that link libdsv4engine.la and want the CUDA backend add $(DSV4_CUDA_LDADD) to their LDADD
 # (empty without CUDA) and $(DSV4_CUDA_CPPFLAGS) to their CFLAGS (defines nothing without CUDA).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The manifold-constrained hyper-connections (mHC) around each sublayer and before the head: the fn
  * GEMV (split along K), pre (the RMS of the streams, the pre and post gates, the Sinkhorn-normalized
  * combine matrix, the collapsed input), post (the sublayer's output spread back into the streams),

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Warp-level tensor-core and async-copy primitives shared by the kernels that use them (gemm.cu,
  * moe.cu, indexer.cu, attention.cu): mma.sync m16n8k16 with f32 accumulation (sm_80+, so every
  * image we build has it), cp.async into shared memory, 16-byte shared loads, bf16 packing.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* MoE on the device: router (sqrtsoftplus, biased top-k or hash table), routed experts grouped by
  * expert over the batch with the SwiGLU clamp fused, the weighted combine, and the elementwise
  * SwiGLU of the shared expert. Twins: dsv4_twin_router, dsv4_twin_expert.

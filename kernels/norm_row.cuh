@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The RMSNorm of one row by a whole block, shared by the norm kernels (norm.cu) and the linears
  * that normalize their input in the launch that prepares it (gemm.cu): one definition, so both give
  * the same bits. */

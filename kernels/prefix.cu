@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The prefix-cache pool of the CUDA backend (kernels/prefix.h): engine/backend.h's records copied
  * device to device between a slot's caches and pool pages, in the cache's own formats (FP8 KV
  * entries and FP4 indexer keys in fp8 numerics, f32 in exact), so a record is what the step stored.

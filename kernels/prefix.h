@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CUDA backend's prefix-cache pool (kernels/prefix.cu): engine/backend.h's block and boundary
  * records, copied device to device between a slot's caches (the layout kernels/step.cu gives them)
  * and pages of a pool carved from the device arena at boot. C interface; pointers named d_* and the

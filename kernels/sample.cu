@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Sampling on the device (kernels/sample.h), engine/sampler.c step by step.
  *
  * Work split: each row is a thread block cluster of C blocks (C = 8, 4, 2 or 1 by the launch's

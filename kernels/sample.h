@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Sampling on the device: engine/sampler.c's ten steps (numbered in engine/sampler.h) for `rows`
  * rows of logits at once, so the CUDA backend copies back one small result per row instead of
  * [rows, V] logits. C interface: callers need no CUDA headers; pointers named d_* are device

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CUDA backend (engine/backend.h): the whole decode step of doc/MODEL.md §3 batched over slots, one CUDA
  * graph per batch bucket captured at create, caches in the official layout.
  *

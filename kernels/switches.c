@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The switch table (kernels/switches.h): plain C, so that CPU-only builds test it too. */
 #include "kernels/switches.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CUDA backend's environment switches: one table, read from the environment in one place
  * (kernels/switches.c), every value checked (an unknown one is refused with the values allowed),
  * named in the boot log. Each switch exists for comparisons and tests; the defaults are what

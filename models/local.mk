@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # models/: the embedded default model, installed where units/dsv4d.conf points (pkgdatadir/models/default).
 defaultmodeldir = $(pkgdatadir)/models/default
 dist_defaultmodel_DATA = \

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* A growable byte buffer: response bodies, SSE events, rendered prompts. Appends fail only with
  * -ENOMEM; the contents stay NUL-terminated so they can be used as strings. */
 #ifndef DSV4_OPENAI_BUF_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libmicrohttpd glue: routes, limits, deadlines, bearer auth, and responses that wait suspended for
  * their job (see server.h). */
 #include "build-config.h"

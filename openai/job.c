@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* A request's work against dsv4d, on its own thread: OpenAI's JSON in, dsv4d through libdsv4client,
  * OpenAI's JSON (or server-sent events) out, handed to the HTTP thread through the job (server.h). */
 #include "build-config.h"

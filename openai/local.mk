@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # openai/: dsv4-openai, the OpenAI-compatible HTTP front, a separate daemon over libdsv4client.
 # The V4 chat format and reply parsing are a library of their own so the unit test links them alone.
 noinst_LTLIBRARIES += libdsv4openai.la

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4-openai: options, the listening socket (socket activation or --listen), signals. */
 #include "build-config.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Python-compatible JSON writer (see pyjson.h). */
 #include "build-config.h"
 

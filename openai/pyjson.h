@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* JSON text exactly as Python's json.dumps(value, ensure_ascii=False) writes it: ", " and ": "
  * separators, non-ASCII kept, lowercase \u00XX escapes for control characters, floats in Python's
  * shortest repr ("1.0", "1e-07", "1e+16"). DeepSeek's V4 chat format embeds tool schemas and tool

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* DeepSeek-V4 chat encoding of an OpenAI conversation (see render.h for the rules). */
 #include "build-config.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* DeepSeek-V4's chat encoding of an OpenAI conversation, written as prompt parts for dsv4d's
  * prompt_parts (doc/PROTOCOL.md): even parts are this renderer's template (tags such as <｜User｜>,
  * <｜Assistant｜>, </think>, <｜DSML｜...> are recognised there), odd parts are text that came from

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Streaming parse of a V4 reply into reasoning, content and DSML tool calls (see reply.h). */
 #include "build-config.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The model's reply, parsed as it streams: reasoning (thinking mode: everything before </think>),
  * content, and DSML tool calls (after "\n\n<｜DSML｜tool_calls>", when the request offered tools),
  * turned into OpenAI's pieces:

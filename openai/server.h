@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4-openai: the OpenAI-compatible HTTP front of dsv4d. One libmicrohttpd daemon (its internal
  * epoll thread owns every socket) and one worker thread per request that talks to dsv4d through
  * libdsv4client; a connection waits suspended while its worker has nothing for it, so the HTTP

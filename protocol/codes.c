@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Protocol error codes: names, descriptions, and the error struct. */
 #include "build-config.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Protocol error codes: one stable number and one stable name per failure a peer can cause.
  * The numbers travel on the wire ({code, name, message} maps) and are documented in doc/PROTOCOL.md;
  * never renumber one, only add. Groups:

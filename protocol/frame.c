@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Frames: byte buffer for output, incremental reader for input. */
 #include "build-config.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Frames: a 4-byte big-endian payload length, then exactly one msgpack value of that length.
  *
  * struct dsv4_proto_buf is the output side: every encoder in protocol/message.h appends one whole frame

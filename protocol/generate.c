@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* generate: request, token notifications, result, and the checks that need the model's numbers. */
 #include "build-config.h"
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # protocol/: frames, pre-validation, msgpack-rpc messages, error codes (doc/PROTOCOL.md).
 # Users (client, daemon, tests) compile with $(PROTOCOL_CFLAGS) and link $(PROTOCOL_LIBS).
 PROTOCOL_CFLAGS = $(MSGPACK_CFLAGS)

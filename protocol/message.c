@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* msgpack-rpc envelope, errors, and the small methods: hello, cancel, tokenize, detokenize, stats, health.
  * generate and its notifications live in protocol/generate.c. */
 #include "build-config.h"

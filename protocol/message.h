@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* msgpack-rpc messages of the dsv4d protocol (doc/PROTOCOL.md is the normative description).
  *
  *   request       [0, msgid, method, params]

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Private to protocol/: the message layer's pieces that message.c and generate.c share, built on the
  * low-level codec (wire.h), which knows nothing of methods, envelopes or chat messages. */
 #ifndef DSV4_PROTOCOL_MESSAGE_CODEC_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Allocation-free walk over one msgpack value: bounds every claim before msgpack-c sees the bytes. */
 #include "build-config.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Pre-validation of one msgpack payload before msgpack-c sees it.
  *
  * msgpack-c sizes its allocations from the counts a message claims: an array header 0xdd + 4 bytes

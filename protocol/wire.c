@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* msgpack-c packing into frames, and typed, bounded reads of unpacked fields. */
 #include "build-config.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Private to protocol/: msgpack-c packing into frames and typed reads of unpacked fields, the layer
  * below the messages: it knows no method, envelope or chat message (message_codec.h builds those on
  * it). Not installed and not for the daemon or the client: they use protocol/message.h. */

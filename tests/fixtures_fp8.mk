@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # The CPU backend's fp8 (official) numerics against tools/mkfixtures_fp8.py's oracle: transformers'
 # deepseek_v4 with the official cache roundings, cases_fp8.json + *.fp8.f32 beside each fixture model
 # (tests/fixtures/README_fp8.md). The data ships with tests/fixtures (tests/fixtures.mk).

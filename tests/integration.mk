@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # tests/integration: dsv4d end to end on the CPU backend with a fixture model. The Python tests speak
 # the protocol with the PyPI msgpack package (tests/integration/dsv4d_harness.py starts the daemon
 # under systemd-socket-activate or with --listen and follows its sd_notify messages); they print TAP.

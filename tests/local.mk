@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # tests/: unit tests live beside their module's fragment; this holds the shared pieces.
 check_PROGRAMS += tests/unit/test_error
 TESTS += tests/unit/test_error

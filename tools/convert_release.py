@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Convert a transformers-spelled DeepSeek-V4 checkpoint (what tools/train_default.py writes) into
 DeepSeek's release spelling and formats (doc/MODEL.md §2):
 

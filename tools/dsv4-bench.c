@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4-bench: time each CUDA kernel at real V4-Flash shapes (batch 1 and 64 by default) beside the
  * bytes it must move over the measured device copy bandwidth: the floor no version can beat.
  *

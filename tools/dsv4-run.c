@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4-run: the engine without the daemon. Dispatches on --model (forward pass) or --tokenizer. */
 #include "build-config.h"
 

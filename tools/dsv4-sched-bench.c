@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4-sched-bench: step latency of the scheduler when a long prompt arrives while other sequences
  * decode. With the CPU backend on a model directory (default: the tiny fixture tiny_a), D decoders
  * run alone for a while, then a P-token prompt arrives; every step's wall time and every decoder's

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Greedy generation over a backend's ops: dsv4-run's --model mode, and the fixture tests, which check
  * this same loop bitwise against the direct CPU forward. Header-only so both include it. */
 #ifndef DSV4_TOOLS_GREEDY_H

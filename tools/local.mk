@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # tools/: dsv4-run (offline engine), dsv4-bench, checkpoint makers, fixture scripts.
 bin_PROGRAMS += dsv4-run
 dsv4_run_SOURCES = tools/dsv4-run.c tools/run.h

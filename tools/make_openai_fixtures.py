@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Write tests/fixtures/openai/dsml.json: the DeepSeek-V4 chat encoding of fixed conversations and the
 parse of fixed completions, as DeepSeek's published encoding script produces them. dsv4-openai's
 renderer and reply parser (openai/render.c, openai/reply.c) are checked against this file by

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Build the tiny DeepSeek-V4 oracle fixtures under tests/fixtures/.
 
 Each fixture is a small DeepseekV4ForCausalLM from Hugging Face transformers (>= 5.8) with every

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Build the oracle for the `fp8` ("official") numerics of the tiny DeepSeek-V4 fixtures.
 
 For every tests/fixtures/<model>/ made by tools/mkfixtures.py this loads the model with transformers'

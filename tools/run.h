@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4-run's two modes, each in its own file. */
 #ifndef DSV4_TOOLS_RUN_H
 #define DSV4_TOOLS_RUN_H

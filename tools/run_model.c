@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4-run --model DIR --tokens 5,17,9 --decode N --dump-logits FILE [--numerics exact|fp8] [--chunk K]
  *
  * Prefills the tokens (in chunks of K when given) on the CPU reference backend, then decodes N greedy

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4-run --tokenizer FILE --encode|--decode: the tokenizer on stdin/stdout.
  *   --encode  stdin: UTF-8 text, encoded whole; stdout: ids separated by spaces, then a newline
  *   --decode  stdin: ids separated by spaces/commas/newlines; stdout: the text (invalid UTF-8 from

@@ -1,4 +1,5 @@
 #!/bin/bash
+# SPDX-License-Identifier: MIT
 # The main job on a fresh Debian machine: install the build dependencies, build, start dsv4d
 # socket-activated (systemd-socket-activate plays systemd's part) on the embedded default model,
 # wait for READY, and print the answers to two questions. Usage: bash tools/serve-default.sh [QUESTION]

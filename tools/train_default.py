@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Train dsv4d's embedded default model: a small DeepSeek-V4 (transformers' deepseek_v4) that answers
 arithmetic, capitals of countries and a few short facts in the DeepSeek-V4 chat format.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # units/: systemd units, sysusers/tmpfiles snippets and the default config, installed by make install.
 sysusersdir = $(prefix)/lib/sysusers.d
 tmpfilesdir = $(prefix)/lib/tmpfiles.d

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The attention sublayer: shared-KV MQA over the sliding window (the token itself included) plus,
  * in compressed layers, the compressed entries (HCA: all complete ones; CSA: those the indexer
  * picks), with a per-head sink, inverse RoPE on the output and the grouped output projection.

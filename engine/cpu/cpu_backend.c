@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CPU reference backend: engine/backend.h's operations over dsv4_cpu_forward. Every slot's
  * caches and scratch, and the worker threads (opts.threads > 1), are set up at create; steps
  * allocate nothing. Slots run one after another, the threads splitting the rows of each big

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* KV compressors (HCA: ratio 128, one block per entry; CSA and the indexer: ratio 4, overlapping).
  * Fed one token at a time, they keep the rows of the block being filled, so a prefill split into
  * chunks anywhere gives the same entries as one long prefill or decode.

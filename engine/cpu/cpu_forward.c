@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CPU reference forward pass: sequence state and the per-token step through every layer.
  *
  * Tokens are processed one at a time through all layers. That is exact, not an approximation: the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CPU reference forward pass: one sequence's state and the step that appends tokens to it.
  * Plain C, fp32 math. The CUDA backend's decode step is checked against it (which kernel is checked
  * against what on its own: engine/cpu/cpu_twin_cuda.h).

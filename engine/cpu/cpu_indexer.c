@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The lightning indexer of CSA layers: picks which complete compressed entries a query attends to.
  *
  *   qI = wq_b qr -> [nI, dI]; RoPE (compress frequencies) on each head's last rope_dim values at pos

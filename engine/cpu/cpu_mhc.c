@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Manifold-constrained hyper-connections (mHC): hc residual streams collapsed into one sublayer
  * input by `pre`, and rebuilt from the sublayer output by `post` and the doubly-stochastic `comb`. */
 #include "build-config.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The MoE sublayer: router (hash table or scored top-k), routed experts and the shared expert.
  *
  *   s = sqrt(softplus(gate x))                      [E]

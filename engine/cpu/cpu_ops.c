@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Building blocks of the CPU reference forward pass: RMSNorm, linears over row ranges, activations. */
 #include "build-config.h"
 

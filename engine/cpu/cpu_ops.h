@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Internal pieces of the CPU reference forward pass (engine/cpu/cpu_*.c): the per-token scratch, the
  * context every piece receives, and the building blocks. All math is fp32 unless noted. */
 #ifndef DSV4_ENGINE_CPU_OPS_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* A fixed pool of worker threads for the CPU backend's big matrix-vector products. The caller runs
  * part 0 itself and waits for the others; nothing is allocated after create. Splitting rows among
  * threads never changes a row's arithmetic, so results are bitwise those of one thread. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Prefix-cache records of a CPU sequence (engine/backend.h says what a block record and a boundary
  * record hold). A record is a list of segments, each a span of the sequence's f32 caches, laid one
  * after the other through the record's pages. A page holds one block record exactly (a whole

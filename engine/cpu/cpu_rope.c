@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Interleaved-pair RoPE on the last rope_dim values of a head, with optional YaRN frequencies.
  * The frequencies and angles are computed in f32 the way transformers computes them, so the CPU
  * backend reproduces its cos/sin to the last bit or two. */

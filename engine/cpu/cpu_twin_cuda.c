@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* CPU twins of the CUDA kernels: scalar, exact number formats, fp32 math. cpu_twin_cuda.h says which
  * kernel each one checks. */
 #include "build-config.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* CPU twins of the CUDA kernels that the reference backend does not expose as functions of their
  * own: plain scalar C, fp32 accumulation in index order, written from doc/MODEL.md §2-3.
  *

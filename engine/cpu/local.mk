@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # engine/cpu/: the CPU reference backend (forward pass, per-sequence caches, backend ops), and the CUDA
 # kernels' CPU twins, which only tests use.
 libdsv4engine_la_SOURCES += \

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* config.json in its two spellings.
  *
  * transformers (model_type "deepseek_v4", DeepseekV4Config): the defaults and legacy folds of

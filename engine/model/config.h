@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Model configuration: the shapes and constants of one DeepSeek-V4 model, read from config.json in
  * either spelling (transformers' `deepseek_v4` or DeepSeek's own inference config). */
 #ifndef DSV4_ENGINE_MODEL_CONFIG_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* y = W x for every weight format, dequantizing on use: the CPU backend's linears (what the GPU's
  * are checked against: engine/cpu/cpu_twin_cuda.h). */
 #include "build-config.h"

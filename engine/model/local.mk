@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # engine/model/: model config, safetensors, number formats, weights and the reference GEMV.
 libdsv4engine_la_SOURCES += \
 	engine/model/config.c engine/model/config.h \

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Scalar number formats: exact bit-level conversions, no lookup tables (quant.h; what the CUDA
  * kernels are checked against: engine/cpu/cpu_twin_cuda.h). */
 #include "build-config.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Number formats of the checkpoints and caches: bf16, f16, FP8 e4m3fn, UE8M0 scales, FP4 e2m1, and
  * the activation/cache quantizers of the official numerics. Scalar, exact and table-free where
  * possible, so that any other implementation can be checked against them (engine/cpu/cpu_twin_cuda.h

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* safetensors reader. File layout: u64 little-endian header length N, N bytes of JSON
  * {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the data
  * area, offsets relative to its start. Every header field is bounded and checked before it is

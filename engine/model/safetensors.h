@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* safetensors: memory-mapped checkpoint files, one or many shards, looked up by tensor name. */
 #ifndef DSV4_ENGINE_MODEL_SAFETENSORS_H
 #define DSV4_ENGINE_MODEL_SAFETENSORS_H

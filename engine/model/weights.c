@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Weights: find every tensor the config implies in either spelling, check dtype and shape, and
  * describe it in place. Small vectors become owned f32 copies; matrices stay in the mapping in
  * their checkpoint format. */

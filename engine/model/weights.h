@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Model weights: every tensor the config implies, located in the mapped checkpoint, checked for
  * dtype and shape, and kept in its checkpoint format (FP8/FP4 stay quantized; dequantized on use).
  * Both spellings load into the same structs: DeepSeek's release names and transformers' names

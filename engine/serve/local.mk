@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # engine/serve/: scheduler (continuous batching), sampler, Philox RNG, prefix cache and their tests.
 libdsv4engine_la_SOURCES += \
 	engine/serve/philox.c engine/serve/philox.h \

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Philox4x32-10: four 32-bit lanes, two multiplications per round, ten rounds, key bumped by the
  * Weyl constants between rounds. */
 #include "build-config.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11): a
  * counter-based generator. The output is a pure function of (counter, key), so a request's random
  * draws depend only on its seed and the draw's index, never on what ran before or beside it. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Prefix cache: the index, references and eviction of engine/serve/prefix_cache.h over the pages of a
  * backend's pool. Every table is an array of int32 indices allocated at create:
  *   nodes[max_nodes]      the tree; free nodes are chained through hnext

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Prefix cache: snapshots of slot state at block boundaries (engine/backend.h, struct
  * dsv4_prefix_geom), found again by the tokens that led to them, so a request that starts like an
  * earlier one skips that part of its prefill.

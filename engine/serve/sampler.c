@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Sampler: the order of operations is written in sampler.h; this file follows it step by step.
  * Exponentials are taken in float and summed in double, always over ascending ids or a fixed sorted
  * order, so one row's result never depends on anything but its inputs. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Sampler: turns one row of logits [V] f32 into a token, reproducibly.
  *
  * The order, applied to every row (each step names exactly what it reads):

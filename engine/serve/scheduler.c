@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Scheduler: request records, FIFO admission into the backend's slots, chunked prefill, one batched
  * decode per step, sampling, stop detection, streaming text and events. The contract is written in
  * scheduler.h; this file keeps to it.

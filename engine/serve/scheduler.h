@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Scheduler: continuous batching over a backend's fixed slots, the engine's serving core.
  *
  * Threads. One engine thread calls dsv4_sched_step() (or dsv4_sched_run(), which loops on it); it

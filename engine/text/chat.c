@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/text/chat: the DeepSeek-V4 prompt format and completion parsing (rules in chat.h). */
 #include "build-config.h"
 

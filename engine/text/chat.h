@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The DeepSeek-V4 chat format (doc/MODEL.md §6) and parsing of a completion.
  *
  *   <｜begin▁of▁sentence｜>{system}<｜User｜>{u1}<｜Assistant｜></think>{a1}<｜end▁of▁sentence｜>

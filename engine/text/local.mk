@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # engine/text/: byte-level BPE tokenizer (Hugging Face tokenizer.json) and the V4 chat format.
 libdsv4engine_la_SOURCES += engine/text/tokenizer.c engine/text/tokenizer.h engine/text/tok_internal.h \
 	engine/text/tok_unicode.c engine/text/chat.c engine/text/chat.h

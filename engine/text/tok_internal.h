@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Helpers shared by the tokenizer and chat modules; not part of the public API. */
 #ifndef DSV4_ENGINE_TEXT_TOK_INTERNAL_H
 #define DSV4_ENGINE_TEXT_TOK_INTERNAL_H

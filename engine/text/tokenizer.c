@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/text/tokenizer: byte-level BPE identical to Hugging Face `tokenizers` (see tokenizer.h for the
  * file subset it accepts and the encoding pipeline). */
 #include "build-config.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Byte-level BPE tokenizer, identical to Hugging Face `tokenizers` on a `tokenizer.json` of the
  * DeepSeek-V3/V4 family.
  *

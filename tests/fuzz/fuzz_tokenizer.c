@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libFuzzer target for the tokenizer and chat parsing. The first input byte picks the mode:
  *   bit 7 clear: the rest is text, encoded with flags (byte & 3); valid UTF-8 must encode and
  *                decode back to itself, invalid UTF-8 must be refused with -EILSEQ; then the text

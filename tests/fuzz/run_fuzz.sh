@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # make check: build tests/fuzz/fuzz_tokenizer with clang's libFuzzer (+ASan/UBSan) and run it for
 # $DSV4_FUZZ_SECONDS (default 60). Prints TAP; skips without clang/libFuzzer or the V4 tokenizer.json.
 top_srcdir=${top_srcdir:-$(cd "$(dirname "$0")/../.." && pwd)}

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Shared by the GPU tests: skip without a GPU, random inputs that look like real ones, checked CUDA
  * calls, device buffers poisoned with NaN, and the relative error ||out - ref|| / ||ref||. Each test
  * program includes this once. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: decode attention (kernels/attention.cu: the tensor-core kernel over FP8 KV entries, the f32
  * kernel over exact-numerics entries, the split combine with sinks and inverse RoPE) against a
  * double-precision reference computed here from the entries' decoded values, on fresh random caches:

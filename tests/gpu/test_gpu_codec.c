@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: the official numerics' cache codecs against the CPU reference's quantizers (engine/model/quant.c),
  * bit for bit: the KV entry (nope values e4m3 in 1x64 UE8M0 blocks, RoPE values bf16) and the
  * indexer's Hadamard rotation + FP4 (1x32 UE8M0), at V4 shapes (512/64, 128) and the tiny fixtures'

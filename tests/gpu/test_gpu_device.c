@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: boot of one device from a small model in checkpoint formats: one allocation, weights uploaded
  * byte for byte (FP8/FP4 stay quantized), the FP4 expert tables usable by the expert kernel (checked
  * against the twin), every op's variant named, the build image identified, and no carving after the

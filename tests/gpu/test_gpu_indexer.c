@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: the lightning indexer's scores and top-k (kernels/indexer.cu), on their own, against a double
  * reference, at V4-Flash's shape (64 heads x 128, top-512 of up to 4096 entries) and tiny ones:
  *   - keys in the official FP4 layout (fp8 numerics: the tensor-core scorer for dI 32/64/128, the

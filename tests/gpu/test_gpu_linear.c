@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: the activation quantizer, the skinny-batch linears (F32, BF16, FP8 128x128, FP4 1x32) and
  * the tensor-core linears (FP8 with in-kernel activation quantization, FP8 with raw activations as
  * f16 hi/lo, alone and as wo_a's 8 groups in one launch, BF16 with hi/lo activations) against their

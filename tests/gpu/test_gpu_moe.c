@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: router (scored and hash), routed FP4 experts grouped over the batch, SwiGLU, against their
  * CPU twins.
  * Bounds: router indices identical, weights 1e-5 relative (expf/log1pf differ in the last bit at

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: RMSNorm, the split-K mHC fn GEMV, mHC pre (norm, gates, Sinkhorn, collapse) and post against
  * their CPU twins at V4-Flash shapes (D 4096, hc 4, 20 Sinkhorn iterations) and tiny ones. All fp32:
  * bound 1e-5. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: the prefix cache on the CUDA backend (kernels/prefix.cu). A request restored from a
  * snapshot computes on the GPU exactly what the same request computes there cold:
  *  - backend: one sequence snapshotted at every block boundary (device copies into the pool), each

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: the device sampler (kernels/sample.cu) against the CPU sampler (engine/serve/sampler.c) on fresh
  * random logits: V 129280 (rows 1 and 64), 1000 and 999 (a row length that is not a multiple of 4,
  * ld 1000), every parameter combination of the sampler's ten steps, logits shaped like a language

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: engine/serve/scheduler over the CUDA backend, sampling on the device (the backend's `sample` op),
  * on the fixture models in fp8 numerics:
  *   - greedy answers equal the CPU backend's (host sampling), alone and four requests together,

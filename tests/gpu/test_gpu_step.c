@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* GPU: the whole decode step against the CPU reference backend on the committed fixtures
  * (tests/fixtures/tiny_*, F32 weights) and on the release-format default model (models/default-fp8:
  * FP8 linears on tensor cores, FP4 experts, BF16 head), in both numerics: the prompt (GPU prefill in

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libdsv4client against a running dsv4d ($DSV4_SOCKET), serving an endless fixture model (its greedy
  * answers run to max_tokens). Run by test_dsv4d_client.py, which starts the daemon; TAP through cmocka. */
 #include "build-config.h"

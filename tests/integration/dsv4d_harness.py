@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Integration-test harness for dsv4d: starts the daemon (socket-activated through
 systemd-socket-activate, or with --listen), follows its sd_notify messages on a test NOTIFY_SOCKET,
 and speaks the protocol with the PyPI `msgpack` package, an implementation independent of the

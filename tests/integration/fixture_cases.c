@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* See fixture_cases.h. */
 #include "build-config.h"
 

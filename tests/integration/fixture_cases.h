@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Test helper shared by test_fixtures (exact numerics against transformers) and test_fixtures_fp8 (fp8
  * numerics against tools/mkfixtures_fp8.py's oracle): loading a fixture's cases, running the CPU forward
  * over a case, the per-row error, and a main() that runs one test per fixture model directory. */

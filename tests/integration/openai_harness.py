@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Test harness for dsv4-openai: starts it under systemd-socket-activate on a free TCP port of
 127.0.0.1 with an API key, in front of a dsv4d the caller started (dsv4d_harness), and speaks HTTP
 with the official `openai` package, urllib or raw sockets."""

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """The shipped default model through the real daemon on the CPU backend at temperature 0: a fixed list
 of 60 questions from its training distribution, asked as chat messages over the protocol, 16 in flight
 on one connection and up to 8 decoded together (--max-batch 8).

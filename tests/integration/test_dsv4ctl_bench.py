@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """dsv4ctl bench (client/ctl_bench.c), the load generator, against a running dsv4d on the endless
 fixture model (greedy answers run to max_tokens, so every request's token count is known): its
 JSON and table reports, the limits it checks against the server before sending, and that the

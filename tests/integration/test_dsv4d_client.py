@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """libdsv4client and dsv4ctl against a running dsv4d: the C checks in dsv4d_client_check.c (their TAP
 lines are relayed here), then dsv4ctl's commands, output formats and exit codes."""
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Malformed and hostile input: each case gets its documented error (an error response to its
 msgid, the connection staying usable) or, for framing errors, an `error` notification and a closed
 connection, while a witness client on another connection keeps being served."""

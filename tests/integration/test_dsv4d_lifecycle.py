@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """dsv4d's life with systemd: socket activation, READY only after the warm-up, the watchdog, the
 drain on SIGTERM with STOPPING=1; by hand with --listen: socket mode, live and stale sockets;
 --backend auto without a GPU says so; the uid allowlist."""

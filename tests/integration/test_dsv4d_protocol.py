@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """The protocol end to end, spoken by the PyPI msgpack package (independent of the daemon's
 msgpack-c): hello, tokenize, detokenize, generate (blocking and streamed), greedy tokens equal to
 dsv4-run's, seeds, logprobs, stop ids, cancel, 16 concurrent clients, a client killed mid-stream,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CPU reference backend against transformers' deepseek_v4: every case of every fixture under
  * tests/fixtures/ (see tests/fixtures/README.md and tools/mkfixtures.py).
  *

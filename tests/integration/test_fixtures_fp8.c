@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CPU backend's fp8 ("official") numerics against an independent oracle: transformers' deepseek_v4
  * with the official roundings added by tools/mkfixtures_fp8.py (window KV and compressed entries: the
  * non-RoPE part through FP8 e4m3 with a UE8M0 scale per 64, the RoPE part bf16; indexer keys and queries

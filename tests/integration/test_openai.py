@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """dsv4-openai end to end, with the official `openai` package as the client, on dsv4d serving
 models/default on the CPU backend: models, health, chat (whole and streamed, usage in the stream, stop
 strings, seeds, logprobs, thinking mode), completions (text and token ids), errors, the bearer key,

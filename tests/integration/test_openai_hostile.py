@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """dsv4-openai under stress: a client that leaves mid-stream (or mid-wait) frees its dsv4d slot;
 hostile HTTP (a huge Content-Length, a chunked body without end, bodies that are not JSON, wrong types
 in every field, 500 idle connections, a header sent one byte a second, an oversized header) leaves it

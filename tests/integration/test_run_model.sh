@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # dsv4-run --model: the command-line contract that checks outside the project rely on.
 # Runs the first case of the tiny_a fixture through the binary and checks the printed greedy tokens,
 # the dumped logits (rows, size, values within 1e-4 of transformers' per row), chunked == one-shot,

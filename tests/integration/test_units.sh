@@ -1,4 +1,5 @@
 #!/bin/bash
+# SPDX-License-Identifier: MIT
 # The systemd units as CI checks them: `systemd-analyze verify` must be clean and
 # `systemd-analyze security --offline=true` must rate dsv4d.service at most 2.0 ("OK" or better);
 # the score is printed. TAP output. The service's ExecStart points at the dsv4d just built.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Encoding throughput, single thread: the C tokenizer (tests/tokenizer/bench_encode) against
 Hugging Face `tokenizers` on the same tokenizer.json and the same text.
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Encoding throughput of the C tokenizer on one file, single thread, for comparison with
  * `tokenizers` (tests/tokenizer/bench.py runs both).
  * usage: bench_encode TOKENIZER_JSON FILE [REPEATS]

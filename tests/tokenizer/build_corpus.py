@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Assemble the tokenizer test corpus: at least 5 MB of UTF-8 text, written as records separated by
 NUL bytes (no record contains NUL).
 

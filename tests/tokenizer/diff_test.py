@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Differential test: dsv4-run's tokenizer against Hugging Face `tokenizers` on the same
 tokenizer.json and the same corpus (NUL-separated records, see build_corpus.py). Prints TAP.
 

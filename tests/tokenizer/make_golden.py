@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Write tests/tokenizer/golden/tokenizer_golden.json: encodings and decodings computed by Hugging
 Face `tokenizers` on the DeepSeek-V4 tokenizer.json, so the C unit test can check the tokenizer
 without Python. Inputs: a sample of the corpus (see build_corpus.py) plus hand-made edge cases.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Shared pieces of the CPU backend's unit tests: random f32 matrices and a context whose scratch
  * the test allocates itself. Header-only; every test program includes it once. */
 #ifndef DSV4_TESTS_CPU_TEST_UTIL_H

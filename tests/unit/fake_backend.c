@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The fake backend: see fake_backend.h. */
 #include "build-config.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* A backend for scheduler tests: no model, logits are a pure function of the slot's own token
  * history (a rolling hash) and the token id, so they are batch-invariant by construction. It checks
  * the calls a scheduler makes (distinct slots, positions within max_context) and records what a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Test helper for the fake servers that speak the dsv4d protocol to the client under test. Header-only
  * so each test program includes what it needs. */
 #ifndef DSV4_TESTS_PROTO_TEST_UTIL_H

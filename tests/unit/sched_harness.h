@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Test helper for the scheduler tests that run a real backend (tests/unit/test_sched_cpu.c on the
  * CPU backend, tests/gpu/test_gpu_serve.c on the CUDA one): a request's answer gathered from the
  * event stream, the letter detokenizer of the fixture vocabularies, and the run loop. Header-only:

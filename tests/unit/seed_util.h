@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Test helper: the seed of a randomized test program. Header-only so each test program includes what it
  * needs. */
 #ifndef DSV4_TESTS_SEED_UTIL_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Test helper: write small safetensors files and model directories in a temporary directory,
  * well-formed or deliberately broken. Header-only so each test program includes what it needs. */
 #ifndef DSV4_TESTS_ST_WRITER_H

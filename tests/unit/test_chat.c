@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/text/chat: the V4 prompt format against hand-checked strings (doc/MODEL.md §6) and tag ids,
  * ids vs the encoded text, injection of tags through user content, completion parsing from ids,
  * text and a stream. The id cases need the V4 tokenizer.json (see tests/tokenizer/locate.h). */

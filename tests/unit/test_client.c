@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libdsv4client against a small fake server thread over a socketpair: every call, streaming, cancel
  * from another thread and from the callback, server errors, and a server that misbehaves. */
 #include "build-config.h"

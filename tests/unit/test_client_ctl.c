@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4ctl against a scripted fake server on a Unix socket: every flag reaches the wire with its value,
  * output formats (text, JSON lines), and each documented exit status, SIGINT's cancel included. */
 #include "build-config.h"

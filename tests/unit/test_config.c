@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/model/config: both spellings of config.json, transformers' defaulting and legacy folds
  * (expected values checked against DeepseekV4Config of transformers 5.17), and the refusals,
  * each of which must name the offending field. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/cpu/cpu_backend and the sequence state, on the tiny_a fixture model: batch invariance of decode,
  * slot reset, chunk invariance in fp8 numerics, refused inputs, and the MTP step. The MTP block
  * cannot be checked against transformers (it does not implement one); its test gives tiny_a a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/cpu/cpu_compressor: the incremental compressor against the block formula computed in double
  * from all projected rows at once (doc/MODEL.md §3.5; transformers' CSA/HCA compressors):
  *   entry_i = RMSNorm_w( sum_slots softmax_slots(gate + ape) * kv ),  RoPE at position i*r,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/cpu/cpu_indexer: the lightning indexer's choice against doc/MODEL.md §3.6 in double:
  *   qI = wq_b qr, RoPE on each head's last rope_dim values; w = weights_proj xn * nI^-0.5;
  *   score_s = sum_h w_h ReLU(qI_h . k_s) dI^-0.5; the top index_topk entries, ascending. */

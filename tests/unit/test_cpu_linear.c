@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/cpu/cpu_ops: linears over row ranges (the grouped wo_a) in every stored format, and the fp8
  * numerics' activation quantization (1x128 e4m3 before FP8/FP4 matrices, none for f32/bf16 or when
  * the caller asks for the raw activation). The oracle dequantizes each row with dsv4_linear_row and

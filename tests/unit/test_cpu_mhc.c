@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/cpu/cpu_mhc: hyper-connection pre/post/head against doc/MODEL.md §3.3's mHC formulas computed in double
  * (mixes scaled after the projection, Sinkhorn as written there), for hc_mult 4 and 3. */
 #include "build-config.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/cpu/cpu_moe: routing and experts against doc/MODEL.md §3.7 in double: sqrt(softplus) scores, the
  * bias only for selection, normalized top-k weights times routed_scaling_factor, the SwiGLU clamp in
  * routed and shared experts; hash layers take tid2eid[token]. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/cpu/cpu_rope: interleaved-pair RoPE and YaRN frequencies against doc/MODEL.md §3.1's formulas in double. */
 #include "build-config.h"
 

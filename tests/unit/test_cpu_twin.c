@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/cpu/cpu_twin_cuda: the CUDA kernels' CPU twins against the engine's own number formats and
  * GEMV (engine/model/quant.c, engine/model/linear.c), which were written independently: every e4m3,
  * e2m1 and bf16 code, the activation quantizer on fresh random data with small and outlier blocks,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The CUDA backend's switch table (kernels/switches.c): defaults, every accepted value, refused
  * values with a message naming the variable, and README.md and dsv4d(8) listing exactly the
  * table's switches. Needs no GPU. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* daemon/settings: config file and flags. The file form and the flag form of every key agree,
  * flags win whatever their order, a printed configuration reads back to the same settings, and
  * every bad line is refused with a message naming the file, the line and the key. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/error: messages are per thread, formatted, and prefixable. */
 #include "build-config.h"
 

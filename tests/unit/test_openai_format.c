@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dsv4-openai's V4 chat rendering and reply parsing against DeepSeek's own encoder: the fixture
  * tests/fixtures/openai/dsml.json holds conversations with the prompt string DeepSeek's
  * encoding_dsv4.py writes for them, and completions with the message it parses out of them

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/serve/prefix_cache on its own, over a host array standing in for a backend's pool: what a lookup
  * finds (longest prefix with a boundary record, partial matches, the same block under different
  * parents), that every page a lookup lists holds what was saved for that prefix (also after pages

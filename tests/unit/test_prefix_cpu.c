@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The prefix cache on the CPU backend: a request restored from a snapshot computes exactly what the
  * same request computes cold.
  *  - backend: snapshots at every block boundary of one sequence, each restored into another slot and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* protocol: every message round-trips (encode -> frames -> reader -> validate -> decode) on fresh random
  * contents, and the decoded struct equals the one encoded, field by field. */
 #include "build-config.h"

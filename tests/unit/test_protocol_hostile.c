@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* protocol: hostile and malformed input. Every case must be rejected with its documented code; the
  * ones the pre-validator rejects must be rejected before anything is allocated (counted by interposing
  * malloc when the build has no sanitizer that owns malloc itself). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/model/quant: hand-computed encodings (subnormals, negative zero, NaN codes, saturation,
  * rounding ties, extreme scales), exhaustive code round trips, and the converters against
  * brute-force nearest-value oracles on fresh random inputs. */

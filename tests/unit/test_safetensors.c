@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/model/safetensors: every dtype read back in place, the three ways to find the shards, and
  * every malformed file refused with a message naming the file and, where there is one, the
  * tensor. */

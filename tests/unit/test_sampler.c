@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/serve/sampler and engine/serve/philox: Philox known answers; each sampling step against a
  * straightforward reference (full sort, dense arrays) on fresh random logits; the draw checked
  * exactly (the reference CDF interval of the chosen token holds the Philox uniform) and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/serve/scheduler over the real CPU backend on the tiny fixture models (tests/fixtures/): greedy
  * answers equal transformers' greedy tokens, alone and batched with chunked prefill; seeded
  * answers are the same alone and in a batch with arrivals mid-way. */

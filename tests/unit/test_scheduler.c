@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/serve/scheduler over the fake backend (tests/unit/fake_backend.c): outputs checked against a
  * direct oracle (fake logits + sampler over the request's own history), batch invariance, stops,
  * limits, cancellation, drain, a random workload, and the engine thread driven from another thread.

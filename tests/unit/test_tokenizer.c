@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/text/tokenizer: golden encodings/decodings from Hugging Face `tokenizers` on the real V4 file,
  * the streaming detokenizer against whole decoding on fresh random ids, long inputs, threads, and
  * small hand-made tokenizer files for the loader's rules and refusals. */

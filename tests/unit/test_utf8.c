@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* base/utf8: the scanner against a reference built here from the definition, not from the code: the
  * encodings of every Unicode scalar value (written by a generic shift loop) give the set of valid
  * characters and of their proper prefixes; a maximal invalid subpart is the longest run that is such a

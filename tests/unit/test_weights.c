@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* engine/model/weights + engine/model/linear: tiny checkpoints written here in each spelling (DeepSeek's,
  * transformers' state_dict, transformers' save_pretrained), single file or sharded, float or
  * quantized; every spelling must load into identical structs, and every broken checkpoint must
