@@ -188,6 +188,9 @@ static int read_stop(const msgpack_object *o, struct dsv4_proto_sampling *s, str
                                         DSV4_PROTO_MAX_STOP_LEN);
         if (it->via.str.size == 0)
             return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "generate: stop[%u] is empty", i);
+        /* Stop strings are kept NUL-terminated: one holding a NUL would silently become its prefix. */
+        if (memchr(it->via.str.ptr, '\0', it->via.str.size))
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "generate: stop[%u] holds a NUL byte", i);
         int rc = dsv4_wire_read_str(it, "generate", "stop", 0, &s->stop[i], NULL, err);
         if (rc)
             return rc;

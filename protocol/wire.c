@@ -343,6 +343,11 @@ int dsv4_wire_read_messages(const msgpack_object *o, const char *ctx, struct dsv
             if (role->via.str.size == strlen(name) && memcmp(role->via.str.ptr, name, role->via.str.size) == 0)
                 r = k;
         }
+        /* Every string is UTF-8 first (PROTOCOL.md): a role that is not is invalid_utf8, not bad_role. */
+        if (r < 0 && !dsv4_utf8_valid(role->via.str.ptr, role->via.str.size)) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s: %s.role is not valid UTF-8", ctx, field);
+            break;
+        }
         if (r < 0) {
             rc = dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_ROLE,
                                       "%s: %s.role must be system, user or assistant", ctx, field);
