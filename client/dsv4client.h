@@ -259,6 +259,7 @@ enum dsv4_client_health_status {
     DSV4_CLIENT_HEALTH_READY = 0,
     DSV4_CLIENT_HEALTH_LOADING,
     DSV4_CLIENT_HEALTH_DRAINING,
+    DSV4_CLIENT_HEALTH_FAILED,      /* the engine failed; the daemon exits and systemd restarts it */
 };
 
 struct dsv4_client_health {
@@ -266,7 +267,7 @@ struct dsv4_client_health {
     char reason[256];
 };
 
-/* "ready", "loading", "draining". */
+/* "ready", "loading", "draining", "failed". */
 const char *dsv4_client_health_name(enum dsv4_client_health_status s);
 int dsv4_client_health(struct dsv4_client *c, struct dsv4_client_health *ret);
 

@@ -164,7 +164,8 @@ static uint64_t parse_u64(const char *opt, const char *s)
     return v;
 }
 
-/* "5,17,9" (commas and/or white space) into a malloc'd array. */
+/* "5,17,9" (ids separated by a comma and/or white space, as dsv4-run --encode prints them) into a
+ * malloc'd array. An empty entry ("5,,9", a leading or trailing comma) is refused: a typo, not an id. */
 static int32_t *parse_ids(const char *opt, const char *s, size_t *ret_n)
 {
     size_t n = 0, cap = 64;
@@ -172,9 +173,13 @@ static int32_t *parse_ids(const char *opt, const char *s, size_t *ret_n)
     if (!ids)
         die_usage("out of memory");
     const char *p = s;
+    bool after_comma = false;
     for (;;) {
-        while (*p == ',' || *p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
+        while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
             p++;
+        if (*p == ',' || (!*p && after_comma))
+            die_usage("%s: an empty entry at byte %zu of '%.40s' (ids are separated by one comma)", opt,
+                      (size_t)(p - s), s);
         if (!*p)
             break;
         char *end;
@@ -193,6 +198,11 @@ static int32_t *parse_ids(const char *opt, const char *s, size_t *ret_n)
         }
         ids[n++] = (int32_t)v;
         p = end;
+        while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
+            p++;
+        after_comma = *p == ',';
+        if (after_comma)
+            p++;
     }
     if (n == 0)
         die_usage("%s: no token ids", opt);
@@ -227,6 +237,9 @@ static char *read_stdin(void)
     buf[n] = '\0';
     if (strlen(buf) != n)
         die_usage("stdin contains a NUL byte");
+    /* The one newline `echo` ends its line with is not part of the prompt (as the shell's $(...) drops it). */
+    if (n && buf[n - 1] == '\n')
+        buf[--n] = '\0';
     return buf;
 }
 

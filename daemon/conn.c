@@ -64,6 +64,25 @@ static void set_accepting(struct dsv4_server *s, bool on)
     s->accept_paused = !on;
 }
 
+/* max_idle_per_uid: a connection is idle once it has had no generate request in flight for this
+ * long, so a client's fresh connection (its first request on the way) and a busy pool are not. */
+#define DSV4_CONN_IDLE_AFTER_NS 1000000000ull
+
+static bool conn_idle(const struct dsv4_conn *c, uint64_t now)
+{
+    return c->n_requests == 0 && !c->closing && !c->closed && now - c->idle_since_ns >= DSV4_CONN_IDLE_AFTER_NS;
+}
+
+/* Idle connections of uid: what one local user holds while doing nothing. */
+static int idle_connections(const struct dsv4_server *s, uid_t uid)
+{
+    uint64_t now = dsv4_now_ns();
+    int n = 0;
+    for (const struct dsv4_conn *c = s->conns; c; c = c->next)
+        n += c->uid == uid && conn_idle(c, now);
+    return n;
+}
+
 int dsv4_conn_accept(struct dsv4_server *s, int listen_fd)
 {
     for (int k = 0; k < DSV4_CONN_ACCEPTS_PER_WAKEUP; k++) {
@@ -86,11 +105,27 @@ int dsv4_conn_accept(struct dsv4_server *s, int listen_fd)
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
             dsv4_log_warning("SO_PEERCRED: %m");
         s->counters.connections_total++;
+        if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING) {
+            /* Told, not left waiting in the backlog until the socket is closed. */
+            s->counters.connections_refused++;
+            refuse(fd, DSV4_PROTO_E_DRAINING, "the server is shutting down; connect again once it has restarted");
+            continue;
+        }
         if (!peer_allowed(s->cfg, fd, cred.uid, cred.gid)) {
             dsv4_log_warning("refused connection from pid %d uid %u gid %u: not in allow_users/allow_groups",
                              (int)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
             s->counters.connections_refused++;
             close(fd);
+            continue;
+        }
+        int idle = idle_connections(s, cred.uid);
+        if (s->cfg->max_idle_per_uid && idle >= s->cfg->max_idle_per_uid) {
+            char msg[160];
+            snprintf(msg, sizeof(msg), "uid %u already holds %d connections with no generate in flight "
+                     "(max_idle_per_uid = %d)", (unsigned)cred.uid, idle, s->cfg->max_idle_per_uid);
+            dsv4_log_warning("refused connection from pid %d: %s", (int)cred.pid, msg);
+            s->counters.connections_refused++;
+            refuse(fd, DSV4_PROTO_E_TOO_MANY_CONNECTIONS, msg);
             continue;
         }
         if (s->n_conns >= s->cfg->max_connections) {
@@ -112,6 +147,7 @@ int dsv4_conn_accept(struct dsv4_server *s, int listen_fd)
         c->pid = cred.pid;
         c->uid = cred.uid;
         c->gid = cred.gid;
+        c->idle_since_ns = dsv4_now_ns();
         dsv4_proto_reader_init(&c->reader, s->cfg->max_frame);
         dsv4_proto_buf_init(&c->out);
         r = sd_event_add_io(s->event, &c->src, fd, EPOLLIN, conn_io, c);
@@ -150,6 +186,12 @@ void dsv4_conn_update_events(struct dsv4_conn *c)
     uint32_t ev = 0;
     if (c->closed)
         return;
+    /* frame_timeout counts while part of a frame is held and reading is on: time paused for the
+     * client's own unread output is not its stall. */
+    if (dsv4_proto_reader_pending(&c->reader) == 0 || c->paused || c->closing)
+        c->partial_since_ns = 0;
+    else if (!c->partial_since_ns)
+        c->partial_since_ns = dsv4_now_ns();
     if (!c->closing && c->out.len < DSV4_CONN_OUTPUT_HIGH_WATER) {
         ev |= EPOLLIN;
         /* A complete frame may already sit in the reader: the socket will not say so again. */
@@ -189,7 +231,8 @@ void dsv4_conn_close(struct dsv4_conn *c, const char *why)
     s->zombies = c;
     if (s->reap_src)
         sd_event_source_set_enabled(s->reap_src, SD_EVENT_ONESHOT);
-    if (s->accept_paused && s->state != DSV4_SERVER_DRAINING && s->state != DSV4_SERVER_EXITING)
+    if (s->accept_paused && s->state != DSV4_SERVER_DRAINING && s->state != DSV4_SERVER_EXITING &&
+        s->state != DSV4_SERVER_FAILED)
         set_accepting(s, true);
     dsv4_server_check_drained(s);
 }
@@ -229,7 +272,7 @@ void dsv4_conn_flush(struct dsv4_conn *c)
         return;
     }
     if (c->closing && c->out.len == 0) {
-        dsv4_conn_close(c, "after a protocol error");
+        dsv4_conn_close(c, c->close_reason);
         return;
     }
     dsv4_conn_update_events(c);
@@ -246,18 +289,27 @@ void dsv4_conn_send_error(struct dsv4_conn *c, uint32_t msgid, int code, const c
     dsv4_conn_flush(c);
 }
 
+/* Send an error notification, then close once it is written; reason is what the close logs. */
+static void conn_fail_with(struct dsv4_conn *c, int code, const char *message, const char *reason)
+{
+    if (c->closed || c->closing)
+        return;
+    c->closing = true;
+    c->close_reason = reason;
+    if (dsv4_proto_encode_error_notification(&c->out, code, message) < 0) {
+        dsv4_conn_close(c, "out of memory encoding an error");
+        return;
+    }
+    dsv4_conn_flush(c);
+}
+
 void dsv4_conn_fail(struct dsv4_conn *c, int code, const char *message)
 {
     if (c->closed || c->closing)
         return;
     dsv4_log_info("connection %llu (pid %d): protocol error %d (%s): %s", (unsigned long long)c->id, (int)c->pid,
                   code, dsv4_proto_code_name(code), message ? message : dsv4_proto_code_describe(code));
-    c->closing = true;
-    if (dsv4_proto_encode_error_notification(&c->out, code, message) < 0) {
-        dsv4_conn_close(c, "out of memory encoding an error");
-        return;
-    }
-    dsv4_conn_flush(c);
+    conn_fail_with(c, code, message, "after a protocol error");
 }
 
 static void conn_read(struct dsv4_conn *c)
@@ -345,4 +397,67 @@ static int conn_io(sd_event_source *src, int fd, uint32_t revents, void *userdat
     if (!c->closed)
         dsv4_conn_update_events(c);
     return 0;
+}
+
+static void close_stalled(struct dsv4_server *s, uint64_t now)
+{
+    uint64_t limit = (uint64_t)(s->cfg->frame_timeout * 1e9);
+    for (struct dsv4_conn *c = s->conns, *next; c; c = next) {
+        next = c->next;
+        if (c->partial_since_ns && now - c->partial_since_ns > limit) {
+            char why[160];
+            snprintf(why, sizeof(why), "held a partial frame (%zu bytes) for more than %g s (frame_timeout)",
+                     dsv4_proto_reader_pending(&c->reader), s->cfg->frame_timeout);
+            dsv4_conn_close(c, why);
+        }
+    }
+}
+
+/* By uid, then idle longest first. */
+static int cmp_idle(const void *a, const void *b)
+{
+    const struct dsv4_conn *x = *(struct dsv4_conn *const *)a, *y = *(struct dsv4_conn *const *)b;
+    if (x->uid != y->uid)
+        return x->uid < y->uid ? -1 : 1;
+    return (x->idle_since_ns > y->idle_since_ns) - (x->idle_since_ns < y->idle_since_ns);
+}
+
+/* Connections that became idle after the accept check (their requests ended) can still pile up:
+ * each uid keeps its max_idle_per_uid most recently active idle ones; the others are told and closed. */
+static void close_excess_idle(struct dsv4_server *s, uint64_t now)
+{
+    int limit = s->cfg->max_idle_per_uid, n = 0;
+    for (struct dsv4_conn *c = s->conns; c; c = c->next)
+        n += conn_idle(c, now);
+    if (n <= limit)
+        return;     /* no uid can be over */
+    struct dsv4_conn **idle = dsv4_reqmem_calloc((size_t)n, sizeof(*idle));
+    if (!idle)
+        return;     /* next sweep */
+    n = 0;
+    for (struct dsv4_conn *c = s->conns; c; c = c->next)
+        if (conn_idle(c, now))
+            idle[n++] = c;
+    qsort(idle, (size_t)n, sizeof(*idle), cmp_idle);
+    for (int g = 0, end; g < n; g = end) {
+        for (end = g + 1; end < n && idle[end]->uid == idle[g]->uid; end++)
+            ;
+        for (int i = g; i < end - limit; i++) {
+            char msg[160];
+            snprintf(msg, sizeof(msg), "uid %u holds %d connections with no generate in flight "
+                     "(max_idle_per_uid = %d); closing this one, idle longest", (unsigned)idle[i]->uid, end - g, limit);
+            dsv4_log_info("connection %llu (pid %d): %s", (unsigned long long)idle[i]->id, (int)idle[i]->pid, msg);
+            conn_fail_with(idle[i], DSV4_PROTO_E_TOO_MANY_CONNECTIONS, msg, "one idle connection too many for its uid");
+        }
+    }
+    dsv4_reqmem_free(idle);
+}
+
+void dsv4_conn_sweep(struct dsv4_server *s)
+{
+    uint64_t now = dsv4_now_ns();
+    if (s->cfg->frame_timeout > 0)
+        close_stalled(s, now);
+    if (s->cfg->max_idle_per_uid > 0)
+        close_excess_idle(s, now);
 }

@@ -2,6 +2,7 @@
 #include "build-config.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -58,7 +59,8 @@ static void request_detach_conn(struct dsv4_request *req)
         req->conn_next->conn_prev = req->conn_prev;
     req->conn_prev = req->conn_next = NULL;
     req->conn = NULL;
-    c->n_requests--;
+    if (--c->n_requests == 0)
+        c->idle_since_ns = dsv4_now_ns();   /* max_idle_per_uid counts from here */
 }
 
 static void pending_remove(struct dsv4_server *s, struct dsv4_request *req)
@@ -102,6 +104,8 @@ void dsv4_dispatch_conn_gone(struct dsv4_conn *c)
     while (c->requests) {
         struct dsv4_request *req = c->requests;
         request_detach_conn(req);
+        if (req->tokenizing)
+            continue;   /* the worker has it: freed when its job comes back */
         if (req->submitted) {
             /* The slot is freed at the next step; the FINISH event frees the request. */
             dsv4_sched_cancel(s->sched, req->sched_id);
@@ -192,6 +196,16 @@ static int build_parts(struct dsv4_server *s, const struct dsv4_proto_generate *
         return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "prompt: out of memory");
     return encode_error(dsv4_tokenizer_encode_parts(s->tok, (const char *const *)gen->parts, gen->part_lens,
                                                     gen->n_parts, 0, ids), err);
+}
+
+/* A generate request's text prompt, whichever of the three forms it takes, as ids. */
+static int build_generate_prompt(struct dsv4_server *s, const struct dsv4_proto_generate *g, struct dsv4_tok_ids *ids,
+                                 struct dsv4_proto_error *err)
+{
+    if (g->prompt_kind == DSV4_PROTO_PROMPT_PARTS)
+        return build_parts(s, g, ids, err);
+    return build_prompt(s, g->prompt_kind, g->prompt, g->prompt_len, g->add_bos, g->messages, g->n_messages,
+                        g->thinking, ids, err);
 }
 
 /* ---- responses ---------------------------------------------------------------------------------- */
@@ -342,6 +356,9 @@ static int submit(struct dsv4_server *s, struct dsv4_request *req, struct dsv4_p
         return 0;
     case -ESHUTDOWN:
         return dsv4_proto_error_set(err, DSV4_PROTO_E_DRAINING, "the server is shutting down");
+    case -ENOTRECOVERABLE:
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_INTERNAL, "%s; dsv4d is exiting to be restarted",
+                                    dsv4_error_message());
     case -EAGAIN:
         return dsv4_proto_error_set(err, DSV4_PROTO_E_QUEUE_FULL, "%s", dsv4_error_message());
     case -E2BIG:
@@ -379,6 +396,8 @@ static int admit_generate(struct dsv4_server *s, struct dsv4_conn *c, uint32_t m
     struct dsv4_proto_model_limits lim = model_limits(s);
     const struct dsv4_proto_sampling *ps = &gen->sampling;
 
+    if (s->state == DSV4_SERVER_FAILED)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_INTERNAL, "%s; dsv4d is exiting to be restarted", s->reason);
     if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_DRAINING, "the server is shutting down; retry later");
     if (duplicate_msgid(c, msgid))
@@ -405,40 +424,51 @@ static int admit_generate(struct dsv4_server *s, struct dsv4_conn *c, uint32_t m
     return dsv4_proto_check_generate(gen, &lim, err);
 }
 
-static void do_generate(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+/* Bytes of text a prompt holds: what the tokenizer would have to read. */
+static size_t prompt_text_bytes(const struct dsv4_proto_generate *gen)
+{
+    size_t n = gen->prompt_kind == DSV4_PROTO_PROMPT_TEXT ? gen->prompt_len : 0;
+    if (gen->prompt_kind == DSV4_PROTO_PROMPT_MESSAGES)
+        for (uint32_t i = 0; i < gen->n_messages; i++)
+            n += gen->messages[i].content_len;
+    if (gen->prompt_kind == DSV4_PROTO_PROMPT_PARTS)
+        for (uint32_t i = 0; i < gen->n_parts; i++)
+            n += gen->part_lens[i];
+    return n;
+}
+
+static size_t tokenize_text_bytes(const struct dsv4_proto_tokenize *t)
+{
+    size_t n = t->prompt_kind == DSV4_PROTO_PROMPT_TEXT ? t->text_len : 0;
+    if (t->prompt_kind == DSV4_PROTO_PROMPT_MESSAGES)
+        for (uint32_t i = 0; i < t->n_messages; i++)
+            n += t->messages[i].content_len;
+    return n;
+}
+
+/* A token covers at most max_token_bytes of text (the tokenizer has no normalizer), so text longer
+ * than max_prompt_tokens of them cannot fit, whatever it says: refused before it is read. */
+static int check_prompt_bytes(struct dsv4_server *s, const struct dsv4_proto_generate *gen,
+                              struct dsv4_proto_error *err)
+{
+    struct dsv4_proto_model_limits lim = model_limits(s);
+    size_t bytes = prompt_text_bytes(gen), per = s->max_token_bytes;
+    if (per == 0 || bytes / per < lim.max_prompt_tokens)
+        return 0;
+    size_t at_least = (bytes + per - 1) / per;
+    if (at_least <= lim.max_prompt_tokens)
+        return 0;
+    return dsv4_proto_error_set(err, DSV4_PROTO_E_PROMPT_TOO_LONG, "prompt: %zu bytes of text are at least %zu "
+                                "tokens (no token spans more than %zu bytes), above max_prompt_tokens %u", bytes,
+                                at_least, per, lim.max_prompt_tokens);
+}
+
+/* The prompt's ids are built: check them and hand the request to the engine (or hold it for READY). */
+static void generate_prompt_ready(struct dsv4_server *s, struct dsv4_request *req)
 {
     struct dsv4_proto_error err = { 0 };
     struct dsv4_proto_model_limits lim = model_limits(s);
-    struct dsv4_request *req;
-    struct dsv4_proto_generate gen;
 
-    dsv4_proto_generate_init(&gen);
-    if (dsv4_proto_decode_generate(msg, &gen, &err) < 0 || admit_generate(s, c, msg->msgid, &gen, &err) < 0) {
-        s->counters.requests_rejected++;
-        reply_error(c, msg->msgid, &err);
-        dsv4_proto_generate_clear(&gen);
-        return;
-    }
-    req = request_new(s, c, msg->msgid);
-    if (!req) {
-        dsv4_proto_generate_clear(&gen);
-        dsv4_conn_send_error(c, msg->msgid, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
-        return;
-    }
-    req->gen = gen;
-    if (gen.prompt_kind == DSV4_PROTO_PROMPT_TOKENS) {
-        for (uint32_t i = 0; i < gen.n_tokens; i++)
-            if (dsv4_tok_ids_push(&req->prompt, gen.tokens[i]) < 0) {
-                dsv4_proto_error_set(&err, DSV4_PROTO_E_OUT_OF_MEMORY, "tokens: out of memory");
-                goto fail;
-            }
-    } else if (gen.prompt_kind == DSV4_PROTO_PROMPT_PARTS) {
-        if (build_parts(s, &gen, &req->prompt, &err) < 0)
-            goto fail;
-    } else if (build_prompt(s, gen.prompt_kind, gen.prompt, gen.prompt_len, gen.add_bos, gen.messages,
-                            gen.n_messages, gen.thinking, &req->prompt, &err) < 0) {
-        goto fail;
-    }
     if (req->prompt.len == 0) {
         dsv4_proto_error_set(&err, DSV4_PROTO_E_BAD_VALUE, "the prompt is empty (no tokens)");
         goto fail;
@@ -468,6 +498,100 @@ fail:
     refuse_request(s, req, &err);
 }
 
+/* On the prompt worker: only the request's own fields and the server's immutable tokenizer state. */
+static void build_prompt_job(struct dsv4_prompt_job *job)
+{
+    struct dsv4_request *req = (struct dsv4_request *)((char *)job - offsetof(struct dsv4_request, job));
+    req->job_rc = build_generate_prompt(req->server, &req->gen, &req->prompt, &req->job_err);
+}
+
+int dsv4_dispatch_prompts_done(sd_event_source *src, int fd, uint32_t revents, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    struct dsv4_prompt_job *job;
+
+    while ((job = dsv4_prompt_worker_take_done(s->prompts))) {
+        struct dsv4_request *req = (struct dsv4_request *)((char *)job - offsetof(struct dsv4_request, job));
+        req->tokenizing = false;
+        if (!job->ran)
+            continue;   /* the worker stopped first (shutdown): freed with the others */
+        if (req->tokenize_only) {
+            /* A tokenize request: freed first (a failed write closes the connection, which frees what
+             * is linked to it), then answered if its client is still there. */
+            struct dsv4_conn *c = req->conn;
+            uint32_t msgid = req->msgid;
+            int rc = req->job_rc;
+            struct dsv4_proto_error job_err = req->job_err;
+            struct dsv4_tok_ids ids = req->prompt;
+            req->prompt = (struct dsv4_tok_ids){ 0 };
+            request_free(s, req);
+            struct dsv4_proto_tokens res = { .tokens = ids.ids, .n_tokens = (uint32_t)ids.len };
+            if (c && rc < 0)
+                reply_error(c, msgid, &job_err);
+            else if (c)
+                reply_encoded(c, dsv4_proto_encode_tokenize_result(&c->out, msgid, &res));
+            dsv4_tok_ids_free(&ids);
+        } else if (!req->conn) {
+            s->counters.requests_cancelled++;
+            request_free(s, req);
+        } else if (req->cancel_asked) {
+            s->counters.requests_cancelled++;
+            finish_unsubmitted(s, req, DSV4_PROTO_FINISH_CANCELLED);
+        } else if (req->job_rc < 0) {
+            s->counters.requests_rejected++;
+            refuse_request(s, req, &req->job_err);
+        } else {
+            generate_prompt_ready(s, req);
+        }
+    }
+    dsv4_server_check_drained(s);
+    return 0;
+}
+
+static void do_generate(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+{
+    struct dsv4_proto_error err = { 0 };
+    struct dsv4_request *req;
+    struct dsv4_proto_generate gen;
+
+    dsv4_proto_generate_init(&gen);
+    if (dsv4_proto_decode_generate(msg, &gen, &err) < 0 || admit_generate(s, c, msg->msgid, &gen, &err) < 0 ||
+        check_prompt_bytes(s, &gen, &err) < 0) {
+        s->counters.requests_rejected++;
+        reply_error(c, msg->msgid, &err);
+        dsv4_proto_generate_clear(&gen);
+        return;
+    }
+    req = request_new(s, c, msg->msgid);
+    if (!req) {
+        dsv4_proto_generate_clear(&gen);
+        dsv4_conn_send_error(c, msg->msgid, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
+        return;
+    }
+    req->gen = gen;
+    if (gen.prompt_kind == DSV4_PROTO_PROMPT_TOKENS) {
+        for (uint32_t i = 0; i < gen.n_tokens; i++)
+            if (dsv4_tok_ids_push(&req->prompt, gen.tokens[i]) < 0) {
+                dsv4_proto_error_set(&err, DSV4_PROTO_E_OUT_OF_MEMORY, "tokens: out of memory");
+                s->counters.requests_rejected++;
+                refuse_request(s, req, &err);
+                return;
+            }
+    } else if (prompt_text_bytes(&gen) > DSV4_PROMPT_INLINE_BYTES) {
+        /* Encoding this much would hold every other client up: the worker does it. */
+        req->server = s;
+        req->tokenizing = true;
+        req->job.run = build_prompt_job;
+        dsv4_prompt_worker_submit(s->prompts, &req->job);
+        return;
+    } else if (build_generate_prompt(s, &gen, &req->prompt, &err) < 0) {
+        s->counters.requests_rejected++;
+        refuse_request(s, req, &err);
+        return;
+    }
+    generate_prompt_ready(s, req);
+}
+
 void dsv4_dispatch_submit_pending(struct dsv4_server *s)
 {
     while (s->pending_head) {
@@ -490,10 +614,14 @@ static void do_cancel(struct dsv4_server *s, struct dsv4_conn *c, const struct d
         return;
     }
     for (struct dsv4_request *r = c->requests; r; r = r->conn_next) {
-        if (r->msgid != req.msgid)
+        if (r->msgid != req.msgid || r->tokenize_only)
             continue;
         if (r->submitted) {
             cancelled = dsv4_sched_cancel(s->sched, r->sched_id) == 0;
+        } else if (r->tokenizing) {
+            /* Answered cancelled when the worker hands it back. */
+            r->cancel_asked = true;
+            cancelled = true;
         } else {
             /* Still held for boot: it ends here. */
             s->counters.requests_cancelled++;
@@ -513,9 +641,32 @@ static void do_tokenize(struct dsv4_server *s, struct dsv4_conn *c, const struct
     struct dsv4_tok_ids ids = { 0 };
 
     dsv4_proto_tokenize_init(&req);
-    if (dsv4_proto_decode_tokenize(msg, &req, &err) < 0 ||
-        build_prompt(s, req.prompt_kind, req.text, req.text_len, req.add_bos, req.messages, req.n_messages,
-                     req.thinking, &ids, &err) < 0) {
+    if (dsv4_proto_decode_tokenize(msg, &req, &err) < 0) {
+        reply_error(c, msg->msgid, &err);
+    } else if (tokenize_text_bytes(&req) > DSV4_PROMPT_INLINE_BYTES) {
+        /* As for generate: a large text is encoded on the prompt worker, answered when it is done. */
+        struct dsv4_request *r = request_new(s, c, msg->msgid);
+        if (!r) {
+            dsv4_conn_send_error(c, msg->msgid, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
+        } else {
+            r->tokenize_only = true;
+            r->gen.prompt_kind = req.prompt_kind;
+            r->gen.prompt = req.text;
+            r->gen.prompt_len = req.text_len;
+            r->gen.add_bos = req.add_bos;
+            r->gen.messages = req.messages;
+            r->gen.n_messages = req.n_messages;
+            r->gen.thinking = req.thinking;
+            req.text = NULL;
+            req.messages = NULL;
+            req.n_messages = 0;
+            r->server = s;
+            r->tokenizing = true;
+            r->job.run = build_prompt_job;
+            dsv4_prompt_worker_submit(s->prompts, &r->job);
+        }
+    } else if (build_prompt(s, req.prompt_kind, req.text, req.text_len, req.add_bos, req.messages, req.n_messages,
+                            req.thinking, &ids, &err) < 0) {
         reply_error(c, msg->msgid, &err);
     } else {
         struct dsv4_proto_tokens res = { .tokens = ids.ids, .n_tokens = (uint32_t)ids.len };
@@ -537,7 +688,12 @@ static void do_detokenize(struct dsv4_server *s, struct dsv4_conn *c, const stru
         reply_error(c, msg->msgid, &err);
         goto out;
     }
-    if (dsv4_tokenizer_decode(s->tok, req.tokens, req.n_tokens, 0, &bytes, &len) < 0) {
+    /* Ids of the model's vocabulary past the tokenizer's have no text, as when they are generated. */
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < req.n_tokens; i++)
+        if ((size_t)req.tokens[i] < dsv4_tokenizer_vocab_size(s->tok))
+            req.tokens[n++] = req.tokens[i];
+    if (dsv4_tokenizer_decode(s->tok, req.tokens, n, 0, &bytes, &len) < 0) {
         dsv4_proto_error_set(&err, DSV4_PROTO_E_TOKEN_OUT_OF_VOCAB, "%s", dsv4_error_message());
         reply_error(c, msg->msgid, &err);
         goto out;
@@ -638,6 +794,7 @@ static void do_health(struct dsv4_server *s, struct dsv4_conn *c, const struct d
         h.status = DSV4_PROTO_HEALTH_LOADING;
         break;
     case DSV4_SERVER_WARMUP: h.status = DSV4_PROTO_HEALTH_LOADING; break;
+    case DSV4_SERVER_FAILED: h.status = DSV4_PROTO_HEALTH_FAILED; break;
     default: h.status = DSV4_PROTO_HEALTH_DRAINING; break;
     }
     reply_encoded(c, dsv4_proto_encode_health_result(&c->out, msg->msgid, &h));
@@ -735,6 +892,10 @@ static void on_finish(struct dsv4_server *s, struct dsv4_request *req, const str
         s->counters.requests_failed++;
     if (res->finish == DSV4_FINISH_ERROR)
         dsv4_log_err("request %u: engine error: %s", req->msgid, res->error_message);
+    /* The first request ended by a fatal backend error tells the server (the engine thread's own
+     * report follows once every request has ended). */
+    if (res->finish == DSV4_FINISH_ERROR && res->error == -ENOTRECOVERABLE)
+        dsv4_server_engine_failed(s, res->error_message);
 
     if (req->warmup) {
         char what[DSV4_SCHED_ERROR_MAX + 128];

@@ -10,6 +10,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "daemon/fault.h"
 #include "daemon/host.h"
 #include "daemon/log.h"
 #include "engine/backend.h"
@@ -74,8 +75,8 @@ static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *o
         }
         if (cfg->backend == DSV4_BACKEND_CUDA || r != -ENODEV)
             return dsv4_error_prefix(r, "CUDA backend: ");
-        snprintf(h->backend_note, sizeof(h->backend_note), "auto: no usable GPU (%s); using the CPU backend",
-                 dsv4_error_message());
+        /* The CUDA backend's -ENODEV message says "no usable GPU: why" itself. */
+        snprintf(h->backend_note, sizeof(h->backend_note), "auto: %s; using the CPU backend", dsv4_error_message());
 #else
         if (cfg->backend == DSV4_BACKEND_CUDA)
             return dsv4_error_set(-ENOTSUP, "backend = cuda, but this dsv4d was built without the CUDA backend "
@@ -130,6 +131,8 @@ static int boot(struct dsv4_host *h)
 
     set_phase(h, DSV4_HOST_CREATING_BACKEND);
     r = create_backend(h, &opts);
+    if (r == 0)
+        r = dsv4_fault_wrap_from_env(&h->backend);
     if (r < 0)
         return r;
     struct dsv4_backend_stats bs;

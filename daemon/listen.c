@@ -3,6 +3,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +19,27 @@
 #include "engine/error.h"
 
 #define DSV4_LISTEN_MODE 0660
+
+/* What the log calls a passed socket: the path it is bound to, and its FileDescriptorName= when
+ * systemd gave one ("unknown" is what sd_listen_fds_with_names() says when none was). */
+static void activated_name(int fd, const char *fd_name, char *out, size_t size)
+{
+    struct sockaddr_un addr = { 0 };
+    socklen_t len = sizeof(addr);
+    bool named = fd_name && *fd_name && strcmp(fd_name, "unknown") != 0;
+    if (getsockname(fd, (struct sockaddr *)&addr, &len) == 0 && addr.sun_family == AF_UNIX &&
+        len > offsetof(struct sockaddr_un, sun_path) && addr.sun_path[0]) {
+        size_t plen = strnlen(addr.sun_path, len - offsetof(struct sockaddr_un, sun_path));
+        if (named)
+            snprintf(out, size, "%.*s (%s)", (int)plen, addr.sun_path, fd_name);
+        else
+            snprintf(out, size, "%.*s", (int)plen, addr.sun_path);
+    } else if (named) {
+        snprintf(out, size, "%s (fd %d)", fd_name, fd);
+    } else {
+        snprintf(out, size, "passed fd %d", fd);
+    }
+}
 
 int dsv4_listen_activated(struct dsv4_listeners *l)
 {
@@ -41,7 +64,7 @@ int dsv4_listen_activated(struct dsv4_listeners *l)
                                "socket (ListenStream= must name a path)", fd, name);
         if (r >= 0) {
             l->fds[l->n] = fd;
-            snprintf(l->names[l->n], sizeof(l->names[l->n]), "%s", name);
+            activated_name(fd, names ? names[i] : NULL, l->names[l->n], sizeof(l->names[l->n]));
             l->n++;
             fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
         }
@@ -101,6 +124,8 @@ int dsv4_listen_path(struct dsv4_listeners *l, const char *path)
     if (r < 0) {
         r = -errno;
         close(fd);
+        if (r == -ENOENT)   /* exit status 2 (main.c): a setting to fix, not a failure to retry */
+            return dsv4_error_set(r, "--listen %s: its directory does not exist", path);
         return dsv4_error_set(r, "--listen %s: bind: %s", path, strerror(-r));
     }
     if (chmod(path, DSV4_LISTEN_MODE) < 0 || listen(fd, DSV4_LISTEN_BACKLOG) < 0) {

@@ -9,7 +9,7 @@
 struct dsv4_listeners {
     int n;
     int fds[DSV4_LISTEN_MAX];
-    char names[DSV4_LISTEN_MAX][64];    /* FileDescriptorName= or the path */
+    char names[DSV4_LISTEN_MAX][192];   /* the path (and FileDescriptorName=), for the log */
     char bound_path[108];               /* set when we bound it ourselves: unlinked at exit */
 };
 

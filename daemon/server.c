@@ -65,6 +65,24 @@ static uint64_t timer_in(uint64_t usec)
     return dsv4_now_ns() / 1000 + usec;
 }
 
+/* The connection sweep (frame_timeout, max_idle_per_uid): often enough that a stalled connection
+ * goes within an eighth of the timeout past its deadline (and at least once a second), rarely enough
+ * to cost nothing. */
+static uint64_t sweep_period_usec(const struct dsv4_server *s)
+{
+    double p = s->cfg->frame_timeout > 0 ? s->cfg->frame_timeout / 8 : 1.0;
+    return (uint64_t)((p > 1.0 ? 1.0 : p < 0.01 ? 0.01 : p) * 1e6);
+}
+
+static int on_sweep(sd_event_source *src, uint64_t usec, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    dsv4_conn_sweep(s);
+    sd_event_source_set_time(src, usec + sweep_period_usec(s));
+    sd_event_source_set_enabled(src, SD_EVENT_ONESHOT);
+    return 0;
+}
+
 /* ---- boot ---------------------------------------------------------------------------------------- */
 
 static int on_extend(sd_event_source *src, uint64_t usec, void *userdata)
@@ -105,6 +123,43 @@ void dsv4_server_warmup_done(struct dsv4_server *s, bool ok, const char *what)
     dsv4_dispatch_submit_pending(s);
 }
 
+static int on_drain_deadline(sd_event_source *src, uint64_t usec, void *userdata);
+static void close_connections(struct dsv4_server *s, const char *reason);
+
+static int on_failed_linger(sd_event_source *src, uint64_t usec, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    dsv4_log_info("engine failed: closing %d connections and exiting", s->n_conns);
+    close_connections(s, "the engine failed");
+    int r = sd_event_add_time(s->event, &s->drain_src, CLOCK_MONOTONIC, timer_in(DSV4_SERVER_FLUSH_USEC), 0,
+                              on_drain_deadline, s);
+    if (r < 0)
+        dsv4_log_warning("exit deadline timer: %s", strerror(-r));
+    dsv4_server_check_drained(s);
+    return 0;
+}
+
+void dsv4_server_engine_failed(struct dsv4_server *s, const char *why)
+{
+    int r;
+
+    if (s->state == DSV4_SERVER_FAILED || s->state == DSV4_SERVER_EXITING)
+        return;
+    dsv4_log_err("%s; answering what is left, then exiting", why);
+    set_reason(s, "%s", why);
+    dsv4_notify_status("failed: %s", why);
+    s->state = DSV4_SERVER_FAILED;
+    s->exit_code = EXIT_FAILURE;
+    stop_accepting(s);
+    dsv4_dispatch_refuse_pending(s, DSV4_PROTO_E_INTERNAL, s->reason);
+    r = sd_event_add_time(s->event, &s->linger_src, CLOCK_MONOTONIC, timer_in(DSV4_SERVER_FAILED_LINGER_USEC), 0,
+                          on_failed_linger, s);
+    if (r < 0) {
+        dsv4_log_warning("linger timer: %s", strerror(-r));
+        on_failed_linger(NULL, 0, s);
+    }
+}
+
 static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdata)
 {
     struct dsv4_server *s = userdata;
@@ -117,9 +172,10 @@ static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdat
     if (s->sched) {
         /* Boot was done: the engine's step loop has failed since. */
         if (dsv4_host_phase(s->host) == DSV4_HOST_FAILED) {
-            dsv4_log_err("engine: %s", dsv4_host_boot_error(s->host));
-            dsv4_notify_status("failed: %s", dsv4_host_boot_error(s->host));
-            server_exit(s, EXIT_FAILURE);
+            /* Usually known already from the requests' errors: their events go out first. */
+            if (s->sched_src)
+                dsv4_dispatch_engine_events(s->sched_src, dsv4_sched_event_fd(s->sched), EPOLLIN, s);
+            dsv4_server_engine_failed(s, dsv4_host_boot_error(s->host));
         }
         return 0;
     }
@@ -186,17 +242,26 @@ static int on_watchdog(sd_event_source *src, uint64_t usec, void *userdata)
 
 /* ---- stop ---------------------------------------------------------------------------------------- */
 
+/* Each connection closes once its last response is written (or at the flush deadline); then exit. */
+static void close_connections(struct dsv4_server *s, const char *reason)
+{
+    s->state = DSV4_SERVER_EXITING;
+    for (struct dsv4_conn *c = s->conns, *next; c; c = next) {
+        next = c->next;
+        if (!c->closing) {
+            c->closing = true;
+            c->close_reason = reason;
+        }
+        dsv4_conn_flush(c);
+    }
+    stop_accepting(s);
+}
+
 void dsv4_server_check_drained(struct dsv4_server *s)
 {
     if (s->state == DSV4_SERVER_DRAINING && s->n_requests == 0) {
         dsv4_log_info("drained: every request has its answer; closing %d connections", s->n_conns);
-        s->state = DSV4_SERVER_EXITING;
-        /* Each connection closes once its last response is written (or at the flush deadline). */
-        for (struct dsv4_conn *c = s->conns, *next; c; c = next) {
-            next = c->next;
-            c->closing = true;
-            dsv4_conn_flush(c);
-        }
+        close_connections(s, "the server is stopping and every request on it was answered");
     }
     if (s->state == DSV4_SERVER_EXITING && s->n_conns == 0)
         sd_event_exit(s->event, s->exit_code);
@@ -217,21 +282,27 @@ static int on_term(sd_event_source *src, const struct signalfd_siginfo *si, void
     const char *sig = si->ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT";
     int r;
 
-    if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING) {
-        dsv4_log_notice("%s again: exiting now", sig);
+    if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING || s->state == DSV4_SERVER_FAILED) {
+        dsv4_log_notice("%s %s: exiting now", sig, s->state == DSV4_SERVER_FAILED ? "after the engine failed" : "again");
         server_exit(s, s->exit_code);
         return 0;
     }
-    stop_accepting(s);
     if (s->state != DSV4_SERVER_READY) {
+        stop_accepting(s);
         /* Nothing was promised yet: answer the held requests and go. */
         dsv4_notify_stopping("stopping during boot");
         dsv4_dispatch_refuse_pending(s, DSV4_PROTO_E_DRAINING, "the server stopped during boot");
         server_exit(s, EXIT_SUCCESS);
         return 0;
     }
+    /* The scheduler's drain: queued requests end now (finish_reason cancelled, no tokens), running
+     * ones get drain_grace. New connections are still accepted, to be told so (conn.c). */
+    struct dsv4_sched_stats st;
+    dsv4_sched_get_stats(s->sched, &st);
     s->state = DSV4_SERVER_DRAINING;
-    set_reason(s, "%s: finishing %d requests within %.0f s", sig, s->n_requests, s->cfg->drain_grace);
+    set_reason(s, "%s: finishing %d running requests within %.0f s; %d queued ones cancelled", sig,
+               st.slots_in_use, s->cfg->drain_grace, st.queued);
+    dsv4_log_notice("%s", s->reason);
     dsv4_notify_stopping(s->reason);
     dsv4_sched_drain(s->sched, s->cfg->drain_grace);
     r = sd_event_add_time(s->event, &s->drain_src, CLOCK_MONOTONIC,
@@ -267,6 +338,16 @@ static int load_tokenizer(struct dsv4_server *s)
         return dsv4_error_set(-EINVAL, "tokenizer %s has %zu ids but the model's vocab_size is %d", path,
                               dsv4_tokenizer_vocab_size(s->tok), s->model.vocab_size);
     s->vocab_size = (uint32_t)s->model.vocab_size;
+    /* The most input text one token can stand for: its bytes, or an added token's literal content. */
+    for (size_t id = 0; id < dsv4_tokenizer_vocab_size(s->tok); id++) {
+        size_t len = 0;
+        const char *content = dsv4_tokenizer_is_added(s->tok, (int32_t)id) ?
+                              dsv4_tokenizer_token_string(s->tok, (int32_t)id) : NULL;
+        if (dsv4_tokenizer_token_bytes(s->tok, (int32_t)id, &len) && len > s->max_token_bytes)
+            s->max_token_bytes = len;
+        if (content && strlen(content) > s->max_token_bytes)
+            s->max_token_bytes = strlen(content);
+    }
     s->has_chat = dsv4_chat_tags_lookup(s->tok, &s->tags) == 0;
     if (s->has_chat)
         s->bos_id = s->tags.bos;
@@ -275,7 +356,8 @@ static int load_tokenizer(struct dsv4_server *s)
     else
         s->bos_id = -1;
     dsv4_error_clear();
-    dsv4_log_info("tokenizer %s: %zu ids, chat format %s", path, dsv4_tokenizer_vocab_size(s->tok),
+    dsv4_log_info("tokenizer %s: %zu ids (a token spans at most %zu bytes), chat format %s", path,
+                  dsv4_tokenizer_vocab_size(s->tok), s->max_token_bytes,
                   s->has_chat ? "available" : "unavailable (no chat tags)");
     return 0;
 }
@@ -344,6 +426,14 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
     dsv4_proto_limits_server(&s->proto_limits);
     s->proto_limits.max_frame = cfg->max_frame;
 
+    r = dsv4_prompt_worker_start(&s->prompts);
+    if (r < 0)
+        return r;
+    r = sd_event_add_io(s->event, &s->prompts_src, dsv4_prompt_worker_fd(s->prompts), EPOLLIN,
+                        dsv4_dispatch_prompts_done, s);
+    if (r < 0)
+        return dsv4_error_set(r, "watching the prompt worker: %s", strerror(-r));
+
     r = open_listeners(s);
     if (r < 0)
         return r;
@@ -362,6 +452,13 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
                           on_extend, s);
     if (r < 0)
         return dsv4_error_set(r, "boot timer: %s", strerror(-r));
+
+    if (cfg->frame_timeout > 0 || cfg->max_idle_per_uid > 0) {
+        r = sd_event_add_time(s->event, &s->sweep_src, CLOCK_MONOTONIC, timer_in(sweep_period_usec(s)), 0,
+                              on_sweep, s);
+        if (r < 0)
+            return dsv4_error_set(r, "connection sweep timer: %s", strerror(-r));
+    }
 
     s->watchdog_usec = dsv4_notify_watchdog_usec();
     if (s->watchdog_usec) {
@@ -392,10 +489,17 @@ void dsv4_server_done(struct dsv4_server *s)
     if (s->host)
         joined = dsv4_host_stop(s->host);
     /* The engine thread is gone (or still loading and never saw a request): requests can go. */
+    /* The prompt worker stops before the requests its jobs belong to are freed. */
+    dsv4_prompt_worker_stop(s->prompts);
     while (s->conns)
         dsv4_conn_close(s->conns, "server exiting");
     dsv4_conn_reap(s);
+    while (s->prompts && dsv4_prompt_worker_take_done(s->prompts))
+        ;
     dsv4_dispatch_free_all(s);
+    s->prompts_src = sd_event_source_disable_unref(s->prompts_src);
+    dsv4_prompt_worker_free(s->prompts);
+    s->prompts = NULL;
     for (int i = 0; i < s->listeners.n; i++)
         s->listen_src[i] = sd_event_source_disable_unref(s->listen_src[i]);
     dsv4_listen_close(&s->listeners);
@@ -404,6 +508,8 @@ void dsv4_server_done(struct dsv4_server *s)
     s->watchdog_src = sd_event_source_disable_unref(s->watchdog_src);
     s->extend_src = sd_event_source_disable_unref(s->extend_src);
     s->drain_src = sd_event_source_disable_unref(s->drain_src);
+    s->sweep_src = sd_event_source_disable_unref(s->sweep_src);
+    s->linger_src = sd_event_source_disable_unref(s->linger_src);
     s->reap_src = sd_event_source_disable_unref(s->reap_src);
     if (joined) {
         dsv4_host_free(s->host);

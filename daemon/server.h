@@ -13,6 +13,7 @@
 
 #include "daemon/host.h"
 #include "daemon/listen.h"
+#include "daemon/prompts.h"
 #include "daemon/settings.h"
 #include "engine/text/chat.h"
 #include "engine/model/config.h"
@@ -23,6 +24,11 @@
 #define DSV4_CONN_FRAMES_PER_WAKEUP 64
 /* Stop reading a connection's requests while this much output waits for it (it resumes below). */
 #define DSV4_CONN_OUTPUT_HIGH_WATER (1u << 20)
+/* Prompts of more text than this are tokenized on the prompt worker (a few ms of encoding inline). */
+#define DSV4_PROMPT_INLINE_BYTES (16u << 10)
+/* After the engine failed, how long health and hello still answer "failed" before the connections
+ * close and the process exits (systemd restarts it): clients polling health learn why. */
+#define DSV4_SERVER_FAILED_LINGER_USEC (1 * 1000000ull)
 /* After the drain, how long the last responses may take to reach slow clients. */
 #define DSV4_SERVER_FLUSH_USEC (2 * 1000000ull)
 /* Boot steps extend systemd's start timeout by this much, each time the boot timer fires. */
@@ -35,14 +41,16 @@ enum dsv4_server_state {
     DSV4_SERVER_WARMUP,         /* warm-up generation in flight */
     DSV4_SERVER_READY,
     DSV4_SERVER_DRAINING,       /* SIGTERM: finishing in-flight work, no new work */
+    DSV4_SERVER_FAILED,         /* the engine failed: answering what is left, then exit 1 */
     DSV4_SERVER_EXITING,
 };
 
 struct dsv4_server;
 struct dsv4_conn;
 
-/* A generate request from its decode to its result. Owned by the server; linked into its
- * connection's list while the client is there (conn NULL after the client left). */
+/* A generate request from its decode to its result (or a tokenize request while the prompt worker
+ * encodes its text). Owned by the server; linked into its connection's list while the client is
+ * there (conn NULL after the client left). */
 struct dsv4_request {
     struct dsv4_request *all_prev, *all_next;   /* server->requests */
     struct dsv4_request *conn_prev, *conn_next; /* conn->requests */
@@ -56,6 +64,14 @@ struct dsv4_request {
     struct dsv4_tok_ids prompt;         /* kept valid until the scheduler releases the request */
     struct dsv4_proto_logprob *logprobs;/* [completion tokens] when logprobs were asked for */
     uint32_t n_logprobs, cap_logprobs;
+    /* A large prompt is tokenized on the prompt worker (prompts.h): the request waits, tokenizing,
+     * until its job comes back; a cancel or the client leaving meanwhile is acted on then. */
+    struct dsv4_prompt_job job;
+    struct dsv4_server *server;
+    bool tokenizing, cancel_asked;
+    bool tokenize_only;                 /* a tokenize request (gen holds its text), not a generate */
+    int job_rc;
+    struct dsv4_proto_error job_err;
 };
 
 struct dsv4_conn {
@@ -66,10 +82,13 @@ struct dsv4_conn {
     sd_event_source *src;
     sd_event_source *resume_src;        /* reads on after a pause or the per-wakeup frame cap */
     bool paused;                        /* output above high water: requests wait in the socket */
+    uint64_t partial_since_ns;          /* when the frame the reader holds part of began; 0: none */
+    uint64_t idle_since_ns;             /* when n_requests last became 0 (or the accept) */
     pid_t pid;
     uid_t uid;
     gid_t gid;
     bool closing;                       /* flush what is queued, then close */
+    const char *close_reason;           /* why it is closing, for the log (static string) */
     bool closed;                        /* fd closed; freed by the server's reaper */
     struct dsv4_proto_reader reader;
     struct dsv4_proto_buf out;          /* encoded frames not yet written */
@@ -100,11 +119,16 @@ struct dsv4_server {
     int32_t bos_id;                         /* -1 when the tokenizer has no BOS tag */
     struct dsv4_proto_limits proto_limits;
     uint32_t vocab_size;                    /* ids a client may send: min(model, tokenizer) */
+    size_t max_token_bytes;                 /* the most text one token stands for (no normalizer) */
+    struct dsv4_prompt_worker *prompts;
+    sd_event_source *prompts_src;
 
     struct dsv4_host *host;
     struct dsv4_sched *sched;               /* once booted */
     sd_event_source *boot_src, *sched_src;
     sd_event_source *watchdog_src, *extend_src, *drain_src;
+    sd_event_source *linger_src;            /* engine failed: DSV4_SERVER_FAILED_LINGER_USEC */
+    sd_event_source *sweep_src;             /* frame_timeout and max_idle_per_uid (conn.c) */
     uint64_t watchdog_usec, watchdog_last_steps;
     uint64_t boot_device_allocs, boot_graph_captures;  /* backend counters when boot ended */
     uint64_t boot_sched_allocations;        /* the scheduler's allocation counter when boot ended */
@@ -132,6 +156,9 @@ int dsv4_server_run(struct dsv4_server *s);
 void dsv4_server_done(struct dsv4_server *s);
 /* The warm-up finished (ok or not): become READY or exit. */
 void dsv4_server_warmup_done(struct dsv4_server *s, bool ok, const char *what);
+/* The engine failed for good (a fatal backend error, a sticky GPU fault): refuse new work, let health
+ * say why for DSV4_SERVER_FAILED_LINGER_USEC, then close the connections and exit 1. Once. */
+void dsv4_server_engine_failed(struct dsv4_server *s, const char *why);
 /* Called after events were handled: ends the drain when nothing is left. */
 void dsv4_server_check_drained(struct dsv4_server *s);
 
@@ -150,6 +177,9 @@ void dsv4_conn_close(struct dsv4_conn *c, const char *why);
 void dsv4_conn_reap(struct dsv4_server *s);
 /* Recompute which events the connection waits for (reading pauses while its output backs up). */
 void dsv4_conn_update_events(struct dsv4_conn *c);
+/* Close the connections that have held a partial frame for longer than frame_timeout, and each
+ * uid's idle connections beyond max_idle_per_uid (those idle longest first). */
+void dsv4_conn_sweep(struct dsv4_server *s);
 
 /* dispatch.c */
 /* One decoded frame from c. */
@@ -166,5 +196,7 @@ void dsv4_dispatch_conn_gone(struct dsv4_conn *c);
 void dsv4_dispatch_refuse_pending(struct dsv4_server *s, int code, const char *message);
 /* Free every request (shutdown). */
 void dsv4_dispatch_free_all(struct dsv4_server *s);
+/* The prompt worker's eventfd is readable: prompts it tokenized go on to the engine. */
+int dsv4_dispatch_prompts_done(sd_event_source *src, int fd, uint32_t revents, void *userdata);
 
 #endif

@@ -49,7 +49,12 @@ static const struct opt opts[] = {
     { "max_frame", OPT_SIZE, F(max_frame), 0, 1024, (int64_t)1 << 30, "BYTES", "largest frame a client may send (K/M/G suffixes)" },
     { "max_output_buffer", OPT_SIZE, F(max_output_buffer), 0, 65536, (int64_t)1 << 32, "BYTES",
       "bytes queued for a client that does not read before it is disconnected" },
-    { "drain_grace", OPT_SECONDS, F(drain_grace), 0, 0, 0, "SECONDS", "on SIGTERM, time in-flight requests get to finish" },
+    { "frame_timeout", OPT_SECONDS, F(frame_timeout), 0, 0, 0, "SECONDS",
+      "a client holding part of a frame this long is disconnected (0 = never)" },
+    INTOPT("max_idle_per_uid", max_idle_per_uid, 0, 65536,
+           "connections one uid may hold with no generate in flight (0 = no limit)"),
+    { "drain_grace", OPT_SECONDS, F(drain_grace), 0, 0, 0, "SECONDS",
+      "on SIGTERM, time running requests get to finish (queued ones are cancelled)" },
     INTOPT("warmup_tokens", warmup_tokens, 1, 1024, "tokens the boot warm-up generates before READY=1"),
     { "allow_users", OPT_USERS, F(allow_users), 0, 0, 0, "USER,...", "only these users (names or uids) may connect" },
     { "allow_groups", OPT_GROUPS, F(allow_groups), 0, 0, 0, "GROUP,...", "only members of these groups (primary or supplementary) may connect" },
@@ -73,6 +78,8 @@ void dsv4_settings_defaults(struct dsv4_settings *s)
     s->max_prompt_tokens = 0;
     s->max_frame = 8u << 20;
     s->max_output_buffer = 64u << 20;
+    s->frame_timeout = 30.0;
+    s->max_idle_per_uid = 64;
     s->drain_grace = 30.0;
     s->warmup_tokens = 4;
     s->log_level = LOG_INFO;

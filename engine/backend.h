@@ -62,6 +62,9 @@ struct dsv4_backend_sample_req {
 
 #define DSV4_BACKEND_MSG_MAX 160            /* a row's error message, with its terminating NUL */
 
+/* Every op that computes returns 0 or a negative errno. -ENOTRECOVERABLE means the backend can no
+ * longer compute at all (a sticky CUDA error: illegal address, uncorrectable ECC, a faulted kernel):
+ * the scheduler then ends every request and stops (scheduler.h); any other error fails one call. */
 struct dsv4_backend_ops {
     const char *name;           /* "cpu", "cuda" */
     /* Append n tokens to `slot` at its current position (chunked prefill: call again with the

@@ -15,6 +15,7 @@ extern "C" {
 #include "engine/error.h"
 }
 
+#include "kernels/cuda_fault.cuh"
 #include "kernels/dsv4cuda.h"
 
 #define DSV4_CUDA_WARP 32
@@ -23,13 +24,14 @@ extern "C" {
 #define DSV4_CUDA_E4M3_MAX 448.0f
 #define DSV4_CUDA_AMAX_FLOOR 1e-4f
 
-/* Return -EIO with the CUDA error text when `call` fails. */
+/* Return -EIO (-ENOTRECOVERABLE for a sticky error, cuda_fault.cuh) with the CUDA error text when
+ * `call` fails. */
 #define DSV4_CUDA_TRY(call)                                                                    \
     do {                                                                                       \
         cudaError_t e_ = (call);                                                               \
         if (e_ != cudaSuccess)                                                                 \
-            return dsv4_error_set(-EIO, "%s: %s (%s:%d)", #call, cudaGetErrorString(e_),      \
-                                  __FILE__, __LINE__);                                         \
+            return dsv4_error_set(dsv4_cuda_errno(e_), "%s: %s (%s:%d)", #call,               \
+                                  cudaGetErrorString(e_), __FILE__, __LINE__);                 \
     } while (0)
 
 /* After a launch: configuration errors surface here; asynchronous faults at the next sync. */
@@ -37,7 +39,8 @@ extern "C" {
     do {                                                                                       \
         cudaError_t e_ = cudaGetLastError();                                                   \
         if (e_ != cudaSuccess)                                                                 \
-            return dsv4_error_set(-EIO, "launching %s: %s", name, cudaGetErrorString(e_));    \
+            return dsv4_error_set(dsv4_cuda_errno(e_), "launching %s: %s", name,              \
+                                  cudaGetErrorString(e_));                                     \
     } while (0)
 
 /* Per-variant launch counters (device.cu). */

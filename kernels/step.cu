@@ -730,6 +730,8 @@ static int op_decode(struct dsv4_backend *b, int n, const int *slots, const int3
 {
     struct cuda_backend *cb = impl(b);
     int rc = check_rows(cb, n, slots, tokens);
+    if (rc == 0)    /* test-only: a real sticky fault when DSV4_TEST_CUDA_FAULT_AFTER_DECODES says so */
+        rc = dsv4_cuda_test_fault(static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev)));
     return rc < 0 ? rc : run_rows(cb, n, slots, tokens, logits, 0, n);
 }
 

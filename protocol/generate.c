@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/utf8.h"
 #include "protocol/message_codec.h"
 
 #define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
@@ -70,6 +71,11 @@ int dsv4_proto_read_chat_messages(const msgpack_object *o, const char *ctx, stru
             const char *name = dsv4_proto_role_name((enum dsv4_proto_role)k);
             if (role->via.str.size == strlen(name) && memcmp(role->via.str.ptr, name, role->via.str.size) == 0)
                 r = k;
+        }
+        /* Every string is UTF-8 first (PROTOCOL.md): a role that is not is invalid_utf8, not bad_role. */
+        if (r < 0 && !dsv4_utf8_valid(role->via.str.ptr, role->via.str.size)) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s: %s.role is not valid UTF-8", ctx, field);
+            break;
         }
         if (r < 0) {
             rc = dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_ROLE,
@@ -275,6 +281,9 @@ static int read_stop(const msgpack_object *o, struct dsv4_proto_sampling *s, str
                                         DSV4_PROTO_MAX_STOP_LEN);
         if (it->via.str.size == 0)
             return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "generate: stop[%u] is empty", i);
+        /* Stop strings are kept NUL-terminated: one holding a NUL would silently become its prefix. */
+        if (memchr(it->via.str.ptr, '\0', it->via.str.size))
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "generate: stop[%u] holds a NUL byte", i);
         int rc = dsv4_wire_read_str(it, "generate", "stop", 0, &s->stop[i], NULL, err);
         if (rc)
             return rc;

@@ -854,6 +854,7 @@ static const char *const health_names[] = {
     [DSV4_PROTO_HEALTH_READY] = "ready",
     [DSV4_PROTO_HEALTH_LOADING] = "loading",
     [DSV4_PROTO_HEALTH_DRAINING] = "draining",
+    [DSV4_PROTO_HEALTH_FAILED] = "failed",
 };
 static const char *const health_keys[] = { "status", "reason" };
 

@@ -454,6 +454,7 @@ enum dsv4_proto_health_status {
     DSV4_PROTO_HEALTH_READY = 0,
     DSV4_PROTO_HEALTH_LOADING,
     DSV4_PROTO_HEALTH_DRAINING,
+    DSV4_PROTO_HEALTH_FAILED,      /* the engine failed for good; the server is exiting (to be restarted) */
 };
 
 /* "ready", "loading", "draining"; and back (-1 for an unknown name). */

@@ -8,7 +8,8 @@ DSV4D_INTEGRATION_TESTS = \
 	tests/integration/test_dsv4d_hostile.py \
 	tests/integration/test_dsv4d_client.py \
 	tests/integration/test_dsv4ctl_bench.py \
-	tests/integration/test_units.sh
+	tests/integration/test_units.sh \
+	tests/integration/test_docs.sh
 TESTS += $(DSV4D_INTEGRATION_TESTS)
 EXTRA_DIST += $(DSV4D_INTEGRATION_TESTS) tests/integration/dsv4d_harness.py
 # They run the programs under test from the build tree (make check builds them first: dsv4d,

@@ -9,4 +9,5 @@ include $(srcdir)/tests/fixtures.mk
 include $(srcdir)/tests/integration.mk
 include $(srcdir)/tests/fixtures_fp8.mk
 include $(srcdir)/tests/default_model.mk
+include $(srcdir)/tests/fuzz.mk
 EXTRA_DIST += tests/README.md

@@ -20,14 +20,16 @@ fi
     mkdir -p build && (cd build && ../configure -q && make -j"$(nproc)" >/dev/null)
 }
 
-sock=$(mktemp -u /tmp/dsv4d.XXXXXX.sock)
-log=${sock%.sock}.log
+# The socket lives in a private directory removed at exit; the log stays in the build tree.
+rundir=$(mktemp -d /tmp/dsv4d-serve.XXXXXX)
+sock=$rundir/dsv4d.sock
+log=build/serve-default.log
 export DSV4_SOCKET=$sock
 # systemd-socket-activate binds the socket and hands it to dsv4d as LISTEN_FDS, as dsv4d.socket does.
 systemd-socket-activate -l "$sock" build/dsv4d --config "" --model models/default --backend auto \
     --max-batch 4 --max-context 1024 2>"$log" &
 daemon=$!
-trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true' EXIT
+trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true; rm -rf "$rundir"' EXIT
 for _ in $(seq 1 600); do
     build/dsv4ctl health >/dev/null 2>&1 && break
     kill -0 $daemon 2>/dev/null || { echo "dsv4d exited during boot:" >&2; tail -20 "$log" >&2; exit 1; }

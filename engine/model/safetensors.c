@@ -254,7 +254,8 @@ static int load_file(struct dsv4_st *st, size_t fi)
         return r;
 
     /* overlap: in offset order, every non-empty tensor must start at or after the previous end */
-    qsort(st->tensors + first, st->ntensors - first, sizeof(*st->tensors), cmp_by_offset);
+    if (st->ntensors - first > 1)   /* a file of no tensors may leave st->tensors NULL: qsort takes none */
+        qsort(st->tensors + first, st->ntensors - first, sizeof(*st->tensors), cmp_by_offset);
     for (size_t i = first + 1, prev = first; i < st->ntensors; i++) {
         const struct dsv4_st_tensor *a = &st->tensors[prev], *b = &st->tensors[i];
 
@@ -410,7 +411,8 @@ int dsv4_st_open(const char *dir, struct dsv4_st **ret)
     if (r < 0)
         goto out;
 
-    qsort(st->tensors, st->ntensors, sizeof(*st->tensors), cmp_by_name);
+    if (st->ntensors > 1)
+        qsort(st->tensors, st->ntensors, sizeof(*st->tensors), cmp_by_name);
     for (size_t i = 1; i < st->ntensors; i++)
         if (strcmp(st->tensors[i - 1].name, st->tensors[i].name) == 0) {
             r = dsv4_error_set(-EINVAL, "tensor %s appears in both %s and %s", st->tensors[i].name,
@@ -469,6 +471,8 @@ const struct dsv4_st_tensor *dsv4_st_find(const struct dsv4_st *st, const char *
 {
     struct dsv4_st_tensor key = { .name = name };
 
+    if (st->ntensors == 0)  /* no array to search (NULL): bsearch takes none */
+        return NULL;
     return bsearch(&key, st->tensors, st->ntensors, sizeof(key), cmp_by_name);
 }
 

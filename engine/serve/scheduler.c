@@ -151,6 +151,10 @@ struct dsv4_sched {
     char *scratch;                  /* [4 + TOKEN_BYTES_MAX] raw bytes awaiting UTF-8 repair */
 
     bool stop_asked, draining;
+    /* The backend returned -ENOTRECOVERABLE: every request ends with an error, no new one is taken.
+     * Written by the engine thread under the lock. */
+    int fatal;
+    char fatal_msg[DSV4_SCHED_ERROR_MAX];
     uint64_t drain_deadline_ns;
     struct dsv4_sched_stats st;     /* st.backend: copied on the engine thread after each step */
     uint64_t busy_ns;
@@ -286,9 +290,12 @@ static void *pool_worker(void *arg)
     return NULL;
 }
 
+static bool backend_fatal(struct dsv4_sched *s, int r, const char *what);
+
 /* Device sampling of rows [0, n): request reqs[k] (running-list indices) for row k of the call just
- * made, into row_sample/row_rc/row_err (a failure of the whole call fails every row). */
-static void sample_on_device(struct dsv4_sched *s, int n, const int *reqs)
+ * made, into row_sample/row_rc/row_err (a failure of the whole call fails every row). Returns true
+ * when the backend failed for good (backend_fatal: every running request has ended). */
+static bool sample_on_device(struct dsv4_sched *s, int n, const int *reqs)
 {
     for (int k = 0; k < n; k++) {
         const struct sched_req *q = &s->reqs[reqs[k]];
@@ -296,6 +303,8 @@ static void sample_on_device(struct dsv4_sched *s, int n, const int *reqs)
                                                        .index = (uint64_t)q->result.n_tokens };
     }
     int r = s->backend->ops->sample(s->backend, n, s->sreq, s->row_sample, s->row_rc, s->smsg);
+    if (backend_fatal(s, r, "sampling"))
+        return true;
     for (int k = 0; k < n; k++) {
         if (r < 0)
             s->row_rc[k] = r;
@@ -303,6 +312,7 @@ static void sample_on_device(struct dsv4_sched *s, int n, const int *reqs)
             snprintf(s->row_err[k], DSV4_SCHED_ERROR_MAX, "sampling: %s",
                      r < 0 ? dsv4_error_message() : s->smsg + (size_t)k * DSV4_BACKEND_MSG_MAX);
     }
+    return false;
 }
 
 /* Sample the decode step's n rows into row_sample/row_rc, on every pool thread. */
@@ -584,9 +594,9 @@ static int check_request(const struct dsv4_sched *s, const struct dsv4_sched_req
 {
     if (!req->prompt || req->n_prompt < 1)
         return dsv4_error_set(-EINVAL, "request: empty prompt");
-    if (req->n_prompt > s->max_context)
-        return dsv4_error_set(-E2BIG, "request: prompt of %d tokens exceeds max_context %d",
-                              req->n_prompt, s->max_context);
+    if (req->n_prompt >= s->max_context)
+        return dsv4_error_set(-E2BIG, "request: prompt of %d tokens leaves no room for a generated token in "
+                              "max_context %d", req->n_prompt, s->max_context);
     if (req->max_tokens < 0 || req->max_tokens > s->lim.max_output_tokens)
         return dsv4_error_set(-E2BIG, "request: max_tokens %d: must be in [0, max_output_tokens %d]",
                               req->max_tokens, s->lim.max_output_tokens);
@@ -628,6 +638,8 @@ int dsv4_sched_submit(struct dsv4_sched *s, const struct dsv4_sched_request *req
     if (r == 0 && !req->sampling.has_seed && getrandom(&seed, sizeof(seed), 0) != sizeof(seed))
         r = dsv4_error_set(-EIO, "request: drawing a seed: %s", strerror(errno));
     pthread_mutex_lock(&s->lock);
+    if (r == 0 && s->fatal)
+        r = dsv4_error_set(-ENOTRECOVERABLE, "request: the engine has failed: %s", s->fatal_msg);
     if (r == 0 && s->draining)
         r = dsv4_error_set(-ESHUTDOWN, "request: the engine is draining");
     if (r == 0 && s->free_req < 0)
@@ -975,6 +987,10 @@ static void take_token(struct dsv4_sched *s, struct sched_req *q, const struct d
         res->stop_token = tok;
     } else {
         int n = s->detok.token_bytes(s->detok.ctx, tok, s->scratch + q->n_raw, DSV4_SCHED_TOKEN_BYTES_MAX);
+        /* An id of the model's vocabulary past the tokenizer's (a padded embedding) has no text: it is
+         * streamed with an empty delta and generation goes on. */
+        if (n == -ERANGE)
+            n = 0;
         if (n < 0) {
             why = DSV4_FINISH_ERROR;
             err = n;
@@ -998,7 +1014,9 @@ static void take_token(struct dsv4_sched *s, struct sched_req *q, const struct d
     }
     if (why == DSV4_FINISH_NONE && res->n_tokens >= q->max_tokens)
         why = DSV4_FINISH_LENGTH;
-    if (why == DSV4_FINISH_NONE && q->position >= s->max_context)
+    /* prompt + generated == max_context: the token just sampled is the last one the context holds
+     * (it is never fed, so it needs no position of its own). */
+    if (why == DSV4_FINISH_NONE && q->n_prompt + res->n_tokens >= s->max_context)
         why = DSV4_FINISH_CONTEXT;
 
     if (why != DSV4_FINISH_NONE && why != DSV4_FINISH_ERROR && q->n_raw) {
@@ -1124,9 +1142,33 @@ static void prefix_snapshot(struct dsv4_sched *s, struct sched_req *q, bool hot)
     struct save_ctx ctx = { s->backend, q->slot };
     int32_t node;
     int r = dsv4_prefix_cache_extend(s->prefix, q->cache_node, fed_block(s, q), hot, save_slot, &ctx, &node);
+    if (backend_fatal(s, r, "saving a prefix"))
+        return;
     dsv4_prefix_cache_release(s->prefix, q->cache_node);
     q->cache_node = r == 0 ? node : DSV4_PREFIX_ROOT;
     q->caching = r == 0;
+}
+
+/* A backend call returned r: when that is -ENOTRECOVERABLE (the device is gone, a sticky CUDA error)
+ * nothing can run any more. Every running request ends now with the error; queued ones end at the
+ * next admit(), new ones are refused, and dsv4_sched_run() returns r once all have ended. Returns
+ * true when it was fatal. */
+static bool backend_fatal(struct dsv4_sched *s, int r, const char *what)
+{
+    if (r != -ENOTRECOVERABLE)
+        return false;
+    if (!s->fatal) {
+        pthread_mutex_lock(&s->lock);
+        s->fatal = r;
+        snprintf(s->fatal_msg, sizeof(s->fatal_msg), "the engine failed (%s: %s)", what, dsv4_error_message());
+        pthread_mutex_unlock(&s->lock);
+    }
+    for (int k = 0; k < s->n_running; k++) {
+        struct sched_req *q = &s->reqs[s->running[k]];
+        if (q->state == REQ_RUNNING && !q->done)
+            finish(s, q, DSV4_FINISH_ERROR, r, s->fatal_msg);
+    }
+    return true;
 }
 
 /* Under the lock: end cancelled (and, past a drain's grace, all) requests, then admit FIFO. */
@@ -1145,7 +1187,8 @@ static void admit(struct dsv4_sched *s, uint64_t t)
     for (int i = s->queue_head; i >= 0 && room > s->ev_staged;) {
         struct sched_req *q = &s->reqs[i];
         int next = q->next;
-        if (q->cancel || s->draining) {
+        if (q->cancel || s->draining || s->fatal) {
+            enum dsv4_finish_reason why = s->fatal && !q->cancel ? DSV4_FINISH_ERROR : DSV4_FINISH_CANCELLED;
             if (prev >= 0)
                 s->reqs[prev].next = next;
             else
@@ -1153,10 +1196,11 @@ static void admit(struct dsv4_sched *s, uint64_t t)
             if (s->queue_tail == i)
                 s->queue_tail = prev;
             s->n_queued--;
-            finish(s, q, DSV4_FINISH_CANCELLED, 0, NULL);
+            finish(s, q, why, why == DSV4_FINISH_ERROR ? s->fatal : 0,
+                   why == DSV4_FINISH_ERROR ? s->fatal_msg : NULL);
             q->done = false;
             q->state = REQ_FINISHED;
-            s->st.finished[DSV4_FINISH_CANCELLED]++;
+            s->st.finished[why]++;
             s->st.unreleased++;
         } else {
             prev = i;
@@ -1165,7 +1209,7 @@ static void admit(struct dsv4_sched *s, uint64_t t)
     }
     /* A cancelled request left at the head (no event room this step) ends next step; nothing else
      * can keep the head from a slot, since every slot and output buffer fits every request. */
-    while (!s->draining && s->queue_head >= 0 && !s->reqs[s->queue_head].cancel &&
+    while (!s->draining && !s->fatal && s->queue_head >= 0 && !s->reqs[s->queue_head].cancel &&
            s->n_slots_used < s->max_batch && s->free_out >= 0) {
         int i = s->queue_head;
         struct sched_req *q = &s->reqs[i];
@@ -1207,14 +1251,18 @@ int dsv4_sched_step(struct dsv4_sched *s)
     struct dsv4_backend *b = s->backend;
     int budget = s->lim.prefill_budget;
     int prefill_tokens = 0;
+    int r_restore;
     for (int k = 0; k < n_running; k++)
         s->reqs[s->running[k]].fresh = false;
-    for (int k = 0; k < n_running && budget > 0; k++) {
+    for (int k = 0; k < n_running && budget > 0 && !s->fatal; k++) {
         struct sched_req *q = &s->reqs[s->running[k]];
         if (q->generating)
             continue;
-        if (!q->cache_looked && prefix_restore(s, q) < 0)
+        if (!q->cache_looked && (r_restore = prefix_restore(s, q)) < 0) {
+            if (backend_fatal(s, r_restore, "restoring a cached prefix"))
+                break;
             continue;
+        }
         /* chunks end on block boundaries while the slot's state is being snapshotted */
         for (;;) {
             int left = q->n_prompt - q->n_prefilled;
@@ -1225,7 +1273,8 @@ int dsv4_sched_step(struct dsv4_sched *s)
             float *lg = last && !s->device_sampling ? s->logits : NULL;
             int r = b->ops->prefill(b, q->slot, q->prompt + q->n_prefilled, chunk, lg, false);
             if (r < 0) {
-                fail_request(s, q, r, "prefill");
+                if (!backend_fatal(s, r, "prefill"))
+                    fail_request(s, q, r, "prefill");
                 break;
             }
             uint8_t *seen = s->seen + (size_t)q->slot * s->seen_stride;
@@ -1239,12 +1288,15 @@ int dsv4_sched_step(struct dsv4_sched *s)
             if (q->caching && q->position % s->block == 0)
                 prefix_snapshot(s, q, q->position + s->block > q->n_prompt ||
                                           q->position / s->block == q->cache_match);
+            if (s->fatal)
+                break;
             if (last) {
                 q->generating = true;
                 q->fresh = true;
                 if (s->device_sampling) {
                     int ri = s->running[k];
-                    sample_on_device(s, 1, &ri);
+                    if (sample_on_device(s, 1, &ri))
+                        break;
                     if (s->row_rc[0] < 0)
                         finish(s, q, DSV4_FINISH_ERROR, s->row_rc[0], s->row_err[0]);
                     else
@@ -1270,11 +1322,13 @@ int dsv4_sched_step(struct dsv4_sched *s)
         s->dec_tokens[n] = q->pending;
         n++;
     }
-    if (n > 0) {
+    if (n > 0 && !s->fatal) {
         int r = b->ops->decode(b, n, s->dec_slots, s->dec_tokens, s->device_sampling ? NULL : s->logits);
-        if (r >= 0 && s->device_sampling)
-            sample_on_device(s, n, s->dec_reqs);
-        else if (r >= 0)
+        if (backend_fatal(s, r, "decode"))
+            n = 0;
+        else if (r >= 0 && s->device_sampling && sample_on_device(s, n, s->dec_reqs))
+            n = 0;
+        else if (r >= 0 && !s->device_sampling)
             sample_decode_rows(s, n);
         for (int k = 0; k < n; k++) {
             struct sched_req *q = &s->reqs[s->dec_reqs[k]];
@@ -1282,9 +1336,13 @@ int dsv4_sched_step(struct dsv4_sched *s)
                 fail_request(s, q, r, "decode");
                 continue;
             }
+            if (q->done)
+                continue;   /* ended by a fatal backend error earlier in this loop */
             q->position++;
             if (q->caching && q->position % s->block == 0)
                 prefix_snapshot(s, q, true);
+            if (q->done)
+                continue;
             if (s->row_rc[k] < 0)
                 finish(s, q, DSV4_FINISH_ERROR, s->row_rc[k], s->row_err[k]);
             else
@@ -1327,6 +1385,8 @@ int dsv4_sched_step(struct dsv4_sched *s)
         ssize_t wr = write(s->event_fd, &one, sizeof(one));
         (void)wr;   /* EAGAIN only when the counter is saturated: the reader is already woken */
     }
+    if (s->fatal)
+        return s->fatal;
     return worked ? 1 : 0;
 }
 
@@ -1337,8 +1397,18 @@ int dsv4_sched_run(struct dsv4_sched *s)
         uint64_t kick = s->kick;
         pthread_mutex_unlock(&s->lock);
         int r = dsv4_sched_step(s);
-        if (r < 0 && r != -EAGAIN)
-            return r;
+        if (r < 0 && r != -EAGAIN) {
+            if (!s->fatal)
+                return r;
+            /* After a fatal backend error, step again until every queued request has ended too (as
+             * the event ring makes room: wait as for a full ring). */
+            pthread_mutex_lock(&s->lock);
+            bool left = s->n_queued > 0 || s->n_running > 0;
+            pthread_mutex_unlock(&s->lock);
+            if (!left)
+                return dsv4_error_set(r, "%s", s->fatal_msg);
+            r = -EAGAIN;
+        }
         pthread_mutex_lock(&s->lock);
         if (s->stop_asked || (s->draining && s->n_queued == 0 && s->n_running == 0)) {
             pthread_mutex_unlock(&s->lock);

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/utf8.h"
 #include "engine/text/chat.h"
 #include "engine/error.h"
 
@@ -86,29 +87,68 @@ static int chat_walk(const struct dsv4_chat_message *msgs, size_t n, const struc
     return r;
 }
 
+/* Text that meets text with no tag between (a system message before another system or an assistant
+ * message) is encoded as one piece, as encoding the built text does: BPE does not split where the
+ * messages met. Each piece is checked for UTF-8 on its own, so the error names its message. */
 struct ids_sink {
     struct chat_sink base;
     const struct dsv4_tokenizer *tok;
     struct dsv4_chat_tags tags;
     unsigned flags;
     struct dsv4_tok_ids *out;
+    char *text;             /* [text_len] pending text of messages text_first..text_last */
+    size_t text_len, text_cap, text_first, text_last;
 };
+
+static int ids_flush(struct ids_sink *k)
+{
+    if (!k->text_len)
+        return 0;
+    int r = dsv4_tokenizer_encode(k->tok, k->text, k->text_len, k->flags, k->out);
+    k->text_len = 0;
+    if (r && k->text_first == SIZE_MAX && k->text_last == SIZE_MAX)
+        return dsv4_error_prefix(r, "chat: system prompt: ");
+    if (r && k->text_first != k->text_last)
+        return dsv4_error_prefix(r, "chat: messages %zu to %zu: ", k->text_first == SIZE_MAX ? 0 : k->text_first,
+                                 k->text_last);
+    return r ? dsv4_error_prefix(r, "chat: message %zu: ", k->text_last) : 0;
+}
 
 static int ids_tag(struct chat_sink *s, size_t which)
 {
     struct ids_sink *k = (struct ids_sink *)s;
     const int32_t ids[] = {k->tags.bos, k->tags.eos, k->tags.user, k->tags.assistant, k->tags.think_start,
                            k->tags.think_end};
-    return dsv4_tok_ids_push(k->out, ids[which]);
+    int r = ids_flush(k);
+    return r ? r : dsv4_tok_ids_push(k->out, ids[which]);
 }
 
 static int ids_text(struct chat_sink *s, const char *text, size_t len, size_t msg)
 {
     struct ids_sink *k = (struct ids_sink *)s;
-    int r = dsv4_tokenizer_encode(k->tok, text, len, k->flags, k->out);
-    if (r && msg == SIZE_MAX)
-        return dsv4_error_prefix(r, "chat: system prompt: ");
-    return r ? dsv4_error_prefix(r, "chat: message %zu: ", msg) : 0;
+    size_t bad = dsv4_utf8_valid_prefix(text, len);
+    if (bad != len && msg == SIZE_MAX)
+        return dsv4_error_set(-EILSEQ, "chat: system prompt: not valid UTF-8 at byte %zu", bad);
+    if (bad != len)
+        return dsv4_error_set(-EILSEQ, "chat: message %zu: not valid UTF-8 at byte %zu", msg, bad);
+    if (!len)
+        return 0;
+    if (k->text_len + len > k->text_cap) {
+        size_t cap = k->text_cap ? k->text_cap : 256;
+        while (cap < k->text_len + len)
+            cap *= 2;
+        char *d = realloc(k->text, cap);
+        if (!d)
+            return dsv4_error_set(-ENOMEM, "chat: out of memory building a prompt of %zu bytes", cap);
+        k->text = d;
+        k->text_cap = cap;
+    }
+    if (!k->text_len)
+        k->text_first = msg;
+    k->text_last = msg;
+    memcpy(k->text + k->text_len, text, len);
+    k->text_len += len;
+    return 0;
 }
 
 int dsv4_chat_build_ids(const struct dsv4_tokenizer *tok, const struct dsv4_chat_message *msgs, size_t n,
@@ -116,7 +156,12 @@ int dsv4_chat_build_ids(const struct dsv4_tokenizer *tok, const struct dsv4_chat
 {
     struct ids_sink k = {.base = {ids_tag, ids_text}, .tok = tok, .flags = opts->content_flags, .out = out};
     int r = dsv4_chat_tags_lookup(tok, &k.tags);
-    return r ? r : chat_walk(msgs, n, opts, &k.base);
+    if (!r)
+        r = chat_walk(msgs, n, opts, &k.base);
+    if (!r)
+        r = ids_flush(&k);
+    free(k.text);
+    return r;
 }
 
 struct text_sink {

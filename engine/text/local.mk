@@ -13,17 +13,15 @@ tests_unit_test_tokenizer_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
 tests_unit_test_chat_SOURCES = tests/unit/test_chat.c tests/tokenizer/locate.h
 tests_unit_test_chat_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_chat_LDADD = $(TEST_ENGINE_LIBS)
+# ... and their skips read as skips where that file (or Python's msgpack) is absent.
+TESTS += tests/integration/test_tap_skip.sh
+dist_noinst_SCRIPTS += tests/integration/test_tap_skip.sh
 
-# Differential test against Hugging Face tokenizers (Python) on a >= 5 MB corpus, and a bounded
-# libFuzzer run; both print TAP and skip when their tools are missing.
-TESTS += tests/tokenizer/diff_test.sh tests/fuzz/run_fuzz.sh
-dist_noinst_SCRIPTS += tests/tokenizer/diff_test.sh tests/fuzz/run_fuzz.sh
-CLEANFILES += tests/tokenizer/corpus.bin tests/fuzz/fuzz_tokenizer tests/fuzz/fuzz.log tests/fuzz/build.log
-# The fuzzer grows its corpus (one file per new input) in the build tree.
-clean-local: clean-fuzz-corpus
-clean-fuzz-corpus:
-	-rm -rf tests/fuzz/corpus
-.PHONY: clean-fuzz-corpus
+# Differential test against Hugging Face tokenizers (Python) on a >= 5 MB corpus; prints TAP and
+# skips without them. (Its libFuzzer target is in tests/fuzz.mk.)
+TESTS += tests/tokenizer/diff_test.sh
+dist_noinst_SCRIPTS += tests/tokenizer/diff_test.sh
+CLEANFILES += tests/tokenizer/corpus.bin
 
 # Throughput benchmark (not a test): tests/tokenizer/bench_encode TOKENIZER_JSON FILE [REPEATS]
 noinst_PROGRAMS += tests/tokenizer/bench_encode
@@ -32,4 +30,4 @@ tests_tokenizer_bench_encode_LDADD = libdsv4engine.la
 
 EXTRA_DIST += tests/tokenizer/golden/tokenizer_golden.json tests/tokenizer/build_corpus.py \
 	tests/tokenizer/diff_test.py tests/tokenizer/make_golden.py tests/tokenizer/gen_unicode_classes.py \
-	tests/tokenizer/bench.py tests/fuzz/fuzz_tokenizer.c
+	tests/tokenizer/bench.py

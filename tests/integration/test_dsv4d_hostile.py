@@ -7,10 +7,12 @@ connection, while a witness client on another connection keeps being served."""
 import socket
 import struct
 import threading
+import time
 
-import msgpack
+from dsv4d_harness import (BOS, LONG_PROMPT, TIMEOUT, Client, Closed, Daemon, Tap, bin_tokens, text_tokens,
+                           tokens_bin)
 
-from dsv4d_harness import BOS, LONG_PROMPT, TIMEOUT, Client, Closed, Daemon, Tap, tokens_bin
+import msgpack  # after the harness, which skips the test when it is missing
 
 t = Tap()
 
@@ -211,6 +213,129 @@ try:
     stuck.close()
     c.close()
     witness.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+# ---- a client stalled inside a frame is dropped; idle connections per uid are bounded --------------
+d = Daemon(activation=False, args=["--max-context", "256", "--frame-timeout", "1", "--max-idle-per-uid", "4"],
+           endless=True)
+try:
+    t.ok(d.start(), "dsv4d with frame_timeout = 1 s and max_idle_per_uid = 4 becomes ready", d.log_text())
+    stalled = Client(d.sock_path, timeout=30)
+    stalled.send_raw(struct.pack(">I", 1000) + b"\x94\x00")
+    start = time.monotonic()
+    closed = stalled.closed_by_peer()
+    waited = time.monotonic() - start
+    t.ok(closed and 0.9 <= waited < 10, "a connection holding half a frame is closed after frame_timeout "
+         "(%.1f s)" % waited, d.log_text()[-2000:])
+    t.ok("held a partial frame (6 bytes) for more than 1 s (frame_timeout)" in d.log_text(), "  and the log says why",
+         d.log_text()[-2000:])
+    stalled.close()
+    slow = Client(d.sock_path)
+    whole = request("health", {}, msgid=3)
+    slow.send_raw(whole[:5])
+    time.sleep(0.5)
+    slow.send_raw(whole[5:])
+    err, h = slow.response(3)
+    t.ok(err is None and h["status"] == "ready", "a frame that completes within frame_timeout is served", err)
+
+    # Six fresh connections are let in (a fresh one is not idle); once idle for a second, the two idle
+    # longest are told and closed, and a new one is refused at once.
+    idle = [slow] + [Client(d.sock_path) for _ in range(5)]
+    for c in idle[1:]:
+        c.call("health")
+    time.sleep(2.5)
+    gone = []
+    for c in idle:
+        c.sock.settimeout(0.5)
+        if c.closed_by_peer():
+            gone.append(c)
+        c.sock.settimeout(TIMEOUT)
+    t.ok(len(gone) == 2 and all(c.notifications and c.notifications[-1][2][0]["code"] == 400 for c in gone) and
+         idle[0] in gone and idle[1] in gone,
+         "past max_idle_per_uid the connections idle longest get too_many_connections (400) and are closed",
+         [(idle.index(c), c.notifications) for c in gone])
+    idle = [c for c in idle if c not in gone]
+    extra = Client(d.sock_path)
+    t.ok(extra.closed_by_peer() and extra.notifications and extra.notifications[-1][2][0]["code"] == 400 and
+         "max_idle_per_uid = 4" in extra.notifications[-1][2][0]["message"],
+         "a new connection of a uid holding 4 idle ones gets too_many_connections (400)", extra.notifications)
+    extra.close()
+    busy = idle[0].request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 200, "stream": True})
+    idle[0].recv()
+    extra = Client(d.sock_path)
+    err, h = extra.call("health")
+    t.ok(err is None, "a connection with a request in flight is not idle: a new one is served", err)
+    idle[0].request("cancel", {"msgid": busy})
+    for c in idle + [extra]:
+        c.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+# ---- huge prompts: refused by their size before tokenizing; large ones tokenized off the io thread ---
+d = Daemon(activation=False, args=["--max-context", "65536", "--max-batch", "2"], endless=True)
+try:
+    t.ok(d.start(), "dsv4d with max_context = 65536 becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    err, _ = c.call("generate", {"prompt": "x" * (4 << 20), "max_tokens": 1})
+    t.ok(err is not None and err["code"] == 301 and "bytes of text are at least" in err["message"],
+         "a 4 MiB prompt is prompt_too_long by its size, before it is tokenized", err)
+    err, _ = c.call("generate", {"messages": [{"role": "user", "content": "y" * (3 << 20)}]})
+    t.ok(err is not None and err["code"] == 301 and "bytes of text are at least" in err["message"],
+         "so are 3 MiB of chat messages", err)
+
+    # Eight 1 MiB prompts (each 1 Mi tokens: too long only once tokenized) pipelined on one connection;
+    # a witness on another connection is answered while they are being tokenized.
+    N = 8
+    big = Client(d.sock_path)
+    done_at = {}
+
+    def read_big():
+        try:
+            while len(done_at) < N:
+                m = big.recv()
+                if m[0] == 1:
+                    done_at[m[1]] = (time.monotonic(), m[2])
+        except (Closed, OSError):
+            pass
+    reader = threading.Thread(target=read_big)
+    reader.start()
+    big.send_raw(b"".join(gen({"prompt": chr(ord("a") + k) * (1 << 20), "max_tokens": 1}, msgid=100 + k)
+                          for k in range(N)))
+    time.sleep(0.05)
+    witness2 = Client(d.sock_path)
+    err, res = witness2.call("generate", {"prompt": "hello", "max_tokens": 2, "temperature": 0.0})
+    witness_at = time.monotonic()
+    reader.join(TIMEOUT)
+    t.ok(err is None and res["usage"]["completion_tokens"] == 2, "the witness is served", err)
+    t.ok(len(done_at) == N and all(e is not None and e["code"] == 301 for _, e in done_at.values()),
+         "each large prompt is answered prompt_too_long once tokenized", done_at)
+    t.ok(len(done_at) == N and witness_at < max(at for at, _ in done_at.values()),
+         "the witness did not wait for the large prompts to be tokenized",
+         (witness_at, sorted(at for at, _ in done_at.values())))
+    big.close()
+
+    # tokenize of a large text is answered from the worker too, exactly.
+    err, res = c.call("tokenize", {"text": "ab" * (40 << 10), "add_bos": False})
+    t.ok(err is None and bin_tokens(res["tokens"]) == text_tokens("ab" * (40 << 10)),
+         "tokenize of 80 KiB (on the prompt worker) gives the ids", err)
+
+    # Cancelled while tokenizing, and a client leaving while its prompt is tokenized.
+    mid = c.request("generate", {"prompt": "z" * (1 << 20), "max_tokens": 1})
+    err, res = c.call("cancel", {"msgid": mid})
+    t.ok(err is None and res["cancelled"], "a request being tokenized can be cancelled", (err, res))
+    err, res = c.response(mid)
+    t.ok(err is None and res["finish_reason"] == "cancelled", "  and answers cancelled", (err, res))
+    for k in range(4):
+        q = Client(d.sock_path)
+        q.send_raw(gen({"prompt": "q" * (1 << 20), "max_tokens": 1}, msgid=k))
+        q.close()
+    err, res = witness2.call("generate", {"prompt": "hello", "max_tokens": 2, "temperature": 0.0})
+    t.ok(err is None, "clients leaving while their prompts are tokenized harm no one", err)
+    witness2.close()
+    c.close()
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:
     d.close()

@@ -34,7 +34,7 @@ d = Daemon(activation=True, args=["--max-context", "4096", "--drain-grace", "600
 try:
     t.ok(d.wait_socket(), "systemd-socket-activate listens", d.log_text())
     # The first connection starts dsv4d; its request waits for READY instead of failing.
-    first = Client(d.sock_path)
+    first = d.first_client()
     mid = first.request("generate", {"tokens": tokens_bin([BOS] + text_tokens("hi")), "max_tokens": 3,
                                      "temperature": 0.0})
     err, res = first.response(mid)
@@ -54,6 +54,8 @@ try:
     t.ok(all(line[:3] in ("<3>", "<4>", "<5>", "<6>", "<7>") for line in log.splitlines()
              if line and not line.startswith(("Listening on", "Communication attempt", "Execing"))),
          "every log line carries an sd-daemon priority prefix", log)
+    t.ok("listening on %s (dsv4d)" % d.sock_path in log,
+         "under socket activation the log names the socket's path and its name", log)
     t.ok(d.notify.wait_for("WATCHDOG", "1", timeout=30, proc=d.proc) > ready,
          "WATCHDOG=1 is sent when WATCHDOG_USEC is set", d.notify.messages)
 
@@ -86,6 +88,83 @@ try:
     t.eq(rc, 0, "dsv4d exits 0 after the drain")
     other.close()
     first.close()
+finally:
+    d.close()
+
+# ---- a drain: queued requests cancelled at once, running ones finish, as the log says ---------------
+d = Daemon(activation=True, args=["--max-context", "4096", "--max-batch", "1", "--drain-grace", "600"],
+           endless=True)
+try:
+    t.ok(d.start(), "dsv4d (max_batch = 1) becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    running = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 400, "temperature": 0.0,
+                                     "stream": True})
+    c.recv()
+    queued = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 5, "temperature": 0.0})
+    err, st = c.call("stats")
+    t.ok(err is None and st["slots_busy"] == 1 and st["queue_depth"] == 1, "one request runs, one is queued",
+         (err, st))
+    d.proc.send_signal(signal.SIGTERM)
+    d.notify.wait_for("STOPPING", "1", proc=d.proc)
+    err, res = c.response(queued, on_notification=lambda m: None)
+    t.ok(err is None and res["finish_reason"] == "cancelled" and res["usage"]["completion_tokens"] == 0,
+         "the queued request ends cancelled with no tokens", (err, res))
+    late = Client(d.sock_path)
+    try:
+        note = late.recv()
+        t.ok(note[0] == 2 and note[1] == "error" and note[2][0]["code"] == 501 and late.closed_by_peer(),
+             "a connection made during the drain gets the error notification `draining` and is closed", note)
+    except (Closed, OSError) as e:
+        t.ok(False, "a connection made during the drain gets the error notification `draining`", repr(e))
+    late.close()
+    err, res = c.response(running, on_notification=lambda m: None)
+    t.ok(err is None and res["finish_reason"] == "length" and res["usage"]["completion_tokens"] == 400,
+         "the running request finishes", (err, res and res.get("finish_reason")))
+    t.eq(d.stop(), 0, "dsv4d exits 0 after the drain")
+    log = d.log_text()
+    t.ok("SIGTERM: finishing 1 running requests within 600 s; 1 queued ones cancelled" in log,
+         "the log says what the drain does", log)
+    t.ok(any("SIGTERM: finishing 1 running" in m.get("STATUS", "") for m in d.notify.messages),
+         "and so does STATUS=", d.notify.messages)
+    t.ok("after a protocol error" not in log, "no close of the drain is logged as a protocol error", log)
+    c.close()
+finally:
+    d.close()
+
+# ---- a device fault at run time (injected): every request answered, health says so, exit 1 ---------
+d = Daemon(activation=True, args=["--max-context", "4096", "--max-batch", "2"], endless=True,
+           env={"DSV4_TEST_FAULT_AFTER_DECODES": "40"})
+try:
+    t.ok(d.start(), "dsv4d with an injected device fault after 40 decode calls becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    other = Client(d.sock_path)
+    other.call("health")
+    ids = [c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 500, "temperature": 0.0,
+                                  "stream": True}) for _ in range(3)]
+    answers = {}
+    for mid in ids:
+        answers[mid] = c.response(mid, on_notification=lambda m: None)
+    t.ok(all(e is None and r["finish_reason"] == "error" and "injected device fault" in r.get("error", "")
+             for e, r in answers.values()),
+         "the running and the queued requests all end with the device error", answers)
+    err, h = other.call("health")
+    t.ok(err is None and h["status"] == "failed" and "engine failed" in h["reason"],
+         "health says the engine failed", (err, h))
+    err, _ = other.call("generate", {"tokens": tokens_bin([BOS, 7]), "max_tokens": 2})
+    t.ok(err is not None and err["code"] == 502 and "engine failed" in err["message"],
+         "a new request gets internal (502) naming the failure", err)
+    t.ok(c.closed_by_peer() and other.closed_by_peer(), "then the connections close")
+    try:
+        rc = d.proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        rc = None
+    d.stopped = True
+    t.eq(rc, 1, "dsv4d exits 1 (systemd restarts it: Restart=on-failure)")
+    t.ok(any(m.get("STATUS", "").startswith("failed: the engine failed (decode: injected device fault") for m in d.notify.messages),
+         "STATUS= says why", d.notify.messages)
+    t.ok("injected device fault" in d.log_text(), "and so does the log", d.log_text()[-2000:])
+    c.close()
+    other.close()
 finally:
     d.close()
 

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from dsv4d_harness import (BOS, EOS, FIXTURE_VOCAB, LONG_PROMPT, TIMEOUT, Client, Daemon, Tap, bin_tokens,
+from dsv4d_harness import (BOS, BYTE_BASE, EOS, FIXTURE_VOCAB, LONG_PROMPT, TIMEOUT, Client, Daemon, Tap, bin_tokens,
                            run_dsv4_run, text_tokens, tokens_bin)
 
 t = Tap()
@@ -348,6 +348,35 @@ try:
     t.ok(err is None, "the others are still served", err)
     b.close()
     a.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+# ---- a model vocabulary padded past the tokenizer's: ids without text are streamed empty -----------
+TOK_VOCAB = 6 + 256
+d = Daemon(tokenizer_vocab=TOK_VOCAB)
+try:
+    t.ok(d.start(), "dsv4d with a tokenizer of %d ids for %d model ids becomes ready" % (TOK_VOCAB, FIXTURE_VOCAB),
+         d.log_text())
+    c = Client(d.sock_path)
+    padded = 0
+    for seed in range(40):
+        deltas, ids, err, res = stream(c, {"tokens": tokens_bin([BOS, 7, 8]), "max_tokens": 24, "temperature": 4.0,
+                                           "seed": seed})
+        if err is not None or res["finish_reason"] == "error":
+            break
+        padded += sum(1 for i in ids if i >= TOK_VOCAB)
+        if padded:
+            break
+    t.ok(err is None and res["finish_reason"] != "error" and padded > 0,
+         "a generation that samples ids past the tokenizer goes on", (err, res, padded))
+    t.ok(err is None and "".join(deltas) == res["text"] and
+         all(dl == "" for dl, i in zip(deltas, ids) if i >= TOK_VOCAB),
+         "those ids stream with empty text and the deltas still make the text", (deltas, ids))
+    err, res = c.call("detokenize", {"tokens": tokens_bin([BYTE_BASE + ord("o"), FIXTURE_VOCAB - 1,
+                                                          BYTE_BASE + ord("k")])})
+    t.ok(err is None and res["text"] == "ok", "detokenize gives them no text either", (err, res))
+    c.close()
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:
     d.close()

@@ -19,7 +19,10 @@ from dsv4d_harness import TIMEOUT, Client, Daemon, Tap, bin_tokens, program, tok
 t = Tap()
 if not os.path.exists(program("dsv4-openai")):
     t.skip_all("dsv4-openai was not built (configure found no libmicrohttpd)")
-import openai  # noqa: E402  (after the skip: a build without the front needs no openai package)
+try:
+    import openai  # noqa: E402  (after the skip: a build without the front needs no openai package)
+except ImportError:
+    t.skip_all("python3 module openai not installed (pip install openai)")
 from openai_harness import FIXTURE, KEY, MODEL, Q391, Front, chat, direct, http, stream_chat  # noqa: E402
 
 tmp = tempfile.TemporaryDirectory(prefix="dsv4-openai-test-")

@@ -68,6 +68,13 @@ void fake_backend_row(const struct fake_backend_opts *fo, const int32_t *history
     row_from_hash(fo, h, row);
 }
 
+static int injected_failure(const struct fake_impl *f, const char *op)
+{
+    if (f->fo.fail_fatal)
+        return dsv4_error_set(-ENOTRECOVERABLE, "fake %s: injected device fault", op);
+    return dsv4_error_set(-EIO, "fake %s: injected failure", op);
+}
+
 static int fake_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, int n, float *logits,
                         bool all_rows)
 {
@@ -79,7 +86,7 @@ static int fake_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens,
         return dsv4_error_set(-ENOSPC, "fake prefill: slot %d at %lld + %d tokens > max_context %d", slot,
                               (long long)sl->pos, n, b->opts.max_context);
     if (f->fo.fail_after > 0 && f->c.tokens_in + n > f->fo.fail_after)
-        return dsv4_error_set(-EIO, "fake prefill: injected failure");
+        return injected_failure(f, "prefill");
     for (int i = 0; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= f->fo.vocab)
             return dsv4_error_set(-EINVAL, "fake prefill: token %d", tokens[i]);
@@ -118,7 +125,7 @@ static int fake_decode(struct dsv4_backend *b, int n, const int *slots, const in
             return dsv4_error_set(-EINVAL, "fake decode: slot %d has no prompt", slots[i]);
     }
     if (f->fo.fail_after > 0 && f->c.tokens_in + n > f->fo.fail_after)
-        return dsv4_error_set(-EIO, "fake decode: injected failure");
+        return injected_failure(f, "decode");
     for (int i = 0; i < n; i++) {
         struct fake_slot *sl = &f->slots[slots[i]];
         sl->h = hash_step(sl->h, tokens[i]);

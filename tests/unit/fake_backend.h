@@ -20,6 +20,8 @@ struct fake_backend_opts {
     int64_t fail_after;         /* > 0: a call that would take tokens_in past this fails with -EIO */
     bool device_sampling;       /* offer ops->sample as the CUDA backend does: the fake keeps each
                                  * slot's penalty history and samples its own rows (engine/serve/sampler.c) */
+    bool fail_fatal;            /* fail_after's failure is -ENOTRECOVERABLE (a sticky device error, as
+                                 * the CUDA backend reports one), and every call after it fails too */
 };
 
 int fake_backend_create(const struct fake_backend_opts *fo, const struct dsv4_backend_opts *opts,

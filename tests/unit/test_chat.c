@@ -220,6 +220,36 @@ static void test_build_errors(void **state)
     dsv4_tok_ids_free(&ids);
 }
 
+/* Text meeting text with no tag between (system before system or assistant) is encoded as one
+ * piece, as the built text is: the default model's tokenizer merges across where the messages met. */
+static void test_build_ids_adjacent_text(void **state)
+{
+    const char *top = getenv("top_srcdir");
+    char path[4096];
+    struct dsv4_tokenizer *tok;
+    snprintf(path, sizeof(path), "%s/models/default/tokenizer.json", top ? top : ".");
+    assert_int_equal(dsv4_tokenizer_load(path, &tok), 0);
+    const struct dsv4_chat_message msgs[] = {MSG(SYSTEM, "You are a hel"), MSG(SYSTEM, "pful assist"),
+                                             MSG(ASSISTANT, "ant. 4"), MSG(USER, "39"), MSG(ASSISTANT, "2")};
+    struct dsv4_chat_options opts = {.mode = DSV4_CHAT_MODE_THINKING};
+    struct dsv4_tok_ids got = {0}, want = {0};
+    char *text;
+    size_t len;
+    assert_int_equal(dsv4_chat_build_ids(tok, msgs, 5, &opts, &got), 0);
+    assert_int_equal(dsv4_chat_build_text(msgs, 5, &opts, &text, &len), 0);
+    assert_int_equal(dsv4_tokenizer_encode(tok, text, len, 0, &want), 0);
+    assert_ids_equal(&got, &want);
+    /* Invalid UTF-8 is still named by its own message, even where pieces join. */
+    const struct dsv4_chat_message bad[] = {MSG(SYSTEM, "ok"), MSG(SYSTEM, "\xe2\x82"), MSG(SYSTEM, "\xac")};
+    got.len = 0;
+    assert_int_equal(dsv4_chat_build_ids(tok, bad, 3, &opts, &got), -EILSEQ);
+    assert_non_null(strstr(dsv4_error_message(), "message 1"));
+    free(text);
+    dsv4_tok_ids_free(&got);
+    dsv4_tok_ids_free(&want);
+    dsv4_tokenizer_free(tok);
+}
+
 /* Byte-level single-byte ids of a string: they cut multi-byte characters. */
 static void append_bytes(const char *s, struct dsv4_tok_ids *out)
 {
@@ -344,6 +374,7 @@ int main(void)
         cmocka_unit_test(test_build_ids),
         cmocka_unit_test(test_injection),
         cmocka_unit_test(test_build_errors),
+        cmocka_unit_test(test_build_ids_adjacent_text),
         cmocka_unit_test(test_parse),
         cmocka_unit_test(test_parse_text),
     };

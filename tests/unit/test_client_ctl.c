@@ -376,6 +376,24 @@ static void test_flags_reach_the_wire(void **state)
     assert_true(g->thinking);
     pthread_mutex_unlock(&srv.lock);
 
+    /* stdin loses the one newline echo adds, and only that one */
+    RUN(&r, "What is 17*23?\n", "generate", "--chat", "-n", "1");
+    expect(&r, 0);
+    pthread_mutex_lock(&srv.lock);
+    assert_int_equal(g->n_messages, 1);
+    assert_string_equal(g->messages[0].content, "What is 17*23?");
+    pthread_mutex_unlock(&srv.lock);
+    RUN(&r, "two lines\n\n", "generate", "-n", "1");
+    expect(&r, 0);
+    pthread_mutex_lock(&srv.lock);
+    assert_string_equal(g->prompt, "two lines\n");
+    pthread_mutex_unlock(&srv.lock);
+
+    RUN(&r, NULL, "generate", "--tokens", "5,17 9", "-n", "1");
+    expect(&r, 0);
+    pthread_mutex_lock(&srv.lock);
+    assert_int_equal(g->n_tokens, 3);
+    pthread_mutex_unlock(&srv.lock);
     RUN(&r, NULL, "generate", "--tokens", "5,17,9", "-n", "1");
     expect(&r, 0);
     pthread_mutex_lock(&srv.lock);
@@ -448,6 +466,16 @@ static void test_exit_codes(void **state)
     assert_non_null(strstr(r.err, "70000 tokens"));
 
     RUN(&r, NULL, "generate", "--tokens", "5,x");
+    expect(&r, 2);
+    /* an empty entry is a typo, not an id */
+    RUN(&r, NULL, "generate", "--tokens", "0,,2");
+    expect(&r, 2);
+    assert_non_null(strstr(r.err, "empty entry"));
+    RUN(&r, NULL, "generate", "--tokens", ",5");
+    expect(&r, 2);
+    RUN(&r, NULL, "generate", "--tokens", "5,");
+    expect(&r, 2);
+    RUN(&r, "5,,6\n", "detokenize");
     expect(&r, 2);
     RUN(&r, NULL, "generate", "x", "--temperature", "warm");
     expect(&r, 2);

@@ -328,6 +328,23 @@ static void b_bad_role(msgpack_packer *pk)
     key(pk, "content");
     str(pk, "hi", 2);
 }
+static void b_role_not_utf8(msgpack_packer *pk)
+{
+    request(pk, "generate", 1);
+    key(pk, "messages");
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_map(pk, 2);
+    key(pk, "role");
+    str(pk, "us\xff", 3);
+    key(pk, "content");
+    str(pk, "hi", 2);
+}
+static void b_stop_nul(msgpack_packer *pk)
+{
+    generate_prompt(pk, 1);
+    key(pk, "stop");
+    str(pk, "a\0b", 3);
+}
 static void b_message_no_content(msgpack_packer *pk)
 {
     request(pk, "generate", 1);
@@ -481,6 +498,8 @@ static const struct hostile cases[] = {
     { "prompt twice", NULL, b_dup_field, DSV4_PROTO_E_DUPLICATE_FIELD },
     { "integer map key", NULL, b_int_key, DSV4_PROTO_E_WRONG_TYPE },
     { "role god", NULL, b_bad_role, DSV4_PROTO_E_BAD_ROLE },
+    { "role not UTF-8", NULL, b_role_not_utf8, DSV4_PROTO_E_INVALID_UTF8 },
+    { "stop string holding a NUL", NULL, b_stop_nul, DSV4_PROTO_E_BAD_VALUE },
     { "message without content", NULL, b_message_no_content, DSV4_PROTO_E_MISSING_FIELD },
     { "hello protocol 0", NULL, b_hello_v0, DSV4_PROTO_E_VERSION_UNSUPPORTED },
     { "hello without protocol", NULL, b_hello_missing, DSV4_PROTO_E_MISSING_FIELD },

@@ -205,6 +205,21 @@ static void test_bad_headers(void **state)
                       " \"b\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}", 8, "overlap", NULL);
 }
 
+/* A header with only metadata is a file of no tensors (it once sorted a NULL array: UBSan). */
+static void test_no_tensors(void **state)
+{
+    char *dir = stw_tempdir();
+    const char *h = "{\"__metadata__\": {\"format\": \"pt\"}}";
+    struct dsv4_st *st;
+    assert_int_equal(stw_write_raw(dir, "model.safetensors", strlen(h), h, NULL, 0), 0);
+    assert_int_equal(dsv4_st_open(dir, &st), 0);
+    assert_int_equal(dsv4_st_count(st), 0);
+    assert_null(dsv4_st_find(st, "w"));
+    dsv4_st_close(st);
+    stw_rmdir(dir);
+    free(dir);
+}
+
 static void test_bad_lengths(void **state)
 {
     char *dir = stw_tempdir();
@@ -368,6 +383,7 @@ int main(void)
         cmocka_unit_test(test_dtypes),
         cmocka_unit_test(test_shards),
         cmocka_unit_test(test_bad_headers),
+        cmocka_unit_test(test_no_tensors),
         cmocka_unit_test(test_bad_lengths),
         cmocka_unit_test(test_bad_shards),
         cmocka_unit_test(test_mutations),

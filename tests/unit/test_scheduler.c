@@ -62,10 +62,10 @@ void *__wrap_realloc(void *p, size_t n)
 #define OUT_MAX 512
 #define TEXT_MAX 4096
 
-static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0, false };  /* EOS never wins */
-static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0, false };      /* EOS like any */
+static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false };  /* EOS never wins */
+static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0, false, false };      /* EOS like any */
 /* The same, sampling inside the backend (ops->sample), as the CUDA backend does. */
-static const struct fake_backend_opts FAKE_EOS_DEVICE = { VOCAB, EOS, 0.0f, 6.0f, 0, true };
+static const struct fake_backend_opts FAKE_EOS_DEVICE = { VOCAB, EOS, 0.0f, 6.0f, 0, true, false };
 
 struct outcome {
     bool finished;
@@ -253,7 +253,8 @@ static int oracle(const struct fake_backend_opts *fo, const struct dsv4_sched_re
         out[k++] = smp.token;
         counts[smp.token]++;
         seen[smp.token / 8] |= (uint8_t)(1u << (smp.token % 8));
-        if (smp.token == fo->eos_id || k == cap || (rq->max_tokens && k == rq->max_tokens) || n == max_context)
+        if (smp.token == fo->eos_id || k == cap || (rq->max_tokens && k == rq->max_tokens) ||
+            rq->n_prompt + k == max_context)
             break;
         hist[n++] = smp.token;
     }
@@ -524,23 +525,24 @@ static void test_limits(void **state)
     /* max_tokens */
     struct dsv4_sched_request rq = make_request(prompt, 5, 7, 1);
     submit(&e, &rq, &o[0]);
-    /* context: 20 prompt tokens in a 32-token slot leave room for 12 fed + 1 last sampled */
+    /* context: 20 prompt tokens in a 32-token context leave room for 12 generated ones */
     rq = make_request(prompt, 20, 0, 2);
     submit(&e, &rq, &o[1]);
     run_all(&e, o, 2);
     assert_int_equal(o[0].res.finish, DSV4_FINISH_LENGTH);
     assert_int_equal(o[0].res.n_tokens, 7);
     assert_int_equal(o[1].res.finish, DSV4_FINISH_CONTEXT);
-    assert_int_equal(o[1].res.n_tokens, 32 - 20 + 1);
-    /* a prompt that fills the slot gets one token */
-    rq = make_request(prompt, 32, 0, 0);
+    assert_int_equal(o[1].res.n_tokens, 32 - 20);
+    assert_int_equal(o[1].res.prompt_tokens + o[1].res.completion_tokens, 32);
+    /* a prompt one short of the context gets one token */
+    rq = make_request(prompt, 31, 0, 0);
     submit(&e, &rq, &o[2]);
     run_all(&e, &o[2], 1);
     assert_int_equal(o[2].res.finish, DSV4_FINISH_CONTEXT);
     assert_int_equal(o[2].res.n_tokens, 1);
     /* refused at submit, with a message */
     uint64_t id;
-    rq = make_request(prompt, 33, 0, 0);
+    rq = make_request(prompt, 32, 0, 0);
     assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -E2BIG);
     assert_non_null(strstr(dsv4_error_message(), "max_context"));
     rq = make_request(prompt, 4, 33, 0);
@@ -570,7 +572,7 @@ static void test_limits(void **state)
 /* EOS and stop_token_ids end a request with STOP; the token counts, its text does not. */
 static void test_stop_tokens(void **state)
 {
-    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0, false };
+    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0, false, false };
     struct env e;
     env_open(&e, &eos_first, 1, 64, 64, 4);
     int32_t prompt[6] = { 5, 6, 7, 8, 9, 10 };
@@ -857,6 +859,56 @@ static void test_reported_seed(void **state)
     env_close(&e);
 }
 
+/* The fake vocabulary with every odd id past 40 unknown to the detokenizer, as a model vocabulary
+ * padded past its tokenizer's. */
+static int padded_token_bytes(void *ctx, int32_t id, char *buf, size_t cap)
+{
+    if (id > 40 && id % 2)
+        return dsv4_error_set(-ERANGE, "id %d is past the tokenizer", id);
+    return fake_token_bytes(ctx, id, buf, cap);
+}
+
+/* Such an id is a token with no text: streamed with an empty delta, and generation goes on. */
+static void test_unknown_id_text(void **state)
+{
+    struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = 128 };
+    struct env e = { .fo = FAKE_LONG };
+    assert_int_equal(fake_backend_create(&FAKE_LONG, &bo, &e.b), 0);
+    struct dsv4_sched_limits lim = { .max_output_tokens = 128, .detok = { padded_token_bytes, NULL } };
+    assert_int_equal(dsv4_sched_create(e.b, NULL, &lim, &e.s), 0);
+    int32_t prompt[4] = { 2, 3, 4, 5 };
+    static struct outcome o[2];
+    for (int i = 0; i < 2; i++) {
+        struct dsv4_sched_request rq = make_request(prompt, 4, 60, 1 + 4 * i);
+        rq.sampling.temperature = 2.0f;     /* flat rows: unknown ids get drawn */
+        submit(&e, &rq, &o[i]);
+    }
+    run_all(&e, o, 2);
+    int unknown = 0;
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(o[i].res.finish, DSV4_FINISH_LENGTH);
+        assert_int_equal(o[i].n_tokens, 60);
+        char raw[TEXT_MAX];
+        size_t rl = 0, wl;
+        for (int k = 0; k < o[i].n_tokens; k++) {
+            int32_t id = o[i].tokens[k];
+            if (id > 40 && id % 2)
+                unknown++;
+            else
+                rl += (size_t)fake_token_bytes(NULL, id, raw + rl, sizeof(raw) - rl);
+        }
+        /* The text is the known ids' bytes made valid UTF-8, streamed and in the result alike. */
+        char *want = dsv4_utf8_lossy(raw, rl, &wl);
+        assert_int_equal(o[i].stream_len, wl);
+        assert_memory_equal(o[i].stream, want, wl);
+        assert_int_equal(o[i].res.text_len, wl);
+        assert_memory_equal(o[i].res_text, want, wl);
+        free(want);
+    }
+    assert_true(unknown > 0);
+    env_close(&e);
+}
+
 /* With a real tokenizer (a hand-made byte-level file: ids 0-255 are bytes, 256 "<s>" special and
  * the model's EOS, 257 "<x>" not special): the text is what the tokenizer decodes, specials
  * skipped, made valid UTF-8 as from_utf8_lossy. */
@@ -904,7 +956,7 @@ static void test_tokenizer_text(void **state)
     if (r < 0)
         fail_msg("tokenizer: %s", dsv4_error_message());
 
-    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0, false };
+    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0, false, false };
     struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = 256 };
     struct dsv4_backend *b;
     assert_int_equal(fake_backend_create(&fo, &bo, &b), 0);
@@ -951,7 +1003,7 @@ static void test_tokenizer_text(void **state)
  * the next requests run (here the failure is injected once 30 tokens went in). */
 static void test_backend_error(void **state)
 {
-    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30, false };
+    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30, false, false };
     struct env e;
     env_open(&e, &failing, 2, 128, 64, 8);
     int32_t prompt[10] = { 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
@@ -992,6 +1044,57 @@ static void *run_thread(void *arg)
     struct runner *r = arg;
     r->rc = dsv4_sched_run(r->s);
     return NULL;
+}
+
+/* A fatal backend error (-ENOTRECOVERABLE, a sticky device fault) ends every request, running and
+ * queued, with that error; new ones are refused; the engine thread's loop returns the error. */
+static void test_backend_fatal(void **state)
+{
+    const struct fake_backend_opts faulty = { VOCAB, EOS, -100.0f, 6.0f, 40, false, true };
+    struct env e;
+    env_open(&e, &faulty, 2, 128, 64, 8);
+    int32_t prompt[10] = { 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
+    static struct outcome o[5];
+    for (int i = 0; i < 5; i++) {
+        struct dsv4_sched_request rq = make_request(prompt, 10, 60, i);
+        submit(&e, &rq, &o[i]);
+    }
+    struct runner run = { e.s, 0 };
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, run_thread, &run), 0);
+    int done = 0;
+    for (int guard = 0; done < 5 && guard < 10000; guard++) {
+        struct pollfd p = { dsv4_sched_event_fd(e.s), POLLIN, 0 };
+        poll(&p, 1, 100);
+        uint64_t n;
+        (void)!read(dsv4_sched_event_fd(e.s), &n, sizeof(n));
+        drain_events(e.s);
+        done = 0;
+        for (int i = 0; i < 5; i++)
+            done += o[i].finished;
+    }
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(run.rc, -ENOTRECOVERABLE);
+    for (int i = 0; i < 5; i++) {
+        assert_true(o[i].finished);
+        assert_int_equal(o[i].res.finish, DSV4_FINISH_ERROR);
+        assert_int_equal(o[i].res.error, -ENOTRECOVERABLE);
+        assert_non_null(strstr(o[i].res.error_message, "the engine failed"));
+        assert_non_null(strstr(o[i].res.error_message, "injected device fault"));
+    }
+    /* two ran (and generated before the fault), three never got a slot */
+    assert_true(o[0].res.n_tokens >= 1 && o[1].res.n_tokens >= 1);
+    assert_int_equal(o[2].res.n_tokens + o[3].res.n_tokens + o[4].res.n_tokens, 0);
+    uint64_t id;
+    struct dsv4_sched_request rq = make_request(prompt, 10, 4, 0);
+    assert_int_equal(dsv4_sched_submit(e.s, &rq, &id), -ENOTRECOVERABLE);
+    assert_non_null(strstr(dsv4_error_message(), "the engine has failed"));
+    struct dsv4_sched_stats stt;
+    dsv4_sched_get_stats(e.s, &stt);
+    assert_int_equal(stt.slots_in_use, 0);
+    assert_int_equal(stt.queued, 0);
+    assert_int_equal(stt.finished[DSV4_FINISH_ERROR], 5);
+    env_close(&e);
 }
 
 static void test_engine_thread(void **state)
@@ -1134,7 +1237,9 @@ int main(void)
         cmocka_unit_test(test_reported_seed),
         cmocka_unit_test(test_backend_error),
         cmocka_unit_test(test_tokenizer_text),
+        cmocka_unit_test(test_unknown_id_text),
         cmocka_unit_test(test_engine_thread),
+        cmocka_unit_test(test_backend_fatal),
         cmocka_unit_test(test_event_backpressure),
         cmocka_unit_test(test_run_drain),
     };

@@ -1,0 +1,39 @@
+#!/bin/sh
+# SPDX-License-Identifier: MIT
+# The documentation says what the binary does: the config path dsv4d(8) names is the one dsv4d reads
+# (the configured sysconfdir), `--config ""` renders with its quotes, allow_groups is described the
+# same way in the man page and the installed config file, and a --listen directory that does not
+# exist is exit status 2, as dsv4d(8) says. TAP output.
+top_srcdir=${top_srcdir:-$(cd "$(dirname "$0")/../.." && pwd)}
+top_builddir=${top_builddir:-.}
+n=0; fail=0
+ok() { n=$((n + 1)); if [ "$1" = 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fail=1; fi; }
+man8=$top_builddir/doc/dsv4d.8
+conf=$top_builddir/units/dsv4d.conf
+
+path=$("$top_builddir/dsv4d" --help | sed -n 's/.*(default \([^;]*\); "" for none).*/\1/p')
+[ -n "$path" ]; ok $? "dsv4d --help names its config file ($path)"
+grep -q "^\.I $path\$" "$man8"; ok $? "dsv4d(8) names the same file"
+head -1 "$conf" | grep -q "^# $path:"; ok $? "so does the installed dsv4d.conf"
+others=$(grep -o "[^ ]*/dsv4d/dsv4d\.conf" "$man8" | grep -v -x -F "$path")
+[ -z "$others" ]; ok $? "dsv4d(8) names no other config path ($others)"
+if command -v nroff >/dev/null 2>&1; then
+    nroff -man "$man8" 2>/dev/null | sed 's/.\x08//g' | tr -s ' \n' '  ' | grep -q -- '--config "" reads no file'
+    ok $? 'dsv4d(8) renders --config "" with its quotes'
+else
+    echo "ok $((n = n + 1)) # SKIP nroff not installed"
+fi
+grep -q "^#allow_groups .*supplementary" "$conf"; ok $? "dsv4d.conf: allow_groups takes supplementary groups too"
+tr "\n" " " <"$man8" | grep -q -E "allow.-groups.{1,200}primary or supplementary group is listed"; ok $? "dsv4d(8) says the same"
+
+tmp=$(mktemp -d /tmp/dsv4d-docs.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+"$top_builddir/dsv4d" --config "" --model "$top_srcdir/models/default" --listen "$tmp/missing/dsv4d.sock" \
+    >"$tmp/log" 2>&1
+rc=$?
+[ $rc = 2 ]; ok $? "a --listen directory that does not exist: exit status 2 (got $rc)"
+grep -q "directory does not exist" "$tmp/log"; ok $? "  and the log says so"
+tr '\n' ' ' <"$man8" | grep -q "tokenizer or .B \\\\-\\\\-listen directory that does not exist"
+ok $? "dsv4d(8) lists it under exit status 2"
+echo "1..$n"
+exit $fail
