@@ -179,6 +179,109 @@ void dsv4_proto_message_clear(struct dsv4_proto_message *msg)
 
 /* ---- errors ---- */
 
+/* ---- roles and the chat-message list (message_codec.h) ---- */
+
+static const char *const role_names[] = {
+    [DSV4_PROTO_ROLE_SYSTEM] = "system",
+    [DSV4_PROTO_ROLE_USER] = "user",
+    [DSV4_PROTO_ROLE_ASSISTANT] = "assistant",
+};
+
+const char *dsv4_proto_role_name(enum dsv4_proto_role r)
+{
+    return (unsigned)r < ARRAY_SIZE(role_names) ? role_names[r] : "user";
+}
+
+static const char *const message_keys[] = { "role", "content" };
+
+int dsv4_proto_read_chat_messages(const msgpack_object *o, const char *ctx, struct dsv4_proto_chat_message **ret,
+                                  uint32_t *ret_n, struct dsv4_proto_error *err)
+{
+    *ret = NULL;
+    *ret_n = 0;
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: messages must be an array of maps", ctx);
+    uint32_t n = o->via.array.size;
+    if (n == 0)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: messages is empty", ctx);
+    if (n > DSV4_PROTO_MAX_MESSAGES)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_MESSAGES, "%s: %u messages, above the limit %u",
+                                    ctx, n, DSV4_PROTO_MAX_MESSAGES);
+    struct dsv4_proto_chat_message *m = calloc(n, sizeof(*m));
+    if (!m)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "%s: no memory for %u messages", ctx, n);
+    int rc = 0;
+    for (uint32_t i = 0; i < n && rc == 0; i++) {
+        const msgpack_object *mo = &o->via.array.ptr[i];
+        char field[48];
+        snprintf(field, sizeof(field), "messages[%u]", i);
+        if (mo->type != MSGPACK_OBJECT_MAP) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a map {role, content}", ctx,
+                                      field);
+            break;
+        }
+        rc = dsv4_wire_check_keys(mo, message_keys, 2, true, ctx, err);
+        if (rc)
+            break;
+        const msgpack_object *role = dsv4_wire_get(mo, "role"), *content = dsv4_wire_get(mo, "content");
+        if (!role || !content) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_MISSING_FIELD, "%s: %s has no %s", ctx, field,
+                                      role ? "content" : "role");
+            break;
+        }
+        if (role->type != MSGPACK_OBJECT_STR) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s.role must be a string", ctx, field);
+            break;
+        }
+        int r = -1;
+        for (int k = DSV4_PROTO_ROLE_SYSTEM; k <= DSV4_PROTO_ROLE_ASSISTANT; k++) {
+            const char *name = dsv4_proto_role_name((enum dsv4_proto_role)k);
+            if (role->via.str.size == strlen(name) && memcmp(role->via.str.ptr, name, role->via.str.size) == 0)
+                r = k;
+        }
+        /* Every string is UTF-8 first (PROTOCOL.md): a role that is not is invalid_utf8, not bad_role. */
+        if (r < 0 && !dsv4_utf8_valid(role->via.str.ptr, role->via.str.size)) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s: %s.role is not valid UTF-8", ctx, field);
+            break;
+        }
+        if (r < 0) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_ROLE,
+                                      "%s: %s.role must be system, user or assistant", ctx, field);
+            break;
+        }
+        m[i].role = (enum dsv4_proto_role)r;
+        rc = dsv4_wire_read_str(content, ctx, "content", 0, &m[i].content, &m[i].content_len, err);
+    }
+    if (rc) {
+        dsv4_proto_free_chat_messages(m, n);
+        return rc;
+    }
+    *ret = m;
+    *ret_n = n;
+    return 0;
+}
+
+void dsv4_proto_free_chat_messages(struct dsv4_proto_chat_message *m, uint32_t n)
+{
+    if (!m)
+        return;
+    for (uint32_t i = 0; i < n; i++)
+        free(m[i].content);
+    free(m);
+}
+
+void dsv4_proto_pack_chat_messages(msgpack_packer *pk, const struct dsv4_proto_chat_message *m, uint32_t n)
+{
+    msgpack_pack_array(pk, n);
+    for (uint32_t i = 0; i < n; i++) {
+        msgpack_pack_map(pk, 2);
+        dsv4_wire_key(pk, "role");
+        dsv4_wire_cstr(pk, dsv4_proto_role_name(m[i].role));
+        dsv4_wire_key(pk, "content");
+        dsv4_wire_str(pk, m[i].content ? m[i].content : "", m[i].content ? m[i].content_len : 0);
+    }
+}
+
 /* ---- the envelope (message_codec.h) ---- */
 
 void dsv4_proto_begin_request(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid,

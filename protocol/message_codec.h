@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
-/* Private to protocol/: the message layer's pieces that message.c and generate.c share, built on the
- * low-level codec (wire.h), which knows nothing of methods, envelopes or chat messages. */
+/* Private to protocol/: what generate.c takes from message.c (the envelope, the chat-message list),
+ * built on the low-level codec (wire.h), which knows nothing of methods, envelopes or chat messages. */
 #ifndef DSV4_PROTOCOL_MESSAGE_CODEC_H
 #define DSV4_PROTOCOL_MESSAGE_CODEC_H
 
@@ -23,7 +23,7 @@ void dsv4_proto_begin_notification(struct dsv4_wire_enc *e, struct dsv4_proto_bu
 int dsv4_proto_body_map(const struct dsv4_proto_message *msg, const char *ctx, const msgpack_object **ret,
                         struct dsv4_proto_error *err);
 
-/* generate.c: the chat-message list [{role, content}, ...] of generate and tokenize. */
+/* message.c: the chat-message list [{role, content}, ...] of generate and tokenize. */
 int dsv4_proto_read_chat_messages(const msgpack_object *o, const char *ctx, struct dsv4_proto_chat_message **ret,
                                   uint32_t *ret_n, struct dsv4_proto_error *err);
 void dsv4_proto_free_chat_messages(struct dsv4_proto_chat_message *m, uint32_t n);
