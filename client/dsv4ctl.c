@@ -756,18 +756,21 @@ static void parse_options(struct options *o, int argc, char **argv)
         case OPT_LOGPROBS: o->gp.logprobs = (int)parse_int("--logprobs", optarg, 0, DSV4_CLIENT_MAX_LOGPROBS); break;
         case OPT_STREAM: o->stream = 1; break;
         case OPT_NO_STREAM: o->stream = 0; break;
-        case OPT_CONCURRENCY:
+        case OPT_CONCURRENCY: {
             ids = parse_ids("--concurrency", optarg, &n);
+            bool bad = false;
+            for (size_t i = 0; i < n && i < CTL_BENCH_MAX_LEVELS; i++) {
+                o->bench.levels[i] = ids[i];
+                bad = bad || ids[i] < 1 || ids[i] > CTL_BENCH_MAX_CONCURRENCY;
+            }
+            free(ids);      /* before any exit: a usage error leaks nothing */
             if (n > CTL_BENCH_MAX_LEVELS)
                 die_usage("--concurrency: at most %d levels", CTL_BENCH_MAX_LEVELS);
-            for (size_t i = 0; i < n; i++) {
-                if (ids[i] < 1 || ids[i] > CTL_BENCH_MAX_CONCURRENCY)
-                    die_usage("--concurrency: %d is not in [1, %d]", (int)ids[i], CTL_BENCH_MAX_CONCURRENCY);
-                o->bench.levels[i] = ids[i];
-            }
+            if (bad)
+                die_usage("--concurrency: every level must be in [1, %d]", CTL_BENCH_MAX_CONCURRENCY);
             o->bench.n_levels = (int)n;
-            free(ids);
             break;
+        }
         case OPT_PROMPT_TOKENS:
             o->bench.prompt_tokens = (uint32_t)parse_int("--prompt-tokens", optarg, 1, CTL_BENCH_MAX_PROMPT);
             break;

@@ -8,9 +8,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "daemon/clock.h"
+#include "daemon/conn.h"
 #include "daemon/log.h"
 #include "daemon/reqmem.h"
-#include "daemon/server.h"
+#include "engine/error.h"
 
 #define DSV4_CONN_ACCEPTS_PER_WAKEUP 64
 #define DSV4_CONN_PEER_GROUPS_MAX 256
@@ -56,12 +58,12 @@ static void refuse(int fd, int code, const char *message)
     close(fd);
 }
 
-static void set_accepting(struct dsv4_server *s, bool on)
+static void set_accepting(struct dsv4_conns *cs, bool on)
 {
-    for (int i = 0; i < s->listeners.n; i++)
-        if (s->listen_src[i])
-            sd_event_source_set_enabled(s->listen_src[i], on ? SD_EVENT_ON : SD_EVENT_OFF);
-    s->accept_paused = !on;
+    for (int i = 0; i < cs->n_listen; i++)
+        if (cs->listen_src[i])
+            sd_event_source_set_enabled(cs->listen_src[i], on ? SD_EVENT_ON : SD_EVENT_OFF);
+    cs->accept_paused = !on;
 }
 
 /* max_idle_per_uid: a connection is idle once it has had no generate request in flight for this
@@ -74,16 +76,16 @@ static bool conn_idle(const struct dsv4_conn *c, uint64_t now)
 }
 
 /* Idle connections of uid: what one local user holds while doing nothing. */
-static int idle_connections(const struct dsv4_server *s, uid_t uid)
+static int idle_connections(const struct dsv4_conns *cs, uid_t uid)
 {
     uint64_t now = dsv4_now_ns();
     int n = 0;
-    for (const struct dsv4_conn *c = s->conns; c; c = c->next)
+    for (const struct dsv4_conn *c = cs->head; c; c = c->next)
         n += c->uid == uid && conn_idle(c, now);
     return n;
 }
 
-int dsv4_conn_accept(struct dsv4_server *s, int listen_fd)
+static int conn_accept(struct dsv4_conns *cs, int listen_fd)
 {
     for (int k = 0; k < DSV4_CONN_ACCEPTS_PER_WAKEUP; k++) {
         struct ucred cred = { .pid = 0, .uid = (uid_t)-1, .gid = (gid_t)-1 };
@@ -96,7 +98,7 @@ int dsv4_conn_accept(struct dsv4_server *s, int listen_fd)
                 return 0;
             if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
                 dsv4_log_warning("accept: %m; not accepting until a connection closes");
-                set_accepting(s, false);
+                set_accepting(cs, false);
                 return 0;
             }
             dsv4_log_err("accept: %m");
@@ -104,35 +106,35 @@ int dsv4_conn_accept(struct dsv4_server *s, int listen_fd)
         }
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
             dsv4_log_warning("SO_PEERCRED: %m");
-        s->counters.connections_total++;
-        if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING) {
+        cs->accepted_total++;
+        if (cs->refuse_code) {
             /* Told, not left waiting in the backlog until the socket is closed. */
-            s->counters.connections_refused++;
-            refuse(fd, DSV4_PROTO_E_DRAINING, "the server is shutting down; connect again once it has restarted");
+            cs->refused_total++;
+            refuse(fd, cs->refuse_code, cs->refuse_message);
             continue;
         }
-        if (!peer_allowed(s->cfg, fd, cred.uid, cred.gid)) {
+        if (!peer_allowed(cs->cfg, fd, cred.uid, cred.gid)) {
             dsv4_log_warning("refused connection from pid %d uid %u gid %u: not in allow_users/allow_groups",
                              (int)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
-            s->counters.connections_refused++;
+            cs->refused_total++;
             close(fd);
             continue;
         }
-        int idle = idle_connections(s, cred.uid);
-        if (s->cfg->max_idle_per_uid && idle >= s->cfg->max_idle_per_uid) {
+        int idle = idle_connections(cs, cred.uid);
+        if (cs->cfg->max_idle_per_uid && idle >= cs->cfg->max_idle_per_uid) {
             char msg[160];
             snprintf(msg, sizeof(msg), "uid %u already holds %d connections with no generate in flight "
-                     "(max_idle_per_uid = %d)", (unsigned)cred.uid, idle, s->cfg->max_idle_per_uid);
+                     "(max_idle_per_uid = %d)", (unsigned)cred.uid, idle, cs->cfg->max_idle_per_uid);
             dsv4_log_warning("refused connection from pid %d: %s", (int)cred.pid, msg);
-            s->counters.connections_refused++;
+            cs->refused_total++;
             refuse(fd, DSV4_PROTO_E_TOO_MANY_CONNECTIONS, msg);
             continue;
         }
-        if (s->n_conns >= s->cfg->max_connections) {
+        if (cs->n >= cs->cfg->max_connections) {
             char msg[128];
-            snprintf(msg, sizeof(msg), "max_connections = %d reached", s->cfg->max_connections);
+            snprintf(msg, sizeof(msg), "max_connections = %d reached", cs->cfg->max_connections);
             dsv4_log_warning("refused connection from pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, msg);
-            s->counters.connections_refused++;
+            cs->refused_total++;
             refuse(fd, DSV4_PROTO_E_TOO_MANY_CONNECTIONS, msg);
             continue;
         }
@@ -141,18 +143,18 @@ int dsv4_conn_accept(struct dsv4_server *s, int listen_fd)
             refuse(fd, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
             continue;
         }
-        c->server = s;
+        c->set = cs;
         c->fd = fd;
-        c->id = ++s->next_conn_id;
+        c->id = ++cs->next_id;
         c->pid = cred.pid;
         c->uid = cred.uid;
         c->gid = cred.gid;
         c->idle_since_ns = dsv4_now_ns();
-        dsv4_proto_reader_init(&c->reader, s->cfg->max_frame);
+        dsv4_proto_reader_init(&c->reader, cs->cfg->max_frame);
         dsv4_proto_buf_init(&c->out);
-        r = sd_event_add_io(s->event, &c->src, fd, EPOLLIN, conn_io, c);
+        r = sd_event_add_io(cs->event, &c->src, fd, EPOLLIN, conn_io, c);
         if (r >= 0) {
-            r = sd_event_add_defer(s->event, &c->resume_src, conn_resume, c);
+            r = sd_event_add_defer(cs->event, &c->resume_src, conn_resume, c);
             if (r >= 0)
                 sd_event_source_set_enabled(c->resume_src, SD_EVENT_OFF);
             else
@@ -165,11 +167,11 @@ int dsv4_conn_accept(struct dsv4_server *s, int listen_fd)
             close(fd);
             continue;
         }
-        c->next = s->conns;
-        if (s->conns)
-            s->conns->prev = c;
-        s->conns = c;
-        s->n_conns++;
+        c->next = cs->head;
+        if (cs->head)
+            cs->head->prev = c;
+        cs->head = c;
+        cs->n++;
         dsv4_log_info("connection %llu: pid %d uid %u gid %u", (unsigned long long)c->id, (int)c->pid,
                       (unsigned)c->uid, (unsigned)c->gid);
     }
@@ -181,7 +183,8 @@ static void schedule_resume(struct dsv4_conn *c)
     sd_event_source_set_enabled(c->resume_src, SD_EVENT_ONESHOT);
 }
 
-void dsv4_conn_update_events(struct dsv4_conn *c)
+/* Recompute which events the connection waits for (reading pauses while its output backs up). */
+static void update_events(struct dsv4_conn *c)
 {
     uint32_t ev = 0;
     if (c->closed)
@@ -208,13 +211,12 @@ void dsv4_conn_update_events(struct dsv4_conn *c)
 
 void dsv4_conn_close(struct dsv4_conn *c, const char *why)
 {
-    struct dsv4_server *s = c->server;
+    struct dsv4_conns *cs = c->set;
 
     if (c->closed)
         return;
     c->closed = true;
     dsv4_log_info("connection %llu (pid %d): closed: %s", (unsigned long long)c->id, (int)c->pid, why);
-    dsv4_dispatch_conn_gone(c);
     c->src = sd_event_source_disable_unref(c->src);
     c->resume_src = sd_event_source_disable_unref(c->resume_src);
     close(c->fd);
@@ -222,26 +224,26 @@ void dsv4_conn_close(struct dsv4_conn *c, const char *why)
     if (c->prev)
         c->prev->next = c->next;
     else
-        s->conns = c->next;
+        cs->head = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    s->n_conns--;
+    cs->n--;
     c->prev = NULL;
-    c->next = s->zombies;
-    s->zombies = c;
-    if (s->reap_src)
-        sd_event_source_set_enabled(s->reap_src, SD_EVENT_ONESHOT);
-    if (s->accept_paused && s->state != DSV4_SERVER_DRAINING && s->state != DSV4_SERVER_EXITING &&
-        s->state != DSV4_SERVER_FAILED)
-        set_accepting(s, true);
-    dsv4_server_check_drained(s);
+    c->next = cs->zombies;
+    cs->zombies = c;
+    if (cs->reap_src)
+        sd_event_source_set_enabled(cs->reap_src, SD_EVENT_ONESHOT);
+    if (cs->accept_paused && !cs->accept_stopped && !cs->refuse_code)
+        set_accepting(cs, true);
+    cs->hooks.closed(cs->hooks.userdata, c);
 }
 
-void dsv4_conn_reap(struct dsv4_server *s)
+/* Free closed connections (from the reaper, and at shutdown). */
+static void conn_reap(struct dsv4_conns *cs)
 {
-    while (s->zombies) {
-        struct dsv4_conn *c = s->zombies;
-        s->zombies = c->next;
+    while (cs->zombies) {
+        struct dsv4_conn *c = cs->zombies;
+        cs->zombies = c->next;
         dsv4_proto_reader_clear(&c->reader);
         dsv4_proto_buf_clear(&c->out);
         dsv4_reqmem_free(c);
@@ -264,10 +266,10 @@ void dsv4_conn_flush(struct dsv4_conn *c)
         }
         dsv4_proto_buf_consume(&c->out, (size_t)n);
     }
-    if (c->out.len > c->server->cfg->max_output_buffer) {
+    if (c->out.len > c->set->cfg->max_output_buffer) {
         char why[128];
         snprintf(why, sizeof(why), "client does not read: %zu bytes queued, max_output_buffer = %llu",
-                 c->out.len, (unsigned long long)c->server->cfg->max_output_buffer);
+                 c->out.len, (unsigned long long)c->set->cfg->max_output_buffer);
         dsv4_conn_close(c, why);
         return;
     }
@@ -275,7 +277,7 @@ void dsv4_conn_flush(struct dsv4_conn *c)
         dsv4_conn_close(c, c->close_reason);
         return;
     }
-    dsv4_conn_update_events(c);
+    update_events(c);
 }
 
 void dsv4_conn_send_error(struct dsv4_conn *c, uint32_t msgid, int code, const char *message)
@@ -303,6 +305,17 @@ static void conn_fail_with(struct dsv4_conn *c, int code, const char *message, c
     dsv4_conn_flush(c);
 }
 
+void dsv4_conn_close_after_flush(struct dsv4_conn *c, const char *reason)
+{
+    if (c->closed)
+        return;
+    if (!c->closing) {
+        c->closing = true;
+        c->close_reason = reason;
+    }
+    dsv4_conn_flush(c);
+}
+
 void dsv4_conn_fail(struct dsv4_conn *c, int code, const char *message)
 {
     if (c->closed || c->closing)
@@ -325,7 +338,7 @@ static void conn_read(struct dsv4_conn *c)
         int r;
 
         if (c->out.len >= DSV4_CONN_OUTPUT_HIGH_WATER)
-            return;     /* paused; dsv4_conn_update_events() resumes it */
+            return;     /* paused; update_events() resumes it */
         if (frames == DSV4_CONN_FRAMES_PER_WAKEUP) {
             schedule_resume(c);     /* let the other clients in first */
             return;
@@ -339,7 +352,7 @@ static void conn_read(struct dsv4_conn *c)
         }
         if (r == 1) {
             frames++;
-            dsv4_dispatch_frame(c, payload, len);
+            c->set->hooks.frame(c->set->hooks.userdata, c, payload, len);
             continue;
         }
         r = dsv4_proto_reader_space(&c->reader, &space, &avail, &err);
@@ -380,7 +393,7 @@ static int conn_resume(sd_event_source *src, void *userdata)
     struct dsv4_conn *c = userdata;
     conn_read(c);
     if (!c->closed)
-        dsv4_conn_update_events(c);
+        update_events(c);
     return 0;
 }
 
@@ -395,19 +408,19 @@ static int conn_io(sd_event_source *src, int fd, uint32_t revents, void *userdat
     if (!c->closed && (revents & (EPOLLHUP | EPOLLERR)) && !(revents & EPOLLIN))
         dsv4_conn_close(c, "hang-up");
     if (!c->closed)
-        dsv4_conn_update_events(c);
+        update_events(c);
     return 0;
 }
 
-static void close_stalled(struct dsv4_server *s, uint64_t now)
+static void close_stalled(struct dsv4_conns *cs, uint64_t now)
 {
-    uint64_t limit = (uint64_t)(s->cfg->frame_timeout * 1e9);
-    for (struct dsv4_conn *c = s->conns, *next; c; c = next) {
+    uint64_t limit = (uint64_t)(cs->cfg->frame_timeout * 1e9);
+    for (struct dsv4_conn *c = cs->head, *next; c; c = next) {
         next = c->next;
         if (c->partial_since_ns && now - c->partial_since_ns > limit) {
             char why[160];
             snprintf(why, sizeof(why), "held a partial frame (%zu bytes) for more than %g s (frame_timeout)",
-                     dsv4_proto_reader_pending(&c->reader), s->cfg->frame_timeout);
+                     dsv4_proto_reader_pending(&c->reader), cs->cfg->frame_timeout);
             dsv4_conn_close(c, why);
         }
     }
@@ -424,10 +437,10 @@ static int cmp_idle(const void *a, const void *b)
 
 /* Connections that became idle after the accept check (their requests ended) can still pile up:
  * each uid keeps its max_idle_per_uid most recently active idle ones; the others are told and closed. */
-static void close_excess_idle(struct dsv4_server *s, uint64_t now)
+static void close_excess_idle(struct dsv4_conns *cs, uint64_t now)
 {
-    int limit = s->cfg->max_idle_per_uid, n = 0;
-    for (struct dsv4_conn *c = s->conns; c; c = c->next)
+    int limit = cs->cfg->max_idle_per_uid, n = 0;
+    for (struct dsv4_conn *c = cs->head; c; c = c->next)
         n += conn_idle(c, now);
     if (n <= limit)
         return;     /* no uid can be over */
@@ -435,7 +448,7 @@ static void close_excess_idle(struct dsv4_server *s, uint64_t now)
     if (!idle)
         return;     /* next sweep */
     n = 0;
-    for (struct dsv4_conn *c = s->conns; c; c = c->next)
+    for (struct dsv4_conn *c = cs->head; c; c = c->next)
         if (conn_idle(c, now))
             idle[n++] = c;
     qsort(idle, (size_t)n, sizeof(*idle), cmp_idle);
@@ -453,11 +466,77 @@ static void close_excess_idle(struct dsv4_server *s, uint64_t now)
     dsv4_reqmem_free(idle);
 }
 
-void dsv4_conn_sweep(struct dsv4_server *s)
+void dsv4_conns_sweep(struct dsv4_conns *cs)
 {
     uint64_t now = dsv4_now_ns();
-    if (s->cfg->frame_timeout > 0)
-        close_stalled(s, now);
-    if (s->cfg->max_idle_per_uid > 0)
-        close_excess_idle(s, now);
+    if (cs->cfg->frame_timeout > 0)
+        close_stalled(cs, now);
+    if (cs->cfg->max_idle_per_uid > 0)
+        close_excess_idle(cs, now);
+}
+
+/* ---- the set ------------------------------------------------------------------------------------- */
+
+static int on_accept(sd_event_source *src, int fd, uint32_t revents, void *userdata)
+{
+    return conn_accept(userdata, fd);
+}
+
+static int on_reap(sd_event_source *src, void *userdata)
+{
+    conn_reap(userdata);
+    return 0;
+}
+
+int dsv4_conns_init(struct dsv4_conns *cs, sd_event *event, const struct dsv4_settings *cfg,
+                    const struct dsv4_conn_hooks *hooks)
+{
+    int r;
+
+    memset(cs, 0, sizeof(*cs));
+    cs->event = event;
+    cs->cfg = cfg;
+    cs->hooks = *hooks;
+    r = sd_event_add_defer(event, &cs->reap_src, on_reap, cs);
+    if (r < 0)
+        return dsv4_error_set(r, "sd_event_add_defer: %s", strerror(-r));
+    sd_event_source_set_enabled(cs->reap_src, SD_EVENT_OFF);
+    return 0;
+}
+
+int dsv4_conns_listen(struct dsv4_conns *cs, int fd, const char *name)
+{
+    int r;
+
+    if (cs->n_listen == DSV4_LISTEN_MAX)
+        return dsv4_error_set(-EMFILE, "socket %s: more than %d listening sockets", name, DSV4_LISTEN_MAX);
+    r = sd_event_add_io(cs->event, &cs->listen_src[cs->n_listen], fd, EPOLLIN, on_accept, cs);
+    if (r < 0)
+        return dsv4_error_set(r, "watching socket %s: %s", name, strerror(-r));
+    cs->n_listen++;
+    return 0;
+}
+
+void dsv4_conns_refuse_new(struct dsv4_conns *cs, int code, const char *message)
+{
+    cs->refuse_code = code;
+    cs->refuse_message = message;
+}
+
+void dsv4_conns_stop_accepting(struct dsv4_conns *cs)
+{
+    for (int i = 0; i < cs->n_listen; i++)
+        if (cs->listen_src[i])
+            sd_event_source_set_enabled(cs->listen_src[i], SD_EVENT_OFF);
+    cs->accept_stopped = true;
+}
+
+void dsv4_conns_done(struct dsv4_conns *cs)
+{
+    while (cs->head)
+        dsv4_conn_close(cs->head, "server exiting");
+    conn_reap(cs);
+    for (int i = 0; i < cs->n_listen; i++)
+        cs->listen_src[i] = sd_event_source_disable_unref(cs->listen_src[i]);
+    cs->reap_src = sd_event_source_disable_unref(cs->reap_src);
 }

@@ -7,9 +7,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "daemon/clock.h"
+#include "daemon/dispatch.h"
 #include "daemon/log.h"
 #include "daemon/reqmem.h"
-#include "daemon/server.h"
 #include "engine/error.h"
 #include "engine/serve/sampler.h"
 #include "engine/serve/scheduler.h"
@@ -23,18 +24,18 @@ _Static_assert(DSV4_SAMPLER_LOGPROBS_MAX <= DSV4_PROTO_MAX_LOGPROBS, "top_logpro
 
 /* ---- request bookkeeping ------------------------------------------------------------------------ */
 
-static struct dsv4_request *request_new(struct dsv4_server *s, struct dsv4_conn *c, uint32_t msgid)
+static struct dsv4_request *request_new(struct dsv4_dispatch *d, struct dsv4_conn *c, uint32_t msgid)
 {
     struct dsv4_request *req = dsv4_reqmem_calloc(1, sizeof(*req));
     if (!req)
         return NULL;
     req->msgid = msgid;
     req->accepted_ns = dsv4_now_ns();
-    req->all_next = s->requests;
-    if (s->requests)
-        s->requests->all_prev = req;
-    s->requests = req;
-    s->n_requests++;
+    req->all_next = d->requests;
+    if (d->requests)
+        d->requests->all_prev = req;
+    d->requests = req;
+    d->n_requests++;
     if (c) {
         req->conn = c;
         req->conn_next = c->requests;
@@ -63,9 +64,9 @@ static void request_detach_conn(struct dsv4_request *req)
         c->idle_since_ns = dsv4_now_ns();   /* max_idle_per_uid counts from here */
 }
 
-static void pending_remove(struct dsv4_server *s, struct dsv4_request *req)
+static void pending_remove(struct dsv4_dispatch *d, struct dsv4_request *req)
 {
-    struct dsv4_request **pp = &s->pending_head, *prev = NULL;
+    struct dsv4_request **pp = &d->pending_head, *prev = NULL;
     while (*pp && *pp != req) {
         prev = *pp;
         pp = &(*pp)->pending_next;
@@ -73,34 +74,33 @@ static void pending_remove(struct dsv4_server *s, struct dsv4_request *req)
     if (!*pp)
         return;
     *pp = req->pending_next;
-    if (s->pending_tail == req)
-        s->pending_tail = prev;
+    if (d->pending_tail == req)
+        d->pending_tail = prev;
     req->pending_next = NULL;
     req->pending = false;
-    s->n_pending--;
+    d->n_pending--;
 }
 
-static void request_free(struct dsv4_server *s, struct dsv4_request *req)
+static void request_free(struct dsv4_dispatch *d, struct dsv4_request *req)
 {
     request_detach_conn(req);
     if (req->pending)
-        pending_remove(s, req);
+        pending_remove(d, req);
     if (req->all_prev)
         req->all_prev->all_next = req->all_next;
     else
-        s->requests = req->all_next;
+        d->requests = req->all_next;
     if (req->all_next)
         req->all_next->all_prev = req->all_prev;
-    s->n_requests--;
+    d->n_requests--;
     dsv4_proto_generate_clear(&req->gen);
     dsv4_tok_ids_free(&req->prompt);
     dsv4_reqmem_free(req->logprobs);
     dsv4_reqmem_free(req);
 }
 
-void dsv4_dispatch_conn_gone(struct dsv4_conn *c)
+void dsv4_dispatch_conn_gone(struct dsv4_dispatch *d, struct dsv4_conn *c)
 {
-    struct dsv4_server *s = c->server;
     while (c->requests) {
         struct dsv4_request *req = c->requests;
         request_detach_conn(req);
@@ -108,31 +108,31 @@ void dsv4_dispatch_conn_gone(struct dsv4_conn *c)
             continue;   /* the worker has it: freed when its job comes back */
         if (req->submitted) {
             /* The slot is freed at the next step; the FINISH event frees the request. */
-            dsv4_sched_cancel(s->sched, req->sched_id);
+            dsv4_sched_cancel(d->sched, req->sched_id);
         } else {
-            s->counters.requests_cancelled++;
-            request_free(s, req);
+            d->counters.requests_cancelled++;
+            request_free(d, req);
         }
     }
 }
 
-void dsv4_dispatch_free_all(struct dsv4_server *s)
+void dsv4_dispatch_free_all(struct dsv4_dispatch *d)
 {
-    while (s->requests)
-        request_free(s, s->requests);
+    while (d->requests)
+        request_free(d, d->requests);
 }
 
 /* ---- building prompts --------------------------------------------------------------------------- */
 
-static struct dsv4_proto_model_limits model_limits(const struct dsv4_server *s)
+static struct dsv4_proto_model_limits model_limits(const struct dsv4_dispatch *d)
 {
     struct dsv4_proto_model_limits lim = {
-        .vocab_size = s->vocab_size,
-        .max_context = (uint32_t)s->cfg->max_context,
-        .max_prompt_tokens = (uint32_t)dsv4_settings_prompt_limit(s->cfg),
+        .vocab_size = d->vocab_size,
+        .max_context = (uint32_t)d->cfg->max_context,
+        .max_prompt_tokens = (uint32_t)dsv4_settings_prompt_limit(d->cfg),
         /* A slot never holds more: an explicit max_tokens above it is max_tokens_limit (405), an absent
          * one means the protocol's default capped by it. */
-        .max_tokens = (uint32_t)s->cfg->max_context,
+        .max_tokens = (uint32_t)d->cfg->max_context,
     };
     return lim;
 }
@@ -151,23 +151,23 @@ static int encode_error(int r, struct dsv4_proto_error *err)
 /* The ids generate and tokenize see: raw text (BOS unless add_bos is false; tags in the text are
  * recognised, the caller owns the whole prompt) or chat messages (their text can never become a
  * tag: a user cannot forge <｜Assistant｜>). */
-static int build_prompt(struct dsv4_server *s, enum dsv4_proto_prompt_kind kind, const char *text, size_t text_len,
+static int build_prompt(struct dsv4_dispatch *d, enum dsv4_proto_prompt_kind kind, const char *text, size_t text_len,
                         bool add_bos, const struct dsv4_proto_chat_message *messages, uint32_t n_messages,
                         bool thinking, struct dsv4_tok_ids *ids, struct dsv4_proto_error *err)
 {
     int r;
 
     if (kind == DSV4_PROTO_PROMPT_TEXT) {
-        if (add_bos && s->bos_id >= 0 && dsv4_tok_ids_push(ids, s->bos_id) < 0)
+        if (add_bos && d->bos_id >= 0 && dsv4_tok_ids_push(ids, d->bos_id) < 0)
             return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "prompt: out of memory");
-        r = dsv4_tokenizer_encode(s->tok, text, text_len, 0, ids);
+        r = dsv4_tokenizer_encode(d->tok, text, text_len, 0, ids);
     } else if (kind == DSV4_PROTO_PROMPT_MESSAGES) {
         struct dsv4_chat_message *msgs;
         struct dsv4_chat_options opts = {
             .mode = thinking ? DSV4_CHAT_MODE_THINKING : DSV4_CHAT_MODE_CHAT,
             .content_flags = DSV4_TOK_ENCODE_ADDED_AS_TEXT,
         };
-        if (!s->has_chat)
+        if (!d->has_chat)
             return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE,
                                         "messages: this model's tokenizer has no chat tags; send prompt or tokens");
         msgs = dsv4_reqmem_calloc(n_messages ? n_messages : 1, sizeof(*msgs));
@@ -179,7 +179,7 @@ static int build_prompt(struct dsv4_server *s, enum dsv4_proto_prompt_kind kind,
             msgs[i].content = messages[i].content;
             msgs[i].content_len = messages[i].content_len;
         }
-        r = dsv4_chat_build_ids(s->tok, msgs, n_messages, &opts, ids);
+        r = dsv4_chat_build_ids(d->tok, msgs, n_messages, &opts, ids);
         dsv4_reqmem_free(msgs);
     } else {
         return dsv4_proto_error_set(err, DSV4_PROTO_E_MISSING_FIELD, "no prompt, messages or tokens");
@@ -189,22 +189,22 @@ static int build_prompt(struct dsv4_server *s, enum dsv4_proto_prompt_kind kind,
 
 /* prompt_parts: the caller's own template with literal text between (a front rendering a chat format
  * the daemon does not know); tags are recognised only in the template parts. */
-static int build_parts(struct dsv4_server *s, const struct dsv4_proto_generate *gen, struct dsv4_tok_ids *ids,
+static int build_parts(struct dsv4_dispatch *d, const struct dsv4_proto_generate *gen, struct dsv4_tok_ids *ids,
                        struct dsv4_proto_error *err)
 {
-    if (gen->add_bos && s->bos_id >= 0 && dsv4_tok_ids_push(ids, s->bos_id) < 0)
+    if (gen->add_bos && d->bos_id >= 0 && dsv4_tok_ids_push(ids, d->bos_id) < 0)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "prompt: out of memory");
-    return encode_error(dsv4_tokenizer_encode_parts(s->tok, (const char *const *)gen->parts, gen->part_lens,
+    return encode_error(dsv4_tokenizer_encode_parts(d->tok, (const char *const *)gen->parts, gen->part_lens,
                                                     gen->n_parts, 0, ids), err);
 }
 
 /* A generate request's text prompt, whichever of the three forms it takes, as ids. */
-static int build_generate_prompt(struct dsv4_server *s, const struct dsv4_proto_generate *g, struct dsv4_tok_ids *ids,
+static int build_generate_prompt(struct dsv4_dispatch *d, const struct dsv4_proto_generate *g, struct dsv4_tok_ids *ids,
                                  struct dsv4_proto_error *err)
 {
     if (g->prompt_kind == DSV4_PROTO_PROMPT_PARTS)
-        return build_parts(s, g, ids, err);
-    return build_prompt(s, g->prompt_kind, g->prompt, g->prompt_len, g->add_bos, g->messages, g->n_messages,
+        return build_parts(d, g, ids, err);
+    return build_prompt(d, g->prompt_kind, g->prompt, g->prompt_len, g->add_bos, g->messages, g->n_messages,
                         g->thinking, ids, err);
 }
 
@@ -240,7 +240,7 @@ static enum dsv4_proto_finish proto_finish(enum dsv4_finish_reason f)
 /* End a request that never reached the engine (cancelled while held during boot) with an empty
  * result. The request is freed before the answer is written: a failed write closes the connection,
  * and closing frees whatever requests are still linked to it. */
-static void finish_unsubmitted(struct dsv4_server *s, struct dsv4_request *req, enum dsv4_proto_finish finish)
+static void finish_unsubmitted(struct dsv4_dispatch *d, struct dsv4_request *req, enum dsv4_proto_finish finish)
 {
     struct dsv4_proto_generate_result res = { .text = (char *)"", .finish_reason = finish };
     struct dsv4_conn *c = req->conn;
@@ -248,35 +248,35 @@ static void finish_unsubmitted(struct dsv4_server *s, struct dsv4_request *req, 
 
     res.timings.total_ms = (double)(dsv4_now_ns() - req->accepted_ns) / 1e6;
     res.timings.queue_ms = res.timings.total_ms;
-    request_free(s, req);
+    request_free(d, req);
     if (c)
         reply_encoded(c, dsv4_proto_encode_generate_result(&c->out, msgid, &res));
 }
 
 /* Refuse a request that is not submitted: freed first, for the same reason. */
-static void refuse_request(struct dsv4_server *s, struct dsv4_request *req, const struct dsv4_proto_error *err)
+static void refuse_request(struct dsv4_dispatch *d, struct dsv4_request *req, const struct dsv4_proto_error *err)
 {
     struct dsv4_conn *c = req->conn;
     uint32_t msgid = req->msgid;
 
-    request_free(s, req);
+    request_free(d, req);
     if (c)
         reply_error(c, msgid, err);
 }
 
-void dsv4_dispatch_refuse_pending(struct dsv4_server *s, int code, const char *message)
+void dsv4_dispatch_refuse_pending(struct dsv4_dispatch *d, int code, const char *message)
 {
-    while (s->pending_head) {
-        struct dsv4_request *req = s->pending_head;
+    while (d->pending_head) {
+        struct dsv4_request *req = d->pending_head;
         struct dsv4_proto_error err = { .code = code };
         snprintf(err.message, sizeof(err.message), "%s", message);
-        refuse_request(s, req, &err);
+        refuse_request(d, req, &err);
     }
 }
 
 /* ---- methods ------------------------------------------------------------------------------------ */
 
-static void do_hello(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+static void do_hello(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
 {
     struct dsv4_proto_hello req = { 0 };
     struct dsv4_proto_error err = { 0 };
@@ -294,36 +294,36 @@ static void do_hello(struct dsv4_server *s, struct dsv4_conn *c, const struct ds
     snprintf(server, sizeof(server), "dsv4d %s", PACKAGE_VERSION);
     res.protocol = version;
     res.server = server;
-    res.model.name = s->model.model_name;
-    res.model.vocab_size = (uint32_t)s->model.vocab_size;
-    res.model.hidden_size = (uint32_t)s->model.dim;
-    res.model.num_layers = (uint32_t)s->model.n_layers;
-    res.model.num_heads = (uint32_t)s->model.n_heads;
-    res.model.head_dim = (uint32_t)s->model.head_dim;
-    res.model.n_routed_experts = (uint32_t)s->model.n_experts;
-    res.model.experts_per_token = (uint32_t)s->model.n_experts_per_tok;
-    res.model.bos_id = s->bos_id;
-    res.model.eos_id = s->model.eos_id;     /* the id the engine stops on */
-    res.max_context = (uint32_t)s->cfg->max_context;
-    res.max_batch = (uint32_t)s->cfg->max_batch;
+    res.model.name = (char *)d->model->model_name;
+    res.model.vocab_size = (uint32_t)d->model->vocab_size;
+    res.model.hidden_size = (uint32_t)d->model->dim;
+    res.model.num_layers = (uint32_t)d->model->n_layers;
+    res.model.num_heads = (uint32_t)d->model->n_heads;
+    res.model.head_dim = (uint32_t)d->model->head_dim;
+    res.model.n_routed_experts = (uint32_t)d->model->n_experts;
+    res.model.experts_per_token = (uint32_t)d->model->n_experts_per_tok;
+    res.model.bos_id = d->bos_id;
+    res.model.eos_id = d->model->eos_id;     /* the id the engine stops on */
+    res.max_context = (uint32_t)d->cfg->max_context;
+    res.max_batch = (uint32_t)d->cfg->max_batch;
     /* Before boot has picked one, the configured choice ("auto"). */
-    res.backend = (char *)(s->sched ? dsv4_host_backend_name(s->host) : dsv4_settings_backend_name(s->cfg->backend));
-    res.limits.max_frame = (uint32_t)s->cfg->max_frame;
-    res.limits.max_prompt_tokens = (uint32_t)dsv4_settings_prompt_limit(s->cfg);
-    res.limits.max_tokens = (uint32_t)s->cfg->max_context;
-    res.limits.max_connections = (uint32_t)s->cfg->max_connections;
-    res.limits.max_queue = (uint32_t)s->cfg->max_queued;
-    res.limits.max_requests_per_connection = (uint32_t)s->cfg->max_requests_per_conn;
+    res.backend = (char *)(d->sched ? dsv4_host_backend_name(d->host) : dsv4_settings_backend_name(d->cfg->backend));
+    res.limits.max_frame = (uint32_t)d->cfg->max_frame;
+    res.limits.max_prompt_tokens = (uint32_t)dsv4_settings_prompt_limit(d->cfg);
+    res.limits.max_tokens = (uint32_t)d->cfg->max_context;
+    res.limits.max_connections = (uint32_t)d->cfg->max_connections;
+    res.limits.max_queue = (uint32_t)d->cfg->max_queued;
+    res.limits.max_requests_per_connection = (uint32_t)d->cfg->max_requests_per_conn;
     reply_encoded(c, dsv4_proto_encode_hello_result(&c->out, msg->msgid, &res));
     dsv4_proto_hello_clear(&req);
 }
 
-static int submit(struct dsv4_server *s, struct dsv4_request *req, struct dsv4_proto_error *err)
+static int submit(struct dsv4_dispatch *d, struct dsv4_request *req, struct dsv4_proto_error *err)
 {
     const struct dsv4_proto_sampling *ps = &req->gen.sampling;
-    struct dsv4_proto_model_limits lim = model_limits(s);
+    struct dsv4_proto_model_limits lim = model_limits(d);
     uint32_t max_tokens = dsv4_proto_effective_max_tokens(ps, &lim);
-    int max_out = dsv4_host_max_output_tokens(s->host);
+    int max_out = dsv4_host_max_output_tokens(d->host);
     struct dsv4_sched_request sr = {
         .prompt = req->prompt.ids,
         .n_prompt = (int)req->prompt.len,
@@ -349,7 +349,7 @@ static int submit(struct dsv4_server *s, struct dsv4_request *req, struct dsv4_p
     sr.sampling.logprobs = ps->logprobs > 0 ? ps->logprobs : 0;
 
     /* The scheduler checks the request, sampling parameters included; its errors become codes here. */
-    r = dsv4_sched_submit(s->sched, &sr, &req->sched_id);
+    r = dsv4_sched_submit(d->sched, &sr, &req->sched_id);
     switch (r) {
     case 0:
         req->submitted = true;
@@ -380,35 +380,35 @@ static bool duplicate_msgid(const struct dsv4_conn *c, uint32_t msgid)
     return false;
 }
 
-static int queued_now(struct dsv4_server *s)
+static int queued_now(struct dsv4_dispatch *d)
 {
     struct dsv4_sched_stats st;
-    if (!s->sched)
-        return s->n_pending;
-    dsv4_sched_get_stats(s->sched, &st);
-    return s->n_pending + st.queued;
+    if (!d->sched)
+        return d->n_pending;
+    dsv4_sched_get_stats(d->sched, &st);
+    return d->n_pending + st.queued;
 }
 
 /* The checks that need no tokenizing, in the order a client can act on them. */
-static int admit_generate(struct dsv4_server *s, struct dsv4_conn *c, uint32_t msgid,
+static int admit_generate(struct dsv4_dispatch *d, struct dsv4_conn *c, uint32_t msgid,
                           const struct dsv4_proto_generate *gen, struct dsv4_proto_error *err)
 {
-    struct dsv4_proto_model_limits lim = model_limits(s);
+    struct dsv4_proto_model_limits lim = model_limits(d);
     const struct dsv4_proto_sampling *ps = &gen->sampling;
 
-    if (s->state == DSV4_SERVER_FAILED)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_INTERNAL, "%s; dsv4d is exiting to be restarted", s->reason);
-    if (s->state == DSV4_SERVER_DRAINING || s->state == DSV4_SERVER_EXITING)
+    if (*d->state == DSV4_SERVER_FAILED)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_INTERNAL, "%s; dsv4d is exiting to be restarted", d->reason);
+    if (*d->state == DSV4_SERVER_DRAINING || *d->state == DSV4_SERVER_EXITING)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_DRAINING, "the server is shutting down; retry later");
     if (duplicate_msgid(c, msgid))
         return dsv4_proto_error_set(err, DSV4_PROTO_E_DUPLICATE_MSGID, "msgid %u is already in flight on this "
                                     "connection", msgid);
-    if (c->n_requests >= s->cfg->max_requests_per_conn)
+    if (c->n_requests >= d->cfg->max_requests_per_conn)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_REQUESTS, "%d requests in flight on this connection "
-                                    "(max_requests_per_conn = %d)", c->n_requests, s->cfg->max_requests_per_conn);
-    if (queued_now(s) >= s->cfg->max_queued)
+                                    "(max_requests_per_conn = %d)", c->n_requests, d->cfg->max_requests_per_conn);
+    if (queued_now(d) >= d->cfg->max_queued)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_QUEUE_FULL, "%d requests are waiting for a slot "
-                                    "(max_queued = %d)", queued_now(s), s->cfg->max_queued);
+                                    "(max_queued = %d)", queued_now(d), d->cfg->max_queued);
     if (ps->n_stop > DSV4_SCHED_STOP_STRINGS_MAX)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_STOP, "stop: %u strings, at most %d",
                                     ps->n_stop, DSV4_SCHED_STOP_STRINGS_MAX);
@@ -448,11 +448,11 @@ static size_t tokenize_text_bytes(const struct dsv4_proto_tokenize *t)
 
 /* A token covers at most max_token_bytes of text (the tokenizer has no normalizer), so text longer
  * than max_prompt_tokens of them cannot fit, whatever it says: refused before it is read. */
-static int check_prompt_bytes(struct dsv4_server *s, const struct dsv4_proto_generate *gen,
+static int check_prompt_bytes(struct dsv4_dispatch *d, const struct dsv4_proto_generate *gen,
                               struct dsv4_proto_error *err)
 {
-    struct dsv4_proto_model_limits lim = model_limits(s);
-    size_t bytes = prompt_text_bytes(gen), per = s->max_token_bytes;
+    struct dsv4_proto_model_limits lim = model_limits(d);
+    size_t bytes = prompt_text_bytes(gen), per = d->max_token_bytes;
     if (per == 0 || bytes / per < lim.max_prompt_tokens)
         return 0;
     size_t at_least = (bytes + per - 1) / per;
@@ -464,10 +464,10 @@ static int check_prompt_bytes(struct dsv4_server *s, const struct dsv4_proto_gen
 }
 
 /* The prompt's ids are built: check them and hand the request to the engine (or hold it for READY). */
-static void generate_prompt_ready(struct dsv4_server *s, struct dsv4_request *req)
+static void generate_prompt_ready(struct dsv4_dispatch *d, struct dsv4_request *req)
 {
     struct dsv4_proto_error err = { 0 };
-    struct dsv4_proto_model_limits lim = model_limits(s);
+    struct dsv4_proto_model_limits lim = model_limits(d);
 
     if (req->prompt.len == 0) {
         dsv4_proto_error_set(&err, DSV4_PROTO_E_BAD_VALUE, "the prompt is empty (no tokens)");
@@ -476,41 +476,41 @@ static void generate_prompt_ready(struct dsv4_server *s, struct dsv4_request *re
     if (dsv4_proto_check_prompt_length((uint32_t)req->prompt.len, &lim, &err) < 0)
         goto fail;
 
-    s->counters.requests_total++;
-    s->counters.prompt_tokens_total += req->prompt.len;
-    if (s->state == DSV4_SERVER_LOADING || s->state == DSV4_SERVER_WARMUP) {
+    d->counters.requests_total++;
+    d->counters.prompt_tokens_total += req->prompt.len;
+    if (*d->state == DSV4_SERVER_LOADING || *d->state == DSV4_SERVER_WARMUP) {
         /* Held until READY: a client that connected through socket activation just waits. */
         req->pending = true;
-        if (s->pending_tail)
-            s->pending_tail->pending_next = req;
+        if (d->pending_tail)
+            d->pending_tail->pending_next = req;
         else
-            s->pending_head = req;
-        s->pending_tail = req;
-        s->n_pending++;
+            d->pending_head = req;
+        d->pending_tail = req;
+        d->n_pending++;
         return;
     }
-    if (submit(s, req, &err) < 0)
+    if (submit(d, req, &err) < 0)
         goto fail;
     return;
 
 fail:
-    s->counters.requests_rejected++;
-    refuse_request(s, req, &err);
+    d->counters.requests_rejected++;
+    refuse_request(d, req, &err);
 }
 
 /* On the prompt worker: only the request's own fields and the server's immutable tokenizer state. */
 static void build_prompt_job(struct dsv4_prompt_job *job)
 {
     struct dsv4_request *req = (struct dsv4_request *)((char *)job - offsetof(struct dsv4_request, job));
-    req->job_rc = build_generate_prompt(req->server, &req->gen, &req->prompt, &req->job_err);
+    req->job_rc = build_generate_prompt(req->dispatch, &req->gen, &req->prompt, &req->job_err);
 }
 
 int dsv4_dispatch_prompts_done(sd_event_source *src, int fd, uint32_t revents, void *userdata)
 {
-    struct dsv4_server *s = userdata;
+    struct dsv4_dispatch *d = userdata;
     struct dsv4_prompt_job *job;
 
-    while ((job = dsv4_prompt_worker_take_done(s->prompts))) {
+    while ((job = dsv4_prompt_worker_take_done(d->prompts))) {
         struct dsv4_request *req = (struct dsv4_request *)((char *)job - offsetof(struct dsv4_request, job));
         req->tokenizing = false;
         if (!job->ran)
@@ -524,7 +524,7 @@ int dsv4_dispatch_prompts_done(sd_event_source *src, int fd, uint32_t revents, v
             struct dsv4_proto_error job_err = req->job_err;
             struct dsv4_tok_ids ids = req->prompt;
             req->prompt = (struct dsv4_tok_ids){ 0 };
-            request_free(s, req);
+            request_free(d, req);
             struct dsv4_proto_tokens res = { .tokens = ids.ids, .n_tokens = (uint32_t)ids.len };
             if (c && rc < 0)
                 reply_error(c, msgid, &job_err);
@@ -532,37 +532,37 @@ int dsv4_dispatch_prompts_done(sd_event_source *src, int fd, uint32_t revents, v
                 reply_encoded(c, dsv4_proto_encode_tokenize_result(&c->out, msgid, &res));
             dsv4_tok_ids_free(&ids);
         } else if (!req->conn) {
-            s->counters.requests_cancelled++;
-            request_free(s, req);
+            d->counters.requests_cancelled++;
+            request_free(d, req);
         } else if (req->cancel_asked) {
-            s->counters.requests_cancelled++;
-            finish_unsubmitted(s, req, DSV4_PROTO_FINISH_CANCELLED);
+            d->counters.requests_cancelled++;
+            finish_unsubmitted(d, req, DSV4_PROTO_FINISH_CANCELLED);
         } else if (req->job_rc < 0) {
-            s->counters.requests_rejected++;
-            refuse_request(s, req, &req->job_err);
+            d->counters.requests_rejected++;
+            refuse_request(d, req, &req->job_err);
         } else {
-            generate_prompt_ready(s, req);
+            generate_prompt_ready(d, req);
         }
     }
-    dsv4_server_check_drained(s);
+    d->hooks.requests_ended(d->hooks.userdata);
     return 0;
 }
 
-static void do_generate(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+static void do_generate(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
 {
     struct dsv4_proto_error err = { 0 };
     struct dsv4_request *req;
     struct dsv4_proto_generate gen;
 
     dsv4_proto_generate_init(&gen);
-    if (dsv4_proto_decode_generate(msg, &gen, &err) < 0 || admit_generate(s, c, msg->msgid, &gen, &err) < 0 ||
-        check_prompt_bytes(s, &gen, &err) < 0) {
-        s->counters.requests_rejected++;
+    if (dsv4_proto_decode_generate(msg, &gen, &err) < 0 || admit_generate(d, c, msg->msgid, &gen, &err) < 0 ||
+        check_prompt_bytes(d, &gen, &err) < 0) {
+        d->counters.requests_rejected++;
         reply_error(c, msg->msgid, &err);
         dsv4_proto_generate_clear(&gen);
         return;
     }
-    req = request_new(s, c, msg->msgid);
+    req = request_new(d, c, msg->msgid);
     if (!req) {
         dsv4_proto_generate_clear(&gen);
         dsv4_conn_send_error(c, msg->msgid, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
@@ -573,37 +573,37 @@ static void do_generate(struct dsv4_server *s, struct dsv4_conn *c, const struct
         for (uint32_t i = 0; i < gen.n_tokens; i++)
             if (dsv4_tok_ids_push(&req->prompt, gen.tokens[i]) < 0) {
                 dsv4_proto_error_set(&err, DSV4_PROTO_E_OUT_OF_MEMORY, "tokens: out of memory");
-                s->counters.requests_rejected++;
-                refuse_request(s, req, &err);
+                d->counters.requests_rejected++;
+                refuse_request(d, req, &err);
                 return;
             }
     } else if (prompt_text_bytes(&gen) > DSV4_PROMPT_INLINE_BYTES) {
         /* Encoding this much would hold every other client up: the worker does it. */
-        req->server = s;
+        req->dispatch = d;
         req->tokenizing = true;
         req->job.run = build_prompt_job;
-        dsv4_prompt_worker_submit(s->prompts, &req->job);
+        dsv4_prompt_worker_submit(d->prompts, &req->job);
         return;
-    } else if (build_generate_prompt(s, &gen, &req->prompt, &err) < 0) {
-        s->counters.requests_rejected++;
-        refuse_request(s, req, &err);
+    } else if (build_generate_prompt(d, &gen, &req->prompt, &err) < 0) {
+        d->counters.requests_rejected++;
+        refuse_request(d, req, &err);
         return;
     }
-    generate_prompt_ready(s, req);
+    generate_prompt_ready(d, req);
 }
 
-void dsv4_dispatch_submit_pending(struct dsv4_server *s)
+void dsv4_dispatch_submit_pending(struct dsv4_dispatch *d)
 {
-    while (s->pending_head) {
-        struct dsv4_request *req = s->pending_head;
+    while (d->pending_head) {
+        struct dsv4_request *req = d->pending_head;
         struct dsv4_proto_error err = { 0 };
-        pending_remove(s, req);
-        if (submit(s, req, &err) < 0)
-            refuse_request(s, req, &err);
+        pending_remove(d, req);
+        if (submit(d, req, &err) < 0)
+            refuse_request(d, req, &err);
     }
 }
 
-static void do_cancel(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+static void do_cancel(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
 {
     struct dsv4_proto_cancel req = { 0 };
     struct dsv4_proto_error err = { 0 };
@@ -617,15 +617,15 @@ static void do_cancel(struct dsv4_server *s, struct dsv4_conn *c, const struct d
         if (r->msgid != req.msgid || r->tokenize_only)
             continue;
         if (r->submitted) {
-            cancelled = dsv4_sched_cancel(s->sched, r->sched_id) == 0;
+            cancelled = dsv4_sched_cancel(d->sched, r->sched_id) == 0;
         } else if (r->tokenizing) {
             /* Answered cancelled when the worker hands it back. */
             r->cancel_asked = true;
             cancelled = true;
         } else {
             /* Still held for boot: it ends here. */
-            s->counters.requests_cancelled++;
-            finish_unsubmitted(s, r, DSV4_PROTO_FINISH_CANCELLED);
+            d->counters.requests_cancelled++;
+            finish_unsubmitted(d, r, DSV4_PROTO_FINISH_CANCELLED);
             cancelled = true;
         }
         break;
@@ -634,7 +634,7 @@ static void do_cancel(struct dsv4_server *s, struct dsv4_conn *c, const struct d
         reply_encoded(c, dsv4_proto_encode_cancel_result(&c->out, msg->msgid, cancelled));
 }
 
-static void do_tokenize(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+static void do_tokenize(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
 {
     struct dsv4_proto_tokenize req;
     struct dsv4_proto_error err = { 0 };
@@ -645,7 +645,7 @@ static void do_tokenize(struct dsv4_server *s, struct dsv4_conn *c, const struct
         reply_error(c, msg->msgid, &err);
     } else if (tokenize_text_bytes(&req) > DSV4_PROMPT_INLINE_BYTES) {
         /* As for generate: a large text is encoded on the prompt worker, answered when it is done. */
-        struct dsv4_request *r = request_new(s, c, msg->msgid);
+        struct dsv4_request *r = request_new(d, c, msg->msgid);
         if (!r) {
             dsv4_conn_send_error(c, msg->msgid, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
         } else {
@@ -660,12 +660,12 @@ static void do_tokenize(struct dsv4_server *s, struct dsv4_conn *c, const struct
             req.text = NULL;
             req.messages = NULL;
             req.n_messages = 0;
-            r->server = s;
+            r->dispatch = d;
             r->tokenizing = true;
             r->job.run = build_prompt_job;
-            dsv4_prompt_worker_submit(s->prompts, &r->job);
+            dsv4_prompt_worker_submit(d->prompts, &r->job);
         }
-    } else if (build_prompt(s, req.prompt_kind, req.text, req.text_len, req.add_bos, req.messages, req.n_messages,
+    } else if (build_prompt(d, req.prompt_kind, req.text, req.text_len, req.add_bos, req.messages, req.n_messages,
                             req.thinking, &ids, &err) < 0) {
         reply_error(c, msg->msgid, &err);
     } else {
@@ -676,7 +676,7 @@ static void do_tokenize(struct dsv4_server *s, struct dsv4_conn *c, const struct
     dsv4_proto_tokenize_clear(&req);
 }
 
-static void do_detokenize(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+static void do_detokenize(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
 {
     struct dsv4_proto_tokens req = { 0 };
     struct dsv4_proto_error err = { 0 };
@@ -684,16 +684,16 @@ static void do_detokenize(struct dsv4_server *s, struct dsv4_conn *c, const stru
     size_t len = 0, text_len = 0;
 
     if (dsv4_proto_decode_detokenize(msg, &req, &err) < 0 ||
-        dsv4_proto_check_token_ids(req.tokens, req.n_tokens, s->vocab_size, "tokens", &err) < 0) {
+        dsv4_proto_check_token_ids(req.tokens, req.n_tokens, d->vocab_size, "tokens", &err) < 0) {
         reply_error(c, msg->msgid, &err);
         goto out;
     }
     /* Ids of the model's vocabulary past the tokenizer's have no text, as when they are generated. */
     uint32_t n = 0;
     for (uint32_t i = 0; i < req.n_tokens; i++)
-        if ((size_t)req.tokens[i] < dsv4_tokenizer_vocab_size(s->tok))
+        if ((size_t)req.tokens[i] < dsv4_tokenizer_vocab_size(d->tok))
             req.tokens[n++] = req.tokens[i];
-    if (dsv4_tokenizer_decode(s->tok, req.tokens, n, 0, &bytes, &len) < 0) {
+    if (dsv4_tokenizer_decode(d->tok, req.tokens, n, 0, &bytes, &len) < 0) {
         dsv4_proto_error_set(&err, DSV4_PROTO_E_TOKEN_OUT_OF_VOCAB, "%s", dsv4_error_message());
         reply_error(c, msg->msgid, &err);
         goto out;
@@ -710,7 +710,7 @@ out:
     dsv4_proto_tokens_clear(&req);
 }
 
-static void do_stats(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
 {
     struct dsv4_proto_error err = { 0 };
     struct dsv4_proto_stats st = { 0 };
@@ -721,38 +721,38 @@ static void do_stats(struct dsv4_server *s, struct dsv4_conn *c, const struct ds
         return;
     }
     dsv4_reqmem_get_stats(&mem);
-    st.uptime_s = (double)(dsv4_now_ns() - s->start_ns) / 1e9;
-    st.backend = (char *)(s->sched ? dsv4_host_backend_name(s->host) : dsv4_settings_backend_name(s->cfg->backend));
-    st.slots_total = (uint32_t)s->cfg->max_batch;
-    st.queue_depth = (uint32_t)s->n_pending;
-    st.connections = (uint32_t)s->n_conns;
-    st.requests_total = s->counters.requests_total;
-    st.requests_failed = s->counters.requests_failed;
-    st.requests_cancelled = s->counters.requests_cancelled;
-    st.prompt_tokens_total = s->counters.prompt_tokens_total;
-    st.generated_tokens_total = s->counters.generated_tokens_total;
+    st.uptime_s = (double)(dsv4_now_ns() - d->start_ns) / 1e9;
+    st.backend = (char *)(d->sched ? dsv4_host_backend_name(d->host) : dsv4_settings_backend_name(d->cfg->backend));
+    st.slots_total = (uint32_t)d->cfg->max_batch;
+    st.queue_depth = (uint32_t)d->n_pending;
+    st.connections = (uint32_t)d->conns->n;
+    st.requests_total = d->counters.requests_total;
+    st.requests_failed = d->counters.requests_failed;
+    st.requests_cancelled = d->counters.requests_cancelled;
+    st.prompt_tokens_total = d->counters.prompt_tokens_total;
+    st.generated_tokens_total = d->counters.generated_tokens_total;
     st.heap_allocated = mem.allocated;
     st.heap_active = mem.active;
     st.heap_resident = mem.resident;
     st.heap_mapped = mem.mapped;
-    if (s->sched) {
+    if (d->sched) {
         struct dsv4_sched_stats ss;
-        dsv4_sched_get_stats(s->sched, &ss);
+        dsv4_sched_get_stats(d->sched, &ss);
         st.slots_busy = (uint32_t)ss.slots_in_use;
         st.queue_depth += (uint32_t)ss.queued;
         st.prefill_tokens_per_s = ss.busy_s > 0 ? (double)ss.prefill_tokens / ss.busy_s : 0;
         st.decode_tokens_per_s = ss.tokens_per_s;
         st.device_arena_bytes = ss.backend.bytes_reserved;
         st.device_arena_used = ss.backend.bytes_reserved;
-        st.device_allocs_after_boot = ss.backend.device_allocs - s->boot_device_allocs;
-        st.graph_captures_after_boot = ss.backend.graph_captures - s->boot_graph_captures;
+        st.device_allocs_after_boot = ss.backend.device_allocs - d->boot_device_allocs;
+        st.graph_captures_after_boot = ss.backend.graph_captures - d->boot_graph_captures;
         st.steps = ss.steps;
         st.decode_steps = ss.decode_steps;
         st.n_batch_hist = DSV4_SCHED_BATCH_BUCKETS;
         for (uint32_t i = 0; i < DSV4_SCHED_BATCH_BUCKETS; i++)
             st.batch_hist[i] = ss.batch_hist[i];
         st.sched_allocations = ss.allocations;
-        st.sched_allocations_after_boot = ss.allocations - s->boot_sched_allocations;
+        st.sched_allocations_after_boot = ss.allocations - d->boot_sched_allocations;
         if (ss.prefix_cache) {
             const struct dsv4_prefix_stats *ps = &ss.prefix;
             st.prefix_cache_bytes = (uint64_t)(ps->pages_total * ps->page_bytes);
@@ -775,21 +775,21 @@ static void do_stats(struct dsv4_server *s, struct dsv4_conn *c, const struct ds
     reply_encoded(c, dsv4_proto_encode_stats_result(&c->out, msg->msgid, &st));
 }
 
-static void do_health(struct dsv4_server *s, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
+static void do_health(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
 {
     struct dsv4_proto_error err = { 0 };
-    struct dsv4_proto_health h = { .reason = s->reason };
+    struct dsv4_proto_health h = { .reason = (char *)d->reason };
     char reason[DSV4_SERVER_REASON_MAX + 64];
 
     if (dsv4_proto_decode_empty_params(msg, &err) < 0) {
         reply_error(c, msg->msgid, &err);
         return;
     }
-    switch (s->state) {
+    switch (*d->state) {
     case DSV4_SERVER_READY: h.status = DSV4_PROTO_HEALTH_READY; break;
     case DSV4_SERVER_LOADING:
         /* The engine thread's current boot step. */
-        snprintf(reason, sizeof(reason), "%s: %s", s->reason, dsv4_host_phase_text(dsv4_host_phase(s->host)));
+        snprintf(reason, sizeof(reason), "%s: %s", d->reason, dsv4_host_phase_text(dsv4_host_phase(d->host)));
         h.reason = reason;
         h.status = DSV4_PROTO_HEALTH_LOADING;
         break;
@@ -800,13 +800,12 @@ static void do_health(struct dsv4_server *s, struct dsv4_conn *c, const struct d
     reply_encoded(c, dsv4_proto_encode_health_result(&c->out, msg->msgid, &h));
 }
 
-void dsv4_dispatch_frame(struct dsv4_conn *c, const uint8_t *payload, size_t len)
+void dsv4_dispatch_frame(struct dsv4_dispatch *d, struct dsv4_conn *c, const uint8_t *payload, size_t len)
 {
-    struct dsv4_server *s = c->server;
     struct dsv4_proto_message msg = { 0 };
     struct dsv4_proto_error err = { 0 };
 
-    if (dsv4_proto_message_decode(payload, len, &s->proto_limits, &msg, &err) < 0) {
+    if (dsv4_proto_message_decode(payload, len, &d->proto_limits, &msg, &err) < 0) {
         if (dsv4_proto_code_is_fatal(err.code) || !msg.has_msgid)
             dsv4_conn_fail(c, err.code, err.message);
         else
@@ -820,13 +819,13 @@ void dsv4_dispatch_frame(struct dsv4_conn *c, const uint8_t *payload, size_t len
         return;
     }
     switch (msg.method) {
-    case DSV4_PROTO_METHOD_HELLO: do_hello(s, c, &msg); break;
-    case DSV4_PROTO_METHOD_GENERATE: do_generate(s, c, &msg); break;
-    case DSV4_PROTO_METHOD_CANCEL: do_cancel(s, c, &msg); break;
-    case DSV4_PROTO_METHOD_TOKENIZE: do_tokenize(s, c, &msg); break;
-    case DSV4_PROTO_METHOD_DETOKENIZE: do_detokenize(s, c, &msg); break;
-    case DSV4_PROTO_METHOD_STATS: do_stats(s, c, &msg); break;
-    case DSV4_PROTO_METHOD_HEALTH: do_health(s, c, &msg); break;
+    case DSV4_PROTO_METHOD_HELLO: do_hello(d, c, &msg); break;
+    case DSV4_PROTO_METHOD_GENERATE: do_generate(d, c, &msg); break;
+    case DSV4_PROTO_METHOD_CANCEL: do_cancel(d, c, &msg); break;
+    case DSV4_PROTO_METHOD_TOKENIZE: do_tokenize(d, c, &msg); break;
+    case DSV4_PROTO_METHOD_DETOKENIZE: do_detokenize(d, c, &msg); break;
+    case DSV4_PROTO_METHOD_STATS: do_stats(d, c, &msg); break;
+    case DSV4_PROTO_METHOD_HEALTH: do_health(d, c, &msg); break;
     default:
         dsv4_proto_error_set(&err, DSV4_PROTO_E_UNKNOWN_METHOD, "'%s' is not a request method",
                              dsv4_proto_method_name(msg.method));
@@ -838,7 +837,7 @@ void dsv4_dispatch_frame(struct dsv4_conn *c, const uint8_t *payload, size_t len
 
 /* ---- engine events ------------------------------------------------------------------------------ */
 
-static void on_token(struct dsv4_server *s, struct dsv4_request *req, const struct dsv4_sched_event *ev)
+static void on_token(struct dsv4_dispatch *d, struct dsv4_request *req, const struct dsv4_sched_event *ev)
 {
     struct dsv4_conn *c = req->conn;
     const struct dsv4_sample *smp = &ev->sample;
@@ -849,7 +848,7 @@ static void on_token(struct dsv4_server *s, struct dsv4_request *req, const stru
             void *p = dsv4_reqmem_realloc(req->logprobs, cap * sizeof(*req->logprobs));
             if (!p) {
                 dsv4_log_err("request %u: out of memory for logprobs; cancelling it", req->msgid);
-                dsv4_sched_cancel(s->sched, req->sched_id);
+                dsv4_sched_cancel(d->sched, req->sched_id);
                 return;
             }
             req->logprobs = p;
@@ -880,22 +879,22 @@ static void on_token(struct dsv4_server *s, struct dsv4_request *req, const stru
     }
 }
 
-static void on_finish(struct dsv4_server *s, struct dsv4_request *req, const struct dsv4_sched_result *res)
+static void on_finish(struct dsv4_dispatch *d, struct dsv4_request *req, const struct dsv4_sched_result *res)
 {
     struct dsv4_conn *c = req->conn;
     struct dsv4_proto_generate_result out = { 0 };
 
-    s->counters.generated_tokens_total += (uint64_t)res->completion_tokens;
+    d->counters.generated_tokens_total += (uint64_t)res->completion_tokens;
     if (res->finish == DSV4_FINISH_CANCELLED)
-        s->counters.requests_cancelled++;
+        d->counters.requests_cancelled++;
     else if (res->finish == DSV4_FINISH_ERROR)
-        s->counters.requests_failed++;
+        d->counters.requests_failed++;
     if (res->finish == DSV4_FINISH_ERROR)
         dsv4_log_err("request %u: engine error: %s", req->msgid, res->error_message);
     /* The first request ended by a fatal backend error tells the server (the engine thread's own
      * report follows once every request has ended). */
     if (res->finish == DSV4_FINISH_ERROR && res->error == -ENOTRECOVERABLE)
-        dsv4_server_engine_failed(s, res->error_message);
+        d->hooks.engine_failed(d->hooks.userdata, res->error_message);
 
     if (req->warmup) {
         char what[DSV4_SCHED_ERROR_MAX + 128];
@@ -906,7 +905,7 @@ static void on_finish(struct dsv4_server *s, struct dsv4_request *req, const str
         else
             snprintf(what, sizeof(what), "warm-up generation failed: %s (%s)", dsv4_finish_reason_name(res->finish),
                      res->error_message[0] ? res->error_message : "no tokens");
-        dsv4_server_warmup_done(s, ok, what);
+        d->hooks.warmup_done(d->hooks.userdata, ok, what);
         return;
     }
     if (!c)
@@ -933,32 +932,43 @@ static void on_finish(struct dsv4_server *s, struct dsv4_request *req, const str
 
 int dsv4_dispatch_engine_events(sd_event_source *src, int fd, uint32_t revents, void *userdata)
 {
-    struct dsv4_server *s = userdata;
+    struct dsv4_dispatch *d = userdata;
     struct dsv4_sched_event event, *ev = &event;
     uint64_t n;
 
     if (read(fd, &n, sizeof(n)) < 0 && errno != EAGAIN)
         dsv4_log_warning("engine eventfd: %m");
-    while (dsv4_sched_next_event(s->sched, ev) == 1) {
+    while (dsv4_sched_next_event(d->sched, ev) == 1) {
         struct dsv4_request *req = ev->user;
         if (ev->type == DSV4_SCHED_EVENT_TOKEN) {
-            on_token(s, req, ev);
+            on_token(d, req, ev);
             continue;
         }
-        on_finish(s, req, ev->result);
-        dsv4_sched_release(s->sched, ev->id);
-        request_free(s, req);
-        if (s->state == DSV4_SERVER_EXITING)
+        on_finish(d, req, ev->result);
+        dsv4_sched_release(d->sched, ev->id);
+        request_free(d, req);
+        if (*d->state == DSV4_SERVER_EXITING)
             break;
     }
-    dsv4_server_check_drained(s);
+    d->hooks.requests_ended(d->hooks.userdata);
     return 0;
 }
 
-int dsv4_dispatch_start_warmup(struct dsv4_server *s)
+void dsv4_dispatch_engine_ready(struct dsv4_dispatch *d, struct dsv4_sched *sched)
+{
+    struct dsv4_sched_stats st;
+
+    d->sched = sched;
+    dsv4_sched_get_stats(sched, &st);
+    d->boot_device_allocs = st.backend.device_allocs;
+    d->boot_graph_captures = st.backend.graph_captures;
+    d->boot_sched_allocations = st.allocations;
+}
+
+int dsv4_dispatch_start_warmup(struct dsv4_dispatch *d)
 {
     struct dsv4_proto_error err = { 0 };
-    struct dsv4_request *req = request_new(s, NULL, 0);
+    struct dsv4_request *req = request_new(d, NULL, 0);
     int r;
 
     if (!req)
@@ -966,23 +976,23 @@ int dsv4_dispatch_start_warmup(struct dsv4_server *s)
     req->warmup = true;
     dsv4_proto_generate_init(&req->gen);
     req->gen.sampling.temperature = 0;
-    req->gen.sampling.max_tokens = (uint32_t)s->cfg->warmup_tokens;
-    if (s->has_chat) {
+    req->gen.sampling.max_tokens = (uint32_t)d->cfg->warmup_tokens;
+    if (d->has_chat) {
         struct dsv4_proto_chat_message m = { .role = DSV4_PROTO_ROLE_USER, .content = (char *)DSV4_WARMUP_PROMPT,
                                              .content_len = strlen(DSV4_WARMUP_PROMPT) };
-        r = build_prompt(s, DSV4_PROTO_PROMPT_MESSAGES, NULL, 0, false, &m, 1, false, &req->prompt, &err);
+        r = build_prompt(d, DSV4_PROTO_PROMPT_MESSAGES, NULL, 0, false, &m, 1, false, &req->prompt, &err);
     } else {
-        r = build_prompt(s, DSV4_PROTO_PROMPT_TEXT, DSV4_WARMUP_PROMPT, strlen(DSV4_WARMUP_PROMPT), true, NULL, 0,
+        r = build_prompt(d, DSV4_PROTO_PROMPT_TEXT, DSV4_WARMUP_PROMPT, strlen(DSV4_WARMUP_PROMPT), true, NULL, 0,
                          false, &req->prompt, &err);
     }
-    if (r == 0 && (req->prompt.len == 0 || req->prompt.len >= (size_t)s->cfg->max_context))
+    if (r == 0 && (req->prompt.len == 0 || req->prompt.len >= (size_t)d->cfg->max_context))
         r = dsv4_proto_error_set(&err, DSV4_PROTO_E_PROMPT_TOO_LONG, "%zu prompt tokens for max_context %d",
-                                 req->prompt.len, s->cfg->max_context);
+                                 req->prompt.len, d->cfg->max_context);
     if (r == 0)
-        r = submit(s, req, &err);
+        r = submit(d, req, &err);
     if (r < 0) {
         dsv4_error_set(-EINVAL, "warm-up request: %s", err.message);
-        request_free(s, req);
+        request_free(d, req);
         return -EINVAL;
     }
     return 0;

@@ -11,11 +11,11 @@ dsv4d_SOURCES = daemon/main.c \
 	daemon/notify.c daemon/notify.h \
 	daemon/reqmem.c daemon/reqmem.h \
 	daemon/host.c daemon/host.h \
-	daemon/server.c daemon/server.h \
-	daemon/conn.c \
+	daemon/server.c daemon/server.h daemon/lifecycle.h daemon/clock.h \
+	daemon/conn.c daemon/conn.h \
 	daemon/prompts.c daemon/prompts.h \
 	daemon/fault.c daemon/fault.h \
-	daemon/dispatch.c
+	daemon/dispatch.c daemon/dispatch.h
 dsv4d_CPPFLAGS = $(AM_CPPFLAGS) -DDSV4D_CONFIG_PATH='"$(sysconfdir)/dsv4d/dsv4d.conf"'
 dsv4d_CFLAGS = $(AM_CFLAGS) $(SYSTEMD_CFLAGS) $(PROTOCOL_CFLAGS) $(JEMALLOC_CFLAGS) $(JANSSON_CFLAGS) $(ONIG_CFLAGS) \
 	$(DSV4_CUDA_CPPFLAGS)

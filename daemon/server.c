@@ -12,17 +12,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "daemon/clock.h"
 #include "daemon/log.h"
 #include "daemon/notify.h"
 #include "daemon/server.h"
 #include "engine/error.h"
-
-uint64_t dsv4_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void set_reason(struct dsv4_server *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void set_reason(struct dsv4_server *s, const char *fmt, ...)
@@ -33,30 +27,15 @@ static void set_reason(struct dsv4_server *s, const char *fmt, ...)
     va_end(ap);
 }
 
+/* A connection made while the server stops is told so, not left waiting in the backlog. */
+#define DSV4_SERVER_STOPPING_MESSAGE "the server is shutting down; connect again once it has restarted"
+
 static void server_exit(struct dsv4_server *s, int code)
 {
     s->exit_code = code;
     s->state = DSV4_SERVER_EXITING;
+    dsv4_conns_refuse_new(&s->conns, DSV4_PROTO_E_DRAINING, DSV4_SERVER_STOPPING_MESSAGE);
     sd_event_exit(s->event, code);
-}
-
-static void stop_accepting(struct dsv4_server *s)
-{
-    /* The sockets stay open (systemd keeps its copy): new clients wait for the next start. */
-    for (int i = 0; i < s->listeners.n; i++)
-        if (s->listen_src[i])
-            sd_event_source_set_enabled(s->listen_src[i], SD_EVENT_OFF);
-}
-
-static int on_accept(sd_event_source *src, int fd, uint32_t revents, void *userdata)
-{
-    return dsv4_conn_accept(userdata, fd);
-}
-
-static int on_reap(sd_event_source *src, void *userdata)
-{
-    dsv4_conn_reap(userdata);
-    return 0;
 }
 
 /* A CLOCK_MONOTONIC deadline usec from now, as sd-event timers take it. */
@@ -77,7 +56,7 @@ static uint64_t sweep_period_usec(const struct dsv4_server *s)
 static int on_sweep(sd_event_source *src, uint64_t usec, void *userdata)
 {
     struct dsv4_server *s = userdata;
-    dsv4_conn_sweep(s);
+    dsv4_conns_sweep(&s->conns);
     sd_event_source_set_time(src, usec + sweep_period_usec(s));
     sd_event_source_set_enabled(src, SD_EVENT_ONESHOT);
     return 0;
@@ -102,8 +81,11 @@ static int on_extend(sd_event_source *src, uint64_t usec, void *userdata)
     return 0;
 }
 
-void dsv4_server_warmup_done(struct dsv4_server *s, bool ok, const char *what)
+/* The dispatcher's hook: the warm-up finished (ok or not): become READY or exit. */
+static void on_warmup_done(void *userdata, bool ok, const char *what)
 {
+    struct dsv4_server *s = userdata;
+
     if (s->state != DSV4_SERVER_WARMUP)
         return;
     if (!ok) {
@@ -120,26 +102,29 @@ void dsv4_server_warmup_done(struct dsv4_server *s, bool ok, const char *what)
     char status[DSV4_SERVER_REASON_MAX + 64];
     snprintf(status, sizeof(status), "ready in %.1f s: %s", (double)(s->ready_ns - s->start_ns) / 1e9, s->reason);
     dsv4_notify_ready(status);
-    dsv4_dispatch_submit_pending(s);
+    dsv4_dispatch_submit_pending(&s->dispatch);
 }
 
 static int on_drain_deadline(sd_event_source *src, uint64_t usec, void *userdata);
 static void close_connections(struct dsv4_server *s, const char *reason);
+static void check_drained(struct dsv4_server *s);
 
 static int on_failed_linger(sd_event_source *src, uint64_t usec, void *userdata)
 {
     struct dsv4_server *s = userdata;
-    dsv4_log_info("engine failed: closing %d connections and exiting", s->n_conns);
+    dsv4_log_info("engine failed: closing %d connections and exiting", s->conns.n);
     close_connections(s, "the engine failed");
     int r = sd_event_add_time(s->event, &s->drain_src, CLOCK_MONOTONIC, timer_in(DSV4_SERVER_FLUSH_USEC), 0,
                               on_drain_deadline, s);
     if (r < 0)
         dsv4_log_warning("exit deadline timer: %s", strerror(-r));
-    dsv4_server_check_drained(s);
+    check_drained(s);
     return 0;
 }
 
-void dsv4_server_engine_failed(struct dsv4_server *s, const char *why)
+/* The engine failed for good (a fatal backend error, a sticky GPU fault): refuse new work, let health
+ * say why for DSV4_SERVER_FAILED_LINGER_USEC, then close the connections and exit 1. Once. */
+static void engine_failed(struct dsv4_server *s, const char *why)
 {
     int r;
 
@@ -150,8 +135,8 @@ void dsv4_server_engine_failed(struct dsv4_server *s, const char *why)
     dsv4_notify_status("failed: %s", why);
     s->state = DSV4_SERVER_FAILED;
     s->exit_code = EXIT_FAILURE;
-    stop_accepting(s);
-    dsv4_dispatch_refuse_pending(s, DSV4_PROTO_E_INTERNAL, s->reason);
+    dsv4_conns_stop_accepting(&s->conns);
+    dsv4_dispatch_refuse_pending(&s->dispatch, DSV4_PROTO_E_INTERNAL, s->reason);
     r = sd_event_add_time(s->event, &s->linger_src, CLOCK_MONOTONIC, timer_in(DSV4_SERVER_FAILED_LINGER_USEC), 0,
                           on_failed_linger, s);
     if (r < 0) {
@@ -160,10 +145,14 @@ void dsv4_server_engine_failed(struct dsv4_server *s, const char *why)
     }
 }
 
+static void on_engine_failed(void *userdata, const char *why)
+{
+    engine_failed(userdata, why);
+}
+
 static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdata)
 {
     struct dsv4_server *s = userdata;
-    struct dsv4_sched_stats st;
     uint64_t n;
     int r;
 
@@ -174,8 +163,8 @@ static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdat
         if (dsv4_host_phase(s->host) == DSV4_HOST_FAILED) {
             /* Usually known already from the requests' errors: their events go out first. */
             if (s->sched_src)
-                dsv4_dispatch_engine_events(s->sched_src, dsv4_sched_event_fd(s->sched), EPOLLIN, s);
-            dsv4_server_engine_failed(s, dsv4_host_boot_error(s->host));
+                dsv4_dispatch_engine_events(s->sched_src, dsv4_sched_event_fd(s->sched), EPOLLIN, &s->dispatch);
+            engine_failed(s, dsv4_host_boot_error(s->host));
         }
         return 0;
     }
@@ -186,12 +175,9 @@ static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdat
         return 0;
     }
     s->sched = dsv4_host_sched(s->host);
-    dsv4_sched_get_stats(s->sched, &st);
-    s->boot_device_allocs = st.backend.device_allocs;
-    s->boot_graph_captures = st.backend.graph_captures;
-    s->boot_sched_allocations = st.allocations;
+    dsv4_dispatch_engine_ready(&s->dispatch, s->sched);
     r = sd_event_add_io(s->event, &s->sched_src, dsv4_sched_event_fd(s->sched), EPOLLIN,
-                        dsv4_dispatch_engine_events, s);
+                        dsv4_dispatch_engine_events, &s->dispatch);
     if (r < 0) {
         dsv4_log_err("watching the engine's events: %s", strerror(-r));
         server_exit(s, EXIT_FAILURE);
@@ -204,7 +190,7 @@ static int on_boot(sd_event_source *src, int fd, uint32_t revents, void *userdat
                dsv4_host_backend_note(s->host));
     dsv4_notify_status("%s", s->reason);
     dsv4_notify_extend(DSV4_SERVER_EXTEND_USEC);
-    if (dsv4_dispatch_start_warmup(s) < 0) {
+    if (dsv4_dispatch_start_warmup(&s->dispatch) < 0) {
         dsv4_log_err("%s", dsv4_error_message());
         dsv4_notify_status("failed: %s", dsv4_error_message());
         server_exit(s, EXIT_FAILURE);
@@ -246,32 +232,48 @@ static int on_watchdog(sd_event_source *src, uint64_t usec, void *userdata)
 static void close_connections(struct dsv4_server *s, const char *reason)
 {
     s->state = DSV4_SERVER_EXITING;
-    for (struct dsv4_conn *c = s->conns, *next; c; c = next) {
+    for (struct dsv4_conn *c = s->conns.head, *next; c; c = next) {
         next = c->next;
-        if (!c->closing) {
-            c->closing = true;
-            c->close_reason = reason;
-        }
-        dsv4_conn_flush(c);
+        dsv4_conn_close_after_flush(c, reason);
     }
-    stop_accepting(s);
+    dsv4_conns_stop_accepting(&s->conns);
 }
 
-void dsv4_server_check_drained(struct dsv4_server *s)
+/* After requests ended or a connection closed: ends the drain when nothing is left. */
+static void check_drained(struct dsv4_server *s)
 {
-    if (s->state == DSV4_SERVER_DRAINING && s->n_requests == 0) {
-        dsv4_log_info("drained: every request has its answer; closing %d connections", s->n_conns);
+    if (s->state == DSV4_SERVER_DRAINING && s->dispatch.n_requests == 0) {
+        dsv4_log_info("drained: every request has its answer; closing %d connections", s->conns.n);
         close_connections(s, "the server is stopping and every request on it was answered");
     }
-    if (s->state == DSV4_SERVER_EXITING && s->n_conns == 0)
+    if (s->state == DSV4_SERVER_EXITING && s->conns.n == 0)
         sd_event_exit(s->event, s->exit_code);
+}
+
+static void on_requests_ended(void *userdata)
+{
+    check_drained(userdata);
+}
+
+/* The connection hooks: frames and closes go to the dispatcher. */
+static void on_conn_frame(void *userdata, struct dsv4_conn *c, const uint8_t *payload, size_t len)
+{
+    struct dsv4_server *s = userdata;
+    dsv4_dispatch_frame(&s->dispatch, c, payload, len);
+}
+
+static void on_conn_closed(void *userdata, struct dsv4_conn *c)
+{
+    struct dsv4_server *s = userdata;
+    dsv4_dispatch_conn_gone(&s->dispatch, c);
+    check_drained(s);
 }
 
 static int on_drain_deadline(sd_event_source *src, uint64_t usec, void *userdata)
 {
     struct dsv4_server *s = userdata;
-    dsv4_log_warning("drain: deadline passed with %d requests and %d connections left; exiting", s->n_requests,
-                     s->n_conns);
+    dsv4_log_warning("drain: deadline passed with %d requests and %d connections left; exiting",
+                     s->dispatch.n_requests, s->conns.n);
     server_exit(s, s->exit_code);
     return 0;
 }
@@ -288,10 +290,10 @@ static int on_term(sd_event_source *src, const struct signalfd_siginfo *si, void
         return 0;
     }
     if (s->state != DSV4_SERVER_READY) {
-        stop_accepting(s);
+        dsv4_conns_stop_accepting(&s->conns);
         /* Nothing was promised yet: answer the held requests and go. */
         dsv4_notify_stopping("stopping during boot");
-        dsv4_dispatch_refuse_pending(s, DSV4_PROTO_E_DRAINING, "the server stopped during boot");
+        dsv4_dispatch_refuse_pending(&s->dispatch, DSV4_PROTO_E_DRAINING, "the server stopped during boot");
         server_exit(s, EXIT_SUCCESS);
         return 0;
     }
@@ -300,6 +302,7 @@ static int on_term(sd_event_source *src, const struct signalfd_siginfo *si, void
     struct dsv4_sched_stats st;
     dsv4_sched_get_stats(s->sched, &st);
     s->state = DSV4_SERVER_DRAINING;
+    dsv4_conns_refuse_new(&s->conns, DSV4_PROTO_E_DRAINING, DSV4_SERVER_STOPPING_MESSAGE);
     set_reason(s, "%s: finishing %d running requests within %.0f s; %d queued ones cancelled", sig,
                st.slots_in_use, s->cfg->drain_grace, st.queued);
     dsv4_log_notice("%s", s->reason);
@@ -310,7 +313,7 @@ static int on_term(sd_event_source *src, const struct signalfd_siginfo *si, void
                           on_drain_deadline, s);
     if (r < 0)
         dsv4_log_warning("drain deadline timer: %s", strerror(-r));
-    dsv4_server_check_drained(s);
+    check_drained(s);
     return 0;
 }
 
@@ -324,6 +327,7 @@ static int on_hup(sd_event_source *src, const struct signalfd_siginfo *si, void 
 
 static int load_tokenizer(struct dsv4_server *s)
 {
+    struct dsv4_dispatch *d = &s->dispatch;
     char path[DSV4_SETTINGS_PATH_MAX + 32];
     int r;
 
@@ -331,34 +335,34 @@ static int load_tokenizer(struct dsv4_server *s)
         snprintf(path, sizeof(path), "%s", s->cfg->tokenizer);
     else
         snprintf(path, sizeof(path), "%s/tokenizer.json", s->cfg->model);
-    r = dsv4_tokenizer_load(path, &s->tok);
+    r = dsv4_tokenizer_load(path, &d->tok);
     if (r < 0)
         return dsv4_error_prefix(r, "tokenizer: ");
-    if (dsv4_tokenizer_vocab_size(s->tok) > (size_t)s->model.vocab_size)
+    if (dsv4_tokenizer_vocab_size(d->tok) > (size_t)s->model.vocab_size)
         return dsv4_error_set(-EINVAL, "tokenizer %s has %zu ids but the model's vocab_size is %d", path,
-                              dsv4_tokenizer_vocab_size(s->tok), s->model.vocab_size);
-    s->vocab_size = (uint32_t)s->model.vocab_size;
+                              dsv4_tokenizer_vocab_size(d->tok), s->model.vocab_size);
+    d->vocab_size = (uint32_t)s->model.vocab_size;
     /* The most input text one token can stand for: its bytes, or an added token's literal content. */
-    for (size_t id = 0; id < dsv4_tokenizer_vocab_size(s->tok); id++) {
+    for (size_t id = 0; id < dsv4_tokenizer_vocab_size(d->tok); id++) {
         size_t len = 0;
-        const char *content = dsv4_tokenizer_is_added(s->tok, (int32_t)id) ?
-                              dsv4_tokenizer_token_string(s->tok, (int32_t)id) : NULL;
-        if (dsv4_tokenizer_token_bytes(s->tok, (int32_t)id, &len) && len > s->max_token_bytes)
-            s->max_token_bytes = len;
-        if (content && strlen(content) > s->max_token_bytes)
-            s->max_token_bytes = strlen(content);
+        const char *content = dsv4_tokenizer_is_added(d->tok, (int32_t)id) ?
+                              dsv4_tokenizer_token_string(d->tok, (int32_t)id) : NULL;
+        if (dsv4_tokenizer_token_bytes(d->tok, (int32_t)id, &len) && len > d->max_token_bytes)
+            d->max_token_bytes = len;
+        if (content && strlen(content) > d->max_token_bytes)
+            d->max_token_bytes = strlen(content);
     }
-    s->has_chat = dsv4_chat_tags_lookup(s->tok, &s->tags) == 0;
-    if (s->has_chat)
-        s->bos_id = s->tags.bos;
+    d->has_chat = dsv4_chat_tags_lookup(d->tok, &d->tags) == 0;
+    if (d->has_chat)
+        d->bos_id = d->tags.bos;
     else if (s->model.bos_id >= 0 && s->model.bos_id < s->model.vocab_size)
-        s->bos_id = s->model.bos_id;
+        d->bos_id = s->model.bos_id;
     else
-        s->bos_id = -1;
+        d->bos_id = -1;
     dsv4_error_clear();
     dsv4_log_info("tokenizer %s: %zu ids (a token spans at most %zu bytes), chat format %s", path,
-                  dsv4_tokenizer_vocab_size(s->tok), s->max_token_bytes,
-                  s->has_chat ? "available" : "unavailable (no chat tags)");
+                  dsv4_tokenizer_vocab_size(d->tok), d->max_token_bytes,
+                  d->has_chat ? "available" : "unavailable (no chat tags)");
     return 0;
 }
 
@@ -376,9 +380,9 @@ static int open_listeners(struct dsv4_server *s)
         return dsv4_error_set(-EINVAL, "no socket to serve: start dsv4d through dsv4d.socket (socket activation) "
                               "or pass --listen PATH");
     for (int i = 0; i < s->listeners.n; i++) {
-        r = sd_event_add_io(s->event, &s->listen_src[i], s->listeners.fds[i], EPOLLIN, on_accept, s);
+        r = dsv4_conns_listen(&s->conns, s->listeners.fds[i], s->listeners.names[i]);
         if (r < 0)
-            return dsv4_error_set(r, "watching socket %s: %s", s->listeners.names[i], strerror(-r));
+            return r;
         dsv4_log_info("listening on %s", s->listeners.names[i]);
     }
     return 0;
@@ -386,6 +390,8 @@ static int open_listeners(struct dsv4_server *s)
 
 int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
 {
+    const struct dsv4_conn_hooks conn_hooks = { .frame = on_conn_frame, .closed = on_conn_closed, .userdata = s };
+    struct dsv4_dispatch *d = &s->dispatch;
     sigset_t mask;
     int r;
 
@@ -393,8 +399,16 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
     s->cfg = cfg;
     s->start_ns = dsv4_now_ns();
     s->state = DSV4_SERVER_LOADING;
-    s->bos_id = -1;
     set_reason(s, "starting");
+    d->cfg = cfg;
+    d->model = &s->model;
+    d->state = &s->state;
+    d->reason = s->reason;
+    d->start_ns = s->start_ns;
+    d->conns = &s->conns;
+    d->hooks = (struct dsv4_dispatch_hooks){ .warmup_done = on_warmup_done, .engine_failed = on_engine_failed,
+                                             .requests_ended = on_requests_ended, .userdata = s };
+    d->bos_id = -1;
 
     /* Signals arrive through the loop; threads started later inherit the blocked mask. */
     sigemptyset(&mask);
@@ -411,10 +425,9 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
         (r = sd_event_add_signal(s->event, NULL, SIGINT, on_term, s)) < 0 ||
         (r = sd_event_add_signal(s->event, NULL, SIGHUP, on_hup, s)) < 0)
         return dsv4_error_set(r, "signal handlers: %s", strerror(-r));
-    r = sd_event_add_defer(s->event, &s->reap_src, on_reap, s);
+    r = dsv4_conns_init(&s->conns, s->event, cfg, &conn_hooks);
     if (r < 0)
-        return dsv4_error_set(r, "sd_event_add_defer: %s", strerror(-r));
-    sd_event_source_set_enabled(s->reap_src, SD_EVENT_OFF);
+        return r;
 
     dsv4_notify_status("reading %s/config.json", cfg->model);
     r = dsv4_config_load(cfg->model, &s->model);
@@ -423,14 +436,14 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
     r = load_tokenizer(s);
     if (r < 0)
         return r;
-    dsv4_proto_limits_server(&s->proto_limits);
-    s->proto_limits.max_frame = cfg->max_frame;
+    dsv4_proto_limits_server(&d->proto_limits);
+    d->proto_limits.max_frame = cfg->max_frame;
 
-    r = dsv4_prompt_worker_start(&s->prompts);
+    r = dsv4_prompt_worker_start(&d->prompts);
     if (r < 0)
         return r;
-    r = sd_event_add_io(s->event, &s->prompts_src, dsv4_prompt_worker_fd(s->prompts), EPOLLIN,
-                        dsv4_dispatch_prompts_done, s);
+    r = sd_event_add_io(s->event, &s->prompts_src, dsv4_prompt_worker_fd(d->prompts), EPOLLIN,
+                        dsv4_dispatch_prompts_done, d);
     if (r < 0)
         return dsv4_error_set(r, "watching the prompt worker: %s", strerror(-r));
 
@@ -438,9 +451,10 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
     if (r < 0)
         return r;
 
-    r = dsv4_host_start(cfg, s->tok, &s->host);
+    r = dsv4_host_start(cfg, d->tok, &s->host);
     if (r < 0)
         return r;
+    d->host = s->host;
     r = sd_event_add_io(s->event, &s->boot_src, dsv4_host_boot_fd(s->host), EPOLLIN, on_boot, s);
     if (r < 0)
         return dsv4_error_set(r, "watching the engine's boot: %s", strerror(-r));
@@ -483,6 +497,7 @@ int dsv4_server_run(struct dsv4_server *s)
 
 void dsv4_server_done(struct dsv4_server *s)
 {
+    struct dsv4_dispatch *d = &s->dispatch;
     bool joined = true;
 
     s->state = DSV4_SERVER_EXITING;
@@ -490,18 +505,14 @@ void dsv4_server_done(struct dsv4_server *s)
         joined = dsv4_host_stop(s->host);
     /* The engine thread is gone (or still loading and never saw a request): requests can go. */
     /* The prompt worker stops before the requests its jobs belong to are freed. */
-    dsv4_prompt_worker_stop(s->prompts);
-    while (s->conns)
-        dsv4_conn_close(s->conns, "server exiting");
-    dsv4_conn_reap(s);
-    while (s->prompts && dsv4_prompt_worker_take_done(s->prompts))
+    dsv4_prompt_worker_stop(d->prompts);
+    dsv4_conns_done(&s->conns);
+    while (d->prompts && dsv4_prompt_worker_take_done(d->prompts))
         ;
-    dsv4_dispatch_free_all(s);
+    dsv4_dispatch_free_all(d);
     s->prompts_src = sd_event_source_disable_unref(s->prompts_src);
-    dsv4_prompt_worker_free(s->prompts);
-    s->prompts = NULL;
-    for (int i = 0; i < s->listeners.n; i++)
-        s->listen_src[i] = sd_event_source_disable_unref(s->listen_src[i]);
+    dsv4_prompt_worker_free(d->prompts);
+    d->prompts = NULL;
     dsv4_listen_close(&s->listeners);
     s->boot_src = sd_event_source_disable_unref(s->boot_src);
     s->sched_src = sd_event_source_disable_unref(s->sched_src);
@@ -510,12 +521,12 @@ void dsv4_server_done(struct dsv4_server *s)
     s->drain_src = sd_event_source_disable_unref(s->drain_src);
     s->sweep_src = sd_event_source_disable_unref(s->sweep_src);
     s->linger_src = sd_event_source_disable_unref(s->linger_src);
-    s->reap_src = sd_event_source_disable_unref(s->reap_src);
     if (joined) {
         dsv4_host_free(s->host);
-        dsv4_tokenizer_free(s->tok);
+        dsv4_tokenizer_free(d->tok);
     }
     s->host = NULL;
-    s->tok = NULL;
+    d->host = NULL;
+    d->tok = NULL;
     s->event = sd_event_unref(s->event);
 }

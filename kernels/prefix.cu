@@ -299,8 +299,10 @@ __global__ void __launch_bounds__(PREFIX_COPY_THREADS) prefix_copy_kernel(const 
         copy_words<uint4>(d);
     else if (a % 8 == 0)
         copy_words<uint2>(d);
-    else
+    else if (a % 4 == 0)
         copy_words<uint32_t>(d);
+    else    /* e.g. an FP4 indexer key of 9 or 13 bytes (dI 16 or 24) */
+        copy_words<uint8_t>(d);
 }
 
 static int flush(struct dsv4_cuda_prefix *p)

@@ -7,20 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "protocol/wire.h"
+#include "protocol/message_codec.h"
 
 #define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
-
-static const char *const role_names[] = {
-    [DSV4_PROTO_ROLE_SYSTEM] = "system",
-    [DSV4_PROTO_ROLE_USER] = "user",
-    [DSV4_PROTO_ROLE_ASSISTANT] = "assistant",
-};
-
-const char *dsv4_proto_role_name(enum dsv4_proto_role r)
-{
-    return (unsigned)r < ARRAY_SIZE(role_names) ? role_names[r] : "user";
-}
 
 static const char *const finish_names[] = {
     [DSV4_PROTO_FINISH_STOP] = "stop",
@@ -84,12 +73,12 @@ int dsv4_proto_encode_generate(struct dsv4_proto_buf *out, uint32_t msgid, const
     uint32_t n = 10 + (s->max_tokens ? 1 : 0) + (s->has_seed ? 1 : 0) + (n_stop ? 1 : 0) + (n_ids ? 1 : 0) +
                  (s->logprobs >= 0 ? 1 : 0);
 
-    dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_GENERATE);
+    dsv4_proto_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_GENERATE);
     msgpack_pack_map(pk, n);
     switch (req->prompt_kind) {
     case DSV4_PROTO_PROMPT_MESSAGES:
         dsv4_wire_key(pk, "messages");
-        dsv4_wire_pack_messages(pk, req->messages, req->n_messages);
+        dsv4_proto_pack_chat_messages(pk, req->messages, req->n_messages);
         dsv4_wire_key(pk, "thinking");
         dsv4_wire_bool(pk, req->thinking);
         break;
@@ -303,7 +292,7 @@ int dsv4_proto_decode_generate(const struct dsv4_proto_message *msg, struct dsv4
     const char *ctx = "generate";
     const msgpack_object *map, *prompt, *messages, *tokens, *parts;
     dsv4_proto_generate_init(req);
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, generate_keys, ARRAY_SIZE(generate_keys), true, ctx, err);
     if (rc)
@@ -327,7 +316,7 @@ int dsv4_proto_decode_generate(const struct dsv4_proto_message *msg, struct dsv4
         rc = dsv4_wire_read_str(prompt, ctx, "prompt", 0, &req->prompt, &req->prompt_len, err);
     } else if (messages) {
         req->prompt_kind = DSV4_PROTO_PROMPT_MESSAGES;
-        rc = dsv4_wire_read_messages(messages, ctx, &req->messages, &req->n_messages, err);
+        rc = dsv4_proto_read_chat_messages(messages, ctx, &req->messages, &req->n_messages, err);
     } else {
         req->prompt_kind = DSV4_PROTO_PROMPT_TOKENS;
         rc = dsv4_wire_read_tokens(tokens, ctx, "tokens", false, &req->tokens, &req->n_tokens, err);
@@ -346,7 +335,7 @@ void dsv4_proto_generate_clear(struct dsv4_proto_generate *req)
     if (!req)
         return;
     free(req->prompt);
-    dsv4_wire_free_messages(req->messages, req->n_messages);
+    dsv4_proto_free_chat_messages(req->messages, req->n_messages);
     free(req->tokens);
     for (uint32_t i = 0; i < req->n_parts; i++)
         free(req->parts[i]);
@@ -477,7 +466,7 @@ int dsv4_proto_encode_token(struct dsv4_proto_buf *out, const struct dsv4_proto_
 {
     struct dsv4_wire_enc e;
     msgpack_packer *pk = &e.pk;
-    dsv4_wire_begin_notification(&e, out, DSV4_PROTO_NOTIFY_TOKEN);
+    dsv4_proto_begin_notification(&e, out, DSV4_PROTO_NOTIFY_TOKEN);
     msgpack_pack_map(pk, ev->has_logprob ? 5 : 3);
     dsv4_wire_key(pk, "msgid");
     msgpack_pack_uint32(pk, ev->msgid);
@@ -499,7 +488,7 @@ int dsv4_proto_decode_token(const struct dsv4_proto_message *msg, struct dsv4_pr
     const char *ctx = "token";
     const msgpack_object *map;
     memset(ev, 0, sizeof(*ev));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, token_keys, ARRAY_SIZE(token_keys), false, ctx, err);
     if (rc == 0 && (!dsv4_wire_get(map, "msgid") || !dsv4_wire_get(map, "token") || !dsv4_wire_get(map, "text")))
@@ -538,7 +527,7 @@ int dsv4_proto_encode_generate_result(struct dsv4_proto_buf *out, uint32_t msgid
     struct dsv4_wire_enc e;
     msgpack_packer *pk = &e.pk;
     bool has_error = res->finish_reason == DSV4_PROTO_FINISH_ERROR && res->error_message;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(pk, 5 + (has_error ? 1 : 0) + (res->logprobs ? 1 : 0));
     dsv4_wire_key(pk, "text");
     dsv4_wire_str(pk, res->text ? res->text : "", res->text ? res->text_len : 0);
@@ -612,7 +601,7 @@ int dsv4_proto_decode_generate_result(const struct dsv4_proto_message *msg,
     const msgpack_object *map, *o;
     char *finish = NULL;
     memset(res, 0, sizeof(*res));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, result_keys, ARRAY_SIZE(result_keys), false, ctx, err);
     if (rc == 0 && (!dsv4_wire_get(map, "text") || !dsv4_wire_get(map, "tokens") ||

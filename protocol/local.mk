@@ -11,7 +11,8 @@ libdsv4protocol_la_SOURCES = \
 	protocol/validate.c protocol/validate.h \
 	protocol/message.c protocol/message.h \
 	protocol/generate.c \
-	protocol/wire.c protocol/wire.h
+	protocol/wire.c protocol/wire.h \
+	protocol/message_codec.h
 libdsv4protocol_la_CFLAGS = $(AM_CFLAGS) $(MSGPACK_CFLAGS)
 libdsv4protocol_la_LIBADD = $(MSGPACK_LIBS) -lm
 

@@ -10,7 +10,14 @@
 #include <string.h>
 
 #include "base/utf8.h"
-#include "protocol/wire.h"
+#include "protocol/message_codec.h"
+
+/* A decoded frame: msgpack-c's objects point into the copy of its payload. */
+struct dsv4_proto_unpacked {
+    uint8_t *copy;                 /* the payload; msgpack-c's str/bin objects point into it */
+    msgpack_unpacked up;
+    const msgpack_object *body;    /* params map (NULL when absent) or result */
+};
 
 #define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -172,6 +179,155 @@ void dsv4_proto_message_clear(struct dsv4_proto_message *msg)
 
 /* ---- errors ---- */
 
+/* ---- roles and the chat-message list (message_codec.h) ---- */
+
+static const char *const role_names[] = {
+    [DSV4_PROTO_ROLE_SYSTEM] = "system",
+    [DSV4_PROTO_ROLE_USER] = "user",
+    [DSV4_PROTO_ROLE_ASSISTANT] = "assistant",
+};
+
+const char *dsv4_proto_role_name(enum dsv4_proto_role r)
+{
+    return (unsigned)r < ARRAY_SIZE(role_names) ? role_names[r] : "user";
+}
+
+static const char *const message_keys[] = { "role", "content" };
+
+int dsv4_proto_read_chat_messages(const msgpack_object *o, const char *ctx, struct dsv4_proto_chat_message **ret,
+                                  uint32_t *ret_n, struct dsv4_proto_error *err)
+{
+    *ret = NULL;
+    *ret_n = 0;
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: messages must be an array of maps", ctx);
+    uint32_t n = o->via.array.size;
+    if (n == 0)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: messages is empty", ctx);
+    if (n > DSV4_PROTO_MAX_MESSAGES)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_MESSAGES, "%s: %u messages, above the limit %u",
+                                    ctx, n, DSV4_PROTO_MAX_MESSAGES);
+    struct dsv4_proto_chat_message *m = calloc(n, sizeof(*m));
+    if (!m)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "%s: no memory for %u messages", ctx, n);
+    int rc = 0;
+    for (uint32_t i = 0; i < n && rc == 0; i++) {
+        const msgpack_object *mo = &o->via.array.ptr[i];
+        char field[48];
+        snprintf(field, sizeof(field), "messages[%u]", i);
+        if (mo->type != MSGPACK_OBJECT_MAP) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a map {role, content}", ctx,
+                                      field);
+            break;
+        }
+        rc = dsv4_wire_check_keys(mo, message_keys, 2, true, ctx, err);
+        if (rc)
+            break;
+        const msgpack_object *role = dsv4_wire_get(mo, "role"), *content = dsv4_wire_get(mo, "content");
+        if (!role || !content) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_MISSING_FIELD, "%s: %s has no %s", ctx, field,
+                                      role ? "content" : "role");
+            break;
+        }
+        if (role->type != MSGPACK_OBJECT_STR) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s.role must be a string", ctx, field);
+            break;
+        }
+        int r = -1;
+        for (int k = DSV4_PROTO_ROLE_SYSTEM; k <= DSV4_PROTO_ROLE_ASSISTANT; k++) {
+            const char *name = dsv4_proto_role_name((enum dsv4_proto_role)k);
+            if (role->via.str.size == strlen(name) && memcmp(role->via.str.ptr, name, role->via.str.size) == 0)
+                r = k;
+        }
+        /* Every string is UTF-8 first (PROTOCOL.md): a role that is not is invalid_utf8, not bad_role. */
+        if (r < 0 && !dsv4_utf8_valid(role->via.str.ptr, role->via.str.size)) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s: %s.role is not valid UTF-8", ctx, field);
+            break;
+        }
+        if (r < 0) {
+            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_ROLE,
+                                      "%s: %s.role must be system, user or assistant", ctx, field);
+            break;
+        }
+        m[i].role = (enum dsv4_proto_role)r;
+        rc = dsv4_wire_read_str(content, ctx, "content", 0, &m[i].content, &m[i].content_len, err);
+    }
+    if (rc) {
+        dsv4_proto_free_chat_messages(m, n);
+        return rc;
+    }
+    *ret = m;
+    *ret_n = n;
+    return 0;
+}
+
+void dsv4_proto_free_chat_messages(struct dsv4_proto_chat_message *m, uint32_t n)
+{
+    if (!m)
+        return;
+    for (uint32_t i = 0; i < n; i++)
+        free(m[i].content);
+    free(m);
+}
+
+void dsv4_proto_pack_chat_messages(msgpack_packer *pk, const struct dsv4_proto_chat_message *m, uint32_t n)
+{
+    msgpack_pack_array(pk, n);
+    for (uint32_t i = 0; i < n; i++) {
+        msgpack_pack_map(pk, 2);
+        dsv4_wire_key(pk, "role");
+        dsv4_wire_cstr(pk, dsv4_proto_role_name(m[i].role));
+        dsv4_wire_key(pk, "content");
+        dsv4_wire_str(pk, m[i].content ? m[i].content : "", m[i].content ? m[i].content_len : 0);
+    }
+}
+
+/* ---- the envelope (message_codec.h) ---- */
+
+void dsv4_proto_begin_request(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid,
+                              enum dsv4_proto_method method)
+{
+    dsv4_wire_begin_frame(e, out);
+    msgpack_pack_array(&e->pk, 4);
+    msgpack_pack_uint32(&e->pk, DSV4_PROTO_REQUEST);
+    msgpack_pack_uint32(&e->pk, msgid);
+    dsv4_wire_cstr(&e->pk, dsv4_proto_method_name(method));
+    msgpack_pack_array(&e->pk, 1);
+}
+
+void dsv4_proto_begin_response(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid)
+{
+    dsv4_wire_begin_frame(e, out);
+    msgpack_pack_array(&e->pk, 4);
+    msgpack_pack_uint32(&e->pk, DSV4_PROTO_RESPONSE);
+    msgpack_pack_uint32(&e->pk, msgid);
+    msgpack_pack_nil(&e->pk);
+}
+
+void dsv4_proto_begin_notification(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out,
+                                   enum dsv4_proto_method method)
+{
+    dsv4_wire_begin_frame(e, out);
+    msgpack_pack_array(&e->pk, 3);
+    msgpack_pack_uint32(&e->pk, DSV4_PROTO_NOTIFICATION);
+    dsv4_wire_cstr(&e->pk, dsv4_proto_method_name(method));
+    msgpack_pack_array(&e->pk, 1);
+}
+
+int dsv4_proto_body_map(const struct dsv4_proto_message *msg, const char *ctx, const msgpack_object **ret,
+                        struct dsv4_proto_error *err)
+{
+    const msgpack_object *b = msg->body ? msg->body->body : NULL;
+    *ret = NULL;
+    if (!b)
+        return 0;
+    if (b->type != MSGPACK_OBJECT_MAP)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a map", ctx,
+                                    msg->kind == DSV4_PROTO_RESPONSE ? "result" : "params");
+    *ret = b;
+    return 0;
+}
+
 static void pack_error_map(msgpack_packer *pk, int code, const char *message)
 {
     msgpack_pack_map(pk, 3);
@@ -200,7 +356,7 @@ int dsv4_proto_encode_error(struct dsv4_proto_buf *out, uint32_t msgid, int code
 int dsv4_proto_encode_error_notification(struct dsv4_proto_buf *out, int code, const char *message)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_notification(&e, out, DSV4_PROTO_NOTIFY_ERROR);
+    dsv4_proto_begin_notification(&e, out, DSV4_PROTO_NOTIFY_ERROR);
     pack_error_map(&e.pk, code, message);
     return dsv4_wire_end(&e);
 }
@@ -209,7 +365,7 @@ int dsv4_proto_decode_error_notification(const struct dsv4_proto_message *msg,
                                          struct dsv4_proto_error *out, struct dsv4_proto_error *err)
 {
     const msgpack_object *map;
-    int rc = dsv4_wire_body_map(msg, "error", &map, err);
+    int rc = dsv4_proto_body_map(msg, "error", &map, err);
     if (rc)
         return rc;
     if (!map)
@@ -224,7 +380,7 @@ static const char *const hello_keys[] = { "protocol", "client" };
 int dsv4_proto_encode_hello(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_hello *req)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_HELLO);
+    dsv4_proto_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_HELLO);
     msgpack_pack_map(&e.pk, req->client ? 2 : 1);
     dsv4_wire_key(&e.pk, "protocol");
     msgpack_pack_uint32(&e.pk, req->protocol);
@@ -240,7 +396,7 @@ int dsv4_proto_decode_hello(const struct dsv4_proto_message *msg, struct dsv4_pr
 {
     const msgpack_object *map;
     memset(req, 0, sizeof(*req));
-    int rc = dsv4_wire_body_map(msg, "hello", &map, err);
+    int rc = dsv4_proto_body_map(msg, "hello", &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, hello_keys, ARRAY_SIZE(hello_keys), true, "hello", err);
     if (rc)
@@ -304,7 +460,7 @@ int dsv4_proto_encode_hello_result(struct dsv4_proto_buf *out, uint32_t msgid,
 {
     struct dsv4_wire_enc e;
     msgpack_packer *pk = &e.pk;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(pk, 7);
     pack_kv_u32(pk, "protocol", res->protocol);
     pack_kv_str(pk, "server", res->server);
@@ -390,7 +546,7 @@ int dsv4_proto_decode_hello_result(const struct dsv4_proto_message *msg, struct 
     memset(res, 0, sizeof(*res));
     res->model.bos_id = -1;
     res->model.eos_id = -1;
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, hello_result_keys, ARRAY_SIZE(hello_result_keys), false, ctx, err);
     if (rc == 0 && (!dsv4_wire_get(map, "protocol") || !dsv4_wire_get(map, "server")))
@@ -427,7 +583,7 @@ static const char *const cancel_result_keys[] = { "cancelled" };
 int dsv4_proto_encode_cancel(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_cancel *req)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_CANCEL);
+    dsv4_proto_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_CANCEL);
     msgpack_pack_map(&e.pk, 1);
     pack_kv_u32(&e.pk, "msgid", req->msgid);
     return dsv4_wire_end(&e);
@@ -438,7 +594,7 @@ int dsv4_proto_decode_cancel(const struct dsv4_proto_message *msg, struct dsv4_p
 {
     const msgpack_object *map, *o;
     memset(req, 0, sizeof(*req));
-    int rc = dsv4_wire_body_map(msg, "cancel", &map, err);
+    int rc = dsv4_proto_body_map(msg, "cancel", &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, cancel_keys, ARRAY_SIZE(cancel_keys), true, "cancel", err);
     if (rc)
@@ -451,7 +607,7 @@ int dsv4_proto_decode_cancel(const struct dsv4_proto_message *msg, struct dsv4_p
 int dsv4_proto_encode_cancel_result(struct dsv4_proto_buf *out, uint32_t msgid, bool cancelled)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(&e.pk, 1);
     dsv4_wire_key(&e.pk, "cancelled");
     dsv4_wire_bool(&e.pk, cancelled);
@@ -463,7 +619,7 @@ int dsv4_proto_decode_cancel_result(const struct dsv4_proto_message *msg, bool *
 {
     const msgpack_object *map;
     *cancelled = false;
-    int rc = dsv4_wire_body_map(msg, "cancel result", &map, err);
+    int rc = dsv4_proto_body_map(msg, "cancel result", &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, cancel_result_keys, 1, false, "cancel result", err);
     if (rc == 0 && !dsv4_wire_get(map, "cancelled"))
@@ -488,11 +644,11 @@ void dsv4_proto_tokenize_init(struct dsv4_proto_tokenize *req)
 int dsv4_proto_encode_tokenize(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_tokenize *req)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_TOKENIZE);
+    dsv4_proto_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_TOKENIZE);
     msgpack_pack_map(&e.pk, 2);
     if (req->prompt_kind == DSV4_PROTO_PROMPT_MESSAGES) {
         dsv4_wire_key(&e.pk, "messages");
-        dsv4_wire_pack_messages(&e.pk, req->messages, req->n_messages);
+        dsv4_proto_pack_chat_messages(&e.pk, req->messages, req->n_messages);
         dsv4_wire_key(&e.pk, "thinking");
         dsv4_wire_bool(&e.pk, req->thinking);
     } else {
@@ -510,7 +666,7 @@ int dsv4_proto_decode_tokenize(const struct dsv4_proto_message *msg, struct dsv4
     const char *ctx = "tokenize";
     const msgpack_object *map, *text, *messages;
     dsv4_proto_tokenize_init(req);
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, tokenize_keys, ARRAY_SIZE(tokenize_keys), true, ctx, err);
     if (rc)
@@ -526,7 +682,7 @@ int dsv4_proto_decode_tokenize(const struct dsv4_proto_message *msg, struct dsv4
         rc = dsv4_wire_read_str(text, ctx, "text", 0, &req->text, &req->text_len, err);
     } else {
         req->prompt_kind = DSV4_PROTO_PROMPT_MESSAGES;
-        rc = dsv4_wire_read_messages(messages, ctx, &req->messages, &req->n_messages, err);
+        rc = dsv4_proto_read_chat_messages(messages, ctx, &req->messages, &req->n_messages, err);
     }
     if (rc == 0) rc = dsv4_wire_opt_bool(map, "add_bos", ctx, &req->add_bos, err);
     if (rc == 0) rc = dsv4_wire_opt_bool(map, "thinking", ctx, &req->thinking, err);
@@ -540,7 +696,7 @@ void dsv4_proto_tokenize_clear(struct dsv4_proto_tokenize *req)
     if (!req)
         return;
     free(req->text);
-    dsv4_wire_free_messages(req->messages, req->n_messages);
+    dsv4_proto_free_chat_messages(req->messages, req->n_messages);
     memset(req, 0, sizeof(*req));
 }
 
@@ -557,7 +713,7 @@ static int decode_tokens_map(const struct dsv4_proto_message *msg, const char *c
 {
     const msgpack_object *map, *o;
     memset(t, 0, sizeof(*t));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, tokens_keys, 1, strict, ctx, err);
     if (rc)
@@ -570,7 +726,7 @@ static int decode_tokens_map(const struct dsv4_proto_message *msg, const char *c
 int dsv4_proto_encode_tokenize_result(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_tokens *res)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     return encode_tokens_map(&e, res);
 }
 
@@ -583,7 +739,7 @@ int dsv4_proto_decode_tokenize_result(const struct dsv4_proto_message *msg, stru
 int dsv4_proto_encode_detokenize(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_tokens *req)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_DETOKENIZE);
+    dsv4_proto_begin_request(&e, out, msgid, DSV4_PROTO_METHOD_DETOKENIZE);
     return encode_tokens_map(&e, req);
 }
 
@@ -604,7 +760,7 @@ void dsv4_proto_tokens_clear(struct dsv4_proto_tokens *t)
 int dsv4_proto_encode_detokenize_result(struct dsv4_proto_buf *out, uint32_t msgid, const char *text, size_t len)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(&e.pk, 1);
     dsv4_wire_key(&e.pk, "text");
     dsv4_wire_str(&e.pk, text ? text : "", text ? len : 0);
@@ -617,7 +773,7 @@ int dsv4_proto_decode_detokenize_result(const struct dsv4_proto_message *msg, st
     const char *ctx = "detokenize result";
     const msgpack_object *map, *o;
     memset(res, 0, sizeof(*res));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, text_keys, 1, false, ctx, err);
     if (rc)
@@ -640,7 +796,7 @@ void dsv4_proto_text_clear(struct dsv4_proto_text *t)
 static int encode_empty_request(struct dsv4_proto_buf *out, uint32_t msgid, enum dsv4_proto_method m)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_request(&e, out, msgid, m);
+    dsv4_proto_begin_request(&e, out, msgid, m);
     msgpack_pack_map(&e.pk, 0);
     return dsv4_wire_end(&e);
 }
@@ -659,7 +815,7 @@ int dsv4_proto_decode_empty_params(const struct dsv4_proto_message *msg, struct 
 {
     const char *ctx = dsv4_proto_method_name(msg->method);
     const msgpack_object *map;
-    int rc = dsv4_wire_body_map(msg, ctx ? ctx : "request", &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx ? ctx : "request", &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, NULL, 0, true, ctx ? ctx : "request", err);
     return rc;
@@ -715,7 +871,7 @@ int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, c
     msgpack_packer *pk = &e.pk;
     uint32_t nk = st->n_kernels < DSV4_PROTO_MAX_KERNELS ? st->n_kernels : DSV4_PROTO_MAX_KERNELS;
     uint32_t nb = st->n_batch_hist < DSV4_PROTO_MAX_BATCH_BUCKETS ? st->n_batch_hist : DSV4_PROTO_MAX_BATCH_BUCKETS;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(pk, ARRAY_SIZE(stat_fields) + 3);
     for (size_t i = 0; i < ARRAY_SIZE(stat_fields); i++) {
         const void *p = (const char *)st + stat_fields[i].offset;
@@ -743,7 +899,7 @@ int dsv4_proto_decode_stats_result(const struct dsv4_proto_message *msg, struct 
     const char *ctx = "stats result";
     const msgpack_object *map, *k;
     memset(st, 0, sizeof(*st));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc)
         return rc;
     /* lenient: unknown keys are a newer server's additions */
@@ -821,7 +977,7 @@ int dsv4_proto_health_from_name(const char *name)
 int dsv4_proto_encode_health_result(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_health *h)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_response(&e, out, msgid);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(&e.pk, 2);
     pack_kv_str(&e.pk, "status", dsv4_proto_health_name(h->status));
     pack_kv_str(&e.pk, "reason", h->reason);
@@ -835,7 +991,7 @@ int dsv4_proto_decode_health_result(const struct dsv4_proto_message *msg, struct
     const msgpack_object *map;
     char *status = NULL;
     memset(h, 0, sizeof(*h));
-    int rc = dsv4_wire_body_map(msg, ctx, &map, err);
+    int rc = dsv4_proto_body_map(msg, ctx, &map, err);
     if (rc == 0)
         rc = dsv4_wire_check_keys(map, health_keys, ARRAY_SIZE(health_keys), false, ctx, err);
     if (rc == 0 && !dsv4_wire_get(map, "status"))

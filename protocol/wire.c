@@ -32,36 +32,6 @@ void dsv4_wire_begin_frame(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out)
     msgpack_packer_init(&e->pk, e, write_cb);
 }
 
-void dsv4_wire_begin_request(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid,
-                             enum dsv4_proto_method method)
-{
-    dsv4_wire_begin_frame(e, out);
-    msgpack_pack_array(&e->pk, 4);
-    msgpack_pack_uint32(&e->pk, DSV4_PROTO_REQUEST);
-    msgpack_pack_uint32(&e->pk, msgid);
-    dsv4_wire_cstr(&e->pk, dsv4_proto_method_name(method));
-    msgpack_pack_array(&e->pk, 1);
-}
-
-void dsv4_wire_begin_response(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid)
-{
-    dsv4_wire_begin_frame(e, out);
-    msgpack_pack_array(&e->pk, 4);
-    msgpack_pack_uint32(&e->pk, DSV4_PROTO_RESPONSE);
-    msgpack_pack_uint32(&e->pk, msgid);
-    msgpack_pack_nil(&e->pk);
-}
-
-void dsv4_wire_begin_notification(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out,
-                                  enum dsv4_proto_method method)
-{
-    dsv4_wire_begin_frame(e, out);
-    msgpack_pack_array(&e->pk, 3);
-    msgpack_pack_uint32(&e->pk, DSV4_PROTO_NOTIFICATION);
-    dsv4_wire_cstr(&e->pk, dsv4_proto_method_name(method));
-    msgpack_pack_array(&e->pk, 1);
-}
-
 int dsv4_wire_end(struct dsv4_wire_enc *e)
 {
     size_t payload = e->out->len - e->start - DSV4_PROTO_FRAME_HEADER;
@@ -116,20 +86,6 @@ void dsv4_wire_tokens(msgpack_packer *pk, const int32_t *ids, uint32_t n)
         }
         msgpack_pack_bin_body(pk, chunk, k);
     }
-}
-
-int dsv4_wire_body_map(const struct dsv4_proto_message *msg, const char *ctx, const msgpack_object **ret,
-                       struct dsv4_proto_error *err)
-{
-    const msgpack_object *b = msg->body ? msg->body->body : NULL;
-    *ret = NULL;
-    if (!b)
-        return 0;
-    if (b->type != MSGPACK_OBJECT_MAP)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a map", ctx,
-                                    msg->kind == DSV4_PROTO_RESPONSE ? "result" : "params");
-    *ret = b;
-    return 0;
 }
 
 static bool key_is(const msgpack_object *k, const char *name)
@@ -294,96 +250,6 @@ int dsv4_wire_read_tokens(const msgpack_object *o, const char *ctx, const char *
     *ret = t;
     *ret_n = (uint32_t)n;
     return 0;
-}
-
-static const char *const message_keys[] = { "role", "content" };
-
-int dsv4_wire_read_messages(const msgpack_object *o, const char *ctx, struct dsv4_proto_chat_message **ret,
-                            uint32_t *ret_n, struct dsv4_proto_error *err)
-{
-    *ret = NULL;
-    *ret_n = 0;
-    if (o->type != MSGPACK_OBJECT_ARRAY)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: messages must be an array of maps", ctx);
-    uint32_t n = o->via.array.size;
-    if (n == 0)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: messages is empty", ctx);
-    if (n > DSV4_PROTO_MAX_MESSAGES)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_MESSAGES, "%s: %u messages, above the limit %u",
-                                    ctx, n, DSV4_PROTO_MAX_MESSAGES);
-    struct dsv4_proto_chat_message *m = calloc(n, sizeof(*m));
-    if (!m)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_OUT_OF_MEMORY, "%s: no memory for %u messages", ctx, n);
-    int rc = 0;
-    for (uint32_t i = 0; i < n && rc == 0; i++) {
-        const msgpack_object *mo = &o->via.array.ptr[i];
-        char field[48];
-        snprintf(field, sizeof(field), "messages[%u]", i);
-        if (mo->type != MSGPACK_OBJECT_MAP) {
-            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be a map {role, content}", ctx,
-                                      field);
-            break;
-        }
-        rc = dsv4_wire_check_keys(mo, message_keys, 2, true, ctx, err);
-        if (rc)
-            break;
-        const msgpack_object *role = dsv4_wire_get(mo, "role"), *content = dsv4_wire_get(mo, "content");
-        if (!role || !content) {
-            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_MISSING_FIELD, "%s: %s has no %s", ctx, field,
-                                      role ? "content" : "role");
-            break;
-        }
-        if (role->type != MSGPACK_OBJECT_STR) {
-            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s.role must be a string", ctx, field);
-            break;
-        }
-        int r = -1;
-        for (int k = DSV4_PROTO_ROLE_SYSTEM; k <= DSV4_PROTO_ROLE_ASSISTANT; k++) {
-            const char *name = dsv4_proto_role_name((enum dsv4_proto_role)k);
-            if (role->via.str.size == strlen(name) && memcmp(role->via.str.ptr, name, role->via.str.size) == 0)
-                r = k;
-        }
-        /* Every string is UTF-8 first (PROTOCOL.md): a role that is not is invalid_utf8, not bad_role. */
-        if (r < 0 && !dsv4_utf8_valid(role->via.str.ptr, role->via.str.size)) {
-            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_INVALID_UTF8, "%s: %s.role is not valid UTF-8", ctx, field);
-            break;
-        }
-        if (r < 0) {
-            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_ROLE,
-                                      "%s: %s.role must be system, user or assistant", ctx, field);
-            break;
-        }
-        m[i].role = (enum dsv4_proto_role)r;
-        rc = dsv4_wire_read_str(content, ctx, "content", 0, &m[i].content, &m[i].content_len, err);
-    }
-    if (rc) {
-        dsv4_wire_free_messages(m, n);
-        return rc;
-    }
-    *ret = m;
-    *ret_n = n;
-    return 0;
-}
-
-void dsv4_wire_free_messages(struct dsv4_proto_chat_message *m, uint32_t n)
-{
-    if (!m)
-        return;
-    for (uint32_t i = 0; i < n; i++)
-        free(m[i].content);
-    free(m);
-}
-
-void dsv4_wire_pack_messages(msgpack_packer *pk, const struct dsv4_proto_chat_message *m, uint32_t n)
-{
-    msgpack_pack_array(pk, n);
-    for (uint32_t i = 0; i < n; i++) {
-        msgpack_pack_map(pk, 2);
-        dsv4_wire_key(pk, "role");
-        dsv4_wire_cstr(pk, dsv4_proto_role_name(m[i].role));
-        dsv4_wire_key(pk, "content");
-        dsv4_wire_str(pk, m[i].content ? m[i].content : "", m[i].content ? m[i].content_len : 0);
-    }
 }
 
 int dsv4_wire_opt_u32(const msgpack_object *map, const char *key, const char *ctx, uint32_t *dst,

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* Private to protocol/: msgpack-c packing into frames and typed reads of unpacked fields.
- * Not installed and not for the daemon or the client: they use protocol/message.h. */
+/* Private to protocol/: msgpack-c packing into frames and typed reads of unpacked fields, the layer
+ * below the messages: it knows no method, envelope or chat message (message_codec.h builds those on
+ * it). Not installed and not for the daemon or the client: they use protocol/message.h. */
 #ifndef DSV4_PROTOCOL_WIRE_H
 #define DSV4_PROTOCOL_WIRE_H
 
@@ -9,13 +10,8 @@
 #include <stdint.h>
 #include <msgpack.h>
 
-#include "protocol/message.h"
-
-struct dsv4_proto_unpacked {
-    uint8_t *copy;                 /* the payload; msgpack-c's str/bin objects point into it */
-    msgpack_unpacked up;
-    const msgpack_object *body;    /* params map (NULL when absent) or result */
-};
+#include "protocol/codes.h"
+#include "protocol/frame.h"
 
 /* One frame being packed into out; a failed append rolls the buffer back in dsv4_wire_end(). */
 struct dsv4_wire_enc {
@@ -27,13 +23,6 @@ struct dsv4_wire_enc {
 
 /* The frame header placeholder only; the caller packs the whole message. */
 void dsv4_wire_begin_frame(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out);
-/* Each begin writes the frame header placeholder and the envelope up to where the caller packs exactly
- * one value: the params map (request, notification; wrapped in a one-element array) or the result. */
-void dsv4_wire_begin_request(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid,
-                             enum dsv4_proto_method method);
-void dsv4_wire_begin_response(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out, uint32_t msgid);
-void dsv4_wire_begin_notification(struct dsv4_wire_enc *e, struct dsv4_proto_buf *out,
-                                  enum dsv4_proto_method method);
 /* Patch the length; 0, or -ENOMEM / -EMSGSIZE (payload above 2^32-1) with out restored. */
 int dsv4_wire_end(struct dsv4_wire_enc *e);
 
@@ -48,10 +37,6 @@ void dsv4_wire_tokens(msgpack_packer *pk, const int32_t *ids, uint32_t n);
 /* Field access. ctx names the message ("generate"), field the key, for messages such as
  * "generate: temperature must be a number". Every reader returns 0 or -EBADMSG / -ENOMEM with err set. */
 
-/* The params map of a request or notification, or the result map of a response; *ret NULL when a request
- * carried no params (allowed: the caller then sees every field absent). Anything else: WRONG_TYPE. */
-int dsv4_wire_body_map(const struct dsv4_proto_message *msg, const char *ctx, const msgpack_object **ret,
-                       struct dsv4_proto_error *err);
 /* Keys are str, valid UTF-8, unique among names; strict rejects keys outside names (UNKNOWN_FIELD). */
 int dsv4_wire_check_keys(const msgpack_object *map, const char *const *names, size_t n_names, bool strict,
                          const char *ctx, struct dsv4_proto_error *err);
@@ -91,11 +76,5 @@ int dsv4_wire_opt_bool(const msgpack_object *map, const char *key, const char *c
 /* Frees a previous *dst only on success. */
 int dsv4_wire_opt_str(const msgpack_object *map, const char *key, const char *ctx, size_t max, char **dst,
                       size_t *dst_len, struct dsv4_proto_error *err);
-
-/* [{role, content}, ...] */
-int dsv4_wire_read_messages(const msgpack_object *o, const char *ctx, struct dsv4_proto_chat_message **ret,
-                            uint32_t *ret_n, struct dsv4_proto_error *err);
-void dsv4_wire_free_messages(struct dsv4_proto_chat_message *m, uint32_t n);
-void dsv4_wire_pack_messages(msgpack_packer *pk, const struct dsv4_proto_chat_message *m, uint32_t n);
 
 #endif

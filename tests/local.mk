@@ -11,3 +11,7 @@ include $(srcdir)/tests/fixtures_fp8.mk
 include $(srcdir)/tests/default_model.mk
 include $(srcdir)/tests/fuzz.mk
 EXTRA_DIST += tests/README.md
+
+# Dependencies point one way: includes per folder, and no circle of calls between files (nm).
+TESTS += tests/test_layering.py
+EXTRA_DIST += tests/test_layering.py

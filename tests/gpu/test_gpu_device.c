@@ -249,7 +249,7 @@ static void test_too_big(void **state)
     m->w.cfg.compress_ratio[0] = 4;
     assert_int_equal(dsv4_cuda_dev_create(0, &m->w, &opts, NULL, NULL, &dev), -ENOMEM);
     printf("# %s\n", dsv4_error_message());
-    assert_non_null(strstr(dsv4_error_message(), "lower max_batch or max_context"));
+    assert_non_null(strstr(dsv4_error_message(), "lower max_batch, max_context or prefix_cache"));
     free_model(m);
     free(m);
 }

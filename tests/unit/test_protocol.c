@@ -17,7 +17,7 @@
 #include <cmocka.h>
 
 #include "protocol/message.h"
-#include "protocol/wire.h"
+#include "protocol/message_codec.h"
 
 #define ROUNDS 40
 
@@ -816,7 +816,7 @@ static void pack_stats_with_hist(struct dsv4_proto_buf *buf, uint32_t msgid, uin
 {
     struct dsv4_wire_enc e;
     dsv4_proto_buf_reset(buf);
-    dsv4_wire_begin_response(&e, buf, msgid);
+    dsv4_proto_begin_response(&e, buf, msgid);
     msgpack_pack_map(&e.pk, n_buckets ? 2 : 1);
     dsv4_wire_key(&e.pk, "requests_total");
     msgpack_pack_uint64(&e.pk, requests_total);
