@@ -2,7 +2,7 @@
 /* Attention for the decode step: interleaved RoPE, the KV entry codec of doc/MODEL.md §5.2, the window-ring
  * store, and sparse MQA over window + compressed entries with per-head sinks, split over keys with a
  * log-sum-exp combine that also undoes RoPE on the output. The CPU twin is dsv4_cpu_attention
- * (engine/cpu_attention.c), checked through the whole decode step (tests/gpu/test_gpu_step.c); the
+ * (engine/cpu/cpu_attention.c), checked through the whole decode step (tests/gpu/test_gpu_step.c); the
  * attention itself against a double-precision reference in tests/gpu/test_gpu_attention.c.
  *
  * KV entry (one vector of head_dim values; keys and values are the same vectors):

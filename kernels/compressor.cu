@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* The compressors of CSA and HCA layers and of the indexer's keys: each step's rows update their
  * slot's partial state and, at a block's last position, emit the compressed entry (KV in the cache
- * layout, or the indexer's FP4 key). CPU twin: dsv4_cpu_compressor_push (engine/cpu_compressor.c),
+ * layout, or the indexer's FP4 key). CPU twin: dsv4_cpu_compressor_push (engine/cpu/cpu_compressor.c),
  * checked through the whole decode step (tests/gpu/test_gpu_step.c). */
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"

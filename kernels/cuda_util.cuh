@@ -131,7 +131,7 @@ static __device__ __forceinline__ float dsv4_act_scale(float amax)
 }
 
 /* One interleaved RoPE pair (a, b) rotated by pos * inv_freq (inverse: by its negative), as
- * engine/cpu_rope.c does it. */
+ * engine/cpu/cpu_rope.c does it. */
 static __device__ __forceinline__ void dsv4_rope_pair(float *a, float *b, float inv_freq, int pos, bool inverse)
 {
     const float angle = inv_freq * (float)pos;

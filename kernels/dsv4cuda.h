@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* The CUDA backend's C interface: the per-device state (one arena, streams, cuBLASLt, graphs) and
- * the kernel launchers, each checked in tests/gpu against its CPU twin (engine/cpu_twin_cuda.h).
+ * the kernel launchers, each checked in tests/gpu against its CPU twin (engine/cpu/cpu_twin_cuda.h).
  * Pointers named d_* are device pointers; `stream` is a cudaStream_t passed as void * so that C
  * callers need no CUDA headers. Launchers return 0 or -errno with dsv4_error_set(). */
 #ifndef DSV4_KERNELS_DSV4CUDA_H
@@ -22,7 +22,7 @@ extern "C" {
 #define DSV4_CUDA_LT_WORKSPACE (32u << 20)   /* cuBLASLt workspace bytes (prefill GEMMs) */
 #define DSV4_CUDA_ACT_BLOCK 128         /* official activation quantization block along K */
 
-/* A linear layer as it lives on the device: same meaning as struct dsv4_linear (engine/weights.h),
+/* A linear layer as it lives on the device: same meaning as struct dsv4_linear (engine/model/weights.h),
  * with w and scale pointing into the device arena. */
 struct dsv4_cuda_linear {
     enum dsv4_wfmt fmt;
@@ -154,7 +154,7 @@ const char *dsv4_cuda_dev_variants(const struct dsv4_cuda_dev *dev);
 
 /* d_y[b, i] = round through e4m3 of d_x[b, i] in 1x`block` groups with a UE8M0 scale (the official
  * activation quantizer), b < rows, i < k; when block does not divide k the last group of a row is
- * shorter (as engine/quant.c; only small test models have such widths). d_y may equal d_x. */
+ * shorter (as engine/model/quant.c; only small test models have such widths). d_y may equal d_x. */
 int dsv4_cuda_fp8_roundtrip(const float *d_x, int rows, int64_t k, int block, float *d_y, void *stream);
 
 /* d_y[b, n] = sum_k W[n, k] d_x[b, k] for b < batch (<= DSV4_CUDA_MAX_BATCH), f32 accumulation,
@@ -222,7 +222,7 @@ int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, int n, float
                       void *stream);
 /* The same, then RoPE on the last rd values of row r at d_pos[r / heads] with frequencies
  * d_inv_freq [rd/2], in one launch (a token's query heads, or its kv): the normalized values are
- * rotated in f32 as engine/cpu_rope.c rotates them. d_x may equal d_y. */
+ * rotated in f32 as engine/cpu/cpu_rope.c rotates them. d_x may equal d_y. */
 int dsv4_cuda_rmsnorm_rope(const float *d_x, const float *d_w, int rows, int n, float eps, int heads, int rd,
                            const int32_t *d_pos, const float *d_inv_freq, float *d_y, void *stream);
 

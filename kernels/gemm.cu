@@ -18,7 +18,7 @@
  *        MMAs per tile: |x - hi - lo| <= 2^-17 |x|. Each k-tile is summed in its own MMA
  *        accumulator and added in f32 on the CUDA cores, as the fp8 path does (the accumulator does
  *        not round to nearest: one accumulator over the head's 64 k-tiles reached 1.9e-5).
- * Twin: dsv4_twin_fp8_roundtrip + dsv4_twin_linear_row (engine/cpu_twin_cuda.c), checked in
+ * Twin: dsv4_twin_fp8_roundtrip + dsv4_twin_linear_row (engine/cpu/cpu_twin_cuda.c), checked in
  * tests/gpu/test_gpu_linear.c.
  *
  * Layout: a CTA owns GEMM_ROWS output rows (one FP8 scale block) and a run of k-tiles; each of its

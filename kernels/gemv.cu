@@ -4,7 +4,7 @@
  * registers, f32 accumulation. One warp per output row; each lane loads 16 weight bytes a step, so
  * a warp streams 512 contiguous bytes of its row. A block covers GEMV_ROWS rows and GEMV_NB batch
  * rows; larger batches launch more blocks along y and re-read the weights (from L2 when they fit).
- * Twin: dsv4_twin_linear_matvec (engine/cpu_twin_cuda.c), dsv4_linear_matvec in the CPU backend.
+ * Twin: dsv4_twin_linear_matvec (engine/cpu/cpu_twin_cuda.c), dsv4_linear_matvec in the CPU backend.
  * Plus the official activation quantizer (1x128 e4m3, UE8M0), twin dsv4_twin_fp8_roundtrip. */
 #include "kernels/cuda_util.cuh"
 
@@ -99,7 +99,7 @@ extern "C" int dsv4_cuda_gemv(const struct dsv4_cuda_linear *W, const float *d_x
 }
 
 /* One warp per block of `block` values (block a multiple of 32, at most 32 * ROUNDTRIP_PER_LANE);
- * a row of k values ends in a shorter block when block does not divide k (as engine/quant.c). */
+ * a row of k values ends in a shorter block when block does not divide k (as engine/model/quant.c). */
 #define ROUNDTRIP_PER_LANE 8
 
 __global__ void fp8_roundtrip_kernel(const float *__restrict__ x, int64_t nblocks, int64_t k, int block,

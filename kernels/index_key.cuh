@@ -11,7 +11,7 @@
 
 #define DSV4_INDEX_KEY_GROUP 32
 #define DSV4_E2M1_MAX 6.0f
-#define DSV4_E2M1_AMAX_FLOOR (6.0f * 0x1p-126f)  /* as engine/quant.c: amax/6 stays a normal float */
+#define DSV4_E2M1_AMAX_FLOOR (6.0f * 0x1p-126f)  /* as engine/model/quant.c: amax/6 stays a normal float */
 
 /* e2m1 round to nearest even on |a| <= 6 (grid 0.5 below 2, 1 below 4, then 2). */
 static __device__ __forceinline__ float dsv4_e2m1_round(float v)

@@ -3,7 +3,7 @@
  * compressed entries n = (pos+1)/ratio of its slot (the sequence's actual length),
  *   score_s = sum_h ReLU(q_h . k_s) dI^-0.5 (w_h nI^-0.5),
  * then the topk largest (ties: lower index) in ascending order. Rows with n <= topk take every entry
- * and skip the scores. Twin: dsv4_cpu_indexer_select (engine/cpu_indexer.c), checked through the
+ * and skip the scores. Twin: dsv4_cpu_indexer_select (engine/cpu/cpu_indexer.c), checked through the
  * whole decode step (tests/gpu/test_gpu_step.c); the key codec in tests/gpu/test_gpu_codec.c.
  *
  * Score variants, chosen per layer shape and numerics (each counted):

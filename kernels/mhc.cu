@@ -3,7 +3,7 @@
  * GEMV (split along K), pre (the RMS of the streams, the pre and post gates, the Sinkhorn-normalized
  * combine matrix, the collapsed input), post (the sublayer's output spread back into the streams),
  * and hc_head. Twins: dsv4_twin_linear_matvec (fn), dsv4_twin_mhc_pre, dsv4_twin_mhc_post
- * (engine/cpu_twin_cuda.c), dsv4_cpu_hc_head (engine/cpu_mhc.c). */
+ * (engine/cpu/cpu_twin_cuda.c), dsv4_cpu_hc_head (engine/cpu/cpu_mhc.c). */
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
 #include "kernels/norm_row.cuh"

@@ -769,7 +769,7 @@ extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const fl
     const int vals = ex->fmt == DSV4_W_FP4 ? wf_fp4::vals : ex->fmt == DSV4_W_FP8 ? wf_fp8::vals :
                      ex->fmt == DSV4_W_BF16 ? wf_bf16::vals : wf_f32::vals;
     /* an inter that is not a multiple of the 1x128 activation block (small test models) takes the
-     * FMA path, whose quantizer ends each row in a short block as engine/quant.c does */
+     * FMA path, whose quantizer ends each row in a short block as engine/model/quant.c does */
     if (ex->n_experts < 1 || ex->n_experts > MOE_MAX_EXPERTS || ex->dim % vals || ex->inter % vals)
         return dsv4_error_set(-EINVAL, "moe_experts: %d experts (max %d), dim %d and inter %d must be multiples "
                               "of %d", ex->n_experts, MOE_MAX_EXPERTS, ex->dim, ex->inter, vals);

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* RMSNorm, alone or followed by RoPE (a token's query heads, its kv). Twin: dsv4_twin_rmsnorm
- * (engine/cpu_twin_cuda.c) and engine/cpu_rope.c. */
+ * (engine/cpu/cpu_twin_cuda.c) and engine/cpu/cpu_rope.c. */
 #include "kernels/cuda_util.cuh"
 #include "kernels/norm_row.cuh"
 

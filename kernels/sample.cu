@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* Sampling on the device (kernels/sample.h), engine/sampler.c step by step.
+/* Sampling on the device (kernels/sample.h), engine/serve/sampler.c step by step.
  *
  * Work split: each row is a thread block cluster of C blocks (C = 8, 4, 2 or 1 by the launch's
  * row count, so the chip stays full; one block where the running image predates clusters). A row is
@@ -144,7 +144,7 @@ static __device__ uint64_t ceil_mul(float f, uint64_t z)
     return q + (rest != 0);
 }
 
-/* engine/philox.c on the device: same constants, rounds and 53-bit construction; returns the 53
+/* engine/serve/philox.c on the device: same constants, rounds and 53-bit construction; returns the 53
  * random bits (u = bits / 2^53). */
 static __device__ uint64_t philox_bits53(uint64_t seed, uint64_t index)
 {

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* Sampling on the device: engine/sampler.c's ten steps (numbered in engine/sampler.h) for `rows`
+/* Sampling on the device: engine/serve/sampler.c's ten steps (numbered in engine/serve/sampler.h) for `rows`
  * rows of logits at once, so the CUDA backend copies back one small result per row instead of
  * [rows, V] logits. C interface: callers need no CUDA headers; pointers named d_* are device
  * pointers, `stream` is a cudaStream_t passed as void *. Launchers return 0 or -errno with

@@ -176,12 +176,12 @@ class Notify:
             self.cond.wait_for(lambda: len(self.messages) > n, timeout)
             return len(self.messages) > n
 
-    def wait_for(self, key, value=None, timeout=TIMEOUT, proc=None):
-        """Return the index of the first message with key (= value), waiting for it; -1 when it does
-        not come in time or the process exits without sending it."""
+    def wait_for(self, key, value=None, timeout=TIMEOUT, proc=None, after=-1):
+        """Return the index of the first message past index `after` with key (= value), waiting for
+        it; -1 when it does not come in time or the process exits without sending it."""
         deadline = time.monotonic() + timeout
         while True:
-            i = self.index(key, value)
+            i = self.index(key, value, after)
             if i >= 0:
                 return i
             left = deadline - time.monotonic()
@@ -190,13 +190,13 @@ class Notify:
             if proc is not None and proc.poll() is not None:
                 while self.poll(0.2):   # what it sent before exiting is still being read
                     pass
-                return self.index(key, value)
+                return self.index(key, value, after)
             self.poll(min(left, 0.2))
 
-    def index(self, key, value=None):
+    def index(self, key, value=None, after=-1):
         with self.cond:
             for i, m in enumerate(self.messages):
-                if key in m and (value is None or m[key] == value):
+                if i > after and key in m and (value is None or m[key] == value):
                     return i
         return -1
 
