@@ -764,9 +764,15 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
             st.prefix_cache_hit_tokens = ps->hit_tokens;
             st.prefix_cache_evictions = ps->boundaries_evicted;
         }
-        if (ss.backend.variant[0]) {
-            st.kernels[0] = ss.backend.variant;
-            st.n_kernels = 1;
+        if (ss.backend.variant[0])
+            st.kernels[st.n_kernels++] = ss.backend.variant;
+        char experts[160];
+        if (ss.backend.experts_host > 0) {
+            snprintf(experts, sizeof(experts), "routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory "
+                     "(%.2f GiB), read in place over PCIe", ss.backend.experts_gpu,
+                     ss.backend.expert_bytes_gpu / 1073741824.0, ss.backend.experts_host,
+                     ss.backend.expert_bytes_host / 1073741824.0);
+            st.kernels[st.n_kernels++] = experts;
         }
         /* ss lives until the reply is encoded: kernels[0] points into it. */
         reply_encoded(c, dsv4_proto_encode_stats_result(&c->out, msg->msgid, &st));

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "engine/serve/sampler.h"
+#include "engine/model/placement.h"
 #include "engine/model/weights.h"
 
 enum dsv4_numerics {
@@ -22,6 +23,10 @@ struct dsv4_backend_opts {
     enum dsv4_numerics numerics;
     int threads;                /* CPU backend worker threads; 0 = one */
     int64_t prefix_pool_bytes;  /* prefix-cache pool reserved at create (device memory on CUDA); 0 = none */
+    /* Routed experts that do not fit on the GPU live in pinned host memory (CUDA; engine/model/placement.h). */
+    enum dsv4_expert_offload expert_offload;
+    int expert_host_share;      /* percent; with DSV4_EXPERT_OFFLOAD_ON at least this share of each layer on the host */
+    const uint64_t *expert_counts;  /* [n_layers * n_experts] routing statistics choosing the GPU's experts, or NULL */
 };
 
 /* The prefix cache (engine/serve/prefix_cache.h) keeps slot state at block boundaries in a pool of pages
@@ -48,6 +53,8 @@ struct dsv4_backend_stats {
     uint64_t graph_captures;
     uint64_t bytes_reserved;    /* caches + workspaces */
     char variant[192];          /* kernels in use, for stats and logs */
+    uint32_t experts_gpu, experts_host;         /* routed experts by where they live (CUDA; 0, 0 on the CPU) */
+    uint64_t expert_bytes_gpu, expert_bytes_host;
 };
 
 struct dsv4_backend;
@@ -101,6 +108,9 @@ struct dsv4_backend_ops {
     int (*prefix_save)(struct dsv4_backend *b, int slot, const int32_t *block_pages, const int32_t *boundary_pages);
     int (*prefix_load)(struct dsv4_backend *b, int slot, int n_blocks, const int32_t *block_pages,
                        const int32_t *boundary_pages, const int32_t *tokens);
+    /* Optional: tokens routed to each expert since create, counts[n_layers * n_experts] (layer-major;
+     * a token counts once for each of its top-k experts; padding rows do not count). */
+    int (*routing_counts)(struct dsv4_backend *b, uint64_t *counts);
 };
 
 struct dsv4_backend {

@@ -21,6 +21,8 @@ extern "C" {
 #define DSV4_CUDA_ARENA_ALIGN 256       /* bytes; every arena carve-out starts on this boundary */
 #define DSV4_CUDA_LT_WORKSPACE (32u << 20)   /* cuBLASLt workspace bytes (prefill GEMMs) */
 #define DSV4_CUDA_ACT_BLOCK 128         /* official activation quantization block along K */
+#define DSV4_CUDA_GPU_MARGIN ((size_t)512 << 20)    /* device bytes the boot plan leaves free (graphs, the
+                                                     * runtime's own needs) before placing routed experts */
 
 /* A linear layer as it lives on the device: same meaning as struct dsv4_linear (engine/model/weights.h),
  * with w and scale pointing into the device arena. */
@@ -110,6 +112,10 @@ struct dsv4_cuda_dev_stats {
     uint64_t cache_bytes;       /* per-slot caches */
     uint64_t workspace_bytes;   /* activations, scratch, cuBLASLt workspace */
     uint64_t prefix_bytes;      /* the prefix-cache pool and its copy tables (kernels/prefix.cu) */
+    uint64_t host_allocs;       /* pinned host allocations (1 when routed experts live in host memory, else 0) */
+    uint64_t gpu_expert_bytes;  /* routed experts on the device (part of weight_bytes) */
+    uint64_t host_expert_bytes; /* routed experts in pinned host memory, read in place over PCIe */
+    uint32_t experts_gpu, experts_host;     /* routed experts by where they live, all layers */
     uint64_t launches[DSV4_CUDA_V_COUNT];  /* per-variant launch counters (process-wide) */
     char device_name[96];
     int cc_major, cc_minor;
@@ -133,6 +139,13 @@ void dsv4_cuda_dev_get_stats(const struct dsv4_cuda_dev *dev, struct dsv4_cuda_d
 const struct dsv4_cuda_linear *dsv4_cuda_dev_linear(const struct dsv4_cuda_dev *dev, const char *name);
 /* Device copy of a host linear of w (matched by its checkpoint bytes and shape); NULL if absent. */
 const struct dsv4_cuda_linear *dsv4_cuda_dev_linear_for(const struct dsv4_cuda_dev *dev, const struct dsv4_linear *host);
+/* Where each routed expert lives (engine/model/placement.h), decided at create. */
+const struct dsv4_placement *dsv4_cuda_dev_placement(const struct dsv4_cuda_dev *dev);
+/* Layer's device counters of tokens routed to each expert [n_experts] (dsv4_cuda_route_count adds
+ * to them); NULL for a layer out of range. */
+uint64_t *dsv4_cuda_dev_route_counts(const struct dsv4_cuda_dev *dev, int layer);
+/* Copy every layer's counters to counts [n_layers * n_experts] (the steps finished so far). */
+int dsv4_cuda_dev_read_route_counts(const struct dsv4_cuda_dev *dev, uint64_t *counts);
 /* The per-slot caches ((max_batch + 1) slots; the step lays them out). */
 void *dsv4_cuda_dev_caches(const struct dsv4_cuda_dev *dev);
 /* Carve `bytes` of workspace from the arena's free tail (boot only: fails after dsv4_cuda_dev_seal). */
@@ -248,6 +261,11 @@ int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const float *d_x, i
 int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int topk, const int32_t *d_idx,
                           const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add, float *d_y,
                           void *stream);
+
+/* Routing statistics (kernels/route_stats.cu): d_counts[e] += the rows b < batch whose d_slot[b] is
+ * not pad_slot (a bucket's padding rows) with e among d_idx[b, 0..topk). */
+int dsv4_cuda_route_count(const int32_t *d_idx, int batch, int topk, const int32_t *d_slot, int pad_slot,
+                          uint64_t *d_counts, void *stream);
 
 /* d_h[b, i] = silu(min(g, L)) * clamp(u, -L, L) for g = d_gate[b, i], u = d_up[b, i] (shared expert). */
 int dsv4_cuda_swiglu(const float *d_gate, const float *d_up, int rows, int64_t n, float limit,

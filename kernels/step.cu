@@ -37,6 +37,7 @@ struct step_layer {
     const float *c_ape, *c_norm, *ic_ape, *ic_norm, *gate_bias;
     const int32_t *tid2eid;
     struct dsv4_cuda_experts ex;
+    uint64_t *route_counts;     /* [E] tokens routed to each expert (kernels/route_stats.cu) */
     struct dsv4_cuda_layer_cache cache;
 };
 
@@ -532,6 +533,7 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool 
     STEP(lin_x(cb, &L->gate, t->xn, D, B, t->rlogits, c->n_experts, false, prepared, m));
     STEP(dsv4_cuda_router(t->rlogits, B, c->n_experts, K, L->hash ? NULL : L->gate_bias, L->hash ? L->tid2eid : NULL,
                           t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
+    STEP(dsv4_cuda_route_count(t->ridx, B, K, t->in + B, cb->slots - 1, L->route_counts, s));
     ex.quant_act = cb->fp8 && (ex.fmt == DSV4_W_FP8 || ex.fmt == DSV4_W_FP4);
     const float *x = t->xn;
     if (ex.quant_act) {
@@ -834,10 +836,19 @@ static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats
     ret->device_allocs = st.device_allocs;
     ret->graph_captures = cb->captures;
     ret->bytes_reserved = st.cache_bytes + st.workspace_bytes + st.prefix_bytes;
+    ret->experts_gpu = st.experts_gpu;
+    ret->experts_host = st.experts_host;
+    ret->expert_bytes_gpu = st.gpu_expert_bytes;
+    ret->expert_bytes_host = st.host_expert_bytes;
     snprintf(ret->variant, sizeof(ret->variant),
              "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, %d streams, sampling on %s", st.kernel_build,
              st.device_name, cb->fp8 ? "fp8" : "exact", cb->kvf == DSV4_KV_FP8 ? "fp8 e4m3+bf16 (584 B at 512/64)" : "f32",
              cb->use_graphs ? cb->n_buckets : 0, cb->branches ? 2 : 1, b->ops->sample ? "device" : "host");
+}
+
+static int op_routing_counts(struct dsv4_backend *b, uint64_t *counts)
+{
+    return dsv4_cuda_dev_read_route_counts(impl(b)->dev, counts);
 }
 
 static void op_destroy(struct dsv4_backend *b)
@@ -878,7 +889,7 @@ static int op_prefix_load(struct dsv4_backend *b, int slot, int n_blocks, const 
 static const struct dsv4_backend_ops cuda_ops = {
     .name = "cuda", .prefill = op_prefill, .decode = op_decode, .sample = op_sample, .slot_reset = op_slot_reset,
     .slot_position = op_slot_position, .get_stats = op_get_stats, .destroy = op_destroy,
-    .prefix_save = op_prefix_save, .prefix_load = op_prefix_load,
+    .prefix_save = op_prefix_save, .prefix_load = op_prefix_load, .routing_counts = op_routing_counts,
 };
 
 /* ---- create ---- */
@@ -947,6 +958,7 @@ static int map_layer(struct cuda_backend *cb, int i, const struct dsv4_layer *h,
         (L->hash && !L->tid2eid) || (h->ratio > 0 && (!L->c_ape || !L->c_norm)) ||
         (L->csa && (!L->ic_ape || !L->ic_norm)))
         return dsv4_error_set(-ENOENT, "cuda: layer %d: a norm, bias, sink or table is missing on the device", i);
+    L->route_counts = dsv4_cuda_dev_route_counts(cb->dev, i);
     return dsv4_cuda_dev_experts(cb->dev, i, &L->ex);
 }
 

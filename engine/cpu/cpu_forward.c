@@ -285,8 +285,10 @@ int dsv4_cpu_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struc
         dsv4_linear_row(&w->embed, tokens[i], wk->y);
         for (int64_t j = 0; j < hc; j++)
             memcpy(wk->X + j * D, wk->y, (size_t)D * sizeof(float));
-        for (int l = 0; l < cfg->n_layers; l++)
+        for (int l = 0; l < cfg->n_layers; l++) {
+            c.route_counts = s->route_counts ? s->route_counts + (int64_t)l * cfg->n_experts : NULL;
             block(&c, &w->layers[l], &s->layers[l], tokens[i], pos);
+        }
         memcpy(s->streams, wk->X, (size_t)(hc * D) * sizeof(float));
         s->pos++;
         if (logits && (all_rows || i == n - 1))

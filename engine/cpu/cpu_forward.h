@@ -62,6 +62,7 @@ struct dsv4_cpu_seq {
     float *streams;                     /* [hc, D]: final streams of the last token, MTP input */
     struct dsv4_cpu_work *work;         /* scratch for one token */
     struct dsv4_cpu_pool *pool;         /* borrowed worker threads, or NULL for one */
+    uint64_t *route_counts;             /* borrowed [n_layers * n_experts] routed-token counts, or NULL */
     void *arena;                        /* the one block every cache and scratch buffer lives in */
     uint64_t bytes;                     /* caches + scratch */
 };
