@@ -31,6 +31,7 @@ struct dsv4_settings {
     int max_batch;
     int max_context;
     uint64_t prefix_cache;      /* bytes of the prefix-cache pool (device memory on CUDA); 0 = off */
+    int prefill_chunk;          /* prompt tokens per engine step (0 = DSV4_PREFILL_CHUNK_DEFAULT) */
 
     /* Per-request and per-client limits, each reported with its own protocol error code. */
     int max_connections;
