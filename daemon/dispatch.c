@@ -746,6 +746,7 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
         st.device_arena_used = ss.backend.bytes_reserved;
         st.device_allocs_after_boot = ss.backend.device_allocs - d->boot_device_allocs;
         st.graph_captures_after_boot = ss.backend.graph_captures - d->boot_graph_captures;
+        st.eager_steps = ss.backend.eager_steps;
         st.steps = ss.steps;
         st.decode_steps = ss.decode_steps;
         st.n_batch_hist = DSV4_SCHED_BATCH_BUCKETS;

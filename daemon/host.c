@@ -109,6 +109,7 @@ static int boot(struct dsv4_host *h)
         .max_context = cfg->max_context,
         .threads = threads,
         .prefix_pool_bytes = (int64_t)cfg->prefix_cache,
+        .prefill_chunk = cfg->prefill_chunk ? cfg->prefill_chunk : DSV4_PREFILL_CHUNK_DEFAULT,
     };
     struct dsv4_sched_limits limits = { 0 };
     int r;
@@ -177,6 +178,7 @@ static int boot(struct dsv4_host *h)
     if (limits.max_requests > DSV4_SCHED_REQUESTS_MAX)
         limits.max_requests = DSV4_SCHED_REQUESTS_MAX;
     limits.max_output_tokens = cfg->max_context;
+    limits.prefill_budget = opts.prefill_chunk;
     limits.sampler_threads = threads;
     r = dsv4_sched_create(h->backend, h->tok, &limits, &h->sched);
     if (r < 0)

@@ -12,6 +12,7 @@
 
 #include "daemon/log.h"
 #include "daemon/settings.h"
+#include "engine/backend.h"
 #include "engine/error.h"
 
 enum opt_type { OPT_PATH, OPT_INT, OPT_SIZE, OPT_SECONDS, OPT_BACKEND, OPT_NUMERICS, OPT_LEVEL,
@@ -28,6 +29,8 @@ struct opt {
 
 #define F(field) offsetof(struct dsv4_settings, field)
 #define PATHOPT(k, field, a, h) { k, OPT_PATH, F(field), sizeof(((struct dsv4_settings *)0)->field), 0, 0, a, h }
+#define DSV4_STR_(x) #x
+#define DSV4_STR(x) DSV4_STR_(x)
 #define INTOPT(k, field, lo, hi, h) { k, OPT_INT, F(field), 0, lo, hi, "N", h }
 
 /* Upper bounds keep a typo from sizing absurd allocations; the engine checks what fits. */
@@ -42,6 +45,10 @@ static const struct opt opts[] = {
     INTOPT("max_context", max_context, 16, 1 << 20, "tokens per slot (prompt + generated)"),
     { "prefix_cache", OPT_SIZE, F(prefix_cache), 0, 0, (int64_t)1 << 40, "BYTES",
       "prefix-cache pool reserved at boot, GPU memory on CUDA (K/M/G suffixes; 0 = off)" },
+    INTOPT("prefill_chunk", prefill_chunk, 0, DSV4_PREFILL_CHUNK_MAX,
+           "prompt tokens prefilled per engine step, all requests together; on CUDA one step's rows "
+           "(0 = " DSV4_STR(DSV4_PREFILL_CHUNK_DEFAULT) "; running streams wait for at most one such step "
+           "between tokens)"),
     { "expert_offload", OPT_OFFLOAD, F(expert_offload), 0, 0, 0, "auto|on|off",
       "CUDA: routed experts that do not fit the GPU live in pinned host memory (auto); off refuses to boot" },
     INTOPT("expert_host_share", expert_host_share, 0, 100,

@@ -17,12 +17,18 @@ enum dsv4_numerics {
     DSV4_NUMERICS_FP8,      /* official: FP8 KV (448 non-RoPE dims, 1x64 UE8M0), Hadamard+FP4 indexer */
 };
 
+#define DSV4_PREFILL_CHUNK_DEFAULT 1024     /* prompt positions of one prefill step, unless configured */
+#define DSV4_PREFILL_CHUNK_MAX 4096         /* the longest prefill step a backend takes */
+
 struct dsv4_backend_opts {
     int max_batch;              /* slots */
     int max_context;            /* tokens per slot */
     enum dsv4_numerics numerics;
     int threads;                /* CPU backend worker threads; 0 = one */
     int64_t prefix_pool_bytes;  /* prefix-cache pool reserved at create (device memory on CUDA); 0 = none */
+    int prefill_chunk;          /* CUDA: prompt positions one prefill step takes, 0..DSV4_PREFILL_CHUNK_MAX
+                                 * (0 = DSV4_PREFILL_CHUNK_DEFAULT); its rows' workspaces are part of the
+                                 * boot plan. CPU: unused */
     /* Routed experts that do not fit on the GPU live in pinned host memory (CUDA; engine/model/placement.h). */
     enum dsv4_expert_offload expert_offload;
     int expert_host_share;      /* percent; with DSV4_EXPERT_OFFLOAD_ON at least this share of each layer on the host */
@@ -51,6 +57,8 @@ struct dsv4_prefix_geom {
 struct dsv4_backend_stats {
     uint64_t device_allocs;     /* allocations made since create (must stay flat after boot) */
     uint64_t graph_captures;
+    uint64_t eager_steps;       /* steps launched outside the captured graphs (CUDA prefill chunks
+                                 * longer than the largest bucket) */
     uint64_t bytes_reserved;    /* caches + workspaces */
     char variant[192];          /* kernels in use, for stats and logs */
     uint32_t experts_gpu, experts_host;         /* routed experts by where they live (CUDA; 0, 0 on the CPU) */

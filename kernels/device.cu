@@ -554,6 +554,9 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     if (o->max_batch < 1 || o->max_batch > DSV4_CUDA_MAX_BATCH || o->max_context < 1)
         return dsv4_error_set(-EINVAL, "cuda: max_batch %d outside 1..%d or max_context %d < 1", o->max_batch,
                               DSV4_CUDA_MAX_BATCH, o->max_context);
+    if (o->prefill_chunk < 0 || o->prefill_chunk > DSV4_PREFILL_CHUNK_MAX)
+        return dsv4_error_set(-EINVAL, "cuda: prefill_chunk %d outside 0..%d (0 = the default, %d)", o->prefill_chunk,
+                              DSV4_PREFILL_CHUNK_MAX, DSV4_PREFILL_CHUNK_DEFAULT);
     DSV4_CUDA_TRY(cudaSetDevice(dev->ordinal));
     DSV4_CUDA_TRY(cudaGetDeviceProperties(&prop, dev->ordinal));
     snprintf(dev->stats.device_name, sizeof(dev->stats.device_name), "%.95s", prop.name);

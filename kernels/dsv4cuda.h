@@ -18,6 +18,7 @@ extern "C" {
 #include "engine/model/weights.h"
 
 #define DSV4_CUDA_MAX_BATCH 64          /* decode rows per step: the largest graph bucket */
+#define DSV4_CUDA_MAX_ROWS DSV4_PREFILL_CHUNK_MAX     /* rows of one step: the longest prefill chunk */
 #define DSV4_CUDA_ARENA_ALIGN 256       /* bytes; every arena carve-out starts on this boundary */
 #define DSV4_CUDA_LT_WORKSPACE (32u << 20)   /* cuBLASLt workspace bytes (prefill GEMMs) */
 #define DSV4_CUDA_ACT_BLOCK 128         /* official activation quantization block along K */
@@ -170,27 +171,30 @@ const char *dsv4_cuda_dev_variants(const struct dsv4_cuda_dev *dev);
  * shorter (as engine/model/quant.c; only small test models have such widths). d_y may equal d_x. */
 int dsv4_cuda_fp8_roundtrip(const float *d_x, int rows, int64_t k, int block, float *d_y, void *stream);
 
-/* d_y[b, n] = sum_k W[n, k] d_x[b, k] for b < batch (<= DSV4_CUDA_MAX_BATCH), f32 accumulation,
+/* d_y[b, n] = sum_k W[n, k] d_x[b, k] for b < batch (<= DSV4_CUDA_MAX_ROWS), f32 accumulation,
  * weights dequantized on the fly. FP8/FP4 weights expect d_x already FP8-rounded (the caller runs
  * dsv4_cuda_fp8_roundtrip, as the official code quantizes activations). Rows are ldx/ldy apart. */
 int dsv4_cuda_gemv(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch,
                    float *d_y, int64_t ldy, void *stream);
 
-/* Tensor-core linears (kernels/gemm.cu) for 1..DSV4_CUDA_MAX_BATCH rows: FP8 weights with the
+/* Tensor-core linears (kernels/gemm.cu) for 1..DSV4_CUDA_MAX_ROWS rows: FP8 weights with the
  * official 1x128 e4m3 activation quantization done inside (quant_act; d_x is the raw f32 input) or
  * with raw f32 activations (f16 hi + lo per power-of-two-scaled 1x128 block), or BF16 weights with
  * raw f32 activations (bf16 hi + lo); both raw forms represent x to ~2^-17, and the results
  * measure 3e-7 to 1e-5 from f32 math (BF16 at K 4096 in one split up to 1.9e-5: the tensor-core
  * accumulator is not round-to-nearest; kernels/NOTES.md). F32 and FP4
- * linears stay on dsv4_cuda_gemv. The weights are read once per
- * call whatever the row count; K is split over CTAs by a count that depends only on W's shape and
- * partial sums are added in a fixed order, so each row's result is independent of the batch.
- * The workspace is carved once at boot for `rows` rows of width up to `max_k`. */
+ * linears stay on dsv4_cuda_gemv. Up to DSV4_CUDA_MAX_BATCH rows the weights are streamed once per
+ * call; above it (prefill chunks) each block of 64 rows is a CTA of its own beside the others that
+ * share its weight tile (read once from memory, then from L2). K is split by a count that depends
+ * only on W's shape and the splits' partial sums are added in a fixed order (by a reduction launch,
+ * or above DSV4_CUDA_MAX_BATCH rows inside the CTA that walks every split), so each row's result is
+ * the same bits whatever the batch. The workspace is carved once at boot for `rows` rows of width
+ * up to `max_k`. */
 #define DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW 65536   /* split-K partials per row: splits x out */
 struct dsv4_cuda_gemm_ws {
     void *xa;                   /* [rows, K] f16 e4m3 values, or hi [rows, K] + lo [rows, K] (f16 or bf16) */
     float *sa;                  /* [rows, K/128] activation scales */
-    float *part;                /* [splits, rows, out] */
+    float *part;                /* [splits, min(rows, DSV4_CUDA_MAX_BATCH), out] */
     int rows;
     int64_t max_k;
     struct {                    /* what xa and sa hold: the x, its rows and width, the form (set by each call) */
