@@ -4,7 +4,7 @@
  *
  *   dsv4-bench [--batch 1,64] [--reps N]
  *   dsv4-bench --model DIR [--batch 1,16,64] [--context N] [--prefill N] [--layers N] [--chunk N]
- *                                                               (the whole step, prefill)
+ *              [--expert-host-share P]                          (the whole step, prefill)
  *
  * Each kernel is captured REPS times into one CUDA graph (launch gaps out of the numbers), reading
  * rotating copies of its weights that together exceed the L2 several times over, so the numbers
@@ -21,7 +21,10 @@
  * --layers N deepens the model to N layers by repeating the checkpoint's last two (a CSA and an HCA
  * layer with scored routing, as dsv4-mkckpt writes from layer 4 on), so that a deep model is timed
  * from a short checkpoint: the repeats alias the checkpoint's host tensors, the device holds a copy
- * per layer as usual, and a layer's values do not change its time.
+ * per layer as usual, and a layer's values do not change its time. Routed experts that do not fit the
+ * GPU live in pinned host memory (expert_offload = auto, dsv4d(8)); --expert-host-share P puts at
+ * least P percent of each layer's there even when they fit, to time the PCIe path on a model that
+ * fits. The placement is printed after the boot line.
  *
  * The peer: each BF16 shape is also run through cuBLASLt (bf16 x bf16 -> f32, f32 compute, its own
  * heuristic choice), the vendor GEMM a user would otherwise call, in the same run and graph
@@ -632,13 +635,16 @@ static void restore_layers(struct dsv4_weights *w, struct dsv4_layer *saved, int
     w->bytes_total = bytes0;
 }
 
-static int bench_model(const char *dir, const int *batches, int nb, int context, int prefill, int layers, int chunk)
+static int bench_model(const char *dir, const int *batches, int nb, int context, int prefill, int layers, int chunk,
+                       int host_share)
 {
     struct dsv4_weights *w = NULL;
     struct dsv4_layer *saved;
     struct dsv4_backend *b = NULL;
     struct dsv4_backend_opts opts = { .max_batch = DSV4_CUDA_MAX_BATCH, .max_context = context,
-                                      .numerics = DSV4_NUMERICS_FP8, .prefill_chunk = chunk };
+                                      .numerics = DSV4_NUMERICS_FP8, .prefill_chunk = chunk,
+                                      .expert_offload = host_share ? DSV4_EXPERT_OFFLOAD_ON : DSV4_EXPERT_OFFLOAD_AUTO,
+                                      .expert_host_share = host_share };
     struct dsv4_backend_stats st;
     double t0 = now_us();
 
@@ -651,6 +657,8 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     b->ops->get_stats(b, &st);
     printf("# %s: %d layers, %.2f GB of weights, boot %.1f s (load, upload, %llu graphs), %s\n", dir, c->n_layers,
            w->bytes_total / 1e9, (now_us() - t0) / 1e6, (unsigned long long)st.graph_captures, st.variant);
+    printf("# routed experts: %u on the GPU (%.2f GB), %u in pinned host memory (%.2f GB)\n", st.experts_gpu,
+           st.expert_bytes_gpu / 1e9, st.experts_host, st.expert_bytes_host / 1e9);
 
     /* bytes every step reads apart from the routed experts; the embedding contributes a row per token */
     double expert = 0.0, routed_all = 0.0;
@@ -781,7 +789,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
 int main(int argc, char **argv)
 {
     int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096, prefill = BENCH_PREFILL, layers = 0;
-    int chunk = 0;
+    int chunk = 0, host_share = 0;
     const char *model = NULL;
     const int topk = 6, E = 256, D = 4096, I = 2048;
     struct job j;
@@ -818,6 +826,12 @@ int main(int argc, char **argv)
                 fprintf(stderr, "dsv4-bench: --chunk 1..%d\n", DSV4_PREFILL_CHUNK_MAX);
                 return 2;
             }
+        } else if (!strcmp(argv[i], "--expert-host-share") && i + 1 < argc) {
+            host_share = atoi(argv[++i]);
+            if (host_share < 1 || host_share > 100) {
+                fprintf(stderr, "dsv4-bench: --expert-host-share 1..100\n");
+                return 2;
+            }
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
             reps = atoi(argv[++i]);
             if (reps < 1 || reps > BENCH_MAX_COPIES * 4) {
@@ -826,7 +840,7 @@ int main(int argc, char **argv)
             }
         } else {
             fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N] "
-                            "[--prefill N] [--layers N] [--chunk N]\n");
+                            "[--prefill N] [--layers N] [--chunk N] [--expert-host-share P]\n");
             return 2;
         }
     }
@@ -842,7 +856,7 @@ int main(int argc, char **argv)
                     context);
             return 2;
         }
-        return bench_model(model, batches, nb, context, prefill, layers, chunk);
+        return bench_model(model, batches, nb, context, prefill, layers, chunk, host_share);
     }
 
     {
