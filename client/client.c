@@ -817,6 +817,7 @@ int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret)
     ret->heap_mapped = st.heap_mapped;
     ret->device_allocs_after_boot = st.device_allocs_after_boot;
     ret->graph_captures_after_boot = st.graph_captures_after_boot;
+    ret->eager_steps = st.eager_steps;
     ret->n_kernels = st.n_kernels < DSV4_CLIENT_MAX_KERNELS ? st.n_kernels : DSV4_CLIENT_MAX_KERNELS;
     for (size_t i = 0; i < ret->n_kernels; i++)
         snprintf(ret->kernels[i], sizeof(ret->kernels[i]), "%s", st.kernels[i]);

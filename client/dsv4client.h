@@ -238,6 +238,7 @@ struct dsv4_client_stats {
     uint64_t device_arena_bytes, device_arena_used;
     uint64_t heap_allocated, heap_active, heap_resident, heap_mapped;
     uint64_t device_allocs_after_boot, graph_captures_after_boot;
+    uint64_t eager_steps;                    /* steps launched outside the boot's graphs (long prefill chunks) */
     size_t n_kernels;
     char kernels[DSV4_CLIENT_MAX_KERNELS][64];
     uint64_t steps, decode_steps;            /* engine steps that did work; those that decoded */

@@ -529,6 +529,7 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         { "heap_mapped", 0, s.heap_mapped, false },
         { "device_allocs_after_boot", 0, s.device_allocs_after_boot, false },
         { "graph_captures_after_boot", 0, s.graph_captures_after_boot, false },
+        { "eager_steps", 0, s.eager_steps, false },
         { "steps", 0, s.steps, false },
         { "decode_steps", 0, s.decode_steps, false },
         { "sched_allocations", 0, s.sched_allocations, false },

@@ -746,6 +746,7 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
         st.device_arena_used = ss.backend.bytes_reserved;
         st.device_allocs_after_boot = ss.backend.device_allocs - d->boot_device_allocs;
         st.graph_captures_after_boot = ss.backend.graph_captures - d->boot_graph_captures;
+        st.eager_steps = ss.backend.eager_steps;
         st.steps = ss.steps;
         st.decode_steps = ss.decode_steps;
         st.n_batch_hist = DSV4_SCHED_BATCH_BUCKETS;
@@ -764,9 +765,15 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
             st.prefix_cache_hit_tokens = ps->hit_tokens;
             st.prefix_cache_evictions = ps->boundaries_evicted;
         }
-        if (ss.backend.variant[0]) {
-            st.kernels[0] = ss.backend.variant;
-            st.n_kernels = 1;
+        if (ss.backend.variant[0])
+            st.kernels[st.n_kernels++] = ss.backend.variant;
+        char experts[160];
+        if (ss.backend.experts_host > 0) {
+            snprintf(experts, sizeof(experts), "routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory "
+                     "(%.2f GiB), read in place over PCIe", ss.backend.experts_gpu,
+                     ss.backend.expert_bytes_gpu / 1073741824.0, ss.backend.experts_host,
+                     ss.backend.expert_bytes_host / 1073741824.0);
+            st.kernels[st.n_kernels++] = experts;
         }
         /* ss lives until the reply is encoded: kernels[0] points into it. */
         reply_encoded(c, dsv4_proto_encode_stats_result(&c->out, msg->msgid, &st));

@@ -77,6 +77,12 @@ static void f_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats 
     f->inner->ops->get_stats(f->inner, ret);
 }
 
+static int f_routing_counts(struct dsv4_backend *b, uint64_t *counts)
+{
+    struct fault_impl *f = b->impl;
+    return f->inner->ops->routing_counts(f->inner, counts);
+}
+
 static void f_destroy(struct dsv4_backend *b)
 {
     struct fault_impl *f = b->impl;
@@ -113,6 +119,7 @@ int dsv4_fault_wrap_from_env(struct dsv4_backend **b)
         .slot_reset = f_slot_reset,
         .slot_position = f_slot_position,
         .get_stats = f_get_stats,
+        .routing_counts = in->routing_counts ? f_routing_counts : NULL,
         .destroy = f_destroy,
         .prefix_save = in->prefix_save ? f_prefix_save : NULL,
         .prefix_load = in->prefix_load ? f_prefix_load : NULL,

@@ -35,6 +35,7 @@ struct dsv4_host {
     struct dsv4_weights *weights;
     struct dsv4_backend *backend;
     struct dsv4_sched *sched;
+    uint64_t *expert_counts;    /* expert_placement's routing statistics [n_layers * n_experts], or NULL */
 };
 
 const char *dsv4_host_phase_text(enum dsv4_host_phase p)
@@ -108,6 +109,7 @@ static int boot(struct dsv4_host *h)
         .max_context = cfg->max_context,
         .threads = threads,
         .prefix_pool_bytes = (int64_t)cfg->prefix_cache,
+        .prefill_chunk = cfg->prefill_chunk ? cfg->prefill_chunk : DSV4_PREFILL_CHUNK_DEFAULT,
     };
     struct dsv4_sched_limits limits = { 0 };
     int r;
@@ -128,6 +130,19 @@ static int boot(struct dsv4_host *h)
         opts.numerics = h->weights->bytes_quantized ? DSV4_NUMERICS_FP8 : DSV4_NUMERICS_EXACT;
     }
     h->numerics = opts.numerics == DSV4_NUMERICS_FP8 ? "fp8" : "exact";
+    opts.expert_offload = cfg->expert_offload;
+    opts.expert_host_share = cfg->expert_host_share;
+    if (cfg->expert_placement[0]) {
+        const struct dsv4_config *mc = &h->weights->cfg;
+        h->expert_counts = calloc((size_t)mc->n_layers * (size_t)mc->n_experts, sizeof(*h->expert_counts));
+        if (!h->expert_counts)
+            return dsv4_error_set(-ENOMEM, "expert_placement: counts of %d x %d experts", mc->n_layers,
+                                  mc->n_experts);
+        r = dsv4_routing_stats_read(cfg->expert_placement, mc->n_layers, mc->n_experts, h->expert_counts);
+        if (r < 0)
+            return dsv4_error_prefix(r, "expert_placement: ");
+        opts.expert_counts = h->expert_counts;
+    }
 
     set_phase(h, DSV4_HOST_CREATING_BACKEND);
     r = create_backend(h, &opts);
@@ -140,6 +155,11 @@ static int boot(struct dsv4_host *h)
     dsv4_log_info("backend %s (%s), numerics %s, %d threads, %d slots x %d tokens, %.1f MiB reserved%s%s",
                   h->backend_name, h->backend_note, h->numerics, threads, cfg->max_batch, cfg->max_context,
                   (double)bs.bytes_reserved / (1 << 20), bs.variant[0] ? ", kernels: " : "", bs.variant);
+    if (bs.experts_host > 0)
+        dsv4_log_info("routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory (%.2f GiB), %s",
+                      bs.experts_gpu, bs.expert_bytes_gpu / 1073741824.0, bs.experts_host,
+                      bs.expert_bytes_host / 1073741824.0,
+                      cfg->expert_placement[0] ? "the most routed on the GPU (expert_placement)" : "spread evenly");
     const struct dsv4_prefix_geom *pg = &h->backend->prefix;
     if (pg->n_pages > 0)
         dsv4_log_info("prefix cache: %.1f MiB in %d pages of %.1f KiB, blocks of %d tokens; a block's compressed "
@@ -158,6 +178,7 @@ static int boot(struct dsv4_host *h)
     if (limits.max_requests > DSV4_SCHED_REQUESTS_MAX)
         limits.max_requests = DSV4_SCHED_REQUESTS_MAX;
     limits.max_output_tokens = cfg->max_context;
+    limits.prefill_budget = opts.prefill_chunk;
     limits.sampler_threads = threads;
     r = dsv4_sched_create(h->backend, h->tok, &limits, &h->sched);
     if (r < 0)
@@ -171,6 +192,29 @@ static void wake_io(struct dsv4_host *h)
     uint64_t one = 1;
     if (write(h->boot_fd, &one, sizeof(one)) < 0)
         dsv4_log_err("engine: waking the io thread: %m");
+}
+
+/* routing_stats: the backend's counts since boot, written when the step loop ends (engine thread). */
+static void write_routing_stats(struct dsv4_host *h)
+{
+    const struct dsv4_config *c = &h->weights->cfg;
+    const char *path = h->cfg->routing_stats;
+    if (!path[0] || !h->backend->ops->routing_counts)
+        return;
+    uint64_t *counts = calloc((size_t)c->n_layers * (size_t)c->n_experts, sizeof(*counts)), tokens = 0;
+    int r = counts ? h->backend->ops->routing_counts(h->backend, counts)
+                   : dsv4_error_set(-ENOMEM, "counts of %d x %d experts", c->n_layers, c->n_experts);
+    if (r == 0)
+        r = dsv4_routing_stats_write(path, c->model_name, c->n_layers, c->n_experts, counts);
+    if (r == 0) {
+        for (int e = 0; e < c->n_experts; e++)
+            tokens += counts[e];
+        dsv4_log_info("routing statistics of %llu routed tokens written to %s",
+                      (unsigned long long)(tokens / (uint64_t)c->n_experts_per_tok), path);
+    } else {
+        dsv4_log_err("routing_stats %s: %s", path, dsv4_error_message());
+    }
+    free(counts);
 }
 
 static void *engine_thread(void *arg)
@@ -189,6 +233,7 @@ static void *engine_thread(void *arg)
     if (atomic_load(&h->stop_requested))
         return NULL;
     r = dsv4_sched_run(h->sched);
+    write_routing_stats(h);
     if (r < 0) {
         /* The io thread exits on this (systemd restarts the service): requests would hang otherwise. */
         snprintf(h->error, sizeof(h->error), "step loop failed: %s", dsv4_error_message());
@@ -286,6 +331,7 @@ void dsv4_host_free(struct dsv4_host *h)
     dsv4_sched_destroy(h->sched);
     dsv4_backend_destroy(h->backend);
     dsv4_weights_free(h->weights);
+    free(h->expert_counts);
     close(h->boot_fd);
     free(h);
 }

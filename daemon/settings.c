@@ -12,10 +12,11 @@
 
 #include "daemon/log.h"
 #include "daemon/settings.h"
+#include "engine/backend.h"
 #include "engine/error.h"
 
 enum opt_type { OPT_PATH, OPT_INT, OPT_SIZE, OPT_SECONDS, OPT_BACKEND, OPT_NUMERICS, OPT_LEVEL,
-                OPT_USERS, OPT_GROUPS };
+                OPT_USERS, OPT_GROUPS, OPT_OFFLOAD };
 
 struct opt {
     const char *key;            /* file spelling; the flag is --key with '_' -> '-' */
@@ -28,6 +29,8 @@ struct opt {
 
 #define F(field) offsetof(struct dsv4_settings, field)
 #define PATHOPT(k, field, a, h) { k, OPT_PATH, F(field), sizeof(((struct dsv4_settings *)0)->field), 0, 0, a, h }
+#define DSV4_STR_(x) #x
+#define DSV4_STR(x) DSV4_STR_(x)
 #define INTOPT(k, field, lo, hi, h) { k, OPT_INT, F(field), 0, lo, hi, "N", h }
 
 /* Upper bounds keep a typo from sizing absurd allocations; the engine checks what fits. */
@@ -42,6 +45,17 @@ static const struct opt opts[] = {
     INTOPT("max_context", max_context, 16, 1 << 20, "tokens per slot (prompt + generated)"),
     { "prefix_cache", OPT_SIZE, F(prefix_cache), 0, 0, (int64_t)1 << 40, "BYTES",
       "prefix-cache pool reserved at boot, GPU memory on CUDA (K/M/G suffixes; 0 = off)" },
+    INTOPT("prefill_chunk", prefill_chunk, 0, DSV4_PREFILL_CHUNK_MAX,
+           "prompt tokens prefilled per engine step, all requests together; on CUDA one step's rows "
+           "(0 = " DSV4_STR(DSV4_PREFILL_CHUNK_DEFAULT) "; running streams wait for at most one such step "
+           "between tokens)"),
+    { "expert_offload", OPT_OFFLOAD, F(expert_offload), 0, 0, 0, "auto|on|off",
+      "CUDA: routed experts that do not fit the GPU live in pinned host memory (auto); off refuses to boot" },
+    INTOPT("expert_host_share", expert_host_share, 0, 100,
+           "with expert_offload = on: percent of each layer's experts kept in host memory even when they fit"),
+    PATHOPT("expert_placement", expert_placement, "FILE",
+            "routing statistics (a routing_stats file) putting the most routed experts on the GPU (default: even)"),
+    PATHOPT("routing_stats", routing_stats, "FILE", "write per-layer, per-expert routed-token counts here at stop"),
     INTOPT("max_connections", max_connections, 1, 65536, "clients connected at once"),
     INTOPT("max_queued", max_queued, 1, 1 << 20, "requests waiting for a slot, all clients together"),
     INTOPT("max_requests_per_conn", max_requests_per_conn, 1, 65536, "requests in flight on one connection"),
@@ -90,6 +104,15 @@ const char *dsv4_settings_backend_name(enum dsv4_backend_choice b)
     switch (b) {
     case DSV4_BACKEND_CPU: return "cpu";
     case DSV4_BACKEND_CUDA: return "cuda";
+    default: return "auto";
+    }
+}
+
+static const char *offload_name(enum dsv4_expert_offload m)
+{
+    switch (m) {
+    case DSV4_EXPERT_OFFLOAD_ON: return "on";
+    case DSV4_EXPERT_OFFLOAD_OFF: return "off";
     default: return "auto";
     }
 }
@@ -252,6 +275,16 @@ static int dsv4_settings_set(struct dsv4_settings *s, const char *key, const cha
             s->numerics = DSV4_NUMERICS_CHOICE_AUTO;
         else
             return dsv4_error_set(-EINVAL, "%s: numerics = '%s': expected exact, fp8 or auto", where, value);
+        return 0;
+    case OPT_OFFLOAD:
+        if (!strcmp(value, "auto"))
+            s->expert_offload = DSV4_EXPERT_OFFLOAD_AUTO;
+        else if (!strcmp(value, "on"))
+            s->expert_offload = DSV4_EXPERT_OFFLOAD_ON;
+        else if (!strcmp(value, "off"))
+            s->expert_offload = DSV4_EXPERT_OFFLOAD_OFF;
+        else
+            return dsv4_error_set(-EINVAL, "%s: expert_offload = '%s': expected auto, on or off", where, value);
         return 0;
     case OPT_LEVEL:
         r = dsv4_log_parse_level(value);
@@ -425,6 +458,8 @@ int dsv4_settings_validate(const struct dsv4_settings *s)
     if (s->max_prompt_tokens >= s->max_context)
         return dsv4_error_set(-EINVAL, "max_prompt_tokens = %d leaves no room to generate in max_context = %d",
                               s->max_prompt_tokens, s->max_context);
+    if (s->expert_host_share > 0 && s->expert_offload != DSV4_EXPERT_OFFLOAD_ON)
+        return dsv4_error_set(-EINVAL, "expert_host_share = %d needs expert_offload = on", s->expert_host_share);
     return 0;
 }
 
@@ -449,6 +484,7 @@ void dsv4_settings_print(const struct dsv4_settings *s, FILE *f)
         case OPT_SECONDS: fprintf(f, "%s = %g\n", o->key, *(const double *)field); break;
         case OPT_BACKEND: fprintf(f, "%s = %s\n", o->key, dsv4_settings_backend_name(s->backend)); break;
         case OPT_NUMERICS: fprintf(f, "%s = %s\n", o->key, numerics_name(s->numerics)); break;
+        case OPT_OFFLOAD: fprintf(f, "%s = %s\n", o->key, offload_name(s->expert_offload)); break;
         case OPT_LEVEL: fprintf(f, "%s = %s\n", o->key, levels[s->log_level & 7]); break;
         case OPT_USERS: print_ids(f, o->key, (const uint32_t *)s->allow_users, s->n_allow_users); break;
         case OPT_GROUPS: print_ids(f, o->key, (const uint32_t *)s->allow_groups, s->n_allow_groups); break;

@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <sys/types.h>
 
+#include "engine/model/placement.h"
+
 #define DSV4_SETTINGS_PATH_MAX 4096
 #define DSV4_SETTINGS_SOCKET_PATH_MAX 108   /* sizeof(sun_path) */
 #define DSV4_SETTINGS_ALLOW_MAX 64          /* entries in allow_users / allow_groups */
@@ -31,6 +33,11 @@ struct dsv4_settings {
     int max_batch;
     int max_context;
     uint64_t prefix_cache;      /* bytes of the prefix-cache pool (device memory on CUDA); 0 = off */
+    int prefill_chunk;          /* prompt tokens per engine step (0 = DSV4_PREFILL_CHUNK_DEFAULT) */
+    enum dsv4_expert_offload expert_offload;    /* routed experts that do not fit the GPU: pinned host memory */
+    int expert_host_share;      /* percent of each layer's experts in host memory at least (expert_offload = on) */
+    char expert_placement[DSV4_SETTINGS_PATH_MAX];  /* routing statistics choosing the GPU's experts; "" = even */
+    char routing_stats[DSV4_SETTINGS_PATH_MAX];     /* where the routed-token counts are written at stop; "" = not */
 
     /* Per-request and per-client limits, each reported with its own protocol error code. */
     int max_connections;

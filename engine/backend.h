@@ -9,12 +9,16 @@
 #include <stdint.h>
 
 #include "engine/serve/sampler.h"
+#include "engine/model/placement.h"
 #include "engine/model/weights.h"
 
 enum dsv4_numerics {
     DSV4_NUMERICS_EXACT,    /* caches in f32, no rounding: what transformers' deepseek_v4 computes */
     DSV4_NUMERICS_FP8,      /* official: FP8 KV (448 non-RoPE dims, 1x64 UE8M0), Hadamard+FP4 indexer */
 };
+
+#define DSV4_PREFILL_CHUNK_DEFAULT 1024     /* prompt positions of one prefill step, unless configured */
+#define DSV4_PREFILL_CHUNK_MAX 4096         /* the longest prefill step a backend takes */
 
 #define DSV4_SPEC_TOKENS_MAX 3        /* draft tokens per speculative step */
 
@@ -24,6 +28,13 @@ struct dsv4_backend_opts {
     enum dsv4_numerics numerics;
     int threads;                /* CPU backend worker threads; 0 = one */
     int64_t prefix_pool_bytes;  /* prefix-cache pool reserved at create (device memory on CUDA); 0 = none */
+    int prefill_chunk;          /* CUDA: prompt positions one prefill step takes, 0..DSV4_PREFILL_CHUNK_MAX
+                                 * (0 = DSV4_PREFILL_CHUNK_DEFAULT); its rows' workspaces are part of the
+                                 * boot plan. CPU: unused */
+    /* Routed experts that do not fit on the GPU live in pinned host memory (CUDA; engine/model/placement.h). */
+    enum dsv4_expert_offload expert_offload;
+    int expert_host_share;      /* percent; with DSV4_EXPERT_OFFLOAD_ON at least this share of each layer on the host */
+    const uint64_t *expert_counts;  /* [n_layers * n_experts] routing statistics choosing the GPU's experts, or NULL */
     int spec_tokens;            /* speculative decoding: drafts per step to prepare for, 0..SPEC_TOKENS_MAX */
 };
 
@@ -49,8 +60,12 @@ struct dsv4_prefix_geom {
 struct dsv4_backend_stats {
     uint64_t device_allocs;     /* allocations made since create (must stay flat after boot) */
     uint64_t graph_captures;
+    uint64_t eager_steps;       /* steps launched outside the captured graphs (CUDA prefill chunks
+                                 * longer than the largest bucket) */
     uint64_t bytes_reserved;    /* caches + workspaces */
     char variant[192];          /* kernels in use, for stats and logs */
+    uint32_t experts_gpu, experts_host;         /* routed experts by where they live (CUDA; 0, 0 on the CPU) */
+    uint64_t expert_bytes_gpu, expert_bytes_host;
 };
 
 struct dsv4_backend;
@@ -105,6 +120,9 @@ struct dsv4_backend_ops {
     int (*prefix_save)(struct dsv4_backend *b, int slot, const int32_t *block_pages, const int32_t *boundary_pages);
     int (*prefix_load)(struct dsv4_backend *b, int slot, int n_blocks, const int32_t *block_pages,
                        const int32_t *boundary_pages, const int32_t *tokens);
+    /* Optional: tokens routed to each expert since create, counts[n_layers * n_experts] (layer-major;
+     * a token counts once for each of its top-k experts; padding rows do not count). */
+    int (*routing_counts)(struct dsv4_backend *b, uint64_t *counts);
     /* Speculative decoding with the checkpoint's MTP block (b->spec_tokens > 0 only; otherwise these
      * may be NULL and the engine decodes one token per step). S = b->spec_tokens below.
      * draft: for each of n slots (distinct) at position P, tokens[i] is the token to be appended next

@@ -2,8 +2,15 @@
 /* Per-device state: one cudaMalloc carved into weights (checkpoint formats), per-slot caches and
  * workspaces; the compute stream, the cuBLASLt handle and its workspace; counters that prove no
  * allocation or capture happens after the device is sealed. Everything one GPU owns lives in
- * struct dsv4_cuda_dev so that several devices (expert parallelism) can follow. */
+ * struct dsv4_cuda_dev so that several devices (expert parallelism) can follow.
+ *
+ * Routed experts that do not fit (engine/model/placement.h decides which) live in one pinned, mapped
+ * host allocation made at boot. Their entries in the layer's expert table hold the device address of
+ * those host bytes, so the same expert kernels read them in place over PCIe: the arithmetic is the
+ * same wherever an expert lives, only the time to reach its bytes differs. */
 #include <atomic>
+#include <memory>
+#include <new>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +24,8 @@
 #include "kernels/switches.h"
 
 #define DEV_VARIANTS_MAX 2048           /* bytes of the variant report */
+#define DEV_GIB 1073741824.0
+#define DEV_PLACEMENT_LINE_LAYERS 8     /* layers per boot-log line of the expert placement */
 
 static std::atomic<uint64_t> launch_counts[DSV4_CUDA_V_COUNT];
 
@@ -79,7 +88,12 @@ struct dsv4_cuda_dev {
     struct dev_vector *vectors;
     size_t n_vectors, cap_vectors;
     struct dsv4_cuda_experts *experts;  /* [n_layers]; d_table NULL when not FP4 */
-    int n_layers;
+    int n_layers, experts_per_layer;
+    struct dsv4_placement *place;       /* where each routed expert lives */
+    uint8_t *host;              /* the pinned, mapped allocation of the experts placed in host memory, or NULL */
+    uint8_t *host_dev;          /* the same bytes as kernels address them */
+    size_t host_size, host_used;
+    uint64_t *route_counts;     /* [n_layers * n_experts] tokens routed to each expert (route_stats.cu) */
     void *caches;               /* per-slot caches, official layout (used by the decode step) */
     char variants[DEV_VARIANTS_MAX];
 };
@@ -92,7 +106,9 @@ struct walker {
     int (*experts)(struct walker *wk, int layer, const struct dsv4_ffn *f);
     struct dsv4_cuda_dev *dev;
     const struct dsv4_config *cfg;
-    size_t bytes;               /* pass 1: sum of aligned sizes */
+    size_t bytes;               /* pass 1: sum of aligned sizes, routed experts that may move excepted */
+    uint64_t *expert_bytes;     /* pass 1: [n_layers] aligned bytes of each layer's movable experts */
+    int ex_layer, ex_expert;    /* the movable expert being walked (ex_layer -1: none) */
 };
 
 static size_t align_up(size_t n)
@@ -106,6 +122,25 @@ static size_t align_up(size_t n)
         if (rc_ < 0)                    \
             return rc_;                 \
     } while (0)
+
+static bool linear_present(const struct dsv4_linear *l)
+{
+    return l->w && l->out > 0 && l->in > 0;
+}
+
+/* The routed experts go into one table when all 3E linears share a format the kernel has. */
+static bool experts_uniform(const struct dsv4_config *c, const struct dsv4_ffn *f)
+{
+    if (!f->w1 || !f->w2 || !f->w3 || c->n_experts < 1)
+        return false;
+    const enum dsv4_wfmt fmt = f->w1[0].fmt;
+    if (fmt == DSV4_W_F16)
+        return false;
+    for (int e = 0; e < c->n_experts; e++)
+        if (f->w1[e].fmt != fmt || f->w3[e].fmt != fmt || f->w2[e].fmt != fmt || !linear_present(&f->w1[e]))
+            return false;
+    return true;
+}
 
 static int walk_vec(struct walker *wk, const void *host, size_t n, size_t elem)
 {
@@ -157,11 +192,16 @@ static int walk_layer(struct walker *wk, int li, const struct dsv4_layer *L)
     WALK(wk->linear(wk, &f->gate));
     WALK(walk_vec(wk, f->gate_bias, c->n_experts, sizeof(float)));
     WALK(walk_vec(wk, f->tid2eid, (size_t)c->vocab_size * c->n_experts_per_tok, sizeof(int32_t)));
+    /* only a layer's table of experts (upload_experts) can point into host memory */
+    const bool movable = li >= 0 && experts_uniform(c, f);
     for (int e = 0; f->w1 && f->w2 && f->w3 && e < c->n_experts; e++) {
+        wk->ex_layer = movable ? li : -1;
+        wk->ex_expert = e;
         WALK(wk->linear(wk, &f->w1[e]));
         WALK(wk->linear(wk, &f->w3[e]));
         WALK(wk->linear(wk, &f->w2[e]));
     }
+    wk->ex_layer = -1;
     if (li >= 0)
         WALK(wk->experts(wk, li, f));
     WALK(wk->linear(wk, &f->sw1));
@@ -217,16 +257,15 @@ static size_t linear_scale_bytes(const struct dsv4_linear *l)
     return 0;
 }
 
-static bool linear_present(const struct dsv4_linear *l)
-{
-    return l->w && l->out > 0 && l->in > 0;
-}
-
 static int size_linear(struct walker *wk, const struct dsv4_linear *l)
 {
     if (!linear_present(l))
         return 0;
-    wk->bytes += align_up(linear_elem_bytes(l, l->out * l->in)) + align_up(linear_scale_bytes(l));
+    const size_t b = align_up(linear_elem_bytes(l, l->out * l->in)) + align_up(linear_scale_bytes(l));
+    if (wk->ex_layer >= 0)
+        wk->expert_bytes[wk->ex_layer] += b;
+    else
+        wk->bytes += b;
     wk->dev->cap_linears++;
     return 0;
 }
@@ -236,20 +275,6 @@ static int size_vector(struct walker *wk, const void *host, size_t bytes)
     wk->bytes += align_up(bytes);
     wk->dev->cap_vectors++;
     return 0;
-}
-
-/* The routed experts go into one table when all 3E linears share a format the kernel has. */
-static bool experts_uniform(const struct dsv4_config *c, const struct dsv4_ffn *f)
-{
-    if (!f->w1 || !f->w2 || !f->w3 || c->n_experts < 1)
-        return false;
-    const enum dsv4_wfmt fmt = f->w1[0].fmt;
-    if (fmt == DSV4_W_F16)
-        return false;
-    for (int e = 0; e < c->n_experts; e++)
-        if (f->w1[e].fmt != fmt || f->w3[e].fmt != fmt || f->w2[e].fmt != fmt || !linear_present(&f->w1[e]))
-            return false;
-    return true;
 }
 
 static int size_experts(struct walker *wk, int layer, const struct dsv4_ffn *f)
@@ -272,23 +297,50 @@ static int carve(struct dsv4_cuda_dev *dev, size_t bytes, void **ret)
     return 0;
 }
 
+/* The pinned host allocation's share of an expert placed there: its bytes written now, its device
+ * address (what the expert table holds) returned. */
+static int carve_host(struct dsv4_cuda_dev *dev, size_t bytes, uint8_t **ret_host, void **ret_dev)
+{
+    bytes = align_up(bytes);
+    if (bytes > dev->host_size - dev->host_used)
+        return dsv4_error_set(-ENOMEM, "cuda: host expert memory of %zu bytes exhausted (%zu used, %zu more asked)",
+                              dev->host_size, dev->host_used, bytes);
+    *ret_host = dev->host + dev->host_used;
+    *ret_dev = dev->host_dev + dev->host_used;
+    dev->host_used += bytes;
+    return 0;
+}
+
+/* rows x row bytes from src (rows pitch bytes apart) to the device arena, or into host memory. */
+static int put_rows(struct dsv4_cuda_dev *dev, bool host, const void *src, size_t pitch, size_t row, size_t rows,
+                    void **ret_dev)
+{
+    uint8_t *h = NULL;
+    if (!host) {
+        WALK(carve(dev, row * rows, ret_dev));
+        DSV4_CUDA_TRY(cudaMemcpy2D(*ret_dev, row, src, pitch, row, rows, cudaMemcpyHostToDevice));
+        return 0;
+    }
+    WALK(carve_host(dev, row * rows, &h, ret_dev));
+    for (size_t r = 0; r < rows; r++)
+        memcpy(h + r * row, static_cast<const uint8_t *>(src) + r * pitch, row);
+    return 0;
+}
+
 static int upload_linear(struct walker *wk, const struct dsv4_linear *l)
 {
     struct dsv4_cuda_dev *dev = wk->dev;
     struct dev_linear *dl;
     void *w = NULL, *s = NULL;
     size_t row = linear_elem_bytes(l, l->in), sb = linear_scale_bytes(l);
+    const bool host = wk->ex_layer >= 0 && dsv4_placement_on_host(dev->place, wk->ex_layer, wk->ex_expert);
 
     if (!linear_present(l))
         return 0;
-    WALK(carve(dev, row * l->out, &w));
     /* stacked expert views (row_stride > in) become contiguous rows */
-    DSV4_CUDA_TRY(cudaMemcpy2D(w, row, l->w, linear_elem_bytes(l, l->row_stride), row, l->out,
-                               cudaMemcpyHostToDevice));
-    if (sb) {
-        WALK(carve(dev, sb, &s));
-        DSV4_CUDA_TRY(cudaMemcpy(s, l->scale, sb, cudaMemcpyHostToDevice));
-    }
+    WALK(put_rows(dev, host, l->w, linear_elem_bytes(l, l->row_stride), row, l->out, &w));
+    if (sb)
+        WALK(put_rows(dev, host, l->scale, sb, sb, 1, &s));
     dl = &dev->linears[dev->n_linears++];
     dl->name = l->name;
     dl->host = l->w;
@@ -299,7 +351,8 @@ static int upload_linear(struct walker *wk, const struct dsv4_linear *l)
     dl->lin.w = w;
     dl->lin.scale = static_cast<const uint8_t *>(s);
     dl->lin.scale_stride = l->scale_stride;
-    dev->stats.weight_bytes += row * l->out + sb;
+    if (!host)
+        dev->stats.weight_bytes += row * l->out + sb;
     return 0;
 }
 
@@ -373,6 +426,67 @@ static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), v
         log(ctx, line);
 }
 
+/* Pass 1 gave the dense bytes (wk->bytes) and each layer's movable expert bytes; `rest` is what
+ * the caches, workspaces and prefix pool take. Decide where each expert lives and make the host
+ * allocation for those that go there (the only one: nothing is allocated after boot). */
+static int plan_experts(struct dsv4_cuda_dev *dev, struct walker *wk, const struct dsv4_backend_opts *o,
+                        size_t rest, size_t free_b)
+{
+    const struct dsv4_config *c = wk->cfg;
+    const size_t need = wk->bytes + rest + DSV4_CUDA_GPU_MARGIN;
+    for (int l = 0; l < c->n_layers; l++)
+        wk->expert_bytes[l] /= (uint64_t)c->n_experts;      /* the experts of a movable layer are alike */
+    struct dsv4_placement_req req = {};
+    req.n_layers = c->n_layers;
+    req.n_experts = c->n_experts;
+    req.expert_bytes = wk->expert_bytes;
+    req.gpu_budget = free_b > need ? free_b - need : 0;
+    req.mode = o->expert_offload;
+    req.host_percent = o->expert_host_share;
+    req.counts = o->expert_counts;
+    WALK(dsv4_placement_plan(&req, &dev->place));
+    for (int l = 0; l < c->n_layers; l++) {
+        dev->stats.experts_host += (uint32_t)dev->place->host_experts[l];
+        dev->stats.experts_gpu += wk->expert_bytes[l] ? (uint32_t)(c->n_experts - dev->place->host_experts[l]) : 0;
+    }
+    dev->stats.gpu_expert_bytes = dev->place->gpu_bytes;
+    dev->stats.host_expert_bytes = dev->place->host_bytes;
+    if (!dev->place->host_bytes)
+        return 0;
+    void *h = NULL, *d = NULL;
+    cudaError_t e = cudaHostAlloc(&h, dev->place->host_bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess)
+        return dsv4_error_set(-ENOMEM, "cuda: pinning %.2f GiB of host memory for %u routed experts that do not fit "
+                              "the GPU: %s (free host memory, or expert_host_share lower)",
+                              dev->place->host_bytes / DEV_GIB, dev->stats.experts_host, cudaGetErrorString(e));
+    dev->host = static_cast<uint8_t *>(h);
+    dev->host_size = dev->place->host_bytes;
+    dev->stats.host_allocs++;
+    DSV4_CUDA_TRY(cudaHostGetDevicePointer(&d, h, 0));
+    dev->host_dev = static_cast<uint8_t *>(d);
+    return 0;
+}
+
+/* Boot log: the placement, DEV_PLACEMENT_LINE_LAYERS layers a line as layer:gpu/host. */
+static void log_placement(struct dsv4_cuda_dev *dev, const struct dsv4_config *c, void (*log)(void *, const char *),
+                          void *ctx)
+{
+    const struct dsv4_placement *p = dev->place;
+    vlog(dev, log, ctx, false, "cuda: routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory "
+         "(%.2f GiB, read in place over PCIe): %s", dev->stats.experts_gpu, p->gpu_bytes / DEV_GIB,
+         dev->stats.experts_host, p->host_bytes / DEV_GIB, dsv4_placement_rule(p));
+    if (!p->offload)
+        return;
+    for (int l0 = 0; l0 < c->n_layers; l0 += DEV_PLACEMENT_LINE_LAYERS) {
+        char line[200];
+        size_t n = 0;
+        for (int l = l0; l < c->n_layers && l < l0 + DEV_PLACEMENT_LINE_LAYERS; l++)
+            n += (size_t)snprintf(line + n, sizeof(line) - n, " %d:%d/%d", l, c->n_experts - p->host_experts[l],
+                                  p->host_experts[l]);
+        vlog(dev, log, ctx, false, "cuda: experts gpu/host by layer:%s", line);
+    }
+}
+
 /* Which compiled image of the kernels the device runs: written by the device itself. */
 __global__ void arch_probe_kernel(int *out)
 {
@@ -440,6 +554,9 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     if (o->max_batch < 1 || o->max_batch > DSV4_CUDA_MAX_BATCH || o->max_context < 1)
         return dsv4_error_set(-EINVAL, "cuda: max_batch %d outside 1..%d or max_context %d < 1", o->max_batch,
                               DSV4_CUDA_MAX_BATCH, o->max_context);
+    if (o->prefill_chunk < 0 || o->prefill_chunk > DSV4_PREFILL_CHUNK_MAX)
+        return dsv4_error_set(-EINVAL, "cuda: prefill_chunk %d outside 0..%d (0 = the default, %d)", o->prefill_chunk,
+                              DSV4_PREFILL_CHUNK_MAX, DSV4_PREFILL_CHUNK_DEFAULT);
     DSV4_CUDA_TRY(cudaSetDevice(dev->ordinal));
     DSV4_CUDA_TRY(cudaGetDeviceProperties(&prop, dev->ordinal));
     snprintf(dev->stats.device_name, sizeof(dev->stats.device_name), "%.95s", prop.name);
@@ -456,6 +573,11 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     wk.linear = size_linear;
     wk.vector = size_vector;
     wk.experts = size_experts;
+    wk.ex_layer = -1;
+    std::unique_ptr<uint64_t[]> expert_bytes(new (std::nothrow) uint64_t[c->n_layers + 1]());
+    if (!expert_bytes)
+        return dsv4_error_set(-ENOMEM, "cuda: expert sizes of %d layers", c->n_layers);
+    wk.expert_bytes = expert_bytes.get();
     WALK(walk_weights(&wk, w));
     cache = align_up(dsv4_cuda_step_cache_bytes(c, o));
     ws = align_up(dsv4_cuda_step_workspace_bytes(c, o)) + align_up(lt_ws) + 2 * DSV4_CUDA_ARENA_ALIGN;
@@ -463,15 +585,18 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     if (pb < 0)
         return (int)pb;
     prefix = align_up((size_t)pb);
-    dev->arena_size = wk.bytes + cache + ws + prefix;
+    const size_t counts = align_up(sizeof(uint64_t) * (size_t)c->n_layers * (size_t)c->n_experts);
     DSV4_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
-    if (dev->arena_size > free_b)
-        return dsv4_error_set(-ENOMEM, "cuda: device %d (%s) has %.2f GiB free; the plan needs %.2f GiB "
-                              "(weights %.2f + caches %.2f for %d slots x %d tokens + workspace %.2f + prefix cache "
-                              "%.2f): lower max_batch, max_context or prefix_cache", dev->ordinal, prop.name,
-                              free_b / 1073741824.0, dev->arena_size / 1073741824.0, wk.bytes / 1073741824.0,
-                              cache / 1073741824.0, o->max_batch, o->max_context, ws / 1073741824.0,
-                              prefix / 1073741824.0);
+    const size_t fixed = wk.bytes + cache + ws + prefix + counts;
+    if (fixed + DSV4_CUDA_GPU_MARGIN > free_b)
+        return dsv4_error_set(-ENOMEM, "cuda: device %d (%s) has %.2f GiB free; the plan needs %.2f GiB before any "
+                              "routed expert (dense weights %.2f + caches %.2f for %d slots x %d tokens + workspace "
+                              "%.2f + prefix cache %.2f + margin %.2f): lower max_batch, max_context or prefix_cache",
+                              dev->ordinal, prop.name, free_b / DEV_GIB, (fixed + DSV4_CUDA_GPU_MARGIN) / DEV_GIB,
+                              wk.bytes / DEV_GIB, cache / DEV_GIB, o->max_batch, o->max_context, ws / DEV_GIB,
+                              prefix / DEV_GIB, DSV4_CUDA_GPU_MARGIN / DEV_GIB);
+    WALK(plan_experts(dev, &wk, o, cache + ws + prefix + counts, free_b));
+    dev->arena_size = fixed + dev->place->gpu_bytes;
     DSV4_CUDA_TRY(cudaMalloc(&p, dev->arena_size));
     dev->stats.device_allocs++;
     dev->arena = static_cast<uint8_t *>(p);
@@ -484,6 +609,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     dev->linears = static_cast<struct dev_linear *>(calloc(dev->cap_linears + 1, sizeof(*dev->linears)));
     dev->vectors = static_cast<struct dev_vector *>(calloc(dev->cap_vectors + 1, sizeof(*dev->vectors)));
     dev->n_layers = c->n_layers;
+    dev->experts_per_layer = c->n_experts;
     dev->experts = static_cast<struct dsv4_cuda_experts *>(calloc(c->n_layers + 1, sizeof(*dev->experts)));
     if (!dev->linears || !dev->vectors || !dev->experts)
         return dsv4_error_set(-ENOMEM, "cuda: weight tables for %zu linears", dev->cap_linears);
@@ -491,6 +617,12 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     wk.vector = upload_vector;
     wk.experts = upload_experts;
     WALK(walk_weights(&wk, w));
+    if (dev->host_used != dev->host_size)
+        return dsv4_error_set(-EIO, "cuda: %zu of %zu bytes of host expert memory written", dev->host_used,
+                              dev->host_size);
+    WALK(carve(dev, counts, &p));
+    dev->route_counts = static_cast<uint64_t *>(p);
+    DSV4_CUDA_TRY(cudaMemsetAsync(p, 0, counts, dev->stream));
     WALK(carve(dev, cache, &dev->caches));
     DSV4_CUDA_TRY(cudaMemsetAsync(dev->caches, 0, cache, dev->stream));
     WALK(carve(dev, lt_ws, &dev->lt_workspace));
@@ -505,6 +637,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          cache / 1073741824.0, o->max_batch, o->max_context,
          o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV entries, FP4 indexer keys" : "f32 entries",
          ws / 1073741824.0);
+    log_placement(dev, c, log, log_ctx);
     vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3); "
          "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s; "
          "tensor-core linears with a %d-stage ring, the first wave prefetching up to %lld KB of weights",
@@ -585,6 +718,8 @@ extern "C" void dsv4_cuda_dev_destroy(struct dsv4_cuda_dev *dev)
     if (dev->stream)
         cudaStreamDestroy(dev->stream);
     cudaFree(dev->arena);
+    cudaFreeHost(dev->host);
+    dsv4_placement_free(dev->place);
     free(dev->linears);
     free(dev->vectors);
     free(dev->experts);
@@ -630,6 +765,24 @@ extern "C" const struct dsv4_cuda_linear *dsv4_cuda_dev_linear_for(const struct 
             dev->linears[i].lin.in == host->in)
             return &dev->linears[i].lin;
     return NULL;
+}
+
+extern "C" uint64_t *dsv4_cuda_dev_route_counts(const struct dsv4_cuda_dev *dev, int layer)
+{
+    return layer >= 0 && layer < dev->n_layers ? dev->route_counts + (int64_t)layer * dev->experts_per_layer : NULL;
+}
+
+extern "C" int dsv4_cuda_dev_read_route_counts(const struct dsv4_cuda_dev *dev, uint64_t *counts)
+{
+    /* the step's streams are non-blocking: the counts are those of the steps finished so far */
+    DSV4_CUDA_TRY(cudaMemcpy(counts, dev->route_counts, sizeof(uint64_t) * (size_t)dev->n_layers *
+                             (size_t)dev->experts_per_layer, cudaMemcpyDeviceToHost));
+    return 0;
+}
+
+extern "C" const struct dsv4_placement *dsv4_cuda_dev_placement(const struct dsv4_cuda_dev *dev)
+{
+    return dev->place;
 }
 
 extern "C" void *dsv4_cuda_dev_caches(const struct dsv4_cuda_dev *dev)

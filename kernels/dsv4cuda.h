@@ -18,9 +18,12 @@ extern "C" {
 #include "engine/model/weights.h"
 
 #define DSV4_CUDA_MAX_BATCH 64          /* decode rows per step: the largest graph bucket */
+#define DSV4_CUDA_MAX_ROWS DSV4_PREFILL_CHUNK_MAX     /* rows of one step: the longest prefill chunk */
 #define DSV4_CUDA_ARENA_ALIGN 256       /* bytes; every arena carve-out starts on this boundary */
 #define DSV4_CUDA_LT_WORKSPACE (32u << 20)   /* cuBLASLt workspace bytes (prefill GEMMs) */
 #define DSV4_CUDA_ACT_BLOCK 128         /* official activation quantization block along K */
+#define DSV4_CUDA_GPU_MARGIN ((size_t)512 << 20)    /* device bytes the boot plan leaves free (graphs, the
+                                                     * runtime's own needs) before placing routed experts */
 
 /* A linear layer as it lives on the device: same meaning as struct dsv4_linear (engine/model/weights.h),
  * with w and scale pointing into the device arena. */
@@ -110,6 +113,10 @@ struct dsv4_cuda_dev_stats {
     uint64_t cache_bytes;       /* per-slot caches */
     uint64_t workspace_bytes;   /* activations, scratch, cuBLASLt workspace */
     uint64_t prefix_bytes;      /* the prefix-cache pool and its copy tables (kernels/prefix.cu) */
+    uint64_t host_allocs;       /* pinned host allocations (1 when routed experts live in host memory, else 0) */
+    uint64_t gpu_expert_bytes;  /* routed experts on the device (part of weight_bytes) */
+    uint64_t host_expert_bytes; /* routed experts in pinned host memory, read in place over PCIe */
+    uint32_t experts_gpu, experts_host;     /* routed experts by where they live, all layers */
     uint64_t launches[DSV4_CUDA_V_COUNT];  /* per-variant launch counters (process-wide) */
     char device_name[96];
     int cc_major, cc_minor;
@@ -133,6 +140,13 @@ void dsv4_cuda_dev_get_stats(const struct dsv4_cuda_dev *dev, struct dsv4_cuda_d
 const struct dsv4_cuda_linear *dsv4_cuda_dev_linear(const struct dsv4_cuda_dev *dev, const char *name);
 /* Device copy of a host linear of w (matched by its checkpoint bytes and shape); NULL if absent. */
 const struct dsv4_cuda_linear *dsv4_cuda_dev_linear_for(const struct dsv4_cuda_dev *dev, const struct dsv4_linear *host);
+/* Where each routed expert lives (engine/model/placement.h), decided at create. */
+const struct dsv4_placement *dsv4_cuda_dev_placement(const struct dsv4_cuda_dev *dev);
+/* Layer's device counters of tokens routed to each expert [n_experts] (dsv4_cuda_route_count adds
+ * to them); NULL for a layer out of range. */
+uint64_t *dsv4_cuda_dev_route_counts(const struct dsv4_cuda_dev *dev, int layer);
+/* Copy every layer's counters to counts [n_layers * n_experts] (the steps finished so far). */
+int dsv4_cuda_dev_read_route_counts(const struct dsv4_cuda_dev *dev, uint64_t *counts);
 /* The per-slot caches ((max_batch + 1) slots; the step lays them out). */
 void *dsv4_cuda_dev_caches(const struct dsv4_cuda_dev *dev);
 /* Carve `bytes` of workspace from the arena's free tail (boot only: fails after dsv4_cuda_dev_seal). */
@@ -157,27 +171,30 @@ const char *dsv4_cuda_dev_variants(const struct dsv4_cuda_dev *dev);
  * shorter (as engine/model/quant.c; only small test models have such widths). d_y may equal d_x. */
 int dsv4_cuda_fp8_roundtrip(const float *d_x, int rows, int64_t k, int block, float *d_y, void *stream);
 
-/* d_y[b, n] = sum_k W[n, k] d_x[b, k] for b < batch (<= DSV4_CUDA_MAX_BATCH), f32 accumulation,
+/* d_y[b, n] = sum_k W[n, k] d_x[b, k] for b < batch (<= DSV4_CUDA_MAX_ROWS), f32 accumulation,
  * weights dequantized on the fly. FP8/FP4 weights expect d_x already FP8-rounded (the caller runs
  * dsv4_cuda_fp8_roundtrip, as the official code quantizes activations). Rows are ldx/ldy apart. */
 int dsv4_cuda_gemv(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch,
                    float *d_y, int64_t ldy, void *stream);
 
-/* Tensor-core linears (kernels/gemm.cu) for 1..DSV4_CUDA_MAX_BATCH rows: FP8 weights with the
+/* Tensor-core linears (kernels/gemm.cu) for 1..DSV4_CUDA_MAX_ROWS rows: FP8 weights with the
  * official 1x128 e4m3 activation quantization done inside (quant_act; d_x is the raw f32 input) or
  * with raw f32 activations (f16 hi + lo per power-of-two-scaled 1x128 block), or BF16 weights with
  * raw f32 activations (bf16 hi + lo); both raw forms represent x to ~2^-17, and the results
  * measure 3e-7 to 1e-5 from f32 math (BF16 at K 4096 in one split up to 1.9e-5: the tensor-core
  * accumulator is not round-to-nearest; kernels/NOTES.md). F32 and FP4
- * linears stay on dsv4_cuda_gemv. The weights are read once per
- * call whatever the row count; K is split over CTAs by a count that depends only on W's shape and
- * partial sums are added in a fixed order, so each row's result is independent of the batch.
- * The workspace is carved once at boot for `rows` rows of width up to `max_k`. */
+ * linears stay on dsv4_cuda_gemv. Up to DSV4_CUDA_MAX_BATCH rows the weights are streamed once per
+ * call; above it (prefill chunks) each block of 64 rows is a CTA of its own beside the others that
+ * share its weight tile (read once from memory, then from L2). K is split by a count that depends
+ * only on W's shape and the splits' partial sums are added in a fixed order (by a reduction launch,
+ * or above DSV4_CUDA_MAX_BATCH rows inside the CTA that walks every split), so each row's result is
+ * the same bits whatever the batch. The workspace is carved once at boot for `rows` rows of width
+ * up to `max_k`. */
 #define DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW 65536   /* split-K partials per row: splits x out */
 struct dsv4_cuda_gemm_ws {
     void *xa;                   /* [rows, K] f16 e4m3 values, or hi [rows, K] + lo [rows, K] (f16 or bf16) */
     float *sa;                  /* [rows, K/128] activation scales */
-    float *part;                /* [splits, rows, out] */
+    float *part;                /* [splits, min(rows, DSV4_CUDA_MAX_BATCH), out] */
     int rows;
     int64_t max_k;
     struct {                    /* what xa and sa hold: the x, its rows and width, the form (set by each call) */
@@ -248,6 +265,11 @@ int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const float *d_x, i
 int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int topk, const int32_t *d_idx,
                           const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add, float *d_y,
                           void *stream);
+
+/* Routing statistics (kernels/route_stats.cu): d_counts[e] += the rows b < batch whose d_slot[b] is
+ * not pad_slot (a bucket's padding rows) with e among d_idx[b, 0..topk). */
+int dsv4_cuda_route_count(const int32_t *d_idx, int batch, int topk, const int32_t *d_slot, int pad_slot,
+                          uint64_t *d_counts, void *stream);
 
 /* d_h[b, i] = silu(min(g, L)) * clamp(u, -L, L) for g = d_gate[b, i], u = d_up[b, i] (shared expert). */
 int dsv4_cuda_swiglu(const float *d_gate, const float *d_up, int rows, int64_t n, float limit,

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* Tensor-core linears for a step's rows (decode batches and prefill chunks, up to
- * DSV4_CUDA_MAX_BATCH rows): y[b] = W x[b] with W in its checkpoint format, streamed once per
- * launch whatever the row count, through mma.sync (sm_80+, so every image we build runs it).
+/* Tensor-core linears for a step's rows (decode batches of up to DSV4_CUDA_MAX_BATCH rows, prefill
+ * chunks of up to DSV4_CUDA_MAX_ROWS): y[b] = W x[b] with W in its checkpoint format, through
+ * mma.sync (sm_80+, so every image we build runs it).
  *
  * Three modes:
  *   fp8: e4m3 weights (128x128 UE8M0 scales) times activations quantized by the official 1x128
@@ -29,6 +29,13 @@
  * depends only on W's shape, and splits are added in a fixed order, so a row's result is the same
  * whatever else is in the batch.
  *
+ * Above DSV4_CUDA_MAX_BATCH rows (a prefill chunk) the grid is (64-row block, weight tile) instead:
+ * the row blocks of one tile are neighbours in launch order, so the tile comes from memory once and
+ * from L2 for the rest, and the chunk's rows fill the chip without splitting K. Each such CTA walks
+ * all of K and folds its sum at the split boundaries the shape defines (total += split sum, from
+ * zero, in split order): the reduction launch's arithmetic, so a prefill row gets the bits a decode
+ * row would.
+ *
  * Fragment trick: a dot product does not care in which order k runs, so each thread takes 16
  * contiguous bytes of its weight row and feeds them to consecutive MMAs as if they were the k
  * indices the PTX fragment layout names; the activation fragments use the same permutation. */
@@ -50,6 +57,7 @@
 #define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
 #define GEMM_PREFETCH_TILES 8       /* most k-tiles a CTA prefetches before its inputs are ready (128 KB) */
 #define GEMM_MAX_NT (DSV4_CUDA_MAX_BATCH / 8)
+#define GEMM_BLOCK_ROWS (GEMM_MAX_NT * 8)  /* batch rows of one CTA above DSV4_CUDA_MAX_BATCH rows */
 
 enum { GEMM_FP8 = 0, GEMM_BF16 = 1, GEMM_FP8RAW = 2 };
 
@@ -113,10 +121,11 @@ static __device__ __forceinline__ int sw256(int row, int c)
     return c ^ (row & 1);
 }
 
-/* Issue the cp.async loads of k-tile kt into stage s; xk0 is the group's first column of x. */
+/* Issue the cp.async loads of k-tile kt into stage s; xk0 is the group's first column of x, nb the
+ * CTA's first batch row. */
 template <int MODE, int NT>
 static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws, uint8_t *xs, int kt, int64_t row0,
-                                                 int64_t xk0)
+                                                 int64_t xk0, int nb)
 {
     const int tid = threadIdx.x;
     for (int i = tid; i < GEMM_ROWS * 8; i += GEMM_THREADS) {
@@ -126,13 +135,13 @@ static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws
     }
     if (MODE != GEMM_BF16) {
         for (int i = tid; i < xplanes(MODE) * NT * 8 * 16; i += GEMM_THREADS) {
-            const int p = i / (NT * 128), n = (i >> 4) % (NT * 8), c = i & 15, gn = min(n, a.rows - 1);
+            const int p = i / (NT * 128), n = (i >> 4) % (NT * 8), c = i & 15, gn = min(nb + n, a.rows - 1);
             const uint8_t *src = a.xa + (((int64_t)p * a.rows + gn) * a.k + xk0 + (int64_t)kt * 128) * 2 + c * 16;
             dsv4_cp_async16(xs + p * (NT * 8 * GEMM_XROW_BYTES) + n * GEMM_XROW_BYTES + sw256(n, c) * 16, src);
         }
     } else {
         for (int i = tid; i < 2 * NT * 8 * 8; i += GEMM_THREADS) {
-            const int p = i / (NT * 64), n = (i >> 3) % (NT * 8), c = i & 7, gn = min(n, a.rows - 1);
+            const int p = i / (NT * 64), n = (i >> 3) % (NT * 8), c = i & 7, gn = min(nb + n, a.rows - 1);
             const uint8_t *src = a.xa + (((int64_t)p * a.rows + gn) * a.k + (int64_t)kt * 64) * 2 + c * 16;
             dsv4_cp_async16(xs + p * (NT * 8 * 128) + n * 128 + sw128(n, c) * 16, src);
         }
@@ -149,14 +158,18 @@ static __device__ __forceinline__ void load_wrows(const uint8_t *ws, int r0, int
     w1v[0] = w1.x; w1v[1] = w1.y; w1v[2] = w1.z; w1v[3] = w1.w;
 }
 
-template <int MODE, int NT, int STAGES>
+/* SEQ: grid (row block, tile), every k-tile, splits folded in order (see the top of the file);
+ * otherwise grid (tile, split), all rows. */
+template <int MODE, int NT, int STAGES, bool SEQ>
 __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
 {
     extern __shared__ __align__(16) uint8_t smem[];
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP;
     const int g = lane >> 2, t = lane & 3;
-    const int64_t row0 = (int64_t)blockIdx.x * GEMM_ROWS;
-    const int split = blockIdx.y, kt0 = split * a.per, nk = min(a.nkt, kt0 + a.per) - kt0;
+    const int64_t row0 = (int64_t)(SEQ ? blockIdx.y : blockIdx.x) * GEMM_ROWS;
+    const int nb = SEQ ? (int)blockIdx.x * NT * 8 : 0;
+    const int split = SEQ ? 0 : blockIdx.y, kt0 = split * a.per;
+    const int nk = SEQ ? a.nkt : min(a.nkt, kt0 + a.per) - kt0;
 
     /* Weights are constant after boot: the CTAs that start while the previous kernel drains pull their
      * first k-tiles (one 128-byte line per row each) toward L2 before waiting for x. */
@@ -169,18 +182,21 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
     constexpr size_t sbytes = stage_bytes(MODE, NT);
     const int64_t xk0 = (row0 / a.grp_rows) * a.nkt * 128;     /* grouped: this tile's slice of x */
     const int r0 = warp * 16 + g, r1 = r0 + 8;
-    float acc[NT][4], blk[NT][4];
+    float acc[NT][4], blk[NT][4], tot[NT][4];
 
 #pragma unroll
     for (int j = 0; j < NT; j++)
 #pragma unroll
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < 4; i++) {
             acc[j][i] = 0.0f;
+            tot[j][i] = 0.0f;
+        }
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < nk)
-            load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + s, row0, xk0);
+            load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + s, row0, xk0,
+                                nb);
         dsv4_cp_async_commit();
     }
     for (int i = 0; i < nk; i++) {
@@ -190,7 +206,7 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
             const int nx = i + STAGES - 1, s = nx % STAGES;
             if (nx < nk)
                 load_tile<MODE, NT>(a, smem + s * sbytes, smem + s * sbytes + GEMM_ROWS * GEMM_TILE_BYTES, kt0 + nx,
-                                    row0, xk0);
+                                    row0, xk0, nb);
             dsv4_cp_async_commit();
         }
         const uint8_t *ws = smem + (i % STAGES) * sbytes, *xs = ws + GEMM_ROWS * GEMM_TILE_BYTES;
@@ -235,7 +251,7 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
             const int64_t sab = a.k / 128, sk = xk0 / 128 + kt;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                const int n0 = min(j * 8 + 2 * t, a.rows - 1), n1 = min(j * 8 + 2 * t + 1, a.rows - 1);
+                const int n0 = min(nb + j * 8 + 2 * t, a.rows - 1), n1 = min(nb + j * 8 + 2 * t + 1, a.rows - 1);
                 const float s0 = sw * __ldg(a.sa + (int64_t)n0 * sab + sk), s1 = sw * __ldg(a.sa + (int64_t)n1 * sab + sk);
                 acc[j][0] += blk[j][0] * s0;
                 acc[j][1] += blk[j][1] * s1;
@@ -278,6 +294,15 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
                 for (int q = 0; q < 4; q++)
                     acc[j][q] += blk[j][q];
         }
+        if (SEQ && ((i + 1) % a.per == 0 || i + 1 == nk)) {     /* the end of a split: fold it in */
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    tot[j][q] += acc[j][q];
+                    acc[j][q] = 0.0f;
+                }
+        }
     }
     dsv4_cp_async_wait<0>();
 
@@ -286,11 +311,13 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
     for (int j = 0; j < NT; j++) {
 #pragma unroll
         for (int q = 0; q < 4; q++) {
-            const int n = j * 8 + 2 * t + (q & 1);
+            const int n = nb + j * 8 + 2 * t + (q & 1);
             const int64_t o = row0 + (q < 2 ? r0 : r1);
             if (n >= a.rows || o >= a.out)
                 continue;
-            if (a.splits == 1)
+            if (SEQ)
+                a.y[(int64_t)n * a.ldy + o] = tot[j][q];
+            else if (a.splits == 1)
                 a.y[(int64_t)n * a.ldy + o] = acc[j][q];
             else
                 a.part[((int64_t)split * a.rows + n) * a.out + o] = acc[j][q];
@@ -447,7 +474,7 @@ extern "C" size_t dsv4_cuda_gemm_ws_bytes(int rows, int64_t max_k)
 {
     const size_t xa = (size_t)rows * (size_t)max_k * 4;         /* f16 values or bf16 hi + lo */
     const size_t sa = (size_t)rows * (size_t)((max_k + 127) / 128) * 4;
-    const size_t part = (size_t)rows * DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW * 4;
+    const size_t part = (size_t)min(rows, DSV4_CUDA_MAX_BATCH) * DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW * 4;
     return (xa + 255) / 256 * 256 + (sa + 255) / 256 * 256 + part;
 }
 
@@ -499,10 +526,10 @@ static int gemm_stages = GEMM_STAGES_MAX;     /* chosen by dsv4_cuda_gemm_prepar
 static int gemm_sms = 1;                        /* the device's SMs: CTAs of a launch's first wave, at least */
 static int64_t gemm_prefetch = (int64_t)DSV4_CUDA_PREFETCH_KB_DEFAULT << 10;   /* bytes; well inside L2 */
 
-template <int MODE, int NT, int STAGES>
+template <int MODE, int NT, int STAGES, bool SEQ = false>
 static int prepare_one()
 {
-    DSV4_CUDA_TRY(cudaFuncSetAttribute(gemm_kernel<MODE, NT, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    DSV4_CUDA_TRY(cudaFuncSetAttribute(gemm_kernel<MODE, NT, STAGES, SEQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)(STAGES * stage_bytes(MODE, NT))));
     return 0;
 }
@@ -523,6 +550,9 @@ static int prepare_stages()
     rc = rc ? rc : prepare_one<GEMM_FP8RAW, 2, STAGES>();
     rc = rc ? rc : prepare_one<GEMM_FP8RAW, 4, STAGES>();
     rc = rc ? rc : prepare_one<GEMM_FP8RAW, GEMM_MAX_NT, STAGES>();
+    rc = rc ? rc : prepare_one<GEMM_FP8, GEMM_MAX_NT, STAGES, true>();
+    rc = rc ? rc : prepare_one<GEMM_BF16, GEMM_MAX_NT, STAGES, true>();
+    rc = rc ? rc : prepare_one<GEMM_FP8RAW, GEMM_MAX_NT, STAGES, true>();
     return rc;
 }
 
@@ -559,19 +589,21 @@ extern "C" int64_t dsv4_cuda_gemm_prefetch_bytes(void)
     return gemm_prefetch;
 }
 
-template <int MODE, int NT>
+template <int MODE, int NT, bool SEQ = false>
 static int launch(gemm_args a, cudaStream_t s, const char *name)
 {
-    const dim3 grid((unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS), (unsigned)a.splits);
+    const unsigned tiles = (unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS);
+    const dim3 grid = SEQ ? dim3((unsigned)((a.rows + GEMM_BLOCK_ROWS - 1) / GEMM_BLOCK_ROWS), tiles)
+                          : dim3(tiles, (unsigned)a.splits);
     a.pf_ctas = (int)min((int64_t)grid.x * grid.y, (int64_t)gemm_sms);
-    a.pf_tiles = (int)min(min((int64_t)a.per, (int64_t)GEMM_PREFETCH_TILES),
+    a.pf_tiles = (int)min(min((int64_t)(SEQ ? a.nkt : a.per), (int64_t)GEMM_PREFETCH_TILES),
                           gemm_prefetch / ((int64_t)a.pf_ctas * GEMM_ROWS * GEMM_TILE_BYTES));
     if (gemm_stages == GEMM_STAGES_MAX)
-        dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_MAX>, grid, GEMM_THREADS, GEMM_STAGES_MAX * stage_bytes(MODE, NT),
-                    s, a);
+        dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_MAX, SEQ>, grid, GEMM_THREADS,
+                    GEMM_STAGES_MAX * stage_bytes(MODE, NT), s, a);
     else
-        dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_MIN>, grid, GEMM_THREADS, GEMM_STAGES_MIN * stage_bytes(MODE, NT),
-                    s, a);
+        dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_MIN, SEQ>, grid, GEMM_THREADS,
+                    GEMM_STAGES_MIN * stage_bytes(MODE, NT), s, a);
     DSV4_CUDA_LAUNCHED(name);
     return 0;
 }
@@ -586,7 +618,9 @@ static int launch_nt(const gemm_args &a, cudaStream_t s)
         return launch<MODE, 2>(a, s, name);
     if (a.rows <= 32)
         return launch<MODE, 4>(a, s, name);
-    return launch<MODE, GEMM_MAX_NT>(a, s, name);
+    if (a.rows <= DSV4_CUDA_MAX_BATCH)
+        return launch<MODE, GEMM_MAX_NT>(a, s, name);
+    return launch<MODE, GEMM_MAX_NT, true>(a, s, name);
 }
 
 /* groups > 1: fp8raw only (checked by the callers) */
@@ -659,7 +693,7 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
     ws->prepared.k = k;
     ws->prepared.rows = rows;
     ws->prepared.mode = mode;
-    if (a.splits > 1) {
+    if (a.splits > 1 && rows <= DSV4_CUDA_MAX_BATCH) {  /* above it the CTAs fold the splits themselves */
         const int64_t n = (int64_t)rows * W->out;
         dsv4_launch(gemm_reduce_kernel, (unsigned)((n + 255) / 256), 256, 0, s, ws->part, a.splits, rows, W->out, d_y,
                     ldy);

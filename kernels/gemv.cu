@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* Skinny-batch linears: y[b] = W x[b] for up to DSV4_CUDA_MAX_BATCH rows, weights in their
+/* Skinny-batch linears: y[b] = W x[b] for up to DSV4_CUDA_MAX_ROWS rows, weights in their
  * checkpoint format (F32, BF16, FP8 e4m3 128x128 UE8M0, FP4 e2m1 1x32 UE8M0) dequantized in
  * registers, f32 accumulation. One warp per output row; each lane loads 16 weight bytes a step, so
  * a warp streams 512 contiguous bytes of its row. A block covers GEMV_ROWS rows and GEMV_NB batch
@@ -66,8 +66,8 @@ extern "C" int dsv4_cuda_gemv(const struct dsv4_cuda_linear *W, const float *d_x
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     int vals;
 
-    if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH)
-        return dsv4_error_set(-EINVAL, "gemv: batch %d outside 1..%d", batch, DSV4_CUDA_MAX_BATCH);
+    if (batch < 1 || batch > DSV4_CUDA_MAX_ROWS)
+        return dsv4_error_set(-EINVAL, "gemv: batch %d outside 1..%d", batch, DSV4_CUDA_MAX_ROWS);
     switch (W->fmt) {
     case DSV4_W_F32: vals = wf_f32::vals; break;
     case DSV4_W_BF16: vals = wf_bf16::vals; break;

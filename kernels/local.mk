@@ -4,7 +4,8 @@
 # (empty without CUDA) and $(DSV4_CUDA_CPPFLAGS) to their CFLAGS (defines nothing without CUDA).
 
 DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/gemm.cu kernels/indexer.cu kernels/sample.cu kernels/moe.cu kernels/norm.cu kernels/attention.cu \
-	kernels/compressor.cu kernels/step.cu kernels/mhc.cu kernels/embed.cu kernels/prefix.cu kernels/fault.cu
+	kernels/compressor.cu kernels/step.cu kernels/mhc.cu kernels/embed.cu kernels/prefix.cu kernels/fault.cu \
+	kernels/route_stats.cu
 DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/cuda_fault.cuh kernels/kernels_internal.h kernels/kv_entry.cuh kernels/index_key.cuh kernels/sample.h kernels/mma.cuh kernels/norm_row.cuh \
 	kernels/prefix.h
 EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES) kernels/NOTES.md
@@ -37,7 +38,7 @@ DSV4_NVCCFLAGS = -std=c++17 -O3 $(NVCC_GENCODE) -I$(top_srcdir) -I$(top_builddir
 SUFFIXES = .cu
 .cu.o:
 	$(AM_V_GEN)$(NVCC) $(DSV4_NVCCFLAGS) $(NVCCFLAGS) -c -o $@ $<
-$(libdsv4cuda_a_OBJECTS): $(DSV4_CUDA_HDR_FILES) engine/model/weights.h engine/backend.h engine/model/config.h engine/error.h
+$(libdsv4cuda_a_OBJECTS): $(DSV4_CUDA_HDR_FILES) engine/model/weights.h engine/model/placement.h engine/backend.h engine/model/config.h engine/error.h
 
 DSV4_CUDA_LDADD = libdsv4cuda.a $(CUDA_LIBS) -lstdc++
 DSV4_CUDA_CPPFLAGS = $(CUDA_CFLAGS)
@@ -50,7 +51,8 @@ dsv4_bench_LDADD = $(DSV4_CUDA_LDADD) libdsv4engine.la -lm
 
 GPU_TESTS += tests/gpu/test_gpu_linear tests/gpu/test_gpu_moe tests/gpu/test_gpu_norm tests/gpu/test_gpu_device \
 	tests/gpu/test_gpu_step tests/gpu/test_gpu_codec tests/gpu/test_gpu_serve tests/gpu/test_gpu_sample \
-	tests/gpu/test_gpu_attention tests/gpu/test_gpu_indexer tests/gpu/test_gpu_prefix tests/gpu/test_gpu_fault
+	tests/gpu/test_gpu_attention tests/gpu/test_gpu_indexer tests/gpu/test_gpu_prefix tests/gpu/test_gpu_fault \
+	tests/gpu/test_gpu_offload
 check_PROGRAMS += $(GPU_TESTS)
 GPU_TEST_CFLAGS = $(TEST_ENGINE_CFLAGS) $(CUDA_CFLAGS)
 GPU_TEST_LIBS = $(DSV4_CUDA_LDADD) $(TEST_ENGINE_LIBS) -lm
@@ -69,6 +71,9 @@ tests_gpu_test_gpu_device_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_codec_SOURCES = tests/gpu/test_gpu_codec.c $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_codec_CFLAGS = $(GPU_TEST_CFLAGS)
 tests_gpu_test_gpu_codec_LDADD = $(GPU_TEST_LIBS)
+tests_gpu_test_gpu_offload_SOURCES = tests/gpu/test_gpu_offload.c $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_offload_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
+tests_gpu_test_gpu_offload_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_step_SOURCES = tests/gpu/test_gpu_step.c $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_step_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
 tests_gpu_test_gpu_step_LDADD = $(GPU_TEST_LIBS) $(JANSSON_LIBS)

@@ -296,8 +296,8 @@ mhc_fn_sum_kernel(const float *__restrict__ ws, int out, int chunks, float *__re
 static int mhc_fn_parts(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch, float *d_ws,
                         int64_t ws_floats, cudaStream_t s)
 {
-    if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH)
-        return dsv4_error_set(-EINVAL, "mhc_fn: batch %d outside 1..%d", batch, DSV4_CUDA_MAX_BATCH);
+    if (batch < 1 || batch > DSV4_CUDA_MAX_ROWS)
+        return dsv4_error_set(-EINVAL, "mhc_fn: batch %d outside 1..%d", batch, DSV4_CUDA_MAX_ROWS);
     if (W->fmt != DSV4_W_F32 || W->out < 1 || W->out > DSV4_CUDA_MHC_FN_MAX_OUT)
         return dsv4_error_set(-EINVAL, "mhc_fn: the fn weight must be F32 with 1..%d rows (format %d, %lld rows)",
                               DSV4_CUDA_MHC_FN_MAX_OUT, (int)W->fmt, (long long)W->out);

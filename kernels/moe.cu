@@ -129,27 +129,31 @@ static __device__ __forceinline__ bool moe_valid(int e, int n_experts)
     return e >= 0 && e < n_experts;
 }
 
-/* Block 0 of moe_prep_kernel: the expert ids staged in shared memory, per-expert counts (integer
- * atomics: the same counts in any order), group starts from a scan over 32 lanes, then warp 0
- * places the pairs 32 at a time, each ranked among the equal experts of its chunk by
- * __match_any_sync, which keeps pair order within a group. */
-#define MOE_MAX_PAIRS (DSV4_CUDA_MAX_BATCH * DSV4_MAX_TOPK)
+/* Block 0 of moe_prep_kernel: per-expert counts (integer atomics: the same counts in any order),
+ * group starts from a scan over 32 lanes, then warp 0 places the pairs 32 at a time, each ranked
+ * among the equal experts of its chunk by __match_any_sync, which keeps pair order within a group.
+ * The expert ids are read from idx twice rather than staged in shared memory, so a prefill chunk's
+ * pairs (up to DSV4_CUDA_MAX_ROWS x top-k) need no pair-sized buffer. */
+static __device__ __forceinline__ int moe_eid(const int32_t *__restrict__ idx, int p, int n_experts)
+{
+    return moe_valid(idx[p], n_experts) ? idx[p] : -1;
+}
+
 static __device__ void moe_group(const int32_t *__restrict__ idx, int pairs, int n_experts, int32_t *__restrict__ groups)
 {
     __shared__ int32_t pos[MOE_MAX_EXPERTS];    /* count, then the next free list slot, per expert */
-    __shared__ int32_t eid[MOE_MAX_PAIRS];      /* expert of each pair, -1 when invalid */
     int32_t *expert = groups + 1, *start = groups + 1 + pairs, *list = groups + 2 + 2 * pairs;
     const int tid = threadIdx.x, lane = tid % DSV4_CUDA_WARP;
     const unsigned full = 0xffffffffu;
 
     for (int e = tid; e < n_experts; e += blockDim.x)
         pos[e] = 0;
-    for (int p = tid; p < pairs; p += blockDim.x)
-        eid[p] = moe_valid(idx[p], n_experts) ? idx[p] : -1;
     __syncthreads();
-    for (int p = tid; p < pairs; p += blockDim.x)
-        if (eid[p] >= 0)
-            atomicAdd(&pos[eid[p]], 1);
+    for (int p = tid; p < pairs; p += blockDim.x) {
+        const int e = moe_eid(idx, p, n_experts);
+        if (e >= 0)
+            atomicAdd(&pos[e], 1);
+    }
     __syncthreads();
     if (tid >= DSV4_CUDA_WARP)
         return;
@@ -187,7 +191,7 @@ static __device__ void moe_group(const int32_t *__restrict__ idx, int pairs, int
     }
     __syncwarp();
     for (int p0 = 0; p0 < pairs; p0 += DSV4_CUDA_WARP) {
-        const int p = p0 + lane, e = p < pairs ? eid[p] : -1;
+        const int p = p0 + lane, e = p < pairs ? moe_eid(idx, p, n_experts) : -1;
         const bool ok = e >= 0;
         const unsigned same = __match_any_sync(full, e);
         const int rank = __popc(same & ((1u << lane) - 1u));
@@ -763,9 +767,9 @@ extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const fl
     const int pairs = batch * topk;
     int rc;
 
-    if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH || topk < 1 || topk > DSV4_MAX_TOPK)
+    if (batch < 1 || batch > DSV4_CUDA_MAX_ROWS || topk < 1 || topk > DSV4_MAX_TOPK)
         return dsv4_error_set(-EINVAL, "moe_experts: batch %d (max %d), top-%d (max %d)", batch,
-                              DSV4_CUDA_MAX_BATCH, topk, DSV4_MAX_TOPK);
+                              DSV4_CUDA_MAX_ROWS, topk, DSV4_MAX_TOPK);
     const int vals = ex->fmt == DSV4_W_FP4 ? wf_fp4::vals : ex->fmt == DSV4_W_FP8 ? wf_fp8::vals :
                      ex->fmt == DSV4_W_BF16 ? wf_bf16::vals : wf_f32::vals;
     /* an inter that is not a multiple of the 1x128 activation block (small test models) takes the
@@ -811,9 +815,9 @@ extern "C" int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int bat
                                      float *d_y, void *stream)
 {
     const int threads = 256;
-    if (batch < 1 || batch > DSV4_CUDA_MAX_BATCH || topk < 1 || topk > DSV4_MAX_TOPK)
+    if (batch < 1 || batch > DSV4_CUDA_MAX_ROWS || topk < 1 || topk > DSV4_MAX_TOPK)
         return dsv4_error_set(-EINVAL, "moe_combine: batch %d (max %d), top-%d (max %d)", batch,
-                              DSV4_CUDA_MAX_BATCH, topk, DSV4_MAX_TOPK);
+                              DSV4_CUDA_MAX_ROWS, topk, DSV4_MAX_TOPK);
     dsv4_launch(moe_combine_kernel, (unsigned)(((int64_t)batch * ex->dim + threads - 1) / threads), threads, 0,
                 static_cast<cudaStream_t>(stream), ws->d_out, d_idx, d_w, batch, topk, ex->n_experts, ex->dim, d_add,
                 d_y);

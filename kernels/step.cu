@@ -10,10 +10,13 @@
  * DSV4_CUDA_LOG=1 prints the boot log (every op's variant) to stderr. stats.variant names the KV
  * format and the graph count in use.
  *
- * Prefill runs in chunks of up to max_batch consecutive positions of one slot, each chunk one step
- * through the same bucket graphs: the chunk's rows are a batch for every linear (tensor cores), the
- * window ring holds window + max_batch - 1 entries so a chunk stores all its KV before any row reads
- * its window, and the compressors take the chunk's earlier tokens from its own rows. */
+ * Prefill runs in chunks of up to `rows` (opts->prefill_chunk, at least max_batch) consecutive
+ * positions of one slot, each chunk one step: the chunk's rows are a batch for every linear (tensor
+ * cores) and for the experts, and the compressors take the chunk's earlier tokens from its own
+ * rows. A chunk that fits a bucket replays its graph; a longer one launches the same kernels eagerly
+ * for exactly its rows (counted in stats), the head for its last row only. Attention and the
+ * indexer go through a chunk in slices of up to DSV4_CUDA_MAX_BATCH rows: each slice stores its KV,
+ * then reads its windows, so the window ring needs only window + slice - 1 entries. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +28,7 @@
 #include "kernels/switches.h"
 
 #define STEP_MAX_BUCKETS 8      /* 1, 2, 4, ..., 64 */
+#define STEP_SLICE DSV4_CUDA_MAX_BATCH  /* rows per attention / indexer launch (their workspaces' rows) */
 #define STEP_IN_FIELDS 5        /* per row: token, slot, position, first and last position of its slot in the step */
 
 /* A layer's device weights. */
@@ -37,16 +41,19 @@ struct step_layer {
     const float *c_ape, *c_norm, *ic_ape, *ic_norm, *gate_bias;
     const int32_t *tid2eid;
     struct dsv4_cuda_experts ex;
+    uint64_t *route_counts;     /* [E] tokens routed to each expert (kernels/route_stats.cu) */
     struct dsv4_cuda_layer_cache cache;
 };
 
-/* Step buffers, each [rows of the largest bucket, ...]. */
+/* Step buffers, each [rows of a step (step_rows), ...] unless it says otherwise. */
 struct step_buf {
     int32_t *in;                /* tokens [B], slots [B], pos [B], first [B], last [B] */
     float *X, *X2, *mix, *mixws, *post, *comb, *y, *xn, *xq, *xq2, *sub;
-    float *qr, *q, *kv, *o, *z, *part, *cc, *cz, *ic, *iz, *iq, *iw, *iscores;
+    float *qr, *q, *kv, *o, *z, *cc, *cz, *ic, *iz, *iq, *iw;
+    float *part, *iscores;      /* [slice rows, ...]: attention and indexer workspaces */
     int32_t *isel, *insel, *ridx;
-    float *rlogits, *rw, *sg, *su, *sh, *sout, *hm, *logits;
+    float *rlogits, *rw, *sg, *su, *sh, *sout, *hm;
+    float *logits;              /* [max_batch, V]: the decode rows, or a prefill's last row */
     struct dsv4_cuda_moe_ws moe;
     struct dsv4_cuda_gemm_ws gemm, gemm2;     /* the main lane's and the side lane's */
     void *shist;                /* device sampling: penalty history of max_batch slots */
@@ -76,6 +83,8 @@ struct cuda_backend {
     bool fp8;
     int kvf;                    /* DSV4_KV_* */
     int slots;                  /* max_batch + 1: the last one takes padding rows */
+    int rows;                   /* rows of one step: the longest prefill chunk (>= max_batch) */
+    uint64_t eager_steps;       /* prefill chunks longer than the largest bucket, launched eagerly */
     int64_t slot_bytes;
     uint8_t *caches;
     struct step_layer *L;
@@ -89,7 +98,7 @@ struct cuda_backend {
     int64_t max_entries;
     int64_t *pos;               /* host: tokens in each slot */
     int32_t *h_in;
-    int *h_slots;               /* [max_batch] a prefill chunk's slot column */
+    int *h_slots;               /* [rows] a prefill chunk's slot column */
     int buckets[STEP_MAX_BUCKETS], n_buckets;
     cudaGraphExec_t graphs[STEP_MAX_BUCKETS];
     bool use_graphs;
@@ -101,6 +110,7 @@ struct cuda_backend {
     struct dsv4_sample_result *h_sres;          /* [max_batch], copied back from b.sres */
     int32_t *h_sslots;                          /* [max_batch] slots whose history is cleared */
     int last_rows;              /* rows of the last prefill chunk or decode */
+    int last_logit_row;         /* after a prefill: the logits row of its last token */
     const int32_t *last_sl;     /* their slots (h_in's column, until the next step) */
     const int32_t *last_d_sl;   /* the same column on the device (b.in's) */
     bool last_prefill;
@@ -119,11 +129,27 @@ static int kv_format(const struct dsv4_backend_opts *o)
     return o->numerics == DSV4_NUMERICS_FP8 ? DSV4_KV_FP8 : DSV4_KV_F32;
 }
 
-/* Window ring entries: a step's rows may be max_batch consecutive positions of one slot (a prefill
- * chunk), all stored before the first of them reads its window. */
+/* Rows of one step: a decode batch (max_batch) or a prefill chunk (opts->prefill_chunk, default
+ * DSV4_PREFILL_CHUNK_DEFAULT), no longer than a slot. dsv4_cuda_dev_create checks the range. */
+static int step_rows(const struct dsv4_backend_opts *o)
+{
+    int chunk = o->prefill_chunk > 0 ? o->prefill_chunk : DSV4_PREFILL_CHUNK_DEFAULT;
+    chunk = chunk < o->max_context ? chunk : o->max_context;
+    return chunk > o->max_batch ? chunk : o->max_batch;
+}
+
+/* Rows of one attention slice: a whole decode batch, or STEP_SLICE rows of a longer chunk. */
+static int slice_rows(const struct dsv4_backend_opts *o)
+{
+    const int r = step_rows(o);
+    return r < STEP_SLICE ? r : STEP_SLICE;
+}
+
+/* Window ring entries: a slice's rows may be consecutive positions of one slot (a prefill chunk),
+ * all stored before the first of them reads its window. */
 static int ring_entries(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
 {
-    return c->window + o->max_batch - 1;
+    return c->window + slice_rows(o) - 1;
 }
 
 int dsv4_cuda_step_ring_entries(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
@@ -182,10 +208,11 @@ static int64_t max_csa_entries(const struct dsv4_config *c, const struct dsv4_ba
     return c->csa_ratio > 0 ? (o->max_context + c->csa_ratio - 1) / c->csa_ratio : 1;
 }
 
-/* Carve (or, with base NULL, size) the step buffers for B rows. */
+/* Carve (or, with base NULL, size) the step buffers: B rows of a step, Bd decode rows, Bs slice rows. */
 static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_opts *o, uint8_t *base, struct step_buf *sb)
 {
-    const int64_t B = o->max_batch, D = c->dim, hc = c->hc_mult, H = c->n_heads, hd = c->head_dim;
+    const int64_t B = step_rows(o), Bd = o->max_batch, Bs = slice_rows(o);
+    const int64_t D = c->dim, hc = c->hc_mult, H = c->n_heads, hd = c->head_dim;
     const int64_t E = c->n_experts, K = c->n_experts_per_tok, I = c->moe_inter;
     const int64_t Is = (int64_t)c->moe_inter * (c->n_shared_experts ? c->n_shared_experts : 1);
     const int64_t nI = c->index_n_heads, dI = c->index_head_dim;
@@ -216,14 +243,14 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.kv = f(B * hd);
     t.o = f(B * H * hd);
     t.z = f(B * (int64_t)c->o_groups * c->o_lora_rank);
-    t.part = f(B * DSV4_CUDA_ATT_SPLITS * H * (hd + 2));
+    t.part = f(Bs * DSV4_CUDA_ATT_SPLITS * H * (hd + 2));
     t.cc = f(B * 2 * hd);
     t.cz = f(B * 2 * hd);
     t.ic = f(B * 2 * dI);
     t.iz = f(B * 2 * dI);
     t.iq = f(B * nI * dI);
     t.iw = f(B * nI);
-    t.iscores = f(B * max_csa_entries(c, o));
+    t.iscores = f(Bs * max_csa_entries(c, o));
     t.isel = i32(B * (c->index_topk > 0 ? c->index_topk : 1));
     t.insel = i32(B);
     t.rlogits = f(B * E);
@@ -237,18 +264,18 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.sh = f(B * Is);
     t.sout = f(B * D);
     t.hm = f(B * hc);
-    t.logits = f(B * c->vocab_size);
+    t.logits = f(Bd * c->vocab_size);
     void *g = take((int64_t)dsv4_cuda_gemm_ws_bytes((int)B, max_linear_in(c)));
     void *g2 = take((int64_t)dsv4_cuda_gemm_ws_bytes((int)B, max_linear_in(c)));
     if (base) {
         dsv4_cuda_gemm_ws_init(&t.gemm, g, (int)B, max_linear_in(c));
         dsv4_cuda_gemm_ws_init(&t.gemm2, g2, (int)B, max_linear_in(c));
     }
-    t.shist = take((int64_t)dsv4_sample_history_bytes((int)B, c->vocab_size));
-    t.sparams = static_cast<struct dsv4_sample_row *>(take(B * (int64_t)sizeof(struct dsv4_sample_row)));
-    t.sres = static_cast<struct dsv4_sample_result *>(take(B * (int64_t)sizeof(struct dsv4_sample_result)));
-    t.sslots = i32(B);
-    t.stokens = i32(B);
+    t.shist = take((int64_t)dsv4_sample_history_bytes((int)Bd, c->vocab_size));
+    t.sparams = static_cast<struct dsv4_sample_row *>(take(Bd * (int64_t)sizeof(struct dsv4_sample_row)));
+    t.sres = static_cast<struct dsv4_sample_result *>(take(Bd * (int64_t)sizeof(struct dsv4_sample_result)));
+    t.sslots = i32(Bd);
+    t.stokens = i32(Bd);
     t.inv_main = f(c->rope_dim / 2);
     t.inv_comp = f(c->rope_dim / 2);
     if (sb)
@@ -405,33 +432,37 @@ static int compress(const struct cuda_backend *cb, const struct step_layer *L, i
 }
 
 /* The indexer's query from the normalized qr, its scores over the slot's keys and the top-k
- * selection the CSA attention reads (t->isel, t->insel), on lane `ln`. */
+ * selection the CSA attention reads (t->isel, t->insel), on lane `ln`; the scores a slice of rows
+ * at a time (their workspace holds a slice). */
 static int index_select(const struct cuda_backend *cb, const struct step_layer *L, int B, const struct lane *ln)
 {
     const struct dsv4_config *c = cb->cfg;
     const struct step_buf *t = &cb->b;
-    const int nI = c->index_n_heads, dI = c->index_head_dim;
+    const int nI = c->index_n_heads, dI = c->index_head_dim, topk = c->index_topk, S = slice_rows(&cb->base.opts);
     const int32_t *pos = t->in + 2 * B;
     struct dsv4_cuda_index_args ia = {};
 
     STEP(lin(cb, &L->i_wq_b, t->qr, c->q_lora_rank, B, t->iq, (int64_t)nI * dI, false, ln));
     STEP(dsv4_cuda_indexer_q(t->iq, B, nI, dI, c->rope_dim, cb->fp8, pos, t->inv_comp, ln->s));
-    ia.q = t->iq;
-    ia.w = t->iw;
     ia.nI = nI;
     ia.dI = dI;
     ia.ratio = L->ratio;
-    ia.topk = c->index_topk;
-    ia.pos = pos;
-    ia.slot = t->in + B;
+    ia.topk = topk;
     ia.keys = cb->caches + L->cache.ikeys;
     ia.keys_slot_stride = cb->slot_bytes;
     ia.packed = cb->fp8;
     ia.max_entries = (int)cb->max_entries;
     ia.scores = t->iscores;
-    ia.sel = t->isel;
-    ia.nsel = t->insel;
-    return dsv4_cuda_indexer(&ia, B, ln->s);
+    for (int r0 = 0; r0 < B; r0 += S) {
+        ia.q = t->iq + (int64_t)r0 * nI * dI;
+        ia.w = t->iw + (int64_t)r0 * nI;
+        ia.pos = pos + r0;
+        ia.slot = t->in + B + r0;
+        ia.sel = t->isel + (int64_t)r0 * topk;
+        ia.nsel = t->insel + r0;
+        STEP(dsv4_cuda_indexer(&ia, B - r0 < S ? B - r0 : S, ln->s));
+    }
+    return 0;
 }
 
 /* Main lane: q (wq_a, norm, wq_b, RoPE) and this position's KV into the window. Side lane, from xn:
@@ -462,20 +493,15 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     STEP(lin(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, m));
     STEP(dsv4_cuda_rmsnorm_rope(t->q, NULL, B * H, hd, eps, H, rd, pos, inv, t->q, s));
     STEP(dsv4_cuda_rmsnorm_rope(t->kv, L->kv_norm, B, hd, eps, 1, rd, pos, inv, t->kv, s));
-    STEP(dsv4_cuda_kv_store(t->kv, B, hd, rd, cb->kvf, pos, slot, cb->caches + L->cache.win, cb->slot_bytes,
-                            ring_entries(c, &cb->base.opts), s));
     if (L->ratio)
         STEP(lane_wait(cb, m, sd, cb->ev_join));
 
     struct dsv4_cuda_att_args a = {};
-    a.q = t->q;
     a.H = H;
     a.hd = hd;
     a.rd = rd;
     a.kvf = cb->kvf;
     a.entry_bytes = dsv4_cuda_kv_entry_bytes(hd, rd, cb->kvf);
-    a.pos = pos;
-    a.slot = slot;
     a.win = cb->caches + L->cache.win;
     a.win_slot_stride = cb->slot_bytes;
     a.window = c->window;
@@ -487,12 +513,24 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
         a.comp_slot_stride = cb->slot_bytes;
         a.ratio = L->ratio;
     }
-    if (L->csa) {
-        a.sel = t->isel;
+    if (L->csa)
         a.sel_stride = c->index_topk;
-        a.nsel = t->insel;
+    /* a slice stores its KV before its rows read their windows; a later slice's entries land where
+     * this one's windows no longer look (ring_entries) */
+    const int S = slice_rows(&cb->base.opts);
+    for (int r0 = 0; r0 < B; r0 += S) {
+        const int n = B - r0 < S ? B - r0 : S;
+        STEP(dsv4_cuda_kv_store(t->kv + (int64_t)r0 * hd, n, hd, rd, cb->kvf, pos + r0, slot + r0,
+                                cb->caches + L->cache.win, cb->slot_bytes, ring_entries(c, &cb->base.opts), s));
+        a.q = t->q + (int64_t)r0 * H * hd;
+        a.pos = pos + r0;
+        a.slot = slot + r0;
+        if (L->csa) {
+            a.sel = t->isel + (int64_t)r0 * c->index_topk;
+            a.nsel = t->insel + r0;
+        }
+        STEP(dsv4_cuda_attention(&a, n, L->sink, inv, t->o + (int64_t)r0 * H * hd, s));
     }
-    STEP(dsv4_cuda_attention(&a, B, L->sink, inv, t->o, s));
 
     /* grouped output projection: group g maps heads [g H/G, (g+1) H/G) through rows [g R, (g+1) R) of
      * wo_a (run unquantized, as the reference runs wo_a in BF16); one launch where R is whole scale
@@ -532,6 +570,7 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool 
     STEP(lin_x(cb, &L->gate, t->xn, D, B, t->rlogits, c->n_experts, false, prepared, m));
     STEP(dsv4_cuda_router(t->rlogits, B, c->n_experts, K, L->hash ? NULL : L->gate_bias, L->hash ? L->tid2eid : NULL,
                           t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
+    STEP(dsv4_cuda_route_count(t->ridx, B, K, t->in + B, cb->slots - 1, L->route_counts, s));
     ex.quant_act = cb->fp8 && (ex.fmt == DSV4_W_FP8 || ex.fmt == DSV4_W_FP4);
     const float *x = t->xn;
     if (ex.quant_act) {
@@ -551,14 +590,15 @@ static bool fn_split_k(const struct dsv4_cuda_linear *fn)
     return fn->fmt == DSV4_W_F32;
 }
 
-/* An mHC fn GEMV, on the path fn_split_k chooses. */
-static int hc_fn(struct cuda_backend *cb, const struct dsv4_cuda_linear *fn, int B, float *y, cudaStream_t s)
+/* An mHC fn GEMV over the streams X [B, hc, D], on the path fn_split_k chooses. */
+static int hc_fn(struct cuda_backend *cb, const struct dsv4_cuda_linear *fn, const float *X, int B, float *y,
+                 cudaStream_t s)
 {
     struct step_buf *t = &cb->b;
     const int64_t ldx = (int64_t)cb->cfg->hc_mult * cb->cfg->dim;
     if (fn_split_k(fn))
-        return dsv4_cuda_mhc_fn(fn, t->X, ldx, B, t->mixws, t->mixws_floats, y, fn->out, s);
-    return dsv4_cuda_gemv(fn, t->X, ldx, B, y, fn->out, s);
+        return dsv4_cuda_mhc_fn(fn, X, ldx, B, t->mixws, t->mixws_floats, y, fn->out, s);
+    return dsv4_cuda_gemv(fn, X, ldx, B, y, fn->out, s);
 }
 
 /* xn = RMSNorm(y) with weight w; where `next`, the first linear to read xn on the main lane, allows,
@@ -587,7 +627,7 @@ static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *
         STEP(dsv4_cuda_mhc_fn_pre(fn, t->X, B, t->mixws, t->mixws_floats, base, scale, hc, D, iters,
                                   (float)c->hc_eps, (float)c->rms_norm_eps, t->y, t->post, t->comb, s));
     else {
-        STEP(hc_fn(cb, fn, B, t->mix, s));
+        STEP(hc_fn(cb, fn, t->X, B, t->mix, s));
         STEP(dsv4_cuda_mhc_pre(t->X, t->mix, base, scale, B, hc, D, iters, (float)c->hc_eps, (float)c->rms_norm_eps,
                                t->y, t->post, t->comb, s));
     }
@@ -604,8 +644,9 @@ static int sublayer_post(struct cuda_backend *cb, int B, cudaStream_t s)
     return 0;
 }
 
-/* Every launch of one decode step for B rows (a bucket), reading t->in. */
-static int step_launches(struct cuda_backend *cb, int B, cudaStream_t s)
+/* Every launch of one step for B rows (a bucket, or a prefill chunk), reading t->in; the head
+ * (hc_head, final norm, logits) for rows [head_from, B) only, their logits in rows 0.. of t->logits. */
+static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStream_t s)
 {
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
@@ -625,16 +666,19 @@ static int step_launches(struct cuda_backend *cb, int B, cudaStream_t s)
         if ((rc = moe(cb, L, B, pf)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
             break;
     }
+    /* the head's rows: from head_from on (a prefill chunk's last row, or every row) */
+    const int Bh = B - head_from;
+    const float *Xh = t->X + (int64_t)head_from * c->hc_mult * c->dim;
     if (rc == 0)
-        rc = hc_fn(cb, &cb->hch_fn, B, t->hm, s);
+        rc = hc_fn(cb, &cb->hch_fn, Xh, Bh, t->hm, s);
     if (rc == 0)
-        rc = dsv4_cuda_hc_head(t->X, t->hm, cb->hch_base, cb->hch_scale, B, c->hc_mult, c->dim, (float)c->hc_eps,
+        rc = dsv4_cuda_hc_head(Xh, t->hm, cb->hch_base, cb->hch_scale, Bh, c->hc_mult, c->dim, (float)c->hc_eps,
                                (float)c->rms_norm_eps, t->y, s);
     bool ph = false;
     if (rc == 0)
-        rc = norm_xn(cb, cb->norm, &cb->head, B, s, &ph);
+        rc = norm_xn(cb, cb->norm, &cb->head, Bh, s, &ph);
     if (rc == 0)
-        rc = lin_x(cb, &cb->head, t->xn, c->dim, B, t->logits, c->vocab_size, false, ph, &cb->ln[0]);
+        rc = lin_x(cb, &cb->head, t->xn, c->dim, Bh, t->logits, c->vocab_size, false, ph, &cb->ln[0]);
     /* the stream buffers swap per sublayer; an even count of swaps leaves them in place, but restore
      * them so every bucket's launches (and graph) see the same assignment */
     t->X = X0;
@@ -658,13 +702,19 @@ static int bucket_for(const struct cuda_backend *cb, int n)
 }
 
 /* Rows [0, n) are the caller's: row i appends tokens[i] to slots[i]. Rows of one slot (a prefill
- * chunk) are consecutive and take consecutive positions; rows [n, bucket) replay on the padding slot
- * at position 0. Logits rows [lrow0, lrow0 + lrows) are copied to `logits` (NULL: none). */
-static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens, float *logits, int lrow0,
-                    int lrows)
+ * chunk) are consecutive and take consecutive positions. Up to the largest bucket the bucket's graph
+ * replays, rows [n, bucket) on the padding slot at position 0, every row's logits computed; a longer
+ * chunk (only prefill makes one) launches its n rows eagerly, with logits for its last row only.
+ * logits (NULL: none) gets every row's logits, or with last_only the last row's. */
+static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens, float *logits,
+                    bool last_only)
 {
-    const int bi = bucket_for(cb, n), B = cb->buckets[bi];
+    const int bi = bucket_for(cb, n), B = bi >= 0 ? cb->buckets[bi] : n;
+    const bool eager = bi < 0;
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    if (eager && logits && !last_only)
+        return dsv4_error_set(-EINVAL, "cuda: every row's logits of a %d-row chunk (the largest bucket is %d)", n,
+                              cb->buckets[cb->n_buckets - 1]);
     int32_t *tok = cb->h_in, *sl = tok + B, *pos = sl + B, *first = pos + B, *last = first + B;
 
     for (int i = 0; i < B; i++) {
@@ -678,23 +728,27 @@ static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int3
         last[i] = i + 1 < n && slots[i + 1] == slots[i] ? last[i + 1] : pos[i];
     /* the buffer a bucket's launches read: t->in holds the STEP_IN_FIELDS arrays of B rows */
     DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * STEP_IN_FIELDS * B, cudaMemcpyHostToDevice, s));
-    if (cb->use_graphs) {
+    if (cb->use_graphs && !eager) {
         DSV4_CUDA_TRY(cudaGraphLaunch(cb->graphs[bi], s));
     } else {
-        int rc = step_launches(cb, B, s);
+        int rc = step_launches(cb, B, eager ? n - 1 : 0, s);
         if (rc < 0)
             return rc;
+        cb->eager_steps += eager;
     }
+    const int last_row = eager ? 0 : n - 1;     /* the logits row of row n - 1 */
     /* every row's token is now in its slot's history (prompt tokens: seen; a decode row's token was
      * counted when it was sampled); padding rows name no history slot and are skipped */
     STEP(dsv4_sample_history_record(&cb->hist, cb->b.in + B, cb->b.in, n, false, s));
-    if (logits && lrows > 0)
-        DSV4_CUDA_TRY(cudaMemcpyAsync(logits, cb->b.logits + (size_t)lrow0 * cb->cfg->vocab_size,
-                                      sizeof(float) * lrows * cb->cfg->vocab_size, cudaMemcpyDeviceToHost, s));
+    if (logits)
+        DSV4_CUDA_TRY(cudaMemcpyAsync(logits, cb->b.logits + (size_t)(last_only ? last_row : 0) * cb->cfg->vocab_size,
+                                      sizeof(float) * (last_only ? 1 : n) * cb->cfg->vocab_size,
+                                      cudaMemcpyDeviceToHost, s));
     DSV4_CUDA_TRY(cudaStreamSynchronize(s));
     for (int i = 0; i < n; i++)
         cb->pos[slots[i]] = pos[i] + 1;
     cb->last_rows = n;
+    cb->last_logit_row = last_row;
     cb->last_sl = sl;
     cb->last_d_sl = cb->b.in + B;
     cb->last_prefill = false;
@@ -732,16 +786,17 @@ static int op_decode(struct dsv4_backend *b, int n, const int *slots, const int3
     int rc = check_rows(cb, n, slots, tokens);
     if (rc == 0)    /* test-only: a real sticky fault when DSV4_TEST_CUDA_FAULT_AFTER_DECODES says so */
         rc = dsv4_cuda_test_fault(static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev)));
-    return rc < 0 ? rc : run_rows(cb, n, slots, tokens, logits, 0, n);
+    return rc < 0 ? rc : run_rows(cb, n, slots, tokens, logits, false);
 }
 
-/* Chunks of up to max_batch consecutive positions, each one step through the bucket graphs: every
- * linear sees the chunk as a batch of rows (tensor cores), attention and the compressors read the
- * chunk's own earlier rows (see run_rows). */
+/* Chunks of up to cb->rows consecutive positions (max_batch when every row's logits are wanted:
+ * the logits buffer holds a bucket's rows), each one step: every linear sees the chunk as a batch of
+ * rows (tensor cores), attention and the compressors read the chunk's own earlier rows (see
+ * run_rows). */
 static int op_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, int n, float *logits, bool all_rows)
 {
     struct cuda_backend *cb = impl(b);
-    const int V = cb->cfg->vocab_size, chunk = b->opts.max_batch;
+    const int V = cb->cfg->vocab_size, chunk = all_rows ? b->opts.max_batch : cb->rows;
     if (slot < 0 || slot >= b->opts.max_batch)
         return dsv4_error_set(-EINVAL, "cuda prefill: slot %d outside 0..%d", slot, b->opts.max_batch - 1);
     if (n < 0 || cb->pos[slot] + n > b->opts.max_context)
@@ -755,7 +810,7 @@ static int op_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, i
         const int m = n - i0 < chunk ? n - i0 : chunk;
         const bool tail = i0 + m == n;
         float *dst = !logits ? NULL : all_rows ? logits + (size_t)i0 * V : tail ? logits : NULL;
-        STEP(run_rows(cb, m, cb->h_slots, tokens + i0, dst, all_rows ? 0 : m - 1, all_rows ? m : 1));
+        STEP(run_rows(cb, m, cb->h_slots, tokens + i0, dst, !all_rows));
     }
     cb->last_prefill = n > 0;
     return 0;
@@ -780,7 +835,7 @@ static int op_sample(struct dsv4_backend *b, int n, const struct dsv4_backend_sa
         if (n != 1 || req[0].slot != cb->last_sl[0])
             return dsv4_error_set(-EINVAL, "cuda sample: after a prefill of slot %d, sample that one slot "
                                   "(asked %d rows, slot %d)", cb->last_sl[0], n, n > 0 ? req[0].slot : -1);
-        rows += (size_t)(cb->last_rows - 1) * V;
+        rows += (size_t)cb->last_logit_row * V;
         d_slots += cb->last_rows - 1;
     } else if (n < 1 || n != cb->last_rows) {
         return dsv4_error_set(-EINVAL, "cuda sample: %d rows asked after a decode of %d", n, cb->last_rows);
@@ -834,10 +889,21 @@ static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats
     ret->device_allocs = st.device_allocs;
     ret->graph_captures = cb->captures;
     ret->bytes_reserved = st.cache_bytes + st.workspace_bytes + st.prefix_bytes;
+    ret->experts_gpu = st.experts_gpu;
+    ret->experts_host = st.experts_host;
+    ret->expert_bytes_gpu = st.gpu_expert_bytes;
+    ret->expert_bytes_host = st.host_expert_bytes;
     snprintf(ret->variant, sizeof(ret->variant),
-             "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, %d streams, sampling on %s", st.kernel_build,
-             st.device_name, cb->fp8 ? "fp8" : "exact", cb->kvf == DSV4_KV_FP8 ? "fp8 e4m3+bf16 (584 B at 512/64)" : "f32",
-             cb->use_graphs ? cb->n_buckets : 0, cb->branches ? 2 : 1, b->ops->sample ? "device" : "host");
+             "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, %d streams, sampling on %s, prefill chunk %d",
+             st.kernel_build, st.device_name, cb->fp8 ? "fp8" : "exact",
+             cb->kvf == DSV4_KV_FP8 ? "fp8 e4m3+bf16 (584 B at 512/64)" : "f32", cb->use_graphs ? cb->n_buckets : 0,
+             cb->branches ? 2 : 1, b->ops->sample ? "device" : "host", cb->rows);
+    ret->eager_steps = cb->eager_steps;
+}
+
+static int op_routing_counts(struct dsv4_backend *b, uint64_t *counts)
+{
+    return dsv4_cuda_dev_read_route_counts(impl(b)->dev, counts);
 }
 
 static void op_destroy(struct dsv4_backend *b)
@@ -878,7 +944,7 @@ static int op_prefix_load(struct dsv4_backend *b, int slot, int n_blocks, const 
 static const struct dsv4_backend_ops cuda_ops = {
     .name = "cuda", .prefill = op_prefill, .decode = op_decode, .sample = op_sample, .slot_reset = op_slot_reset,
     .slot_position = op_slot_position, .get_stats = op_get_stats, .destroy = op_destroy,
-    .prefix_save = op_prefix_save, .prefix_load = op_prefix_load,
+    .prefix_save = op_prefix_save, .prefix_load = op_prefix_load, .routing_counts = op_routing_counts,
 };
 
 /* ---- create ---- */
@@ -947,6 +1013,7 @@ static int map_layer(struct cuda_backend *cb, int i, const struct dsv4_layer *h,
         (L->hash && !L->tid2eid) || (h->ratio > 0 && (!L->c_ape || !L->c_norm)) ||
         (L->csa && (!L->ic_ape || !L->ic_norm)))
         return dsv4_error_set(-ENOENT, "cuda: layer %d: a norm, bias, sink or table is missing on the device", i);
+    L->route_counts = dsv4_cuda_dev_route_counts(cb->dev, i);
     return dsv4_cuda_dev_experts(cb->dev, i, &L->ex);
 }
 
@@ -957,7 +1024,7 @@ static int capture(struct cuda_backend *cb)
         cudaGraph_t g;
         int rc;
         DSV4_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        rc = step_launches(cb, cb->buckets[i], s);
+        rc = step_launches(cb, cb->buckets[i], 0, s);
         cudaError_t e = cudaStreamEndCapture(s, &g);
         if (rc < 0)
             return rc;
@@ -1008,6 +1075,7 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->fp8 = opts->numerics == DSV4_NUMERICS_FP8;
     cb->kvf = kv_format(opts);
     cb->slots = opts->max_batch + 1;
+    cb->rows = step_rows(opts);
     cb->use_graphs = sw->graphs;
     cb->use_gemm = sw->gemm;
     cb->branches = sw->branches;
@@ -1016,8 +1084,8 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     STEP(dsv4_cuda_dev_create(0, w, opts, sw->log ? log_stderr : NULL, NULL, &cb->dev));
     cb->L = static_cast<struct step_layer *>(calloc(c->n_layers, sizeof(*cb->L)));
     cb->pos = static_cast<int64_t *>(calloc(cb->slots, sizeof(*cb->pos)));
-    cb->h_in = static_cast<int32_t *>(calloc(STEP_IN_FIELDS * (size_t)opts->max_batch, sizeof(*cb->h_in)));
-    cb->h_slots = static_cast<int *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_slots)));
+    cb->h_in = static_cast<int32_t *>(calloc(STEP_IN_FIELDS * (size_t)cb->rows, sizeof(*cb->h_in)));
+    cb->h_slots = static_cast<int *>(calloc((size_t)cb->rows, sizeof(*cb->h_slots)));
     cb->h_sparams = static_cast<struct dsv4_sample_row *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_sparams)));
     cb->h_sres = static_cast<struct dsv4_sample_result *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_sres)));
     cb->h_sslots = static_cast<int32_t *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_sslots)));
@@ -1065,14 +1133,20 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     for (int bsz = 1; bsz < opts->max_batch && cb->n_buckets < STEP_MAX_BUCKETS - 1; bsz *= 2)
         cb->buckets[cb->n_buckets++] = bsz;
     cb->buckets[cb->n_buckets++] = opts->max_batch;
-    /* the launches once eagerly (errors surface outside a capture), then the graphs */
+    /* the launches once eagerly on padding rows (errors surface outside a capture): a whole
+     * prefill chunk, then the largest bucket; then the graphs */
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
-    for (int i = 0; i < opts->max_batch; i++)
-        cb->h_in[opts->max_batch + i] = cb->slots - 1;
-    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * STEP_IN_FIELDS * opts->max_batch,
-                                  cudaMemcpyHostToDevice, s));
-    STEP(step_launches(cb, opts->max_batch, s));
-    DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+    const int sizes[2] = { cb->rows, opts->max_batch };
+    for (int k = cb->rows > opts->max_batch ? 0 : 1; k < 2; k++) {
+        const int B = sizes[k];
+        memset(cb->h_in, 0, sizeof(int32_t) * STEP_IN_FIELDS * B);
+        for (int i = 0; i < B; i++)
+            cb->h_in[B + i] = cb->slots - 1;
+        DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * STEP_IN_FIELDS * B, cudaMemcpyHostToDevice,
+                                      s));
+        STEP(step_launches(cb, B, k == 0 ? B - 1 : 0, s));
+        DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+    }
     if (cb->use_graphs)
         STEP(capture(cb));
     dsv4_cuda_dev_seal(cb->dev);

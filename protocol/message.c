@@ -850,6 +850,7 @@ static const struct stat_field stat_fields[] = {
     STAT(heap_mapped, STAT_U64),
     STAT(device_allocs_after_boot, STAT_U64),
     STAT(graph_captures_after_boot, STAT_U64),
+    STAT(eager_steps, STAT_U64),
     STAT(steps, STAT_U64),
     STAT(decode_steps, STAT_U64),
     STAT(sched_allocations, STAT_U64),

@@ -427,6 +427,7 @@ struct dsv4_proto_stats {
     uint64_t heap_mapped;
     uint64_t device_allocs_after_boot;   /* must stay 0 */
     uint64_t graph_captures_after_boot;  /* must stay 0 */
+    uint64_t eager_steps;                /* steps launched outside the boot's graphs (long prefill chunks) */
     uint64_t steps;                /* engine steps that did work (prefill or decode) */
     uint64_t decode_steps;         /* steps that decoded at least one sequence */
     uint32_t n_batch_hist;         /* wire: "batch_size_hist", an array of uint */

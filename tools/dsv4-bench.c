@@ -3,8 +3,8 @@
  * bytes it must move over the measured device copy bandwidth: the floor no version can beat.
  *
  *   dsv4-bench [--batch 1,64] [--reps N]
- *   dsv4-bench --model DIR [--batch 1,16,64] [--context N] [--prefill N] [--layers N]
- *                                                               (the whole step, prefill)
+ *   dsv4-bench --model DIR [--batch 1,16,64] [--context N] [--prefill N] [--layers N] [--chunk N]
+ *              [--expert-host-share P]                          (the whole step, prefill)
  *
  * Each kernel is captured REPS times into one CUDA graph (launch gaps out of the numbers), reading
  * rotating copies of its weights that together exceed the L2 several times over, so the numbers
@@ -21,7 +21,10 @@
  * --layers N deepens the model to N layers by repeating the checkpoint's last two (a CSA and an HCA
  * layer with scored routing, as dsv4-mkckpt writes from layer 4 on), so that a deep model is timed
  * from a short checkpoint: the repeats alias the checkpoint's host tensors, the device holds a copy
- * per layer as usual, and a layer's values do not change its time.
+ * per layer as usual, and a layer's values do not change its time. Routed experts that do not fit the
+ * GPU live in pinned host memory (expert_offload = auto, dsv4d(8)); --expert-host-share P puts at
+ * least P percent of each layer's there even when they fit, to time the PCIe path on a model that
+ * fits. The placement is printed after the boot line.
  *
  * The peer: each BF16 shape is also run through cuBLASLt (bf16 x bf16 -> f32, f32 compute, its own
  * heuristic choice), the vendor GEMM a user would otherwise call, in the same run and graph
@@ -330,6 +333,160 @@ static int run_experts(struct job *j, int rep, cudaStream_t s)
     return dsv4_cuda_moe_experts(&j->ex[rep % j->n_ex], j->x, j->batch, 6, j->idx, j->w, &j->ws, j->y, s);
 }
 
+/* ---- prefill GEMMs: many rows, compute-bound; TFLOP/s beside cuBLASLt's FP8 in the same run ---- */
+
+struct big_gemm {
+    const struct dsv4_cuda_linear *w;   /* FP8 [out, in] with 128x128 UE8M0 scales */
+    const float *x;                     /* [rows, in] f32 (ours quantizes it inside, 1x128) */
+    float *y;                           /* [rows, out] f32 */
+    int rows;
+    struct dsv4_cuda_gemm_ws *ws;
+    const void *x8;                     /* cuBLASLt: [rows, in] e4m3 */
+    void *y16;                          /* cuBLASLt: [rows, out] bf16 */
+    const float *sw, *sx;               /* cuBLASLt block scales: weights [out/128, in/128], x [rows, in/128] */
+    bool block;                         /* cuBLASLt with the block scales, else one scale per tensor */
+};
+
+static int big_ours(const struct big_gemm *g, cudaStream_t s)
+{
+    return dsv4_cuda_gemm(g->w, g->x, g->w->in, g->rows, true, g->ws, g->y, g->w->out, s);
+}
+
+/* D^T [out, rows] = W [out, K] (column-major [K, out], transposed) x^T [K, rows]: the TN form FP8
+ * needs, e4m3 in, bf16 out, f32 compute. */
+static int big_lt(const struct big_gemm *g, cudaStream_t s)
+{
+    const struct dsv4_cuda_linear *l = g->w;
+    const float one = 1.0f, zero = 0.0f;
+    const cublasOperation_t tr = CUBLAS_OP_T;
+    const int32_t blk = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, vec = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a = NULL, b = NULL, c = NULL;
+    cublasStatus_t e = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    if (e != CUBLAS_STATUS_SUCCESS)
+        return dsv4_error_set(-EIO, "cuBLASLt fp8: status %d", (int)e);
+    e = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &tr, sizeof(tr));
+    if (e == CUBLAS_STATUS_SUCCESS && g->block)
+        e = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &blk, sizeof(blk));
+    if (e == CUBLAS_STATUS_SUCCESS && g->block)
+        e = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec, sizeof(vec));
+    if (e == CUBLAS_STATUS_SUCCESS && g->block)
+        e = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g->sw, sizeof(g->sw));
+    if (e == CUBLAS_STATUS_SUCCESS && g->block)
+        e = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g->sx, sizeof(g->sx));
+    if (e == CUBLAS_STATUS_SUCCESS)
+        e = cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, (uint64_t)l->in, (uint64_t)l->out, l->in);
+    if (e == CUBLAS_STATUS_SUCCESS)
+        e = cublasLtMatrixLayoutCreate(&b, CUDA_R_8F_E4M3, (uint64_t)l->in, (uint64_t)g->rows, l->in);
+    if (e == CUBLAS_STATUS_SUCCESS)
+        e = cublasLtMatrixLayoutCreate(&c, CUDA_R_16BF, (uint64_t)l->out, (uint64_t)g->rows, l->out);
+    if (e == CUBLAS_STATUS_SUCCESS)
+        e = cublasLtMatmul(peer_lt, op, &one, l->w, a, g->x8, b, &zero, g->y16, c, g->y16, c, NULL, peer_ws,
+                           PEER_WS_BYTES, s);
+    cublasLtMatrixLayoutDestroy(a);
+    cublasLtMatrixLayoutDestroy(b);
+    cublasLtMatrixLayoutDestroy(c);
+    cublasLtMatmulDescDestroy(op);
+    return e == CUBLAS_STATUS_SUCCESS ? 0 : dsv4_error_set(-EIO, "cuBLASLt fp8%s: status %d", g->block ?
+                                                           " block-scaled" : "", (int)e);
+}
+
+/* Milliseconds of one call: `reps` calls timed with events after a warm-up (each takes long enough
+ * that launch gaps do not matter); negative when the call fails (reported, not fatal). */
+static double big_time(int (*fn)(const struct big_gemm *, cudaStream_t), const struct big_gemm *g, int reps)
+{
+    cudaStream_t s;
+    cudaEvent_t a, b;
+    float ms;
+    TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    TRY(cudaEventCreate(&a));
+    TRY(cudaEventCreate(&b));
+    int rc = fn(g, s);
+    if (rc == 0) {
+        TRY(cudaEventRecord(a, s));
+        for (int r = 0; r < reps && rc == 0; r++)
+            rc = fn(g, s);
+        TRY(cudaEventRecord(b, s));
+        TRY(cudaEventSynchronize(b));
+        TRY(cudaEventElapsedTime(&ms, a, b));
+    }
+    TRY(cudaStreamSynchronize(s));
+    TRY(cudaEventDestroy(a));
+    TRY(cudaEventDestroy(b));
+    TRY(cudaStreamDestroy(s));
+    return rc == 0 ? ms / reps : -1.0;
+}
+
+/* Ours (the step's FP8 linear, activation quantizer included) against cuBLASLt FP8 at prefill row
+ * counts on V4-Flash shapes, and the dense FP8 rate (8192^3, cuBLASLt) that bounds prefill. */
+static void bench_big_gemms(void)
+{
+    static const struct { const char *what; int64_t out, in; } shapes[] = {
+        { "wq_b fp8 [32768,1024]", 32768, 1024 },
+        { "wo_b fp8 [4096,8192]", 4096, 8192 },
+        { "wq_a fp8 [1024,4096]", 1024, 4096 },
+        { "dense fp8 [8192,8192]", 8192, 8192 },
+    };
+    static const int rows[] = { 1024, 4096, 8192 };
+    const int RMAX = 8192;
+    const int64_t KMAX = 8192;
+    struct dsv4_cuda_gemm_ws ws;
+    void *wsm;
+    TRY(cudaMalloc(&wsm, dsv4_cuda_gemm_ws_bytes(DSV4_CUDA_MAX_ROWS, KMAX)));
+    dsv4_cuda_gemm_ws_init(&ws, wsm, DSV4_CUDA_MAX_ROWS, KMAX);
+    float *x = dev_random((size_t)RMAX * KMAX * sizeof(float), FILL_ACT);
+    float *y = dev_random((size_t)RMAX * 32768 * sizeof(float), FILL_ACT);
+    void *x8 = dev_random((size_t)RMAX * KMAX, FILL_FP8), *y16 = dev_random((size_t)RMAX * 32768 * 2, FILL_BF16);
+    const size_t nsc = (size_t)RMAX * (KMAX / 128) + (size_t)(32768 / 128) * (KMAX / 128);
+    float *hsc = malloc(sizeof(float) * nsc), *dsc;
+    for (size_t i = 0; i < nsc; i++)
+        hsc[i] = 1.0f / (float)(1 << (next_u64() % 4));
+    TRY(cudaMalloc((void **)&dsc, sizeof(float) * nsc));
+    TRY(cudaMemcpy(dsc, hsc, sizeof(float) * nsc, cudaMemcpyHostToDevice));
+    free(hsc);
+    printf("%-34s %5s %10s %10s  %s\n", "prefill GEMM", "rows", "ms", "TFLOP/s", "x cuBLASLt fp8 (tensor scale)");
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        struct linear_set ls;
+        make_linears(&ls, DSV4_W_FP8, shapes[i].out, shapes[i].in);
+        for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++) {
+            const bool dense = shapes[i].out == 8192;
+            if (dense != (rows[r] == 8192))
+                continue;
+            struct big_gemm g = { .w = &ls.l[0], .x = x, .y = y, .rows = rows[r], .ws = &ws, .x8 = x8, .y16 = y16,
+                                  .sw = dsc + (size_t)RMAX * (KMAX / 128), .sx = dsc };
+            const double flop = 2.0 * rows[r] * (double)shapes[i].out * (double)shapes[i].in;
+            const int reps = 5;
+            const double lt = big_time(big_lt, &g, reps);
+            g.block = true;
+            const double ltb = big_time(big_lt, &g, reps);
+            const double ours = rows[r] <= DSV4_CUDA_MAX_ROWS ? big_time(big_ours, &g, reps) : -1.0;
+            char what[96];
+            if (ours > 0) {
+                snprintf(what, sizeof(what), "%s ours", shapes[i].what);
+                printf("%-34s %5d %10.3f %10.1f  %.2f\n", what, rows[r], ours, flop / (ours * 1e9),
+                       lt > 0 ? ours / lt : 0.0);
+            }
+            snprintf(what, sizeof(what), "%s cublasLt", shapes[i].what);
+            if (lt > 0)
+                printf("%-34s %5d %10.3f %10.1f\n", what, rows[r], lt, flop / (lt * 1e9));
+            else
+                printf("%-34s %5d  failed: %s\n", what, rows[r], dsv4_error_message());
+            snprintf(what, sizeof(what), "%s cublasLt block", shapes[i].what);
+            if (ltb > 0)
+                printf("%-34s %5d %10.3f %10.1f\n", what, rows[r], ltb, flop / (ltb * 1e9));
+            else
+                printf("%-34s %5d  unsupported here: %s\n", what, rows[r], dsv4_error_message());
+        }
+        free_linears(&ls);
+    }
+    cudaFree(wsm);
+    cudaFree(x);
+    cudaFree(y);
+    cudaFree(x8);
+    cudaFree(y16);
+    cudaFree(dsc);
+}
+
 struct lshape {
     const char *what;
     enum dsv4_wfmt fmt;
@@ -478,13 +635,16 @@ static void restore_layers(struct dsv4_weights *w, struct dsv4_layer *saved, int
     w->bytes_total = bytes0;
 }
 
-static int bench_model(const char *dir, const int *batches, int nb, int context, int prefill, int layers)
+static int bench_model(const char *dir, const int *batches, int nb, int context, int prefill, int layers, int chunk,
+                       int host_share)
 {
     struct dsv4_weights *w = NULL;
     struct dsv4_layer *saved;
     struct dsv4_backend *b = NULL;
     struct dsv4_backend_opts opts = { .max_batch = DSV4_CUDA_MAX_BATCH, .max_context = context,
-                                      .numerics = DSV4_NUMERICS_FP8 };
+                                      .numerics = DSV4_NUMERICS_FP8, .prefill_chunk = chunk,
+                                      .expert_offload = host_share ? DSV4_EXPERT_OFFLOAD_ON : DSV4_EXPERT_OFFLOAD_AUTO,
+                                      .expert_host_share = host_share };
     struct dsv4_backend_stats st;
     double t0 = now_us();
 
@@ -497,6 +657,8 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     b->ops->get_stats(b, &st);
     printf("# %s: %d layers, %.2f GB of weights, boot %.1f s (load, upload, %llu graphs), %s\n", dir, c->n_layers,
            w->bytes_total / 1e9, (now_us() - t0) / 1e6, (unsigned long long)st.graph_captures, st.variant);
+    printf("# routed experts: %u on the GPU (%.2f GB), %u in pinned host memory (%.2f GB)\n", st.experts_gpu,
+           st.expert_bytes_gpu / 1e9, st.experts_host, st.expert_bytes_host / 1e9);
 
     /* bytes every step reads apart from the routed experts; the embedding contributes a row per token */
     double expert = 0.0, routed_all = 0.0;
@@ -572,28 +734,37 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         snprintf(what, sizeof(what), "  the same, logits to the host");
         report(what, B, median(us, BENCH_STEPS), bytes);
     }
-    /* prefill: one slot, `prefill` tokens in chunks of max_batch; the floor reads the weights once
-     * per chunk (the experts a chunk routes to, uniform estimate). Then batch-1 decode steps at that
-     * context (attention over the window and the selected entries, the indexer over every entry). */
+    /* prefill: one slot, `prefill` tokens in calls of `step` tokens, each call one step of that many
+     * rows (64: a bucket graph, what every prefill was before longer chunks; more: one eager step of
+     * up to the backend's chunk). The floor reads the weights once per step (the experts a step
+     * routes to, uniform estimate); prefill is compute-bound from a few hundred rows on. */
     {
         int32_t *p = malloc(sizeof(int32_t) * (size_t)prefill);
-        const int chunk = DSV4_CUDA_MAX_BATCH, nchunks = (prefill + chunk - 1) / chunk;
         const double K = c->n_experts_per_tok, E = c->n_experts;
-        const double distinct = E * (1.0 - pow(1.0 - K / E, chunk));
+        const int steps[] = { DSV4_CUDA_MAX_BATCH, 256, 512, 1024, 2048, 4096 };
+        const int maxstep = chunk ? chunk : DSV4_PREFILL_CHUNK_DEFAULT;
         float us[3];
         for (int i = 0; i < prefill; i++)
             p[i] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
-        for (int r = 0; r < 4; r++) {
-            b->ops->slot_reset(b, 0);
-            double a = now_us();
-            OK(b->ops->prefill(b, 0, p, prefill, logits, false));
-            if (r > 0)
-                us[r - 1] = (float)(now_us() - a);
+        for (size_t k = 0; k < sizeof(steps) / sizeof(steps[0]) && steps[k] <= maxstep; k++) {
+            const int step = steps[k], nsteps = (prefill + step - 1) / step;
+            const double distinct = E * (1.0 - pow(1.0 - K / E, step));
+            for (int r = 0; r < 4; r++) {
+                b->ops->slot_reset(b, 0);
+                double a = now_us();
+                for (int i0 = 0; i0 < prefill; i0 += step) {
+                    const int m = prefill - i0 < step ? prefill - i0 : step;
+                    OK(b->ops->prefill(b, 0, p + i0, m, i0 + m == prefill ? logits : NULL, false));
+                }
+                if (r > 0)
+                    us[r - 1] = (float)(now_us() - a);
+            }
+            char what[64];
+            snprintf(what, sizeof(what), "prefill %d tokens, %d-row steps", prefill, step);
+            report(what, prefill, median(us, 3), nsteps * (dense + c->n_layers * distinct * expert));
+            printf("# prefill %d tokens in %d-row steps: %.0f tokens/s\n", prefill, step,
+                   prefill / (median(us, 3) / 1e6));
         }
-        char what[64];
-        snprintf(what, sizeof(what), "prefill %d tokens (%d chunks)", prefill, nchunks);
-        report(what, prefill, median(us, 3), nchunks * (dense + c->n_layers * distinct * expert));
-        printf("# prefill: %.0f tokens/s\n", prefill / (median(us, 3) / 1e6));
         float ds[BENCH_STEPS];
         int slot = 0;
         for (int step = 0; step < BENCH_STEPS; step++) {
@@ -602,6 +773,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
             OK(b->ops->decode(b, 1, &slot, &tok, logits));
             ds[step] = (float)(now_us() - a);
         }
+        char what[64];
         snprintf(what, sizeof(what), "%d-layer step at context %d", c->n_layers, prefill);
         report(what, 1, median(ds, BENCH_STEPS), dense + c->n_layers * K * expert + c->dim * 2 + 4.0 * V);
         free(p);
@@ -617,6 +789,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
 int main(int argc, char **argv)
 {
     int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096, prefill = BENCH_PREFILL, layers = 0;
+    int chunk = 0, host_share = 0;
     const char *model = NULL;
     const int topk = 6, E = 256, D = 4096, I = 2048;
     struct job j;
@@ -647,6 +820,18 @@ int main(int argc, char **argv)
                 fprintf(stderr, "dsv4-bench: --layers 1..%d\n", DSV4_MAX_LAYERS);
                 return 2;
             }
+        } else if (!strcmp(argv[i], "--chunk") && i + 1 < argc) {
+            chunk = atoi(argv[++i]);
+            if (chunk < 1 || chunk > DSV4_PREFILL_CHUNK_MAX) {
+                fprintf(stderr, "dsv4-bench: --chunk 1..%d\n", DSV4_PREFILL_CHUNK_MAX);
+                return 2;
+            }
+        } else if (!strcmp(argv[i], "--expert-host-share") && i + 1 < argc) {
+            host_share = atoi(argv[++i]);
+            if (host_share < 1 || host_share > 100) {
+                fprintf(stderr, "dsv4-bench: --expert-host-share 1..100\n");
+                return 2;
+            }
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
             reps = atoi(argv[++i]);
             if (reps < 1 || reps > BENCH_MAX_COPIES * 4) {
@@ -655,7 +840,7 @@ int main(int argc, char **argv)
             }
         } else {
             fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N] "
-                            "[--prefill N] [--layers N]\n");
+                            "[--prefill N] [--layers N] [--chunk N] [--expert-host-share P]\n");
             return 2;
         }
     }
@@ -671,7 +856,7 @@ int main(int argc, char **argv)
                     context);
             return 2;
         }
-        return bench_model(model, batches, nb, context, prefill, layers);
+        return bench_model(model, batches, nb, context, prefill, layers, chunk, host_share);
     }
 
     {
@@ -852,6 +1037,7 @@ int main(int argc, char **argv)
         j.run = run_mhc_post;
         report("mhc post hc=4 [B,4,4096]", batches[b], time_job(&j, reps), B * (2 * 4 * 4096 + 4096 + 20) * 4);
     }
+    bench_big_gemms();
     printf("# the whole decode step: dsv4-bench --model DIR (a dsv4-mkckpt checkpoint) --batch 1,16,64\n");
     return 0;
 }

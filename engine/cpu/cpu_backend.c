@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "engine/backend.h"
 #include "engine/cpu/cpu_forward.h"
@@ -20,6 +21,7 @@ struct cpu_impl {
     int n_slots;
     struct dsv4_cpu_seq **slots;    /* [max_batch] */
     uint8_t *prefix_pool;           /* [prefix.n_pages, prefix.page_bytes] host memory, or NULL */
+    uint64_t *route_counts;         /* [n_layers * n_experts] tokens routed to each expert (slots run in turn) */
     uint64_t bytes;
 };
 
@@ -186,6 +188,13 @@ static void cpu_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stat
              b->opts.threads > 1 ? "s" : "");
 }
 
+static int cpu_routing_counts(struct dsv4_backend *b, uint64_t *counts)
+{
+    const struct dsv4_config *c = &b->weights->cfg;
+    memcpy(counts, impl_of(b)->route_counts, sizeof(*counts) * (size_t)c->n_layers * (size_t)c->n_experts);
+    return 0;
+}
+
 static void cpu_destroy(struct dsv4_backend *b)
 {
     struct cpu_impl *im = impl_of(b);
@@ -194,6 +203,7 @@ static void cpu_destroy(struct dsv4_backend *b)
             dsv4_cpu_seq_free(im->slots[i]);
         free(im->slots);
         free(im->prefix_pool);
+        free(im->route_counts);
         dsv4_cpu_pool_free(im->pool);
         free(im);
     }
@@ -207,6 +217,7 @@ static const struct dsv4_backend_ops cpu_ops = {
     .slot_reset = cpu_slot_reset,
     .slot_position = cpu_slot_position,
     .get_stats = cpu_get_stats,
+    .routing_counts = cpu_routing_counts,
     .destroy = cpu_destroy,
     .prefix_save = cpu_prefix_save,
     .prefix_load = cpu_prefix_load,
@@ -239,6 +250,11 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
     b->weights = w;
     b->opts = *opts;
     b->spec_tokens = w->n_mtp > 0 ? opts->spec_tokens : 0;
+    im->route_counts = calloc((size_t)w->cfg.n_layers * (size_t)w->cfg.n_experts, sizeof(*im->route_counts));
+    if (!im->route_counts) {
+        cpu_destroy(b);
+        return dsv4_error_set(-ENOMEM, "out of memory for the CPU backend's routing counts");
+    }
     if (opts->threads > 1) {
         int rc = dsv4_cpu_pool_create(opts->threads, dsv4_cpu_max_linear_in(w), &im->pool);
         if (rc < 0) {
@@ -253,6 +269,7 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
             return dsv4_error_prefix(rc, "CPU backend slot %d: ", i);
         }
         im->slots[i]->pool = im->pool;
+        im->slots[i]->route_counts = im->route_counts;
         im->n_slots = i + 1;
         if (b->spec_tokens && (rc = dsv4_cpu_seq_spec_init(w, im->slots[i], b->spec_tokens)) < 0) {
             cpu_destroy(b);

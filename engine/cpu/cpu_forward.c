@@ -269,9 +269,13 @@ static void block(const struct dsv4_cpu_ctx *c, const struct dsv4_layer *l, stru
 /* One step of the MTP block at s->mtp_pos: streams [hc, D] of that position (the main model's, or the
  * block's own output in a later draft) and the token after it. Leaves the block's output streams in
  * wk->X; logits [vocab] when not NULL. */
-static void mtp_step(const struct dsv4_cpu_ctx *c, struct dsv4_cpu_seq *s, const float *streams,
+static void mtp_step(const struct dsv4_cpu_ctx *main_ctx, struct dsv4_cpu_seq *s, const float *streams,
                      int32_t next_token, float *logits)
 {
+    /* The block's routing is not the main layers': it is not counted. */
+    struct dsv4_cpu_ctx ctx = *main_ctx;
+    ctx.route_counts = NULL;
+    const struct dsv4_cpu_ctx *c = &ctx;
     const struct dsv4_config *cfg = c->cfg;
     const struct dsv4_mtp *m = &c->w->mtp[0];
     struct dsv4_cpu_work *wk = c->wk;
@@ -333,8 +337,10 @@ static void append(const struct dsv4_weights *w, enum dsv4_numerics num, struct 
         dsv4_linear_row(&w->embed, tokens[i], wk->y);
         for (int64_t j = 0; j < hc; j++)
             memcpy(wk->X + j * D, wk->y, (size_t)D * sizeof(float));
-        for (int l = 0; l < cfg->n_layers; l++)
+        for (int l = 0; l < cfg->n_layers; l++) {
+            c.route_counts = s->route_counts ? s->route_counts + (int64_t)l * cfg->n_experts : NULL;
             block(&c, &w->layers[l], &s->layers[l], tokens[i], pos);
+        }
         dsv4_cpu_undo_save(undo, s->streams, (size_t)(hc * D) * sizeof(float));
         memcpy(s->streams, wk->X, (size_t)(hc * D) * sizeof(float));
         s->pos++;

@@ -70,6 +70,7 @@ struct dsv4_cpu_seq {
     float *mtp_streams;                 /* [hc, D]: the MTP block's output streams, a later draft's input */
     struct dsv4_cpu_work *work;         /* scratch for one token */
     struct dsv4_cpu_pool *pool;         /* borrowed worker threads, or NULL for one */
+    uint64_t *route_counts;             /* borrowed [n_layers * n_experts] routed-token counts, or NULL */
     void *arena;                        /* the one block every cache and scratch buffer lives in */
     uint64_t bytes;                     /* caches + scratch */
 };

@@ -79,6 +79,8 @@ void dsv4_cpu_moe(const struct dsv4_cpu_ctx *c, const struct dsv4_ffn *ffn, cons
     }
     for (int k = 0; k < K; k++)
         wt[k] = wt[k] / (sum + 1e-20f) * (float)cfg->routed_scaling_factor;
+    for (int k = 0; c->route_counts && k < K; k++)
+        c->route_counts[idx[k]]++;
 
     /* transformers adds the experts' outputs in ascending expert order, then the shared expert. */
     memset(out, 0, (size_t)D * sizeof(float));

@@ -65,6 +65,7 @@ struct dsv4_cpu_ctx {
     enum dsv4_numerics num;
     struct dsv4_cpu_work *wk;
     struct dsv4_cpu_pool *pool;
+    uint64_t *route_counts;     /* [n_experts] of the layer being run: tokens routed to each, or NULL */
     struct dsv4_cpu_undo *undo;
 };
 

@@ -4,7 +4,8 @@ libdsv4engine_la_SOURCES += \
 	engine/model/config.c engine/model/config.h \
 	engine/model/safetensors.c engine/model/safetensors.h \
 	engine/model/quant.c engine/model/quant.h \
-	engine/model/weights.c engine/model/weights.h engine/model/linear.c
+	engine/model/weights.c engine/model/weights.h engine/model/linear.c \
+	engine/model/placement.c engine/model/placement.h
 
 check_PROGRAMS += tests/unit/test_weights
 TESTS += tests/unit/test_weights
@@ -29,3 +30,9 @@ TESTS += tests/unit/test_safetensors
 tests_unit_test_safetensors_SOURCES = tests/unit/test_safetensors.c tests/unit/st_writer.h tests/unit/seed_util.h
 tests_unit_test_safetensors_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_safetensors_LDADD = $(TEST_ENGINE_LIBS)
+
+check_PROGRAMS += tests/unit/test_placement
+TESTS += tests/unit/test_placement
+tests_unit_test_placement_SOURCES = tests/unit/test_placement.c tests/unit/seed_util.h
+tests_unit_test_placement_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_placement_LDADD = $(TEST_ENGINE_LIBS)

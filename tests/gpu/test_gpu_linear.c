@@ -444,6 +444,95 @@ static void test_same_x(void **state)
     ws_close();
 }
 
+/* Prefill chunks (more than DSV4_CUDA_MAX_BATCH rows: a CTA per 64-row block, each walking all of K
+ * and folding the shape's splits in order): every row bit-identical to that row computed alone (the
+ * decode path, whose split-K reduction it reproduces), in each activation form, on shapes whose K is
+ * split (wq_a's [1024, 4096] in 16 splits, a BF16 [256, 4096] in 32) and a grouped wo_a, at row
+ * counts that leave a partial last block; and within LINEAR_BOUND of the CPU twin on sampled rows. */
+static void test_prefill_rows(void **state)
+{
+    static const struct { enum dsv4_wfmt fmt; bool quant; int64_t out, in; int groups; const char *what; } forms[] = {
+        { DSV4_W_FP8, true, 1024, 4096, 0, "fp8 [1024,4096], quantized x" },
+        { DSV4_W_FP8, false, 1024, 4096, 0, "fp8 [1024,4096], raw x" },
+        { DSV4_W_BF16, false, 256, 4096, 0, "bf16 [256,4096]" },
+        { DSV4_W_FP8, false, 2048, 1024, 4, "fp8 grouped [2048,1024] x 4 groups" },
+    };
+    static const int rows[] = { 65, 200, 1000 };
+    const int RMAX = 1000;
+    const int64_t KMAX = 4096;
+    struct dsv4_cuda_gemm_ws ws;
+    void *mem;
+
+    (void)state;
+    DSV4_OK(dsv4_cuda_gemm_prepare());
+    assert_int_equal(cudaMalloc(&mem, dsv4_cuda_gemm_ws_bytes(RMAX, KMAX)), cudaSuccess);
+    dsv4_cuda_gemm_ws_init(&ws, mem, RMAX, KMAX);
+    for (size_t f = 0; f < sizeof(forms) / sizeof(forms[0]); f++) {
+        const int64_t out = forms[f].out, G = forms[f].groups, xw = forms[f].in * (G ? G : 1);
+        const bool q = forms[f].quant;
+        struct pair W;
+        make_linear(&W, forms[f].fmt, out, forms[f].in);
+        float *x = malloc(sizeof(float) * (size_t)RMAX * xw);
+        fill_activations(x, (size_t)RMAX * xw);
+        float *dx = gt_dev_copy(x, sizeof(float) * (size_t)RMAX * xw);
+        for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++) {
+            const int B = rows[r];
+            float *dy = gt_dev_poisoned((size_t)B * out), *d1 = gt_dev_poisoned((size_t)out);
+            if (G)
+                DSV4_OK(dsv4_cuda_gemm_grouped(&W.d, (int)G, dx, xw, B, &ws, dy, out, NULL));
+            else
+                DSV4_OK(dsv4_cuda_gemm(&W.d, dx, xw, B, q, &ws, dy, out, NULL));
+            float *got = gt_host_from(dy, (size_t)B * out);
+            size_t differ = 0;
+            for (int i = 0; i < B; i++) {
+                if (G)
+                    DSV4_OK(dsv4_cuda_gemm_grouped(&W.d, (int)G, dx + (size_t)i * xw, xw, 1, &ws, d1, out, NULL));
+                else
+                    DSV4_OK(dsv4_cuda_gemm(&W.d, dx + (size_t)i * xw, xw, 1, q, &ws, d1, out, NULL));
+                float *one = gt_host_from(d1, (size_t)out);
+                differ += memcmp(one, got + (size_t)i * out, sizeof(float) * out) != 0;
+                free(one);
+            }
+            /* the twin on the first, a middle and the last row (f64 dot products of the
+             * dequantized weight rows with x, FP8-rounded in 1x128 blocks when quantized) */
+            const int probe[3] = { 0, B / 2, B - 1 };
+            const int64_t K = forms[f].in, R = G ? out / G : out;
+            float *wrow = malloc(sizeof(float) * K), *xr = malloc(sizeof(float) * xw);
+            float *gsel = malloc(sizeof(float) * 3 * out), *rsel = malloc(sizeof(float) * 3 * out);
+            for (int k = 0; k < 3; k++) {
+                memcpy(xr, x + (size_t)probe[k] * xw, sizeof(float) * xw);
+                if (q)
+                    dsv4_twin_fp8_roundtrip(xr, (size_t)xw, 128);
+                for (int64_t o = 0; o < out; o++) {
+                    const float *xg = xr + (o / R) * K;
+                    double acc = 0.0;
+                    dsv4_twin_linear_row(&W.h, o, wrow);
+                    for (int64_t i = 0; i < K; i++)
+                        acc += (double)wrow[i] * xg[i];
+                    rsel[(size_t)k * out + o] = (float)acc;
+                }
+                memcpy(gsel + (size_t)k * out, got + (size_t)probe[k] * out, sizeof(float) * out);
+            }
+            char what[128];
+            snprintf(what, sizeof(what), "%s, %d rows", forms[f].what, B);
+            ASSERT_REL(what, gsel, rsel, (size_t)3 * out, LINEAR_BOUND);
+            printf("# prefill rows, %s: %zu of %d rows differ from the row computed alone\n", what, differ, B);
+            assert_int_equal(differ, 0);
+            free(wrow);
+            free(xr);
+            free(gsel);
+            free(rsel);
+            free(got);
+            cudaFree(dy);
+            cudaFree(d1);
+        }
+        free(x);
+        cudaFree(dx);
+        free_linear(&W);
+    }
+    cudaFree(mem);
+}
+
 /* dsv4_cuda_gemm_norm: the normalized rows are dsv4_cuda_rmsnorm's bit for bit, and a linear that
  * then reads them through dsv4_cuda_gemm_same_x gives what RMSNorm followed by the plain linear
  * gives, bit for bit, with the normalized rows overwritten in between (so the fused preparation is
@@ -531,6 +620,7 @@ int main(void)
         cmocka_unit_test(test_short_ring),
         cmocka_unit_test(test_fp8_view_mid_block),
         cmocka_unit_test(test_same_x),
+        cmocka_unit_test(test_prefill_rows),
         cmocka_unit_test(test_norm_prep),
         cmocka_unit_test(test_refuses_misaligned),
     };

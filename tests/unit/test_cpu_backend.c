@@ -200,6 +200,55 @@ static void test_mtp(void **state)
     test_free_all();
 }
 
+/* Routing counts: every token counts once for each of its top-k experts in every layer; hash layers
+ * count exactly the experts tid2eid names for the tokens fed, prefill and decode alike. */
+static void test_routing_counts(void **state)
+{
+    const struct dsv4_config *c = &model->cfg;
+    const int L = c->n_layers, E = c->n_experts, K = c->n_experts_per_tok;
+    struct dsv4_backend_opts opts = {.max_batch = 2, .max_context = CTX};
+    struct dsv4_backend *b;
+    assert_int_equal(dsv4_backend_cpu_create(model, &opts, &b), 0);
+    uint64_t *got = test_alloc(sizeof(uint64_t) * L * E), *want = test_alloc(sizeof(uint64_t) * E);
+    assert_non_null(b->ops->routing_counts);
+    assert_int_equal(b->ops->routing_counts(b, got), 0);
+    for (int i = 0; i < L * E; i++)
+        assert_int_equal(got[i], 0);
+
+    int32_t p0[13], p1[7];
+    prompt(p0, 13, 3);
+    prompt(p1, 7, 4);
+    assert_int_equal(b->ops->prefill(b, 0, p0, 13, NULL, false), 0);
+    assert_int_equal(b->ops->prefill(b, 1, p1, 7, NULL, false), 0);
+    const int32_t toks[2] = {11, 200};
+    assert_int_equal(b->ops->decode(b, 2, (int[]){1, 0}, toks, NULL), 0);
+    const int n = 13 + 7 + 2;
+    assert_int_equal(b->ops->routing_counts(b, got), 0);
+    int hash_layers = 0;
+    for (int l = 0; l < L; l++) {
+        uint64_t sum = 0;
+        for (int e = 0; e < E; e++) {
+            sum += got[l * E + e];
+            assert_true(got[l * E + e] <= (uint64_t)n);     /* an expert at most once per token */
+        }
+        assert_int_equal(sum, (uint64_t)n * K);
+        const struct dsv4_ffn *f = &model->layers[l].ffn;
+        if (f->type != DSV4_MLP_HASH)
+            continue;
+        hash_layers++;
+        memset(want, 0, sizeof(uint64_t) * E);
+        for (int i = 0; i < n; i++) {
+            const int32_t t = i < 13 ? p0[i] : i < 20 ? p1[i - 13] : toks[i - 20];
+            for (int k = 0; k < K; k++)
+                want[f->tid2eid[(size_t)t * K + k]]++;
+        }
+        assert_memory_equal(got + l * E, want, sizeof(uint64_t) * E);
+    }
+    assert_int_equal(hash_layers, 2);
+    dsv4_backend_destroy(b);
+    test_free_all();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -207,6 +256,7 @@ int main(void)
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_fp8_chunks),
         cmocka_unit_test(test_mtp),
+        cmocka_unit_test(test_routing_counts),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -49,7 +49,11 @@ static void test_file_forms(void **state)
                             "drain_grace = 2.5\n"
                             "allow_users = 0, 4242\n"
                             "allow_groups = 0\n"
-                            "log_level = debug\n");
+                            "log_level = debug\n"
+                            "expert_offload = on\n"
+                            "expert_host_share = 30\n"
+                            "expert_placement = /var/lib/dsv4d/routing.json\n"
+                            "routing_stats = /var/lib/dsv4d/routing.json\n");
     dsv4_settings_defaults(&s);
     assert_int_equal(dsv4_settings_load_file(&s, path, true), 0);
     assert_string_equal(s.model, "/srv/models/flash");
@@ -64,6 +68,10 @@ static void test_file_forms(void **state)
     assert_int_equal(s.allow_users[1], 4242);
     assert_int_equal(s.n_allow_groups, 1);
     assert_int_equal(s.log_level, 7);
+    assert_int_equal(s.expert_offload, DSV4_EXPERT_OFFLOAD_ON);
+    assert_int_equal(s.expert_host_share, 30);
+    assert_string_equal(s.expert_placement, "/var/lib/dsv4d/routing.json");
+    assert_string_equal(s.routing_stats, "/var/lib/dsv4d/routing.json");
     assert_string_equal(s.config_path, path);
     unlink(path);
 }
@@ -181,6 +189,8 @@ static void test_bad_lines(void **state)
         { "drain_grace = -1\n", -EINVAL, "seconds" },
         { "drain_grace = nan\n", -EINVAL, "seconds" },
         { "log_level = loud\n", -EINVAL, "log_level = 'loud'" },
+        { "expert_offload = maybe\n", -EINVAL, "expected auto, on or off" },
+        { "expert_host_share = 101\n", -ERANGE, "expert_host_share = 101 outside [0, 100]" },
         { "just words\n", -EINVAL, ":1: expected 'key = value'" },
         { "allow_users = no-such-user-here\n", -ENOENT, "no such user 'no-such-user-here'" },
         { "allow_groups = no-such-group-here\n", -ENOENT, "no such group 'no-such-group-here'" },
@@ -229,6 +239,11 @@ static void test_files_and_validation(void **state)
     assert_int_equal(dsv4_settings_prompt_limit(&s), 99);
     s.max_prompt_tokens = 10;
     assert_int_equal(dsv4_settings_prompt_limit(&s), 10);
+    s.expert_host_share = 20;
+    assert_int_equal(dsv4_settings_validate(&s), -EINVAL);     /* a host share needs expert_offload = on */
+    assert_non_null(strstr(dsv4_error_message(), "expert_host_share = 20 needs expert_offload = on"));
+    s.expert_offload = DSV4_EXPERT_OFFLOAD_ON;
+    assert_int_equal(dsv4_settings_validate(&s), 0);
 }
 
 int main(void)

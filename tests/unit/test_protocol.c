@@ -629,6 +629,7 @@ static void test_small_methods(void **state)
         st.heap_mapped = rnd();
         st.device_allocs_after_boot = rnd();
         st.graph_captures_after_boot = rnd();
+        st.eager_steps = rnd();
         st.steps = rnd();
         st.decode_steps = rnd();
         st.n_batch_hist = rnd_below(DSV4_PROTO_MAX_BATCH_BUCKETS + 1);
@@ -672,6 +673,7 @@ static void test_small_methods(void **state)
         assert_true(gs.heap_mapped == st.heap_mapped);
         assert_true(gs.device_allocs_after_boot == st.device_allocs_after_boot);
         assert_true(gs.graph_captures_after_boot == st.graph_captures_after_boot);
+        assert_true(gs.eager_steps == st.eager_steps);
         assert_true(gs.steps == st.steps);
         assert_true(gs.decode_steps == st.decode_steps);
         assert_int_equal(gs.n_batch_hist, st.n_batch_hist);

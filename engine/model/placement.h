@@ -1,0 +1,73 @@
+/* SPDX-License-Identifier: MIT */
+/* Where each routed expert lives when they do not all fit on the GPU: the boot plan's last step.
+ * Dense weights, caches and workspaces are placed first; what is left of the GPU (less a margin)
+ * takes experts, and the rest go to one pinned host allocation that the same expert kernels read
+ * in place over PCIe. Placement changes where bytes are, never the arithmetic.
+ *
+ * Which experts stay on the GPU: the most routed ones when routing statistics are given (counts of
+ * tokens routed to each expert, as dsv4d writes them from served traffic: dsv4_routing_stats_write),
+ * else evenly across layers (layer l gets its share of the GPU, experts 0, 1, ... in turn). Both are
+ * one rule: candidates in order of (count descending, the expert's rank within its layer by count,
+ * layer), taken while they fit. With no counts every count is 0, the rank is the expert id, and the
+ * order is expert 0 of every layer, then expert 1 of every layer, ...: even. */
+#ifndef DSV4_ENGINE_MODEL_PLACEMENT_H
+#define DSV4_ENGINE_MODEL_PLACEMENT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define DSV4_PLACEMENT_MAX_LAYERS 256       /* layers of a routing-statistics file */
+#define DSV4_PLACEMENT_MAX_EXPERTS 1024     /* experts per layer of a routing-statistics file */
+#define DSV4_ROUTING_STATS_FORMAT "dsv4d-routing-stats"
+#define DSV4_ROUTING_STATS_VERSION 1
+
+enum dsv4_expert_offload {
+    DSV4_EXPERT_OFFLOAD_AUTO,   /* host memory for the experts that do not fit, none when all fit */
+    DSV4_EXPERT_OFFLOAD_ON,     /* as auto, and at least host_percent of each layer's experts in host memory */
+    DSV4_EXPERT_OFFLOAD_OFF,    /* every expert on the GPU, or refuse to boot */
+};
+
+struct dsv4_placement_req {
+    int n_layers, n_experts;
+    /* [n_layers] bytes one expert of layer l takes (w1, w3, w2 and their scales, as stored); 0 for a
+     * layer whose experts cannot move (they count as dense weights). */
+    const uint64_t *expert_bytes;
+    uint64_t gpu_budget;        /* GPU bytes left for routed experts once everything else is placed */
+    enum dsv4_expert_offload mode;
+    int host_percent;           /* 0..100, mode ON only: at least this share of each layer's experts on the host */
+    const uint64_t *counts;     /* [n_layers * n_experts] tokens routed to each expert, or NULL: even */
+};
+
+struct dsv4_placement {
+    int n_layers, n_experts;
+    bool offload;               /* some expert lives in host memory */
+    bool from_counts;           /* chosen by routing statistics (else evenly) */
+    uint8_t *on_host;           /* [n_layers * n_experts] 1 = pinned host memory */
+    int *host_experts;          /* [n_layers] experts of the layer in host memory */
+    uint64_t gpu_bytes, host_bytes;     /* routed-expert bytes on each side */
+};
+
+/* Plan the placement. -ENOMEM with the numbers when mode is OFF and the experts do not fit;
+ * -EINVAL for a bad request. The plan is all-GPU when everything fits (mode AUTO, or ON with
+ * host_percent 0). */
+int dsv4_placement_plan(const struct dsv4_placement_req *req, struct dsv4_placement **ret);
+void dsv4_placement_free(struct dsv4_placement *p);     /* accepts NULL */
+
+static inline bool dsv4_placement_on_host(const struct dsv4_placement *p, int layer, int expert)
+{
+    return p && p->on_host[(int64_t)layer * p->n_experts + expert];
+}
+
+/* "even" / "routing statistics", then "offload off" when nothing moved: for logs. */
+const char *dsv4_placement_rule(const struct dsv4_placement *p);
+
+/* The routing-statistics file (JSON):
+ *   {"format": "dsv4d-routing-stats", "version": 1, "model": NAME, "n_layers": L, "n_experts": E,
+ *    "counts": [[c(0,0), ..., c(0,E-1)], ..., [c(L-1,0), ...]]}
+ * write: atomically (a temporary file renamed over path). read: the file must name exactly
+ * n_layers x n_experts counts (a file from another model is refused with both shapes). */
+int dsv4_routing_stats_write(const char *path, const char *model, int n_layers, int n_experts,
+                             const uint64_t *counts);
+int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint64_t *counts);
+
+#endif
