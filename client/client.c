@@ -836,6 +836,13 @@ int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret)
     ret->prefix_cache_hits = st.prefix_cache_hits;
     ret->prefix_cache_hit_tokens = st.prefix_cache_hit_tokens;
     ret->prefix_cache_evictions = st.prefix_cache_evictions;
+    ret->spec_tokens = st.spec_tokens;
+    ret->spec_verifies = st.spec_verifies;
+    ret->spec_drafted = st.spec_drafted;
+    ret->spec_accepted = st.spec_accepted;
+    ret->n_spec_hist = st.n_spec_hist < DSV4_CLIENT_MAX_SPEC_BUCKETS ? st.n_spec_hist : DSV4_CLIENT_MAX_SPEC_BUCKETS;
+    for (size_t i = 0; i < ret->n_spec_hist; i++)
+        ret->spec_hist[i] = st.spec_hist[i];
     dsv4_proto_stats_clear(&st);
     return 0;
 }

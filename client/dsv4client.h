@@ -227,6 +227,7 @@ int dsv4_client_detokenize(struct dsv4_client *c, const int32_t *tokens, size_t 
 /* Decode batch-size histogram buckets: batches of 1, 2, 3-4, 5-8, ..., (2^(i-1), 2^i]; the last one
  * the server sends also counts everything larger. */
 #define DSV4_CLIENT_MAX_BATCH_BUCKETS 32
+#define DSV4_CLIENT_MAX_SPEC_BUCKETS 16
 
 struct dsv4_client_stats {
     double uptime_s;
@@ -252,6 +253,12 @@ struct dsv4_client_stats {
     uint64_t prefix_cache_snapshots;         /* block boundaries a request can continue from */
     uint64_t prefix_cache_lookups, prefix_cache_hits, prefix_cache_hit_tokens;
     uint64_t prefix_cache_evictions;         /* snapshots evicted */
+    /* Speculative decoding (spec_tokens 0: off): verifies that had drafts, drafts made and accepted,
+     * and spec_hist[a]: verifies that accepted a drafts (a = 0 .. spec_tokens). */
+    uint32_t spec_tokens;
+    uint64_t spec_verifies, spec_drafted, spec_accepted;
+    size_t n_spec_hist;
+    uint64_t spec_hist[DSV4_CLIENT_MAX_SPEC_BUCKETS];
 };
 
 int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret);

@@ -542,6 +542,10 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         { "prefix_cache_hits", 0, s.prefix_cache_hits, false },
         { "prefix_cache_hit_tokens", 0, s.prefix_cache_hit_tokens, false },
         { "prefix_cache_evictions", 0, s.prefix_cache_evictions, false },
+        { "spec_tokens", 0, s.spec_tokens, false },
+        { "spec_verifies", 0, s.spec_verifies, false },
+        { "spec_drafted", 0, s.spec_drafted, false },
+        { "spec_accepted", 0, s.spec_accepted, false },
     };
     if (o->json) {
         json_t *j = json_object();
@@ -556,6 +560,10 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         for (size_t i = 0; i < s.n_batch_hist; i++)
             json_array_append_new(h, json_integer((json_int_t)s.batch_hist[i]));
         json_object_set_new(j, "batch_size_hist", h);
+        json_t *sh = json_array();
+        for (size_t i = 0; i < s.n_spec_hist; i++)
+            json_array_append_new(sh, json_integer((json_int_t)s.spec_hist[i]));
+        json_object_set_new(j, "spec_accept_hist", sh);
         print_json(j);
         return EXIT_OK;
     }
@@ -572,6 +580,11 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         char label[64];
         batch_bucket_label(i, i + 1 == s.n_batch_hist, label, sizeof(label));
         printf("%-28s %llu\n", label, (unsigned long long)s.batch_hist[i]);
+    }
+    for (size_t i = 0; i < s.n_spec_hist; i++) {
+        char label[64];
+        snprintf(label, sizeof(label), "verifies accepting %zu draft%s", i, i == 1 ? "" : "s");
+        printf("%-28s %llu\n", label, (unsigned long long)s.spec_hist[i]);
     }
     return EXIT_OK;
 }

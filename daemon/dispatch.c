@@ -17,6 +17,7 @@
 
 /* The stats reply copies the scheduler's histogram: same bucket layout (1, 2, 3-4, ..., open last). */
 _Static_assert(DSV4_SCHED_BATCH_BUCKETS <= DSV4_PROTO_MAX_BATCH_BUCKETS, "batch_size_hist has too few buckets");
+_Static_assert(DSV4_SPEC_TOKENS_MAX + 1 <= DSV4_PROTO_MAX_SPEC_BUCKETS, "spec_accept_hist has too few buckets");
 /* A token event's alternatives are copied into the protocol's fixed arrays. */
 _Static_assert(DSV4_SAMPLER_LOGPROBS_MAX <= DSV4_PROTO_MAX_LOGPROBS, "top_logprobs has too few entries");
 
@@ -752,6 +753,13 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
         st.n_batch_hist = DSV4_SCHED_BATCH_BUCKETS;
         for (uint32_t i = 0; i < DSV4_SCHED_BATCH_BUCKETS; i++)
             st.batch_hist[i] = ss.batch_hist[i];
+        st.spec_tokens = (uint32_t)ss.spec_tokens;
+        st.spec_verifies = ss.spec_steps;
+        st.spec_drafted = ss.spec_drafted;
+        st.spec_accepted = ss.spec_accepted;
+        st.n_spec_hist = ss.spec_tokens > 0 ? (uint32_t)ss.spec_tokens + 1 : 0;
+        for (uint32_t i = 0; i < st.n_spec_hist; i++)
+            st.spec_hist[i] = ss.spec_accept_hist[i];
         st.sched_allocations = ss.allocations;
         st.sched_allocations_after_boot = ss.allocations - d->boot_sched_allocations;
         if (ss.prefix_cache) {

@@ -110,6 +110,7 @@ static int boot(struct dsv4_host *h)
         .threads = threads,
         .prefix_pool_bytes = (int64_t)cfg->prefix_cache,
         .prefill_chunk = cfg->prefill_chunk ? cfg->prefill_chunk : DSV4_PREFILL_CHUNK_DEFAULT,
+        .spec_tokens = cfg->spec_tokens,
     };
     struct dsv4_sched_limits limits = { 0 };
     int r;
@@ -184,6 +185,19 @@ static int boot(struct dsv4_host *h)
     if (r < 0)
         return dsv4_error_prefix(r, "scheduler: ");
     h->max_output_tokens = limits.max_output_tokens;
+    struct dsv4_sched_stats ss;
+    dsv4_sched_get_stats(h->sched, &ss);
+    if (ss.spec_tokens > 0)
+        dsv4_log_info("speculative decoding: %d draft token%s per step from the MTP block", ss.spec_tokens,
+                      ss.spec_tokens == 1 ? "" : "s");
+    else if (cfg->spec_tokens == 0)
+        dsv4_log_info("speculative decoding: off (spec_tokens 0)");
+    else if (h->weights->n_mtp == 0)
+        dsv4_log_notice("speculative decoding: off: the checkpoint has no MTP block (spec_tokens %d asked)",
+                        cfg->spec_tokens);
+    else
+        dsv4_log_notice("speculative decoding: off: the %s backend cannot draft and verify (spec_tokens %d asked)",
+                        h->backend_name, cfg->spec_tokens);
     return 0;
 }
 

@@ -49,6 +49,9 @@ static const struct opt opts[] = {
            "prompt tokens prefilled per engine step, all requests together; on CUDA one step's rows "
            "(0 = " DSV4_STR(DSV4_PREFILL_CHUNK_DEFAULT) "; running streams wait for at most one such step "
            "between tokens)"),
+    INTOPT("spec_tokens", spec_tokens, 0, DSV4_SPEC_TOKENS_MAX,
+           "speculative decoding: tokens the checkpoint's MTP block drafts per step and one batched step "
+           "verifies (0 = off; the output is the same either way)"),
     { "expert_offload", OPT_OFFLOAD, F(expert_offload), 0, 0, 0, "auto|on|off",
       "CUDA: routed experts that do not fit the GPU live in pinned host memory (auto); off refuses to boot" },
     INTOPT("expert_host_share", expert_host_share, 0, 100,

@@ -863,7 +863,32 @@ static const struct stat_field stat_fields[] = {
     STAT(prefix_cache_hits, STAT_U64),
     STAT(prefix_cache_hit_tokens, STAT_U64),
     STAT(prefix_cache_evictions, STAT_U64),
+    STAT(spec_tokens, STAT_U32),
+    STAT(spec_verifies, STAT_U64),
+    STAT(spec_drafted, STAT_U64),
+    STAT(spec_accepted, STAT_U64),
 };
+
+/* An optional array of uint64 under key, at most max entries, into out[*n]. */
+static int read_u64_array(const msgpack_object *map, const char *key, const char *ctx, uint32_t max, uint64_t *out,
+                          uint32_t *n, struct dsv4_proto_error *err)
+{
+    const msgpack_object *k = dsv4_wire_get(map, key);
+    if (!k)
+        return 0;
+    if (k->type != MSGPACK_OBJECT_ARRAY)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: %s must be an array", ctx, key);
+    if (k->via.array.size > max)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: %u %s entries, above the limit %u", ctx,
+                                    k->via.array.size, key, max);
+    for (uint32_t i = 0; i < k->via.array.size; i++) {
+        int rc = dsv4_wire_read_u64(&k->via.array.ptr[i], ctx, key, DSV4_PROTO_E_BAD_VALUE, &out[i], err);
+        if (rc)
+            return rc;
+    }
+    *n = k->via.array.size;
+    return 0;
+}
 #undef STAT
 
 int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_stats *st)
@@ -872,8 +897,9 @@ int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, c
     msgpack_packer *pk = &e.pk;
     uint32_t nk = st->n_kernels < DSV4_PROTO_MAX_KERNELS ? st->n_kernels : DSV4_PROTO_MAX_KERNELS;
     uint32_t nb = st->n_batch_hist < DSV4_PROTO_MAX_BATCH_BUCKETS ? st->n_batch_hist : DSV4_PROTO_MAX_BATCH_BUCKETS;
+    uint32_t ns = st->n_spec_hist < DSV4_PROTO_MAX_SPEC_BUCKETS ? st->n_spec_hist : DSV4_PROTO_MAX_SPEC_BUCKETS;
     dsv4_proto_begin_response(&e, out, msgid);
-    msgpack_pack_map(pk, ARRAY_SIZE(stat_fields) + 3);
+    msgpack_pack_map(pk, ARRAY_SIZE(stat_fields) + 4);
     for (size_t i = 0; i < ARRAY_SIZE(stat_fields); i++) {
         const void *p = (const char *)st + stat_fields[i].offset;
         switch (stat_fields[i].type) {
@@ -891,6 +917,10 @@ int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, c
     msgpack_pack_array(pk, nb);
     for (uint32_t i = 0; i < nb; i++)
         msgpack_pack_uint64(pk, st->batch_hist[i]);
+    dsv4_wire_key(pk, "spec_accept_hist");
+    msgpack_pack_array(pk, ns);
+    for (uint32_t i = 0; i < ns; i++)
+        msgpack_pack_uint64(pk, st->spec_hist[i]);
     return dsv4_wire_end(&e);
 }
 
@@ -927,18 +957,12 @@ int dsv4_proto_decode_stats_result(const struct dsv4_proto_message *msg, struct 
                 st->n_kernels = i + 1;
         }
     }
-    if (rc == 0 && (k = dsv4_wire_get(map, "batch_size_hist"))) {
-        if (k->type != MSGPACK_OBJECT_ARRAY)
-            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: batch_size_hist must be an array", ctx);
-        else if (k->via.array.size > DSV4_PROTO_MAX_BATCH_BUCKETS)
-            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: %u batch_size_hist buckets, above the limit %u",
-                                      ctx, k->via.array.size, DSV4_PROTO_MAX_BATCH_BUCKETS);
-        for (uint32_t i = 0; rc == 0 && i < k->via.array.size; i++)
-            rc = dsv4_wire_read_u64(&k->via.array.ptr[i], ctx, "batch_size_hist[]", DSV4_PROTO_E_BAD_VALUE,
-                                    &st->batch_hist[i], err);
-        if (rc == 0)
-            st->n_batch_hist = k->via.array.size;
-    }
+    if (rc == 0)
+        rc = read_u64_array(map, "batch_size_hist", ctx, DSV4_PROTO_MAX_BATCH_BUCKETS, st->batch_hist,
+                            &st->n_batch_hist, err);
+    if (rc == 0)
+        rc = read_u64_array(map, "spec_accept_hist", ctx, DSV4_PROTO_MAX_SPEC_BUCKETS, st->spec_hist,
+                            &st->n_spec_hist, err);
     if (rc)
         dsv4_proto_stats_clear(st);
     return rc;

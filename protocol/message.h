@@ -403,6 +403,7 @@ int dsv4_proto_decode_empty_params(const struct dsv4_proto_message *msg, struct 
 /* Decode batch-size histogram: bucket 0 counts batches of 1, bucket i > 0 batches of (2^(i-1), 2^i],
  * the last bucket also everything larger. 32 buckets reach far beyond any slot count. */
 #define DSV4_PROTO_MAX_BATCH_BUCKETS 32u
+#define DSV4_PROTO_MAX_SPEC_BUCKETS 16u     /* spec_accept_hist: accepted drafts 0..15 */
 
 /* A flat map, one key per field (names as below). */
 struct dsv4_proto_stats {
@@ -442,6 +443,12 @@ struct dsv4_proto_stats {
     uint64_t prefix_cache_hits;    /* of those, requests that restored a prefix */
     uint64_t prefix_cache_hit_tokens;  /* prompt tokens restored rather than prefilled */
     uint64_t prefix_cache_evictions;   /* snapshots evicted to make room */
+    uint32_t spec_tokens;          /* speculative decoding: drafts per step, 0 = off */
+    uint64_t spec_verifies;        /* verifies that had drafts */
+    uint64_t spec_drafted;
+    uint64_t spec_accepted;
+    uint32_t n_spec_hist;          /* wire: "spec_accept_hist", an array of uint */
+    uint64_t spec_hist[DSV4_PROTO_MAX_SPEC_BUCKETS];     /* verifies that accepted 0, 1, ... drafts */
     uint32_t n_kernels;
     char *kernels[DSV4_PROTO_MAX_KERNELS];   /* kernel variants in use */
 };

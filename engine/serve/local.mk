@@ -32,6 +32,11 @@ TESTS += tests/unit/test_sched_cpu
 tests_unit_test_sched_cpu_SOURCES = tests/unit/test_sched_cpu.c tests/unit/sched_harness.h
 tests_unit_test_sched_cpu_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_sched_cpu_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
+check_PROGRAMS += tests/unit/test_sched_spec
+TESTS += tests/unit/test_sched_spec
+tests_unit_test_sched_spec_SOURCES = tests/unit/test_sched_spec.c tests/unit/sched_harness.h
+tests_unit_test_sched_spec_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_sched_spec_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
 
 # The prefix cache over the CPU backend: cached requests against cold ones, bit for bit.
 check_PROGRAMS += tests/unit/test_prefix_cpu

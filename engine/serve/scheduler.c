@@ -146,6 +146,17 @@ struct dsv4_sched {
     int *row_rc;                    /* [max_batch] */
     char (*row_err)[DSV4_SCHED_ERROR_MAX];  /* [max_batch] messages of failed rows */
     bool device_sampling;           /* the backend samples where its logits are (ops->sample) */
+    /* Speculative decoding: drafts per step (0: off; the backend's spec_tokens when it has the ops and
+     * the host samples). A step's decode becomes draft, verify, accept: see spec_decode(). */
+    int spec;
+    int events_per_slot;            /* event room one step may need per slot: 3 + spec */
+    int *spec_k;                    /* [max_batch] drafts asked of each decode row */
+    int *spec_made;                 /* [max_batch] drafts made */
+    int32_t *spec_drafts;           /* [max_batch, spec] */
+    int32_t *spec_rows;             /* [max_batch, spec + 1] the verify's tokens: pending, then drafts */
+    struct {
+        uint64_t steps, drafted, accepted, hist[DSV4_SPEC_TOKENS_MAX + 1];
+    } step_spec;                    /* this step's, added to st at its end */
     struct dsv4_backend_sample_req *sreq;   /* [max_batch] its rows */
     char *smsg;                     /* [max_batch, DSV4_BACKEND_MSG_MAX] its row messages */
     char *scratch;                  /* [4 + TOKEN_BYTES_MAX] raw bytes awaiting UTF-8 repair */
@@ -417,7 +428,11 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
         goto fail;
     }
     s->n_outs = max_batch + lim.max_unreleased;
-    s->n_events = 2 * SCHED_EVENTS_PER_SLOT_STEP * max_batch + SCHED_EVENT_SLACK;
+    s->spec = b->spec_tokens > 0 && b->ops->draft && b->ops->verify && b->ops->accept && !b->ops->sample
+              ? b->spec_tokens : 0;
+    s->st.spec_tokens = s->spec;
+    s->events_per_slot = SCHED_EVENTS_PER_SLOT_STEP + s->spec;
+    s->n_events = 2 * s->events_per_slot * max_batch + SCHED_EVENT_SLACK;
     s->seen_stride = ((size_t)vocab + 7) / 8;
     s->reqs = sched_alloc(s, (size_t)lim.max_requests, sizeof(*s->reqs));
     s->outs = sched_alloc(s, (size_t)s->n_outs, sizeof(*s->outs));
@@ -428,7 +443,18 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->events = sched_alloc(s, (size_t)s->n_events, sizeof(*s->events));
     s->device_sampling = b->ops->sample != NULL;
     /* logits come back to the host only when the host samples */
-    s->logits = sched_alloc(s, s->device_sampling ? 1 : (size_t)max_batch * (size_t)vocab, sizeof(*s->logits));
+    s->logits = sched_alloc(s, s->device_sampling ? 1 : (size_t)max_batch * (size_t)(s->spec + 1) * (size_t)vocab,
+                            sizeof(*s->logits));
+    if (s->spec) {
+        s->spec_k = sched_alloc(s, (size_t)max_batch, sizeof(*s->spec_k));
+        s->spec_made = sched_alloc(s, (size_t)max_batch, sizeof(*s->spec_made));
+        s->spec_drafts = sched_alloc(s, (size_t)max_batch * (size_t)s->spec, sizeof(*s->spec_drafts));
+        s->spec_rows = sched_alloc(s, (size_t)max_batch * (size_t)(s->spec + 1), sizeof(*s->spec_rows));
+        if (!s->spec_k || !s->spec_made || !s->spec_drafts || !s->spec_rows) {
+            r = dsv4_error_set(-ENOMEM, "scheduler: out of memory for speculative decoding");
+            goto fail;
+        }
+    }
     s->dec_slots = sched_alloc(s, (size_t)max_batch, sizeof(*s->dec_slots));
     s->dec_tokens = sched_alloc(s, (size_t)max_batch, sizeof(*s->dec_tokens));
     s->dec_reqs = sched_alloc(s, (size_t)max_batch, sizeof(*s->dec_reqs));
@@ -546,6 +572,10 @@ void dsv4_sched_destroy(struct dsv4_sched *s)
     free(s->seen);
     free(s->events);
     free(s->logits);
+    free(s->spec_k);
+    free(s->spec_made);
+    free(s->spec_drafts);
+    free(s->spec_rows);
     free(s->dec_slots);
     free(s->dec_tokens);
     free(s->dec_reqs);
@@ -1171,6 +1201,113 @@ static bool backend_fatal(struct dsv4_sched *s, int r, const char *what)
     return true;
 }
 
+/* ---- speculative decoding (engine thread) ---- */
+
+/* Drafts worth asking for q at this step: what its output, its context and (while its state is being
+ * snapshotted) its next block boundary leave room for. A verify of k drafts feeds k + 1 rows at
+ * positions P..P+k and can give k + 1 tokens. */
+static int spec_room(const struct dsv4_sched *s, const struct sched_req *q)
+{
+    int k = s->spec;
+    int out_left = q->max_tokens - q->result.n_tokens - 1;
+    int64_t ctx_left = (int64_t)s->max_context - q->position - 1;
+    if (k > out_left)
+        k = out_left;
+    if (k > ctx_left)
+        k = (int)ctx_left;
+    if (q->caching) {
+        int to_boundary = s->block - (int)(q->position % s->block) - 1;
+        if (k > to_boundary)
+            k = to_boundary;
+    }
+    return k > 0 ? k : 0;
+}
+
+/* The decode of n rows (dec_reqs, dec_slots, dec_tokens) with drafts. Each row's slot gets drafts from
+ * the backend's MTP block, then one verify feeds the pending token and the drafts; the rows' logits
+ * are sampled in order, exactly as plain decode would sample them (same history, same seed and
+ * output index), and a draft is accepted when the token sampled before it equals it. That is the
+ * rejection rule for a draft that is certain (the MTP block's greedy pick): accepted with probability
+ * p(draft), and on rejection the token comes from p without the draft, renormalized. Sampling with
+ * the same Philox draw as plain decode makes the tokens identical to decoding without drafts, so the
+ * output never depends on the drafts, the batch or the prefix cache: only the speed does. The first
+ * rejected (or finishing) row ends the slot's step; accept() takes back the rows after it. */
+static void spec_decode(struct dsv4_sched *s, int n)
+{
+    struct dsv4_backend *b = s->backend;
+    int S = s->spec, V = s->vocab;
+    for (int k = 0; k < n; k++)
+        s->spec_k[k] = spec_room(s, &s->reqs[s->dec_reqs[k]]);
+    int r = b->ops->draft(b, n, s->dec_slots, s->dec_tokens, s->spec_k, s->spec_drafts, s->spec_made);
+    if (backend_fatal(s, r, "draft"))
+        return;
+    for (int k = 0; k < n; k++) {
+        if (r < 0)
+            s->spec_made[k] = 0;    /* a failed draft costs speed only */
+        int32_t *row = s->spec_rows + (size_t)k * (size_t)(S + 1);
+        row[0] = s->dec_tokens[k];
+        memcpy(row + 1, s->spec_drafts + (size_t)k * (size_t)S, (size_t)s->spec_made[k] * sizeof(int32_t));
+        s->spec_k[k] = s->spec_made[k] + 1;     /* from here on: the rows of each verify */
+    }
+    r = b->ops->verify(b, n, s->dec_slots, s->spec_k, s->spec_rows, s->logits);
+    if (backend_fatal(s, r, "verify"))
+        return;
+    for (int k = 0; k < n; k++) {
+        struct sched_req *q = &s->reqs[s->dec_reqs[k]];
+        if (r < 0) {
+            fail_request(s, q, r, "verify");
+            continue;
+        }
+        if (q->done)
+            continue;
+        const int32_t *draft = s->spec_rows + (size_t)k * (size_t)(S + 1) + 1;
+        int rows = s->spec_k[k], made = rows - 1, keep = rows, accepted = 0;
+        struct dsv4_sampler_history hist = {
+            .counts = s->counts + (size_t)q->slot * (size_t)V,
+            .seen = s->seen + (size_t)q->slot * s->seen_stride,
+        };
+        for (int j = 0; j < rows; j++) {
+            const float *lg = s->logits + ((size_t)k * (size_t)(S + 1) + (size_t)j) * (size_t)V;
+            struct dsv4_sample smp;
+            int rc = dsv4_sampler_sample(s->samplers[0], &q->sampling, lg, &hist, q->seed,
+                                         (uint64_t)q->result.n_tokens, &smp);
+            if (rc < 0) {
+                char msg[DSV4_SCHED_ERROR_MAX];
+                snprintf(msg, sizeof(msg), "sampling: %s", dsv4_error_message());
+                finish(s, q, DSV4_FINISH_ERROR, rc, msg);
+                break;
+            }
+            /* Row j's input is kept: its position is fed, as plain decode would have fed it. */
+            if (j == rows - 1 || smp.token != draft[j]) {
+                keep = j + 1;
+                r = b->ops->accept(b, q->slot, keep);
+                if (backend_fatal(s, r, "accept"))
+                    return;
+                if (r < 0) {
+                    fail_request(s, q, r, "accept");
+                    break;
+                }
+                q->position += keep;
+                if (q->caching && q->position % s->block == 0)
+                    prefix_snapshot(s, q, true);
+                if (!q->done)
+                    take_token(s, q, &smp);
+                break;
+            }
+            accepted++;
+            take_token(s, q, &smp);
+            if (q->done)
+                break;      /* finished on an accepted draft: the slot is reset, nothing to accept */
+        }
+        if (made > 0) {
+            s->step_spec.steps++;
+            s->step_spec.drafted += (uint64_t)made;
+            s->step_spec.accepted += (uint64_t)accepted;
+            s->step_spec.hist[accepted]++;
+        }
+    }
+}
+
 /* Under the lock: end cancelled (and, past a drain's grace, all) requests, then admit FIFO. */
 static void admit(struct dsv4_sched *s, uint64_t t)
 {
@@ -1182,7 +1319,7 @@ static void admit(struct dsv4_sched *s, uint64_t t)
     }
     unlink_finished(s);
     /* Queued requests that end without a slot use the room left after this step's reserve. */
-    int room = s->n_events - s->ev_count - SCHED_EVENTS_PER_SLOT_STEP * s->max_batch;
+    int room = s->n_events - s->ev_count - s->events_per_slot * s->max_batch;
     int prev = -1;
     for (int i = s->queue_head; i >= 0 && room > s->ev_staged;) {
         struct sched_req *q = &s->reqs[i];
@@ -1236,12 +1373,13 @@ int dsv4_sched_step(struct dsv4_sched *s)
 {
     uint64_t t0 = now_ns();
     pthread_mutex_lock(&s->lock);
-    if (s->n_events - s->ev_count < SCHED_EVENTS_PER_SLOT_STEP * s->max_batch) {
+    if (s->n_events - s->ev_count < s->events_per_slot * s->max_batch) {
         pthread_mutex_unlock(&s->lock);
         return -EAGAIN;
     }
     s->ev_staged = 0;
     s->step_generated = 0;
+    memset(&s->step_spec, 0, sizeof(s->step_spec));
     admit(s, t0);
     int n_running = s->n_running;
     pthread_mutex_unlock(&s->lock);
@@ -1322,7 +1460,9 @@ int dsv4_sched_step(struct dsv4_sched *s)
         s->dec_tokens[n] = q->pending;
         n++;
     }
-    if (n > 0 && !s->fatal) {
+    if (n > 0 && !s->fatal && s->spec) {
+        spec_decode(s, n);
+    } else if (n > 0 && !s->fatal) {
         int r = b->ops->decode(b, n, s->dec_slots, s->dec_tokens, s->device_sampling ? NULL : s->logits);
         if (backend_fatal(s, r, "decode"))
             n = 0;
@@ -1373,6 +1513,11 @@ int dsv4_sched_step(struct dsv4_sched *s)
         if (n > 0) {
             s->st.decode_steps++;
             s->st.batch_hist[batch_bucket(n)]++;
+            s->st.spec_steps += s->step_spec.steps;
+            s->st.spec_drafted += s->step_spec.drafted;
+            s->st.spec_accepted += s->step_spec.accepted;
+            for (int a = 0; a <= DSV4_SPEC_TOKENS_MAX; a++)
+                s->st.spec_accept_hist[a] += s->step_spec.hist[a];
         }
         s->busy_ns += t1 - t0;
         s->st.last_step_s = (double)(t1 - t0) * 1e-9;

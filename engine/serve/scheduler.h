@@ -52,7 +52,20 @@
  * tokens that skipped. Prefill chunks then end on block boundaries, and at each boundary (while
  * prefilling and while decoding) the slot's state is snapshotted into the cache, unless another
  * request already did. The logits, tokens and penalty history of a restored request are exactly
- * those of a cold one: the same state continues with the same arithmetic. */
+ * those of a cold one: the same state continues with the same arithmetic.
+ *
+ * Speculative decoding. When the backend speculates (backend->spec_tokens > 0 with its draft, verify
+ * and accept ops, and the host samples), step (3) drafts up to spec_tokens tokens per generating
+ * request with the model's MTP block, verifies the pending token and the drafts in one batched call,
+ * and samples the verified rows in order exactly as plain decode samples them (same history, seed
+ * and output index): a draft is accepted when the token drawn before it equals it, and the request
+ * keeps the rows up to the first that was not (accept() takes the others back). A greedy draft is
+ * thus accepted with probability p(draft) and a rejection draws from p without it, renormalized: the
+ * rejection rule of speculative sampling for a certain draft, with draws that are plain decode's, so
+ * the tokens are identical to decoding without drafts whatever k, batch or prefix cache. Drafts stop
+ * short of max_tokens, the context and (while snapshotting) the next block boundary. Events: a step
+ * may give a request spec_tokens + 1 tokens; stats count verifies, drafts, accepted drafts and the
+ * accepted-count histogram. */
 #ifndef DSV4_ENGINE_SERVE_SCHEDULER_H
 #define DSV4_ENGINE_SERVE_SCHEDULER_H
 
@@ -184,6 +197,11 @@ struct dsv4_sched_stats {
     int events_pending;
     uint64_t allocations;           /* allocations the scheduler made; flat after create */
     struct dsv4_backend_stats backend;
+    /* Speculative decoding: drafts per step (0: off), and for the verifies that had drafts: their
+     * count, the drafts made, those accepted, and how many verifies accepted a = 0..SPEC_TOKENS_MAX. */
+    int spec_tokens;
+    uint64_t spec_steps, spec_drafted, spec_accepted;
+    uint64_t spec_accept_hist[DSV4_SPEC_TOKENS_MAX + 1];
     bool prefix_cache;              /* the backend has a prefix pool; then `prefix` is its index's */
     struct dsv4_prefix_stats prefix;
 };

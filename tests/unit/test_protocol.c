@@ -645,6 +645,13 @@ static void test_small_methods(void **state)
         st.prefix_cache_hits = rnd();
         st.prefix_cache_hit_tokens = rnd();
         st.prefix_cache_evictions = rnd();
+        st.spec_tokens = (uint32_t)rnd_below(4);
+        st.spec_verifies = rnd();
+        st.spec_drafted = rnd();
+        st.spec_accepted = rnd();
+        st.n_spec_hist = rnd_below(DSV4_PROTO_MAX_SPEC_BUCKETS + 1);
+        for (uint32_t i = 0; i < st.n_spec_hist; i++)
+            st.spec_hist[i] = rnd();
         st.n_kernels = rnd_below(DSV4_PROTO_MAX_KERNELS + 1);
         for (uint32_t i = 0; i < st.n_kernels; i++)
             st.kernels[i] = rnd_utf8(20, NULL);
@@ -689,6 +696,13 @@ static void test_small_methods(void **state)
         assert_true(gs.prefix_cache_hits == st.prefix_cache_hits);
         assert_true(gs.prefix_cache_hit_tokens == st.prefix_cache_hit_tokens);
         assert_true(gs.prefix_cache_evictions == st.prefix_cache_evictions);
+        assert_int_equal(gs.spec_tokens, st.spec_tokens);
+        assert_true(gs.spec_verifies == st.spec_verifies);
+        assert_true(gs.spec_drafted == st.spec_drafted);
+        assert_true(gs.spec_accepted == st.spec_accepted);
+        assert_int_equal(gs.n_spec_hist, st.n_spec_hist);
+        for (uint32_t i = 0; i < st.n_spec_hist; i++)
+            assert_true(gs.spec_hist[i] == st.spec_hist[i]);
         assert_int_equal(gs.n_kernels, st.n_kernels);
         for (uint32_t i = 0; i < st.n_kernels; i++)
             assert_string_equal(gs.kernels[i], st.kernels[i]);
