@@ -20,6 +20,8 @@ enum dsv4_numerics {
 #define DSV4_PREFILL_CHUNK_DEFAULT 1024     /* prompt positions of one prefill step, unless configured */
 #define DSV4_PREFILL_CHUNK_MAX 4096         /* the longest prefill step a backend takes */
 
+#define DSV4_SPEC_TOKENS_MAX 3        /* draft tokens per speculative step */
+
 struct dsv4_backend_opts {
     int max_batch;              /* slots */
     int max_context;            /* tokens per slot */
@@ -33,6 +35,7 @@ struct dsv4_backend_opts {
     enum dsv4_expert_offload expert_offload;
     int expert_host_share;      /* percent; with DSV4_EXPERT_OFFLOAD_ON at least this share of each layer on the host */
     const uint64_t *expert_counts;  /* [n_layers * n_experts] routing statistics choosing the GPU's experts, or NULL */
+    int spec_tokens;            /* speculative decoding: drafts per step to prepare for, 0..SPEC_TOKENS_MAX */
 };
 
 /* The prefix cache (engine/serve/prefix_cache.h) keeps slot state at block boundaries in a pool of pages
@@ -114,13 +117,33 @@ struct dsv4_backend_ops {
      * entries from block_pages + i * prefix.block_pages, the window and compressor state from
      * boundary_pages. Its position becomes n_blocks * block, and the tokens[n_blocks * block] that
      * led there are marked seen in its penalty history when the backend keeps one (as prefill
-     * does). The MTP block's state is not part of a snapshot: it starts over. */
+     * does). The MTP block's state is not part of a snapshot: it starts over (its drafts resume one
+     * token after the load; what is generated does not depend on drafts, only how fast). */
     int (*prefix_save)(struct dsv4_backend *b, int slot, const int32_t *block_pages, const int32_t *boundary_pages);
     int (*prefix_load)(struct dsv4_backend *b, int slot, int n_blocks, const int32_t *block_pages,
                        const int32_t *boundary_pages, const int32_t *tokens);
     /* Optional: tokens routed to each expert since create, counts[n_layers * n_experts] (layer-major;
      * a token counts once for each of its top-k experts; padding rows do not count). */
     int (*routing_counts)(struct dsv4_backend *b, uint64_t *counts);
+    /* Speculative decoding with the checkpoint's MTP block (b->spec_tokens > 0 only; otherwise these
+     * may be NULL and the engine decodes one token per step). S = b->spec_tokens below.
+     * draft: for each of n slots (distinct) at position P, tokens[i] is the token to be appended next
+     *   (at P, not yet fed). Propose up to k[i] (0..S) next tokens greedily with the MTP block into
+     *   drafts[i * S + j]; ret_k[i] says how many were made (fewer, 0, when the block has no state for
+     *   the slot's position yet: right after position 0 or a prefix load). The slot's main state is
+     *   unchanged; its MTP block keeps only what the real sequence needs.
+     * verify: append rows[i] (1..S + 1) tokens tokens[i * (S + 1) + j] to each of n slots (distinct), in
+     *   one batched step, logits [n, S + 1, V] f32 (row j of slot i at (i * (S + 1) + j) * V; rows past
+     *   rows[i] untouched). The rows are provisional until accept; nothing else may run on a slot
+     *   between its verify and its accept.
+     * accept: keep the first keep rows (1..rows) of slot's verify and take the others back: the slot
+     *   is then bitwise what appending only the kept rows would have left (window ring, compressor
+     *   partial state, compressed entries, indexer keys, the MTP block), at position P + keep. */
+    int (*draft)(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, const int *k,
+                 int32_t *drafts, int *ret_k);
+    int (*verify)(struct dsv4_backend *b, int n, const int *slots, const int *rows, const int32_t *tokens,
+                  float *logits);
+    int (*accept)(struct dsv4_backend *b, int slot, int keep);
 };
 
 struct dsv4_backend {
@@ -128,6 +151,9 @@ struct dsv4_backend {
     const struct dsv4_weights *weights;
     struct dsv4_backend_opts opts;
     struct dsv4_prefix_geom prefix;     /* the prefix-cache pool, set at create */
+    /* Drafts per step the backend verifies, set at create: opts.spec_tokens when the checkpoint has
+     * an MTP block and the backend implements draft/verify/accept, else 0 (no speculation). */
+    int spec_tokens;
     void *impl;
 };
 

@@ -12,3 +12,13 @@ tests_integration_test_fixtures_SOURCES = tests/integration/test_fixtures.c \
 	tests/integration/fixture_cases.c tests/integration/fixture_cases.h tools/greedy.h
 tests_integration_test_fixtures_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_integration_test_fixtures_LDADD = $(TEST_ENGINE_LIBS)
+
+# The MTP block against tools/mkfixtures_mtp.py's PyTorch oracle (tests/fixtures/*_mtp/), and speculative
+# rows taken back bitwise (draft, verify, accept on the CPU sequence).
+EXTRA_DIST += tools/mkfixtures_mtp.py
+check_PROGRAMS += tests/integration/test_spec_cpu
+TESTS += tests/integration/test_spec_cpu
+tests_integration_test_spec_cpu_SOURCES = tests/integration/test_spec_cpu.c \
+	tests/integration/fixture_cases.c tests/integration/fixture_cases.h tools/greedy.h
+tests_integration_test_spec_cpu_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_integration_test_spec_cpu_LDADD = $(TEST_ENGINE_LIBS)

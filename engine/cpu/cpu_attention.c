@@ -43,6 +43,7 @@ static void compressed_keys(const struct dsv4_cpu_ctx *c, const struct dsv4_laye
 
     if (dsv4_cpu_compressor_push(c, &layer->attn.comp, &ls->comp, xn, pos, wk->entry)) {
         round_kv(c, wk->entry);
+        dsv4_cpu_undo_save(c->undo, ls->entries + entry * hd, (size_t)hd * sizeof(float));
         memcpy(ls->entries + entry * hd, wk->entry, (size_t)hd * sizeof(float));
     }
     int n_entries = (int)((pos + 1) / r);
@@ -58,6 +59,7 @@ static void compressed_keys(const struct dsv4_cpu_ctx *c, const struct dsv4_laye
             dsv4_hadamard(wk->entry, (size_t)dI);
             dsv4_fp4_roundtrip(wk->entry, (size_t)dI, DSV4_CPU_FP4_BLOCK);
         }
+        dsv4_cpu_undo_save(c->undo, ls->index_keys + entry * dI, (size_t)dI * sizeof(float));
         memcpy(ls->index_keys + entry * dI, wk->entry, (size_t)dI * sizeof(float));
     }
     int n = dsv4_cpu_indexer_select(c, layer, ls, xn, wk->qr, pos, n_entries);
@@ -88,11 +90,12 @@ void dsv4_cpu_attention(const struct dsv4_cpu_ctx *c, const struct dsv4_layer *l
     dsv4_cpu_rope_apply(rope, wk->kv + hd - rd, pos, false);
     round_kv(c, wk->kv);
     /* The window is written before attending: the token sees itself. */
+    dsv4_cpu_undo_save(c->undo, ls->window + (size_t)(pos % W) * hd, (size_t)hd * sizeof(float));
     memcpy(ls->window + (size_t)(pos % W) * hd, wk->kv, (size_t)hd * sizeof(float));
 
     /* Keys in transformers' order: the window oldest first, then the compressed entries. */
     int nk = 0;
-    int64_t first = pos - W + 1 > 0 ? pos - W + 1 : 0;
+    int64_t first = pos - W + 1 > ls->start ? pos - W + 1 : ls->start;
     for (int64_t t = first; t <= pos; t++)
         wk->keys[nk++] = ls->window + (size_t)(t % W) * hd;
     if (layer->ratio)

@@ -75,6 +75,71 @@ static int cpu_decode(struct dsv4_backend *b, int n, const int *slots, const int
     return 0;
 }
 
+/* Slots of one speculative call: valid and distinct. */
+static int check_slots(const struct dsv4_backend *b, int n, const int *slots, const char *what)
+{
+    if (!b->spec_tokens)
+        return dsv4_error_set(-ENOTSUP, "%s: the backend does not speculate (spec_tokens 0 or no MTP block)", what);
+    for (int i = 0; i < n; i++) {
+        int rc = check_slot(b, slots[i]);
+        if (rc < 0)
+            return rc;
+        for (int j = 0; j < i; j++)
+            if (slots[j] == slots[i])
+                return dsv4_error_set(-EINVAL, "slot %d appears twice in one %s", slots[i], what);
+    }
+    return 0;
+}
+
+static int cpu_draft(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, const int *k,
+                     int32_t *drafts, int *ret_k)
+{
+    int rc = check_slots(b, n, slots, "draft");
+    for (int i = 0; i < n; i++)
+        ret_k[i] = 0;
+    for (int i = 0; i < n && rc == 0; i++)
+        rc = dsv4_cpu_draft(b->weights, b->opts.numerics, impl_of(b)->slots[slots[i]], tokens[i], k[i],
+                            drafts + (size_t)i * (size_t)b->spec_tokens, &ret_k[i]);
+    return rc;
+}
+
+/* Like decode, the batch is checked whole (slots, rows, room) before any slot advances. */
+static int cpu_verify(struct dsv4_backend *b, int n, const int *slots, const int *rows, const int32_t *tokens,
+                      float *logits)
+{
+    int64_t V = b->weights->cfg.vocab_size;
+    int stride = b->spec_tokens + 1;
+    int rc = check_slots(b, n, slots, "verify");
+    if (rc < 0)
+        return rc;
+    for (int i = 0; i < n; i++) {
+        const struct dsv4_cpu_seq *s = impl_of(b)->slots[slots[i]];
+        if (rows[i] < 1 || rows[i] > stride)
+            return dsv4_error_set(-EINVAL, "slot %d: a verify of %d rows, outside [1, %d]", slots[i], rows[i],
+                                  stride);
+        if (s->pos + rows[i] > s->max_context)
+            return dsv4_error_set(-ENOSPC, "slot %d: %d rows at position %lld exceed max_context %lld", slots[i],
+                                  rows[i], (long long)s->pos, (long long)s->max_context);
+        for (int j = 0; j < rows[i]; j++)
+            if (tokens[i * stride + j] < 0 || tokens[i * stride + j] >= V)
+                return dsv4_error_set(-EINVAL, "slot %d: token %d is outside the vocabulary of %lld", slots[i],
+                                      tokens[i * stride + j], (long long)V);
+    }
+    for (int i = 0; i < n; i++) {
+        rc = dsv4_cpu_verify(b->weights, b->opts.numerics, impl_of(b)->slots[slots[i]], tokens + i * stride,
+                             rows[i], logits + (size_t)i * (size_t)stride * (size_t)V);
+        if (rc < 0)
+            return rc;
+    }
+    return 0;
+}
+
+static int cpu_accept(struct dsv4_backend *b, int slot, int keep)
+{
+    int rc = check_slots(b, 1, &slot, "accept");
+    return rc < 0 ? rc : dsv4_cpu_accept(impl_of(b)->slots[slot], keep);
+}
+
 static void cpu_slot_reset(struct dsv4_backend *b, int slot)
 {
     if (check_slot(b, slot) == 0)
@@ -155,6 +220,9 @@ static const struct dsv4_backend_ops cpu_ops = {
     .destroy = cpu_destroy,
     .prefix_save = cpu_prefix_save,
     .prefix_load = cpu_prefix_load,
+    .draft = cpu_draft,
+    .verify = cpu_verify,
+    .accept = cpu_accept,
 };
 
 int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
@@ -166,6 +234,8 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
         return dsv4_error_set(-EINVAL, "threads %d is outside [0, %d]", opts->threads, DSV4_CPU_MAX_THREADS);
     if (opts->numerics != DSV4_NUMERICS_EXACT && opts->numerics != DSV4_NUMERICS_FP8)
         return dsv4_error_set(-EINVAL, "unknown numerics %d", (int)opts->numerics);
+    if (opts->spec_tokens < 0 || opts->spec_tokens > DSV4_SPEC_TOKENS_MAX)
+        return dsv4_error_set(-EINVAL, "spec_tokens %d is outside [0, %d]", opts->spec_tokens, DSV4_SPEC_TOKENS_MAX);
     struct dsv4_backend *b = calloc(1, sizeof(*b));
     struct cpu_impl *im = calloc(1, sizeof(*im));
     if (b)
@@ -178,6 +248,7 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
     b->ops = &cpu_ops;
     b->weights = w;
     b->opts = *opts;
+    b->spec_tokens = w->n_mtp > 0 ? opts->spec_tokens : 0;
     im->route_counts = calloc((size_t)w->cfg.n_layers * (size_t)w->cfg.n_experts, sizeof(*im->route_counts));
     if (!im->route_counts) {
         cpu_destroy(b);
@@ -199,6 +270,10 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
         im->slots[i]->pool = im->pool;
         im->slots[i]->route_counts = im->route_counts;
         im->n_slots = i + 1;
+        if (b->spec_tokens && (rc = dsv4_cpu_seq_spec_init(w, im->slots[i], b->spec_tokens)) < 0) {
+            cpu_destroy(b);
+            return dsv4_error_prefix(rc, "CPU backend slot %d: ", i);
+        }
         im->bytes += im->slots[i]->bytes;
     }
     int rc = dsv4_cpu_prefix_geom(w, im->slots[0], opts->prefix_pool_bytes, &b->prefix);

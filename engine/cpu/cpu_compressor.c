@@ -26,6 +26,8 @@ bool dsv4_cpu_compressor_push(const struct dsv4_cpu_ctx *c, const struct dsv4_co
     float *kv = st->kv + (size_t)slot * width;
     float *gate = st->gate + (size_t)slot * width;
 
+    dsv4_cpu_undo_save(c->undo, kv, (size_t)width * sizeof(float));
+    dsv4_cpu_undo_save(c->undo, gate, (size_t)width * sizeof(float));
     dsv4_cpu_linear(c, &cp->wkv, xn, kv);
     dsv4_cpu_linear(c, &cp->wgate, xn, gate);
     for (int i = 0; i < width; i++)
@@ -63,6 +65,9 @@ bool dsv4_cpu_compressor_push(const struct dsv4_cpu_ctx *c, const struct dsv4_co
 
     if (cp->overlap) {
         /* This block's Ca half waits for the next entry. */
+        dsv4_cpu_undo_save(c->undo, st->prev_kv, (size_t)r * (size_t)d * sizeof(float));
+        dsv4_cpu_undo_save(c->undo, st->prev_gate, (size_t)r * (size_t)d * sizeof(float));
+        dsv4_cpu_undo_save(c->undo, &st->have_prev, sizeof(st->have_prev));
         for (int j = 0; j < r; j++) {
             memcpy(st->prev_kv + (size_t)j * d, st->kv + (size_t)j * width, (size_t)d * sizeof(float));
             memcpy(st->prev_gate + (size_t)j * d, st->gate + (size_t)j * width, (size_t)d * sizeof(float));

@@ -105,8 +105,10 @@ static void carve(struct arena *a, const struct dsv4_weights *w, int64_t max_con
 
     for (int i = 0; i < cfg->n_layers; i++)
         carve_layer(a, cfg, &w->layers[i], max_context, &s->layers[i]);
-    if (s->has_mtp)
+    if (s->has_mtp) {
         carve_layer(a, cfg, &w->mtp[0].layer, max_context, &s->mtp_layer);
+        s->mtp_streams = takef(a, hc * D);
+    }
     s->streams = takef(a, hc * D);
 
     struct dsv4_cpu_work *wk = s->work;
@@ -141,6 +143,8 @@ static void carve(struct arena *a, const struct dsv4_weights *w, int64_t max_con
     wk->eout = takef(a, D);
     wk->act = takef(a, dsv4_cpu_max_linear_in(w));
     wk->row = takef(a, dsv4_cpu_max_linear_in(w));
+    if (s->has_mtp)
+        wk->draft_logits = takef(a, cfg->vocab_size);
 }
 
 /* Checks the model shapes this backend relies on beyond what the loader validates. */
@@ -211,6 +215,7 @@ void dsv4_cpu_seq_free(struct dsv4_cpu_seq *s)
 {
     if (!s)
         return;
+    dsv4_cpu_undo_free(s->undo);
     free(s->arena);
     free(s->layers);
     free(s->work);
@@ -219,6 +224,7 @@ void dsv4_cpu_seq_free(struct dsv4_cpu_seq *s)
 
 static void reset_layer(struct dsv4_cpu_layer_state *ls)
 {
+    ls->start = 0;
     ls->comp.have_prev = false;
     ls->index_comp.have_prev = false;
 }
@@ -227,6 +233,8 @@ void dsv4_cpu_seq_reset(struct dsv4_cpu_seq *s)
 {
     s->pos = 0;
     s->mtp_pos = 0;
+    if (s->undo)
+        dsv4_cpu_undo_end(s->undo);
     for (int i = 0; i < s->n_layers; i++)
         reset_layer(&s->layers[i]);
     reset_layer(&s->mtp_layer);
@@ -258,8 +266,39 @@ static void block(const struct dsv4_cpu_ctx *c, const struct dsv4_layer *l, stru
     dsv4_cpu_hc_post(c, wk->sub);
 }
 
-int dsv4_cpu_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,
-                     const int32_t *tokens, int n, float *logits, bool all_rows)
+/* One step of the MTP block at s->mtp_pos: streams [hc, D] of that position (the main model's, or the
+ * block's own output in a later draft) and the token after it. Leaves the block's output streams in
+ * wk->X; logits [vocab] when not NULL. */
+static void mtp_step(const struct dsv4_cpu_ctx *main_ctx, struct dsv4_cpu_seq *s, const float *streams,
+                     int32_t next_token, float *logits)
+{
+    /* The block's routing is not the main layers': it is not counted. */
+    struct dsv4_cpu_ctx ctx = *main_ctx;
+    ctx.route_counts = NULL;
+    const struct dsv4_cpu_ctx *c = &ctx;
+    const struct dsv4_config *cfg = c->cfg;
+    const struct dsv4_mtp *m = &c->w->mtp[0];
+    struct dsv4_cpu_work *wk = c->wk;
+    int64_t D = cfg->dim, hc = cfg->hc_mult;
+
+    /* X_in[j] = e_proj(enorm(embed[next])) + h_proj(hnorm(streams[j])) for every stream j. */
+    dsv4_linear_row(&c->w->embed, next_token, wk->y);
+    dsv4_cpu_rmsnorm(wk->y, wk->y, m->enorm, (int)D, cfg->rms_norm_eps);
+    dsv4_cpu_linear(c, &m->e_proj, wk->y, wk->eout);
+    for (int64_t j = 0; j < hc; j++) {
+        dsv4_cpu_rmsnorm(wk->xn, streams + j * D, m->hnorm, (int)D, cfg->rms_norm_eps);
+        dsv4_cpu_linear(c, &m->h_proj, wk->xn, wk->X + j * D);
+        for (int64_t d = 0; d < D; d++)
+            wk->X[j * D + d] += wk->eout[d];
+    }
+    block(c, &m->layer, &s->mtp_layer, next_token, s->mtp_pos);
+    s->mtp_pos++;
+    if (logits)
+        head(c, &m->hc_head, m->norm, wk->X, logits);
+}
+
+static int check_tokens(const struct dsv4_weights *w, enum dsv4_numerics num, const struct dsv4_cpu_seq *s,
+                        const int32_t *tokens, int n)
 {
     const struct dsv4_config *cfg = &w->cfg;
     if (n < 0 || s->pos + n > s->max_context)
@@ -276,12 +315,25 @@ int dsv4_cpu_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struc
         if (tokens[i] < 0 || tokens[i] >= cfg->vocab_size)
             return dsv4_error_set(-EINVAL, "token %d (index %d) is outside the vocabulary of %d", tokens[i],
                                   i, cfg->vocab_size);
+    if (s->undo && dsv4_cpu_undo_rows(s->undo) > 0)
+        return dsv4_error_set(-EBUSY, "a speculative step of %d rows awaits accept", dsv4_cpu_undo_rows(s->undo));
+    return 0;
+}
 
-    struct dsv4_cpu_ctx c = {.w = w, .cfg = cfg, .num = num, .wk = s->work, .pool = s->pool};
+/* Append tokens (checked); with undo, each row is marked and every write recorded. */
+static void append(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,
+                   const int32_t *tokens, int n, float *logits, bool all_rows, struct dsv4_cpu_undo *undo)
+{
+    const struct dsv4_config *cfg = &w->cfg;
+    struct dsv4_cpu_ctx c = {.w = w, .cfg = cfg, .num = num, .wk = s->work, .pool = s->pool, .undo = undo};
     struct dsv4_cpu_work *wk = s->work;
     int64_t D = cfg->dim, hc = cfg->hc_mult;
     for (int i = 0; i < n; i++) {
         int64_t pos = s->pos;
+        if (undo)
+            dsv4_cpu_undo_mark(undo, s->pos, s->mtp_pos);    /* n <= the log's rows: checked by the caller */
+        if (s->spec_tokens && pos > 0 && s->mtp_pos == pos - 1)
+            mtp_step(&c, s, s->streams, tokens[i], NULL);
         dsv4_linear_row(&w->embed, tokens[i], wk->y);
         for (int64_t j = 0; j < hc; j++)
             memcpy(wk->X + j * D, wk->y, (size_t)D * sizeof(float));
@@ -289,11 +341,21 @@ int dsv4_cpu_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struc
             c.route_counts = s->route_counts ? s->route_counts + (int64_t)l * cfg->n_experts : NULL;
             block(&c, &w->layers[l], &s->layers[l], tokens[i], pos);
         }
+        dsv4_cpu_undo_save(undo, s->streams, (size_t)(hc * D) * sizeof(float));
         memcpy(s->streams, wk->X, (size_t)(hc * D) * sizeof(float));
         s->pos++;
         if (logits && (all_rows || i == n - 1))
             head(&c, &w->hc_head, w->norm, wk->X, logits + (all_rows ? (size_t)i * cfg->vocab_size : 0));
     }
+}
+
+int dsv4_cpu_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,
+                     const int32_t *tokens, int n, float *logits, bool all_rows)
+{
+    int rc = check_tokens(w, num, s, tokens, n);
+    if (rc < 0)
+        return rc;
+    append(w, num, s, tokens, n, logits, all_rows, NULL);
     return 0;
 }
 
@@ -308,25 +370,96 @@ int dsv4_cpu_mtp_forward(const struct dsv4_weights *w, enum dsv4_numerics num, s
     if (s->mtp_pos >= s->max_context)
         return dsv4_error_set(-ENOSPC, "MTP position %lld reaches max_context %lld", (long long)s->mtp_pos,
                               (long long)s->max_context);
-
-    const struct dsv4_mtp *m = &w->mtp[0];
     struct dsv4_cpu_ctx c = {.w = w, .cfg = cfg, .num = num, .wk = s->work, .pool = s->pool};
-    struct dsv4_cpu_work *wk = s->work;
-    int64_t D = cfg->dim, hc = cfg->hc_mult;
-
-    /* X_in[j] = e_proj(enorm(embed[next])) + h_proj(hnorm(streams[j])) for every stream j. */
-    dsv4_linear_row(&w->embed, next_token, wk->y);
-    dsv4_cpu_rmsnorm(wk->y, wk->y, m->enorm, (int)D, cfg->rms_norm_eps);
-    dsv4_cpu_linear(&c, &m->e_proj, wk->y, wk->eout);
-    for (int64_t j = 0; j < hc; j++) {
-        dsv4_cpu_rmsnorm(wk->xn, streams + j * D, m->hnorm, (int)D, cfg->rms_norm_eps);
-        dsv4_cpu_linear(&c, &m->h_proj, wk->xn, wk->X + j * D);
-        for (int64_t d = 0; d < D; d++)
-            wk->X[j * D + d] += wk->eout[d];
-    }
-    block(&c, &m->layer, &s->mtp_layer, next_token, s->mtp_pos);
-    s->mtp_pos++;
-    if (logits)
-        head(&c, &m->hc_head, m->norm, wk->X, logits);
+    mtp_step(&c, s, streams, next_token, logits);
     return 0;
+}
+
+int dsv4_cpu_seq_spec_init(const struct dsv4_weights *w, struct dsv4_cpu_seq *s, int spec_tokens)
+{
+    if (spec_tokens < 1 || spec_tokens > DSV4_SPEC_TOKENS_MAX)
+        return dsv4_error_set(-EINVAL, "spec_tokens %d is outside [1, %d]", spec_tokens, DSV4_SPEC_TOKENS_MAX);
+    if (!s->has_mtp)
+        return dsv4_error_set(-ENOENT, "speculative decoding drafts with the MTP block: the checkpoint has none");
+    if (s->pos || s->undo)
+        return dsv4_error_set(-EBUSY, "speculative decoding is set up once, on an empty sequence");
+    int rc = dsv4_cpu_undo_create(w, spec_tokens + 1, &s->undo);
+    if (rc < 0)
+        return rc;
+    s->spec_tokens = spec_tokens;
+    s->bytes += dsv4_cpu_undo_bytes(s->undo);
+    return 0;
+}
+
+/* Greedy: the largest logit, the lowest id on ties (as the sampler's temperature 0). */
+static int32_t argmax(const float *row, int V)
+{
+    int32_t best = 0;
+    for (int v = 1; v < V; v++)
+        if (row[v] > row[best])
+            best = v;
+    return best;
+}
+
+int dsv4_cpu_draft(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s, int32_t token,
+                   int k, int32_t *drafts, int *ret_k)
+{
+    const struct dsv4_config *cfg = &w->cfg;
+    *ret_k = 0;
+    if (!s->spec_tokens)
+        return dsv4_error_set(-ENOTSUP, "the sequence does not speculate (no spec_tokens or no MTP block)");
+    if (k < 0 || k > s->spec_tokens)
+        return dsv4_error_set(-EINVAL, "%d drafts: outside [0, %d]", k, s->spec_tokens);
+    int rc = check_tokens(w, num, s, &token, 1);
+    if (rc < 0)
+        return rc;
+    /* The block must hold P - 1 .. back: it lags one position, and draft j sits at P - 1 + j. */
+    if (k == 0 || s->pos == 0 || s->mtp_pos != s->pos - 1 || s->pos - 1 + k > s->max_context)
+        return 0;
+
+    struct dsv4_cpu_ctx c = {.w = w, .cfg = cfg, .num = num, .wk = s->work, .pool = s->pool};
+    int64_t D = cfg->dim, hc = cfg->hc_mult;
+    float *logits = s->work->draft_logits;
+    mtp_step(&c, s, s->streams, token, logits);
+    drafts[0] = argmax(logits, cfg->vocab_size);
+    /* Later drafts run on the block's own streams; their window rows are taken back below, so the
+     * sequence is left as the first step (the real catch-up step for P - 1) leaves it. */
+    dsv4_cpu_undo_begin(s->undo);
+    c.undo = s->undo;
+    for (int j = 1; j < k; j++) {
+        memcpy(s->mtp_streams, s->work->X, (size_t)(hc * D) * sizeof(float));
+        dsv4_cpu_undo_mark(s->undo, s->pos, s->mtp_pos);
+        mtp_step(&c, s, s->mtp_streams, drafts[j - 1], logits);
+        drafts[j] = argmax(logits, cfg->vocab_size);
+    }
+    int64_t pos = s->pos;
+    rc = dsv4_cpu_undo_rollback(s->undo, 0, &pos, &s->mtp_pos);
+    if (rc < 0)
+        return rc;
+    *ret_k = k;
+    return 0;
+}
+
+int dsv4_cpu_verify(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,
+                    const int32_t *tokens, int n, float *logits)
+{
+    if (!s->spec_tokens)
+        return dsv4_error_set(-ENOTSUP, "the sequence does not speculate (no spec_tokens or no MTP block)");
+    if (n < 1 || n > s->spec_tokens + 1)
+        return dsv4_error_set(-EINVAL, "a verify of %d rows: outside [1, %d]", n, s->spec_tokens + 1);
+    int rc = check_tokens(w, num, s, tokens, n);
+    if (rc < 0)
+        return rc;
+    dsv4_cpu_undo_begin(s->undo);
+    append(w, num, s, tokens, n, logits, true, s->undo);
+    return 0;
+}
+
+int dsv4_cpu_accept(struct dsv4_cpu_seq *s, int keep)
+{
+    if (!s->undo || dsv4_cpu_undo_rows(s->undo) == 0)
+        return dsv4_error_set(-EINVAL, "accept without a verify before it");
+    if (keep < 1)
+        return dsv4_error_set(-EINVAL, "accept %d rows: a verify's first row is always kept", keep);
+    return dsv4_cpu_undo_rollback(s->undo, keep, &s->pos, &s->mtp_pos);
 }

@@ -35,6 +35,7 @@ struct dsv4_cpu_comp_state {
 /* One layer's caches. */
 struct dsv4_cpu_layer_state {
     float *window;      /* [window, head_dim] ring: slot pos % window holds the kv of pos */
+    int64_t start;      /* first position the ring holds: 0, or where the MTP block started over */
     float *entries;     /* [max_context / ratio, head_dim] compressed entries (ratio > 0) */
     float *index_keys;  /* [max_context / ratio, index_head_dim] indexer keys (CSA layers) */
     struct dsv4_cpu_comp_state comp;        /* main compressor (ratio > 0) */
@@ -43,6 +44,7 @@ struct dsv4_cpu_layer_state {
 
 struct dsv4_cpu_work;
 struct dsv4_cpu_pool;
+struct dsv4_cpu_undo;
 
 /* Worker threads that split the rows of big matrix-vector products (results are bitwise those of
  * one thread). max_in: the widest matrix input, dsv4_cpu_max_linear_in(). */
@@ -58,8 +60,14 @@ struct dsv4_cpu_seq {
     struct dsv4_cpu_layer_state *layers;    /* [n_layers] */
     bool has_mtp;
     struct dsv4_cpu_layer_state mtp_layer;  /* the MTP block's window ring */
-    int64_t mtp_pos;                    /* tokens the MTP block has been fed */
+    int64_t mtp_pos;                    /* positions the MTP block has been fed: it holds 0 .. mtp_pos - 1 */
     float *streams;                     /* [hc, D]: final streams of the last token, MTP input */
+    /* Speculative decoding (dsv4_cpu_seq_spec_init; spec_tokens 0: off). While on, the MTP block follows
+     * the main model one position behind: before the token at pos is appended, the MTP block is fed
+     * position pos - 1 (the streams of pos - 1 and that token), so a draft always finds it ready. */
+    int spec_tokens;
+    struct dsv4_cpu_undo *undo;         /* the rows of a draft or a verify, until accepted */
+    float *mtp_streams;                 /* [hc, D]: the MTP block's output streams, a later draft's input */
     struct dsv4_cpu_work *work;         /* scratch for one token */
     struct dsv4_cpu_pool *pool;         /* borrowed worker threads, or NULL for one */
     uint64_t *route_counts;             /* borrowed [n_layers * n_experts] routed-token counts, or NULL */
@@ -97,5 +105,29 @@ int dsv4_cpu_prefix_load(const struct dsv4_weights *w, struct dsv4_cpu_seq *s, u
  * checkpoint carries no MTP block). */
 int dsv4_cpu_mtp_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,
                          const float *streams, int32_t next_token, float *logits);
+
+/* Speculative decoding over one sequence (engine/backend.h's draft, verify and accept).
+ *
+ * spec_init: make s speculate with up to spec_tokens drafts per step (1..DSV4_SPEC_TOKENS_MAX): the undo
+ *   log for spec_tokens + 1 rows; -ENOENT when the checkpoint has no MTP block. Call before any token.
+ * draft: s is at position P and `token` is the one to be appended next (at P). The MTP block is fed
+ *   position P - 1 (the streams of P - 1 and `token`: what the catch-up would feed anyway) and its
+ *   greedy argmax is draft 0; draft j > 0 feeds the block its own output streams and draft j - 1 at
+ *   P - 1 + j. Those later steps are taken back before returning: the sequence is left as the first
+ *   step leaves it. *ret_k: drafts made, k or 0 when the block has no state for P - 1 (position 0,
+ *   or the first token after a prefix load).
+ * verify: append tokens[n] (1..spec_tokens + 1) like dsv4_cpu_forward with logits [n, vocab], recording
+ *   in the undo log; accept(keep) then keeps rows 0..keep-1 and takes the others back, bitwise. */
+int dsv4_cpu_seq_spec_init(const struct dsv4_weights *w, struct dsv4_cpu_seq *s, int spec_tokens);
+int dsv4_cpu_draft(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s, int32_t token,
+                   int k, int32_t *drafts, int *ret_k);
+int dsv4_cpu_verify(const struct dsv4_weights *w, enum dsv4_numerics num, struct dsv4_cpu_seq *s,
+                    const int32_t *tokens, int n, float *logits);
+int dsv4_cpu_accept(struct dsv4_cpu_seq *s, int keep);
+
+/* The undo log (engine/cpu/cpu_undo.c): sized at create for max_rows tokens. */
+int dsv4_cpu_undo_create(const struct dsv4_weights *w, int max_rows, struct dsv4_cpu_undo **ret);
+void dsv4_cpu_undo_free(struct dsv4_cpu_undo *u);       /* accepts NULL */
+uint64_t dsv4_cpu_undo_bytes(const struct dsv4_cpu_undo *u);
 
 #endif

@@ -53,10 +53,12 @@ struct dsv4_cpu_work {
     float *eout;        /* [D] one expert's output */
     float *act;         /* [max linear in] quantized activation / dequantized row */
     float *row;         /* [max linear in] dequantized row for unaligned views */
+    float *draft_logits;    /* [vocab] the MTP block's logits of one draft (a checkpoint with MTP) */
     int max_keys;
 };
 
-/* What every piece needs: the model, the numerics, the scratch and the threads (NULL: one). */
+/* What every piece needs: the model, the numerics, the scratch and the threads (NULL: one); undo: the
+ * log every write to the sequence's state goes through first (NULL, or not recording: none). */
 struct dsv4_cpu_ctx {
     const struct dsv4_weights *w;
     const struct dsv4_config *cfg;
@@ -64,7 +66,20 @@ struct dsv4_cpu_ctx {
     struct dsv4_cpu_work *wk;
     struct dsv4_cpu_pool *pool;
     uint64_t *route_counts;     /* [n_experts] of the layer being run: tokens routed to each, or NULL */
+    struct dsv4_cpu_undo *undo;
 };
+
+/* --- cpu_undo.c ----------------------------------------------------------------------------- */
+
+/* Copy the bytes at dst into the log before they are overwritten (nothing when u is NULL or idle). */
+void dsv4_cpu_undo_save(struct dsv4_cpu_undo *u, void *dst, size_t bytes);
+/* Start recording (forgets an earlier step); mark before each row with the positions it starts from. */
+void dsv4_cpu_undo_begin(struct dsv4_cpu_undo *u);
+int dsv4_cpu_undo_mark(struct dsv4_cpu_undo *u, int64_t pos, int64_t mtp_pos);
+int dsv4_cpu_undo_rows(const struct dsv4_cpu_undo *u);     /* rows marked; 0 when idle */
+void dsv4_cpu_undo_end(struct dsv4_cpu_undo *u);           /* stop recording, keep every row */
+/* Take back every row from `keep` on (restoring the positions row `keep` started from) and stop. */
+int dsv4_cpu_undo_rollback(struct dsv4_cpu_undo *u, int keep, int64_t *pos, int64_t *mtp_pos);
 
 /* --- cpu_pool.c ----------------------------------------------------------------------------- */
 

@@ -191,5 +191,9 @@ int dsv4_cpu_prefix_load(const struct dsv4_weights *w, struct dsv4_cpu_seq *s, u
             set_have_prev(&w->layers[l].attn.indexer.comp, &s->layers[l].index_comp);
     }
     s->pos = (int64_t)n_blocks * g->block;
+    /* The MTP block is not in the records: it starts over here, its window empty, and is first fed
+     * position pos once the token after it is known (its drafts wait until then). */
+    s->mtp_pos = s->pos;
+    s->mtp_layer.start = s->pos;
     return 0;
 }

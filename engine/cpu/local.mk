@@ -5,7 +5,8 @@ libdsv4engine_la_SOURCES += \
 	engine/cpu/cpu_forward.c engine/cpu/cpu_forward.h engine/cpu/cpu_ops.h \
 	engine/cpu/cpu_ops.c engine/cpu/cpu_rope.c engine/cpu/cpu_mhc.c \
 	engine/cpu/cpu_compressor.c engine/cpu/cpu_indexer.c engine/cpu/cpu_attention.c \
-	engine/cpu/cpu_moe.c engine/cpu/cpu_pool.c engine/cpu/cpu_backend.c engine/cpu/cpu_prefix.c
+	engine/cpu/cpu_moe.c engine/cpu/cpu_pool.c engine/cpu/cpu_backend.c engine/cpu/cpu_prefix.c \
+	engine/cpu/cpu_undo.c
 
 # Unit tests of the pieces, each against doc/MODEL.md §3's formulas computed in double.
 noinst_HEADERS += tests/unit/cpu_test_util.h
