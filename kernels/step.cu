@@ -942,6 +942,7 @@ static const struct dsv4_backend_ops cuda_ops = {
     .name = "cuda", .prefill = op_prefill, .decode = op_decode, .sample = op_sample, .slot_reset = op_slot_reset,
     .slot_position = op_slot_position, .get_stats = op_get_stats, .destroy = op_destroy,
     .prefix_save = op_prefix_save, .prefix_load = op_prefix_load, .routing_counts = op_routing_counts,
+    .draft = nullptr, .verify = nullptr, .accept = nullptr,     /* speculative decoding: not on CUDA yet */
 };
 
 /* ---- create ---- */
