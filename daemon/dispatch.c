@@ -775,13 +775,22 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
         }
         if (ss.backend.variant[0])
             st.kernels[st.n_kernels++] = ss.backend.variant;
-        char experts[160];
+        /* where the routed experts live: a total line, then DSV4_PLACEMENT_LINE_LAYERS layers a line */
+        char experts[1 + DSV4_MAX_LAYERS / DSV4_PLACEMENT_LINE_LAYERS][160];
         if (ss.backend.experts_host > 0) {
-            snprintf(experts, sizeof(experts), "routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory "
-                     "(%.2f GiB), read in place over PCIe", ss.backend.experts_gpu,
+            snprintf(experts[0], sizeof(experts[0]), "routed experts: %u on the GPU (%.2f GiB), %u in pinned host "
+                     "memory (%.2f GiB), read in place over PCIe", ss.backend.experts_gpu,
                      ss.backend.expert_bytes_gpu / 1073741824.0, ss.backend.experts_host,
                      ss.backend.expert_bytes_host / 1073741824.0);
-            st.kernels[st.n_kernels++] = experts;
+            st.kernels[st.n_kernels++] = experts[0];
+            for (int l0 = 0, i = 1; l0 < ss.backend.expert_layers; l0 += DSV4_PLACEMENT_LINE_LAYERS, i++) {
+                const int n = ss.backend.expert_layers - l0 < DSV4_PLACEMENT_LINE_LAYERS
+                                  ? ss.backend.expert_layers - l0 : DSV4_PLACEMENT_LINE_LAYERS;
+                int w = snprintf(experts[i], sizeof(experts[i]), "routed experts gpu/host by layer:");
+                dsv4_placement_layers_text(ss.backend.experts_gpu_by_layer, ss.backend.experts_host_by_layer, l0, n,
+                                           experts[i] + w, sizeof(experts[i]) - (size_t)w);
+                st.kernels[st.n_kernels++] = experts[i];
+            }
         }
         /* ss lives until the reply is encoded: kernels[0] points into it. */
         reply_encoded(c, dsv4_proto_encode_stats_result(&c->out, msg->msgid, &st));

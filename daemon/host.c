@@ -161,6 +161,13 @@ static int boot(struct dsv4_host *h)
                       bs.experts_gpu, bs.expert_bytes_gpu / 1073741824.0, bs.experts_host,
                       bs.expert_bytes_host / 1073741824.0,
                       cfg->expert_placement[0] ? "the most routed on the GPU (expert_placement)" : "spread evenly");
+    for (int l0 = 0; bs.experts_host > 0 && l0 < bs.expert_layers; l0 += DSV4_PLACEMENT_LINE_LAYERS) {
+        char line[160];
+        const int n = bs.expert_layers - l0 < DSV4_PLACEMENT_LINE_LAYERS ? bs.expert_layers - l0
+                                                                        : DSV4_PLACEMENT_LINE_LAYERS;
+        dsv4_placement_layers_text(bs.experts_gpu_by_layer, bs.experts_host_by_layer, l0, n, line, sizeof(line));
+        dsv4_log_info("routed experts gpu/host by layer:%s", line);
+    }
     const struct dsv4_prefix_geom *pg = &h->backend->prefix;
     if (pg->n_pages > 0)
         dsv4_log_info("prefix cache: %.1f MiB in %d pages of %.1f KiB, blocks of %d tokens; a block's compressed "

@@ -25,7 +25,6 @@
 
 #define DEV_VARIANTS_MAX 2048           /* bytes of the variant report */
 #define DEV_GIB 1073741824.0
-#define DEV_PLACEMENT_LINE_LAYERS 8     /* layers per boot-log line of the expert placement */
 
 static std::atomic<uint64_t> launch_counts[DSV4_CUDA_V_COUNT];
 
@@ -90,6 +89,7 @@ struct dsv4_cuda_dev {
     struct dsv4_cuda_experts *experts;  /* [n_layers]; d_table NULL when not FP4 */
     int n_layers, experts_per_layer;
     struct dsv4_placement *place;       /* where each routed expert lives */
+    bool *layer_movable;        /* [n_layers] the layer's experts are in a table, so they may live on the host */
     uint8_t *host;              /* the pinned, mapped allocation of the experts placed in host memory, or NULL */
     uint8_t *host_dev;          /* the same bytes as kernels address them */
     size_t host_size, host_used;
@@ -445,7 +445,11 @@ static int plan_experts(struct dsv4_cuda_dev *dev, struct walker *wk, const stru
     req.host_percent = o->expert_host_share;
     req.counts = o->expert_counts;
     WALK(dsv4_placement_plan(&req, &dev->place));
+    dev->layer_movable = static_cast<bool *>(calloc((size_t)c->n_layers + 1, sizeof(bool)));
+    if (!dev->layer_movable)
+        return dsv4_error_set(-ENOMEM, "cuda: placement of %d layers", c->n_layers);
     for (int l = 0; l < c->n_layers; l++) {
+        dev->layer_movable[l] = wk->expert_bytes[l] > 0;
         dev->stats.experts_host += (uint32_t)dev->place->host_experts[l];
         dev->stats.experts_gpu += wk->expert_bytes[l] ? (uint32_t)(c->n_experts - dev->place->host_experts[l]) : 0;
     }
@@ -467,22 +471,36 @@ static int plan_experts(struct dsv4_cuda_dev *dev, struct walker *wk, const stru
     return 0;
 }
 
-/* Boot log: the placement, DEV_PLACEMENT_LINE_LAYERS layers a line as layer:gpu/host. */
-static void log_placement(struct dsv4_cuda_dev *dev, const struct dsv4_config *c, void (*log)(void *, const char *),
-                          void *ctx)
+extern "C" void dsv4_cuda_dev_expert_stats(const struct dsv4_cuda_dev *dev, struct dsv4_backend_stats *ret)
 {
     const struct dsv4_placement *p = dev->place;
+    ret->experts_gpu = dev->stats.experts_gpu;
+    ret->experts_host = dev->stats.experts_host;
+    ret->expert_bytes_gpu = dev->stats.gpu_expert_bytes;
+    ret->expert_bytes_host = dev->stats.host_expert_bytes;
+    ret->expert_layers = p && p->n_layers <= DSV4_MAX_LAYERS ? p->n_layers : 0;
+    for (int l = 0; l < ret->expert_layers; l++) {
+        ret->experts_host_by_layer[l] = (uint16_t)p->host_experts[l];
+        ret->experts_gpu_by_layer[l] = (uint16_t)(dev->layer_movable[l] ? p->n_experts - p->host_experts[l] : 0);
+    }
+}
+
+/* Boot log: the placement, DSV4_PLACEMENT_LINE_LAYERS layers a line as layer:gpu/host. */
+static void log_placement(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), void *ctx)
+{
+    const struct dsv4_placement *p = dev->place;
+    struct dsv4_backend_stats st;
     vlog(dev, log, ctx, false, "cuda: routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory "
          "(%.2f GiB, read in place over PCIe): %s", dev->stats.experts_gpu, p->gpu_bytes / DEV_GIB,
          dev->stats.experts_host, p->host_bytes / DEV_GIB, dsv4_placement_rule(p));
     if (!p->offload)
         return;
-    for (int l0 = 0; l0 < c->n_layers; l0 += DEV_PLACEMENT_LINE_LAYERS) {
-        char line[200];
-        size_t n = 0;
-        for (int l = l0; l < c->n_layers && l < l0 + DEV_PLACEMENT_LINE_LAYERS; l++)
-            n += (size_t)snprintf(line + n, sizeof(line) - n, " %d:%d/%d", l, c->n_experts - p->host_experts[l],
-                                  p->host_experts[l]);
+    dsv4_cuda_dev_expert_stats(dev, &st);
+    for (int l0 = 0; l0 < st.expert_layers; l0 += DSV4_PLACEMENT_LINE_LAYERS) {
+        char line[160];
+        const int n = st.expert_layers - l0 < DSV4_PLACEMENT_LINE_LAYERS ? st.expert_layers - l0
+                                                                         : DSV4_PLACEMENT_LINE_LAYERS;
+        dsv4_placement_layers_text(st.experts_gpu_by_layer, st.experts_host_by_layer, l0, n, line, sizeof(line));
         vlog(dev, log, ctx, false, "cuda: experts gpu/host by layer:%s", line);
     }
 }
@@ -637,7 +655,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          cache / 1073741824.0, o->max_batch, o->max_context,
          o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV entries, FP4 indexer keys" : "f32 entries",
          ws / 1073741824.0);
-    log_placement(dev, c, log, log_ctx);
+    log_placement(dev, log, log_ctx);
     vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3); "
          "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s; "
          "tensor-core linears with a %d-stage ring, the first wave prefetching up to %lld KB of weights",
@@ -720,6 +738,7 @@ extern "C" void dsv4_cuda_dev_destroy(struct dsv4_cuda_dev *dev)
     cudaFree(dev->arena);
     cudaFreeHost(dev->host);
     dsv4_placement_free(dev->place);
+    free(dev->layer_movable);
     free(dev->linears);
     free(dev->vectors);
     free(dev->experts);

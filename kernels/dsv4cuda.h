@@ -142,6 +142,8 @@ const struct dsv4_cuda_linear *dsv4_cuda_dev_linear(const struct dsv4_cuda_dev *
 const struct dsv4_cuda_linear *dsv4_cuda_dev_linear_for(const struct dsv4_cuda_dev *dev, const struct dsv4_linear *host);
 /* Where each routed expert lives (engine/model/placement.h), decided at create. */
 const struct dsv4_placement *dsv4_cuda_dev_placement(const struct dsv4_cuda_dev *dev);
+/* The backend stats' expert fields: experts and bytes on each side, and per layer. */
+void dsv4_cuda_dev_expert_stats(const struct dsv4_cuda_dev *dev, struct dsv4_backend_stats *ret);
 /* Layer's device counters of tokens routed to each expert [n_experts] (dsv4_cuda_route_count adds
  * to them); NULL for a layer out of range. */
 uint64_t *dsv4_cuda_dev_route_counts(const struct dsv4_cuda_dev *dev, int layer);

@@ -348,28 +348,39 @@ extern "C" int dsv4_cuda_mhc_fn_pre(const struct dsv4_cuda_linear *W, const floa
                    d_comb, s);
 }
 
-/* One thread per output value Xo[b, k, d]. */
+/* One thread per (b, d): the hc stream values X[b, :, d] read once into registers, then every
+ * output Xo[b, k, d] = post[b, k] f[b, d] + sum_j comb[b, j, k] X[b, j, d] summed in j order (one
+ * thread per output read each X value hc times: a prefill chunk's X is 64 MiB at 1024 rows). */
 __global__ void mhc_post_kernel(const float *__restrict__ X, const float *__restrict__ f,
                                 const float *__restrict__ post, const float *__restrict__ comb, int batch,
                                 int hc, int dim, float *__restrict__ Xo)
 {
     dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (int64_t)batch * hc * dim)
+    if (i >= (int64_t)batch * dim)
         return;
-    const int64_t d = i % dim, k = i / dim % hc, b = i / ((int64_t)hc * dim);
+    const int64_t d = i % dim, b = i / dim;
     const float *Xb = X + b * hc * dim, *cb = comb + b * hc * hc;
-    float acc = post[b * hc + k] * f[b * dim + d];
-    for (int j = 0; j < hc; j++)
-        acc += cb[j * hc + k] * Xb[(int64_t)j * dim + d];
-    Xo[i] = acc;
+    const float fv = f[b * dim + d];
+    float xv[DSV4_MAX_HC];
+#pragma unroll
+    for (int j = 0; j < DSV4_MAX_HC; j++)
+        xv[j] = j < hc ? Xb[(int64_t)j * dim + d] : 0.0f;
+    for (int k = 0; k < hc; k++) {
+        float acc = post[b * hc + k] * fv;
+#pragma unroll
+        for (int j = 0; j < DSV4_MAX_HC; j++)
+            if (j < hc)
+                acc += cb[j * hc + k] * xv[j];
+        Xo[(b * hc + k) * dim + d] = acc;
+    }
 }
 
 extern "C" int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const float *d_post, const float *d_comb,
                                   int batch, int hc, int dim, float *d_Xo, void *stream)
 {
     const int threads = 256;
-    const int64_t total = (int64_t)batch * hc * dim;
+    const int64_t total = (int64_t)batch * dim;     /* threads: one per (row, d) */
     if (hc < 1 || hc > DSV4_MAX_HC)
         return dsv4_error_set(-EINVAL, "mhc_post: hc_mult %d outside 1..%d", hc, DSV4_MAX_HC);
     if (total <= 0)

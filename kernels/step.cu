@@ -889,10 +889,7 @@ static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats
     ret->device_allocs = st.device_allocs;
     ret->graph_captures = cb->captures;
     ret->bytes_reserved = st.cache_bytes + st.workspace_bytes + st.prefix_bytes;
-    ret->experts_gpu = st.experts_gpu;
-    ret->experts_host = st.experts_host;
-    ret->expert_bytes_gpu = st.gpu_expert_bytes;
-    ret->expert_bytes_host = st.host_expert_bytes;
+    dsv4_cuda_dev_expert_stats(cb->dev, ret);
     snprintf(ret->variant, sizeof(ret->variant),
              "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, %d streams, sampling on %s, prefill chunk %d",
              st.kernel_build, st.device_name, cb->fp8 ? "fp8" : "exact",
@@ -945,6 +942,7 @@ static const struct dsv4_backend_ops cuda_ops = {
     .name = "cuda", .prefill = op_prefill, .decode = op_decode, .sample = op_sample, .slot_reset = op_slot_reset,
     .slot_position = op_slot_position, .get_stats = op_get_stats, .destroy = op_destroy,
     .prefix_save = op_prefix_save, .prefix_load = op_prefix_load, .routing_counts = op_routing_counts,
+    .draft = nullptr, .verify = nullptr, .accept = nullptr,     /* speculative decoding: not on CUDA yet */
 };
 
 /* ---- create ---- */

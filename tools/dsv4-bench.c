@@ -3,7 +3,7 @@
  * bytes it must move over the measured device copy bandwidth: the floor no version can beat.
  *
  *   dsv4-bench [--batch 1,64] [--reps N]
- *   dsv4-bench --model DIR [--batch 1,16,64] [--context N] [--prefill N] [--layers N] [--chunk N]
+ *   dsv4-bench --model DIR [--batch 1,16,64] [--context N] [--prefill N] [--layers N] [--chunk N] [--profile]
  *              [--expert-host-share P]                          (the whole step, prefill)
  *
  * Each kernel is captured REPS times into one CUDA graph (launch gaps out of the numbers), reading
@@ -18,6 +18,9 @@
  * the host instead of sampled there (what dsv4-run and host sampling do). The floor counts the
  * weights every step reads (everything but the routed experts, plus the experts the batch routes
  * to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy bandwidth.
+ * --chunk N sets the backend's prefill chunk (the longest prefill step timed); --profile brackets the
+ * second step of the longest prefill timing with cudaProfilerStart/Stop, for
+ * `ncu --profile-from-start off` (per-kernel time of one chunk).
  * --layers N deepens the model to N layers by repeating the checkpoint's last two (a CSA and an HCA
  * layer with scored routing, as dsv4-mkckpt writes from layer 4 on), so that a deep model is timed
  * from a short checkpoint: the repeats alias the checkpoint's host tensors, the device holds a copy
@@ -44,6 +47,7 @@
 #pragma GCC diagnostic ignored "-Wstrict-prototypes"    /* cublasLt.h declares f() in C */
 #include <cublasLt.h>
 #pragma GCC diagnostic pop
+#include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
 
 #include "engine/backend.h"
@@ -635,8 +639,9 @@ static void restore_layers(struct dsv4_weights *w, struct dsv4_layer *saved, int
     w->bytes_total = bytes0;
 }
 
+/* profile: the profiler (ncu --profile-from-start off) sees one prefill step of the largest size */
 static int bench_model(const char *dir, const int *batches, int nb, int context, int prefill, int layers, int chunk,
-                       int host_share)
+                       int host_share, bool profile)
 {
     struct dsv4_weights *w = NULL;
     struct dsv4_layer *saved;
@@ -752,9 +757,15 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
             for (int r = 0; r < 4; r++) {
                 b->ops->slot_reset(b, 0);
                 double a = now_us();
+                const bool prof = profile && r == 0 && (k + 1 == sizeof(steps) / sizeof(steps[0]) ||
+                                                        steps[k + 1] > maxstep);
                 for (int i0 = 0; i0 < prefill; i0 += step) {
                     const int m = prefill - i0 < step ? prefill - i0 : step;
+                    if (prof && i0 == step)     /* the second step: it reads a context of one step */
+                        TRY(cudaProfilerStart());
                     OK(b->ops->prefill(b, 0, p + i0, m, i0 + m == prefill ? logits : NULL, false));
+                    if (prof && i0 == step)
+                        TRY(cudaProfilerStop());
                 }
                 if (r > 0)
                     us[r - 1] = (float)(now_us() - a);
@@ -790,6 +801,7 @@ int main(int argc, char **argv)
 {
     int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096, prefill = BENCH_PREFILL, layers = 0;
     int chunk = 0, host_share = 0;
+    bool profile = false;
     const char *model = NULL;
     const int topk = 6, E = 256, D = 4096, I = 2048;
     struct job j;
@@ -832,6 +844,8 @@ int main(int argc, char **argv)
                 fprintf(stderr, "dsv4-bench: --expert-host-share 1..100\n");
                 return 2;
             }
+        } else if (!strcmp(argv[i], "--profile")) {
+            profile = true;
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
             reps = atoi(argv[++i]);
             if (reps < 1 || reps > BENCH_MAX_COPIES * 4) {
@@ -840,7 +854,7 @@ int main(int argc, char **argv)
             }
         } else {
             fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N] "
-                            "[--prefill N] [--layers N] [--chunk N] [--expert-host-share P]\n");
+                            "[--prefill N] [--layers N] [--chunk N] [--expert-host-share P] [--profile]\n");
             return 2;
         }
     }
@@ -856,7 +870,7 @@ int main(int argc, char **argv)
                     context);
             return 2;
         }
-        return bench_model(model, batches, nb, context, prefill, layers, chunk, host_share);
+        return bench_model(model, batches, nb, context, prefill, layers, chunk, host_share, profile);
     }
 
     {

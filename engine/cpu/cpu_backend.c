@@ -180,8 +180,7 @@ static int cpu_prefix_load(struct dsv4_backend *b, int slot, int n_blocks, const
 
 static void cpu_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats *ret)
 {
-    ret->device_allocs = 0;
-    ret->graph_captures = 0;
+    memset(ret, 0, sizeof(*ret));       /* no device, no graphs, no routed expert off the host */
     ret->bytes_reserved = impl_of(b)->bytes;
     snprintf(ret->variant, sizeof(ret->variant), "cpu reference fp32, %s numerics, %d thread%s",
              b->opts.numerics == DSV4_NUMERICS_FP8 ? "fp8" : "exact", b->opts.threads > 1 ? b->opts.threads : 1,

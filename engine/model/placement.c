@@ -168,6 +168,19 @@ int dsv4_placement_plan(const struct dsv4_placement_req *r, struct dsv4_placemen
     return 0;
 }
 
+void dsv4_placement_layers_text(const uint16_t *gpu, const uint16_t *host, int l0, int n, char *buf, size_t size)
+{
+    size_t used = 0;
+    if (size)
+        buf[0] = '\0';
+    for (int l = l0; l < l0 + n && used < size; l++) {
+        int w = snprintf(buf + used, size - used, " %d:%u/%u", l, (unsigned)gpu[l], (unsigned)host[l]);
+        if (w < 0)
+            break;
+        used += (size_t)w;
+    }
+}
+
 /* ---- the routing-statistics file ---- */
 
 int dsv4_routing_stats_write(const char *path, const char *model, int n_layers, int n_experts,

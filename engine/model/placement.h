@@ -14,6 +14,7 @@
 #define DSV4_ENGINE_MODEL_PLACEMENT_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define DSV4_PLACEMENT_MAX_LAYERS 256       /* layers of a routing-statistics file */
@@ -60,6 +61,11 @@ static inline bool dsv4_placement_on_host(const struct dsv4_placement *p, int la
 
 /* "even" / "routing statistics", then "offload off" when nothing moved: for logs. */
 const char *dsv4_placement_rule(const struct dsv4_placement *p);
+
+/* " l:gpu/host" for layers [l0, l0 + n) of the per-layer counts into buf (truncated to size):
+ * what the boot log and stats print, DSV4_PLACEMENT_LINE_LAYERS layers a line. */
+#define DSV4_PLACEMENT_LINE_LAYERS 8
+void dsv4_placement_layers_text(const uint16_t *gpu, const uint16_t *host, int l0, int n, char *buf, size_t size);
 
 /* The routing-statistics file (JSON):
  *   {"format": "dsv4d-routing-stats", "version": 1, "model": NAME, "n_layers": L, "n_experts": E,

@@ -2,8 +2,10 @@
 # SPDX-License-Identifier: MIT
 """dsv4d's life with systemd: socket activation, READY only after the warm-up, the watchdog, the
 drain on SIGTERM with STOPPING=1; by hand with --listen: socket mode, live and stale sockets;
---backend auto without a GPU says so; the uid allowlist."""
+--backend auto without a GPU says so; the uid allowlist; the routing statistics written at stop and
+read back as an expert placement."""
 
+import json
 import os
 import signal
 import stat
@@ -257,6 +259,53 @@ with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
         t.ok(out.returncode == 1 and "<3>" in out.stderr and "built without the CUDA backend" in out.stderr,
              "--backend cuda on a build without CUDA fails at boot (exit 1), saying why", (out.returncode, out.stderr))
     t.ok(not os.path.exists(sock), "a daemon that failed removes the socket it bound")
+
+# ---- routing statistics: written when dsv4d stops, read back by expert_placement at the next boot --------
+with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
+    stats = os.path.join(tmp, "routing.json")
+    with open(os.path.join(FIXTURE_MODEL, "config.json")) as f:
+        mcfg = json.load(f)
+    L, E, K = mcfg["num_hidden_layers"], mcfg["n_routed_experts"], mcfg["num_experts_per_tok"]
+    prompt = [BOS] + text_tokens("routing")
+    d = Daemon(activation=False, args=["--routing-stats", stats])
+    try:
+        t.ok(d.start(), "dsv4d with routing_stats becomes ready", d.log_text())
+        c = Client(d.sock_path)
+        err, res = c.call("generate", {"tokens": tokens_bin(prompt), "max_tokens": 4, "temperature": 0.0})
+        c.close()
+        t.ok(err is None, "it serves a request", err)
+        t.eq(d.stop(), 0, "dsv4d exits 0")
+        with open(stats) as f:
+            data = json.load(f)
+        sums = [sum(row) for row in data["counts"]]
+        t.ok(data["format"] == "dsv4d-routing-stats" and data["n_layers"] == L and data["n_experts"] == E and
+             len(sums) == L and all(len(row) == E for row in data["counts"]),
+             "the routing statistics file has the model's %d layers x %d experts" % (L, E), data)
+        # every token ran every layer: the warm-up, the prompt and all but the last generated token
+        served = len(prompt) + res["usage"]["completion_tokens"] - 1
+        t.ok(len(set(sums)) == 1 and sums[0] % K == 0 and sums[0] // K >= served,
+             "each layer counts top-%d experts for every token run (%d served)" % (K, served), sums)
+        t.ok("routing statistics of %d routed tokens written to %s" % (sums[0] // K, stats) in d.log_text(),
+             "the log says how many tokens and where", d.log_text())
+    finally:
+        d.close()
+    d = Daemon(activation=False, args=["--expert-placement", stats])
+    try:
+        t.ok(d.start(), "dsv4d boots with expert_placement naming that file", d.log_text())
+        t.eq(d.stop(), 0, "dsv4d exits 0")
+    finally:
+        d.close()
+    data["n_experts"] = E + 1
+    data["counts"] = [row + [0] for row in data["counts"]]
+    other = os.path.join(tmp, "other.json")
+    with open(other, "w") as f:
+        json.dump(data, f)
+    write_tokenizer(os.path.join(tmp, "tokenizer.json"))
+    out = run_dsv4d(tmp, os.path.join(tmp, "s.sock"), "--expert-placement", other)
+    t.ok(out.returncode == 1 and "expert_placement" in out.stderr and
+         "of %d layers x %d experts; the model has %d x %d" % (L, E + 1, L, E) in out.stderr,
+         "a routing statistics file of another shape is refused at boot (exit 1), with both shapes",
+         (out.returncode, out.stderr))
 
 # ---- allowlist ----------------------------------------------------------------------------------------
 other_uid = 4242 if os.getuid() != 4242 else 4243

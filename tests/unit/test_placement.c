@@ -294,6 +294,18 @@ static void test_file_to_plan(void **state)
     dsv4_placement_free(p);
 }
 
+static void test_layers_text(void **state)
+{
+    const uint16_t gpu[10] = { 200, 200, 199, 0, 256, 1, 2, 3, 4, 5 }, host[10] = { 56, 56, 57, 256, 0, 9, 8, 7, 6, 5 };
+    char buf[160];
+    dsv4_placement_layers_text(gpu, host, 1, 4, buf, sizeof(buf));
+    assert_string_equal(buf, " 1:200/56 2:199/57 3:0/256 4:256/0");
+    dsv4_placement_layers_text(gpu, host, 8, 2, buf, sizeof(buf));
+    assert_string_equal(buf, " 8:4/6 9:5/5");
+    dsv4_placement_layers_text(gpu, host, 0, 10, buf, 12);    /* truncated, terminated */
+    assert_string_equal(buf, " 0:200/56 1");
+}
+
 static int setup(void **state)
 {
     seed = dsv4_test_seed();
@@ -313,6 +325,7 @@ int main(void)
         cmocka_unit_test(test_random_invariants),
         cmocka_unit_test(test_stats_file),
         cmocka_unit_test(test_file_to_plan),
+        cmocka_unit_test(test_layers_text),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }
