@@ -24,7 +24,7 @@ What it does, in order:
 
 Usage:
   python3 tools/train_default.py --out DIR [--steps N] [--seconds S] [--device cuda]
-  python3 tools/train_default.py --train-mtp DIR [--mtp-steps N] [--device cuda]
+  python3 tools/train_default.py --train-mtp DIR [--mtp-steps N] [--seconds S] [--device cuda]
   python3 tools/train_default.py --eval-only DIR      # re-measure a written model (CPU is fine)
 The number of steps is min(--steps, what fits in --seconds after timing the first steps); the run
 prints the number it used, and --steps N with a large --seconds reproduces it.
@@ -490,8 +490,9 @@ def mtp_loss(block, model, inputs, labels, seen):
     return loss, int(hits), int(mask.sum())
 
 
-def train_mtp(model_dir, device, steps):
-    """Train the MTP block of the model in model_dir (frozen) and add it to the model's files."""
+def train_mtp(model_dir, device, steps, seconds):
+    """Train the MTP block of the model in model_dir (frozen) and add it to the model's files: min(steps,
+    what fits in seconds after timing steps 10..30) steps."""
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     enc = Encoder(tok)
     model = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
@@ -513,7 +514,8 @@ def train_mtp(model_dir, device, steps):
     held_q = {it["question"] for it in heldout}
     rng = random.Random(SEED + 4)
     start = time.time()
-    for step in range(steps):
+    step = 0
+    while step < steps:
         lr = MIN_LR + 0.5 * (MTP_LR - MIN_LR) * (1 + math.cos(math.pi * step / steps))
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / MTP_WARMUP)
@@ -524,8 +526,18 @@ def train_mtp(model_dir, device, steps):
         torch.nn.utils.clip_grad_norm_(block.parameters(), GRAD_CLIP)
         opt.step()
         balancer.step()
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            print(f"mtp step {step + 1}/{steps} loss {loss.item():.4f} top-1 {hits / max(n, 1):.3f} "
+        step += 1
+        if step in (10, 30) and steps > 30:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if step == 10:
+                t10 = time.time()
+            else:
+                per_step = (time.time() - t10) / 20
+                steps = max(step, min(steps, step + int((seconds - (time.time() - start)) / per_step)))
+                print(f"mtp timing: {per_step * 1000:.1f} ms/step -> {steps} steps", flush=True)
+        if step % 100 == 0 or step == steps:
+            print(f"mtp step {step}/{steps} loss {loss.item():.4f} top-1 {hits / max(n, 1):.3f} "
                   f"{time.time() - start:.0f}s", flush=True)
     # Held-out: the held-out questions as one-turn conversations, never trained on.
     block.eval()
@@ -663,7 +675,7 @@ def main():
         evaluate(args.eval_only, device)
         return
     if args.train_mtp:
-        result = train_mtp(args.train_mtp, device, args.mtp_steps)
+        result = train_mtp(args.train_mtp, device, args.mtp_steps, args.seconds)
         with open(os.path.join(args.train_mtp, "train-mtp.json"), "w") as f:
             json.dump({**result, "seed": SEED + 3, "torch": torch.__version__,
                        "transformers": __import__("transformers").__version__}, f, indent=1)
