@@ -10,12 +10,14 @@ DeepSeek's release spelling and formats (doc/MODEL.md §2):
                layers.i.attn.indexer.{wq_b,weights_proj}.weight,
                layers.i.attn.indexer.compressor.{wkv,wgate,norm}.weight + .ape,
                layers.i.ffn.gate.{weight,bias,tid2eid}, layers.i.ffn.experts.E.{w1,w2,w3}.weight,
-               layers.i.ffn.shared_experts.{w1,w2,w3}.weight
+               layers.i.ffn.shared_experts.{w1,w2,w3}.weight;
+               an MTP block k (model.mtp.k.*, tools/mtp_block.py): its layer under mtp.k. as a layer's,
+               and mtp.k.{enorm,hnorm,norm,e_proj,h_proj}.weight, mtp.k.hc_head_{fn,base,scale}
   FP8          wq_a, wq_b, wkv, wo_a, wo_b, indexer wq_b, shared experts: e4m3fn [F8_E4M3] with one
                UE8M0 scale [F8_E8M0] per 128x128 block in <name>.scale [ceil(out/128), ceil(in/128)]
   FP4          routed experts w1/w2/w3: e2m1 two a byte, low nibble first along K [I8, out x in/2],
                one UE8M0 scale per 1x32 block along K [F8_E8M0, out x in/32]
-  BF16         embed, head, norms, compressor wkv/wgate, indexer weights_proj, gate weight
+  BF16         embed, head, norms, compressor wkv/wgate, indexer weights_proj, gate weight, MTP e_proj/h_proj
   F32          hc_* tensors, attn_sink, compressor ape, gate bias;  I32 tid2eid
 
 Every block scale is the smallest power of two s with amax/s <= the format's largest value (448 for
@@ -93,6 +95,17 @@ TOP_MAP = {
     "model.hc_head.hc_scale": ("hc_head_scale", "f32"),
 }
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# An MTP block's own tensors (after "model.mtp.k."), besides its layer's.
+MTP_MAP = {
+    "enorm.weight": ("enorm.weight", "bf16"),
+    "hnorm.weight": ("hnorm.weight", "bf16"),
+    "norm.weight": ("norm.weight", "bf16"),
+    "e_proj.weight": ("e_proj.weight", "bf16"),
+    "h_proj.weight": ("h_proj.weight", "bf16"),
+    "hc_head_fn": ("hc_head_fn", "f32"),
+    "hc_head_base": ("hc_head_base", "f32"),
+    "hc_head_scale": ("hc_head_scale", "f32"),
+}
 
 
 def ue8m0_exponents(amax, fmt_max):
@@ -228,8 +241,6 @@ def convert(src, dst, deq_dir):
     with open(os.path.join(src, "config.json")) as f:
         hf_cfg = json.load(f)
     cfg = release_config(hf_cfg)
-    if cfg["n_mtp_layers"]:
-        raise ValueError("MTP layers are not converted (transformers checkpoints carry none)")
     w = Writer()
     deq = {}                    # transformers name -> dequantized tensor (for --dequantized)
     stats = {"fp8": 0, "fp4": 0, "bf16": 0, "f32": 0, "i32": 0}
@@ -242,14 +253,20 @@ def convert(src, dst, deq_dir):
                 todo.append((name, TOP_MAP[name]))
                 continue
             parts = name.split(".", 3)
-            if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-                rel = parts[3]
+            if len(parts) == 4 and parts[0] == "model" and parts[1] in ("layers", "mtp") and parts[2].isdigit():
+                rel, base = parts[3], "%s.%s." % (parts[1], parts[2])
+                if parts[1] == "mtp" and int(parts[2]) >= cfg["n_mtp_layers"]:
+                    raise ValueError("%s: tensor %s of an MTP block the config does not count" % (src, name))
+                if parts[1] == "mtp" and rel in MTP_MAP:
+                    new, fmt = MTP_MAP[rel]
+                    todo.append((name, (base + new, fmt)))
+                    continue
                 if rel in LAYER_MAP:
                     new, fmt = LAYER_MAP[rel]
-                    todo.append((name, ("layers.%s.%s" % (parts[2], new), fmt)))
+                    todo.append((name, (base + new, fmt)))
                     continue
                 if rel in EXPERTS:
-                    todo.append((name, (None, "experts")))
+                    todo.append((name, (base, "experts")))
                     continue
             raise ValueError("%s: no release name for tensor %s" % (src, name))
         for name, (new, fmt) in todo:
@@ -271,7 +288,6 @@ def convert(src, dst, deq_dir):
                 deq[name] = as_bf16(d, new)
                 err["fp8"] = max(err["fp8"], rounding_error(x, d, ex, FP8_BLOCK, FP8_BLOCK))
             else:
-                layer = name.split(".")[2]
                 x = t.float().numpy().astype(np.float64)
                 E = x.shape[0]
                 out = np.empty_like(x)
@@ -283,9 +299,9 @@ def convert(src, dst, deq_dir):
                         mats = [("w2", x[e], slice(None))]
                     for wn, m, rows in mats:
                         q, ex, d = quantize_fp4(m)
-                        base = "layers.%s.ffn.experts.%d.%s" % (layer, e, wn)
-                        w.add(base + ".weight", "I8", q.shape, q)
-                        w.add(base + ".scale", "F8_E8M0", ex.shape, ex)
+                        ename = "%sffn.experts.%d.%s" % (new, e, wn)
+                        w.add(ename + ".weight", "I8", q.shape, q)
+                        w.add(ename + ".scale", "F8_E8M0", ex.shape, ex)
                         out[e, rows] = d
                         err["fp4"] = max(err["fp4"], rounding_error(m, d, ex, 1, FP4_BLOCK))
                         stats["fp4"] += 1

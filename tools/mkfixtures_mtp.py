@@ -3,15 +3,8 @@
 """Build the MTP oracle fixtures: a tiny DeepSeek-V4 model with its multi-token-prediction block, and
 what an independent PyTorch implementation of that block computes for it.
 
-transformers' deepseek_v4 drops MTP weights (it builds no MTP block), so the oracle is written here from
-its modules, following doc/MODEL.md §3.9: for the main model's final streams X_p [hc, D] at position p
-(the input of the model's hc_head) and the token t_{p+1},
-
-    e       = RMSNorm_enorm(embed[t_{p+1}])
-    X_in[j] = e_proj e + h_proj RMSNorm_hnorm(X_p[j])            for every stream j
-    X_out   = DeepseekV4DecoderLayer (a sliding-window layer with scored MoE) on X_in at position p,
-              attending over the block's own keys of positions p - window + 1 .. p
-    logits  = lm_head(RMSNorm_norm(DeepseekV4HyperHead(X_out)))     (the block's hc_head and norm)
+transformers' deepseek_v4 drops MTP weights (it builds no MTP block), so the oracle is tools/mtp_block.py,
+written from its modules (doc/MODEL.md §3.9).
 
 For each base fixture (tests/fixtures/<base>/, made by tools/mkfixtures.py) the script loads the model with
 transformers, draws an MTP block from a fixed seed (same rules as mkfixtures.randomize), and writes
@@ -23,10 +16,6 @@ plus the block's (names below), and cases_mtp.json with one case per base case p
 tokens: the base case's prompt followed by its greedy tokens (N ids); row p (0 <= p < N - 1): the MTP
 logits for the streams of position p and the token tokens[p + 1] (a prediction of tokens[p + 2]).
 
-Weight names: the block's layer in transformers' module spelling under `model.mtp.0.` (as the main
-layers under `model.layers.i.`), its own parts under DeepSeek's names: `model.mtp.0.{enorm,hnorm,e_proj,
-h_proj,norm}.weight`, `model.mtp.0.hc_head_{fn,base,scale}`.
-
 Asserted before writing: the base model reloaded here reproduces the base fixture's logits; the block run
 one token at a time through transformers' cache equals the cache-free run (rows within 2e-5 x max |logit|);
 two runs are bitwise identical; no scored-MoE near tie in the block (gap >= 1e-4).
@@ -35,7 +24,6 @@ Usage: python3 tools/mkfixtures_mtp.py [--fixtures tests/fixtures]
 """
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -43,65 +31,15 @@ import sys
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 from transformers import DeepseekV4ForCausalLM
-from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mkfixtures  # noqa: E402  (randomize, tolerances, checks)
+from mtp_block import MTPBlock, main_streams_hook  # noqa: E402
 
 # Base fixture -> seed of its MTP block's weights.
 BASES = {"tiny_a": 1078, "tiny_b": 2077}
-
-
-def mtp_config(cfg):
-    """The block's layer: one sliding-window layer with scored routing, otherwise the model's config."""
-    c = copy.deepcopy(cfg)
-    c.num_hidden_layers = 1
-    c.layer_types = ["sliding_attention"]
-    c.mlp_layer_types = ["moe"]
-    return c
-
-
-class MTPBlock(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        D = cfg.hidden_size
-        self.cfg = mtp_config(cfg)
-        self.enorm = dsv4.DeepseekV4RMSNorm(D, eps=cfg.rms_norm_eps)
-        self.hnorm = dsv4.DeepseekV4RMSNorm(D, eps=cfg.rms_norm_eps)
-        self.e_proj = nn.Linear(D, D, bias=False)
-        self.h_proj = nn.Linear(D, D, bias=False)
-        self.layer = dsv4.DeepseekV4DecoderLayer(self.cfg, 0)
-        self.hc_head = dsv4.DeepseekV4HyperHead(cfg)
-        self.norm = dsv4.DeepseekV4RMSNorm(D, eps=cfg.rms_norm_eps)
-
-    def forward(self, model, streams, next_ids, position_ids, cache=None):
-        """streams [1, S, hc, D] (main model, positions position_ids), next_ids [1, S]: logits [1, S, V]."""
-        e = self.e_proj(self.enorm(model.model.embed_tokens(next_ids)))
-        x = self.h_proj(self.hnorm(streams)) + e.unsqueeze(2)
-        rotary = model.model.rotary_emb
-        pe = {"main": rotary(e, position_ids=position_ids, layer_type="main"),
-              "compress": rotary(e, position_ids=position_ids, layer_type="compress")}
-        mask = create_sliding_window_causal_mask(config=self.cfg, inputs_embeds=e, attention_mask=None,
-                                                 past_key_values=cache, position_ids=position_ids)
-        x = self.layer(x, position_embeddings=pe, position_ids=position_ids, attention_mask=mask,
-                       input_ids=next_ids, past_key_values=cache)
-        return model.lm_head(self.norm(self.hc_head(x)))
-
-    def release_state(self):
-        """The block's tensors under the checkpoint names the engine reads."""
-        out = {}
-        for k, v in self.state_dict().items():
-            if k.startswith("layer."):
-                name = "model.mtp.0." + k[len("layer."):]
-            elif k.startswith("hc_head.hc_"):
-                name = "model.mtp.0.hc_head_" + k[len("hc_head.hc_"):]
-            else:
-                name = "model.mtp.0." + k
-            out[name] = v.detach().contiguous()
-        return out
 
 
 class RouterProbe:
@@ -120,7 +58,7 @@ class RouterProbe:
 def main_streams(model, tokens):
     """Cache-free forward: the final streams [1, N, hc, D] (hc_head's input) and the logits [N, V]."""
     seen = {}
-    h = model.model.hc_head.register_forward_pre_hook(lambda m, args: seen.__setitem__("x", args[0]))
+    h = main_streams_hook(model, seen)
     logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
     h.remove()
     return seen["x"], logits

@@ -18,8 +18,13 @@ What it does, in order:
      accuracy on a held-out question list (questions never seen verbatim in training) and on the two
      headline questions; writes eval.json with every question, the expected and the produced answer.
 
+  5. with --train-mtp DIR, afterwards: trains the model's MTP block (the draft model of speculative
+     decoding, tools/mtp_block.py) against the frozen main model, and adds it to DIR: the main tensors
+     are copied byte for byte, so the main model's answers cannot change.
+
 Usage:
   python3 tools/train_default.py --out DIR [--steps N] [--seconds S] [--device cuda]
+  python3 tools/train_default.py --train-mtp DIR [--mtp-steps N] [--seconds S] [--device cuda]
   python3 tools/train_default.py --eval-only DIR      # re-measure a written model (CPU is fine)
 The number of steps is min(--steps, what fits in --seconds after timing the first steps); the run
 prints the number it used, and --steps N with a large --seconds reproduces it.
@@ -35,10 +40,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, trainers
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mtp_block import MTPBlock, main_streams_hook  # noqa: E402
 
 # ---------------------------------------------------------------- hyperparameters
 SEED = 20261129
@@ -57,6 +65,9 @@ GRAD_CLIP = 1.0
 BIAS_RATE = 1e-3              # selection-bias update per step (aux-loss-free balancing)
 HELDOUT = 400                 # held-out questions
 MAX_NEW = 24                  # greedy tokens per answer at evaluation
+MTP_STEPS = 600               # MTP block training (--train-mtp): steps of BATCH conversations
+MTP_LR = 2e-3
+MTP_WARMUP = 50
 
 MODEL = {
     "hidden_size": 256, "num_hidden_layers": 6,
@@ -368,8 +379,8 @@ class BiasBalancer:
     """DeepSeek's auxiliary-loss-free balancing: after each step, raise the selection bias of experts
     chosen less than average and lower it for those chosen more."""
 
-    def __init__(self, model):
-        self.routers = [l.mlp.gate for l in model.model.layers if isinstance(l.mlp.gate, dsv4.DeepseekV4TopKRouter)]
+    def __init__(self, layers):
+        self.routers = [l.mlp.gate for l in layers if isinstance(l.mlp.gate, dsv4.DeepseekV4TopKRouter)]
         self.counts = {}
         for r in self.routers:
             r.register_forward_hook(self._hook)
@@ -393,7 +404,7 @@ def train(model, enc, heldout, rng, device, max_steps, seconds):
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "hc" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": other, "weight_decay": 0.0}],
                             lr=LR, betas=BETAS)
-    balancer = BiasBalancer(model)
+    balancer = BiasBalancer(model.model.layers)
     total = max_steps
     start = time.time()
     step = 0
@@ -444,6 +455,131 @@ def write_model(model, spec, out_dir):
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(spec, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+
+
+# ---------------------------------------------------------------- the MTP block
+@torch.no_grad()
+def init_mtp(block, model):
+    """Start from the main model's last layer (attention and scored MoE), hc_head and norm; h_proj the
+    identity, e_proj small: at step 0 the block is one more main layer on the normalized streams."""
+    src = model.model.layers[-1].state_dict()
+    for name, t in block.layer.state_dict().items():
+        if name in src and src[name].shape == t.shape:
+            t.copy_(src[name])
+    block.hc_head.load_state_dict(model.model.hc_head.state_dict())
+    block.norm.load_state_dict(model.model.norm.state_dict())
+    block.enorm.weight.fill_(1.0)
+    block.hnorm.weight.fill_(1.0)
+    block.h_proj.weight.copy_(torch.eye(block.h_proj.weight.shape[0]))
+    block.e_proj.weight.normal_(0.0, 0.02)
+
+
+def mtp_loss(block, model, inputs, labels, seen):
+    """The block at positions p = 0..T-2 (main streams of p, token p+1) against the token at p+2 where
+    the main model's loss mask has it (reply tokens)."""
+    with torch.no_grad():
+        model(input_ids=inputs, use_cache=False)
+    T = inputs.shape[1]
+    pos = torch.arange(T - 1, device=inputs.device).unsqueeze(0).expand(inputs.shape[0], -1)
+    logits = block(model, seen["x"][:, :T - 1].detach(), inputs[:, 1:], pos)
+    target = labels[:, 1:]
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    mask = target != -100
+    hits = ((logits.argmax(-1) == target) & mask).sum()
+    return loss, int(hits), int(mask.sum())
+
+
+def train_mtp(model_dir, device, steps, seconds):
+    """Train the MTP block of the model in model_dir (frozen) and add it to the model's files: min(steps,
+    what fits in seconds after timing steps 10..30) steps."""
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    enc = Encoder(tok)
+    model = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                                  experts_implementation="eager").to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(SEED + 3)
+    block = MTPBlock(model.config).to(device)
+    init_mtp(block, model)
+    block.train()
+    seen = {}
+    main_streams_hook(model, seen)
+    decay = [p for n, p in block.named_parameters() if p.dim() >= 2 and "hc" not in n]
+    other = [p for n, p in block.named_parameters() if not (p.dim() >= 2 and "hc" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": other, "weight_decay": 0.0}],
+                            lr=MTP_LR, betas=BETAS)
+    balancer = BiasBalancer([block.layer])
+    heldout = heldout_questions()
+    held_q = {it["question"] for it in heldout}
+    rng = random.Random(SEED + 4)
+    start = time.time()
+    step = 0
+    while step < steps:
+        lr = MIN_LR + 0.5 * (MTP_LR - MIN_LR) * (1 + math.cos(math.pi * step / steps))
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / MTP_WARMUP)
+        inputs, labels = make_batch(rng, enc, held_q, device)
+        loss, hits, n = mtp_loss(block, model, inputs, labels, seen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(block.parameters(), GRAD_CLIP)
+        opt.step()
+        balancer.step()
+        step += 1
+        if step in (10, 30) and steps > 30:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if step == 10:
+                t10 = time.time()
+            else:
+                per_step = (time.time() - t10) / 20
+                steps = max(step, min(steps, step + int((seconds - (time.time() - start)) / per_step)))
+                print(f"mtp timing: {per_step * 1000:.1f} ms/step -> {steps} steps", flush=True)
+        if step % 100 == 0 or step == steps:
+            print(f"mtp step {step}/{steps} loss {loss.item():.4f} top-1 {hits / max(n, 1):.3f} "
+                  f"{time.time() - start:.0f}s", flush=True)
+    # Held-out: the held-out questions as one-turn conversations, never trained on.
+    block.eval()
+    hits = total = 0
+    with torch.no_grad():
+        for i in range(0, len(heldout), 100):
+            seqs = [enc.conversation([(it["question"], it["answer"])], None) for it in heldout[i:i + 100]]
+            width = max(len(s) for s, _ in seqs)
+            inputs = torch.full((len(seqs), width), enc.ids[EOS], dtype=torch.long)
+            labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+            for j, (ids, mask) in enumerate(seqs):
+                inputs[j, :len(ids)] = torch.tensor(ids)
+                labels[j, :len(ids) - 1] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])[1:]
+            _, h, n = mtp_loss(block, model, inputs.to(device), labels.to(device), seen)
+            hits += h
+            total += n
+    result = {"steps": steps, "batch": BATCH, "heldout_reply_top1": hits / total, "heldout_reply_tokens": total,
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    print(json.dumps(result), flush=True)
+    add_mtp(model_dir, block.cpu())
+    return result
+
+
+def add_mtp(model_dir, block):
+    """Rewrite model_dir's model.safetensors with the main tensors byte for byte and the MTP block's
+    (BF16, F32 where the main model keeps F32), and num_nextn_predict_layers 1 in config.json."""
+    path = os.path.join(model_dir, "model.safetensors")
+    state = {k: v for k, v in load_file(path).items() if ".mtp." not in k}
+    before = {k: v.clone() for k, v in state.items()}
+    for name, t in block.release_state().items():
+        t = t.float() if any(k in name for k in FP32_KEYS + ("hc_head_",)) else t.to(torch.bfloat16)
+        state[name] = t.contiguous()
+    save_file(state, path, metadata={"format": "pt"})
+    after = load_file(path)
+    for k, v in before.items():
+        if after[k].dtype != v.dtype or not torch.equal(after[k].view(torch.uint8), v.view(torch.uint8)):
+            raise SystemExit(f"train_default: main tensor {k} changed while adding the MTP block")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
 
 
@@ -528,16 +664,25 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=None, help="conversations per step (default BATCH)")
     parser.add_argument("--eval-only", metavar="DIR", help="only evaluate the model in DIR")
+    parser.add_argument("--train-mtp", metavar="DIR", help="train the MTP block of the model in DIR and add it there")
+    parser.add_argument("--mtp-steps", type=int, default=MTP_STEPS)
     args = parser.parse_args()
     device = torch.device(args.device)
-    if args.eval_only:
-        evaluate(args.eval_only, device)
-        return
-    if not args.out:
-        parser.error("--out is required")
     if args.batch:
         global BATCH
         BATCH = args.batch
+    if args.eval_only:
+        evaluate(args.eval_only, device)
+        return
+    if args.train_mtp:
+        result = train_mtp(args.train_mtp, device, args.mtp_steps, args.seconds)
+        with open(os.path.join(args.train_mtp, "train-mtp.json"), "w") as f:
+            json.dump({**result, "seed": SEED + 3, "torch": torch.__version__,
+                       "transformers": __import__("transformers").__version__}, f, indent=1)
+            f.write("\n")
+        return
+    if not args.out:
+        parser.error("--out is required")
     random.seed(SEED)
     torch.manual_seed(SEED)
     if device.type == "cuda":
