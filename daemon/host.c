@@ -19,6 +19,9 @@
 
 /* threads = 0 takes the online CPUs, up to this many. */
 #define DSV4_HOST_THREADS_MAX 64
+/* The one device the CUDA backend runs on today (dsv4_backend_cuda_create opens ordinal 0): the routed
+ * experts are not yet split across the listed GPUs (doc/MULTIGPU.md). */
+#define DSV4_HOST_CUDA_DEVICE 0
 
 struct dsv4_host {
     const struct dsv4_settings *cfg;
@@ -67,6 +70,12 @@ static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *o
 
     if (cfg->backend == DSV4_BACKEND_CUDA || cfg->backend == DSV4_BACKEND_AUTO) {
 #ifdef HAVE_CUDA
+        if (opts->n_gpus > 0 && opts->gpus[0] != DSV4_HOST_CUDA_DEVICE)
+            return dsv4_error_set(-ENOTSUP, "gpus: the CUDA backend runs on device %d only (expert parallelism over "
+                                  "several GPUs is not built yet), and the list starts with device %d: list %d "
+                                  "first, or make device %d the first visible one (CUDA_VISIBLE_DEVICES=%d)",
+                                  DSV4_HOST_CUDA_DEVICE, opts->gpus[0], DSV4_HOST_CUDA_DEVICE, opts->gpus[0],
+                                  opts->gpus[0]);
         r = dsv4_backend_cuda_create(h->weights, opts, &h->backend);
         if (r == 0) {
             snprintf(h->backend_name, sizeof(h->backend_name), "cuda");
@@ -95,6 +104,30 @@ static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *o
         return dsv4_error_prefix(r, "CPU backend: ");
     snprintf(h->backend_name, sizeof(h->backend_name), "cpu");
     return 0;
+}
+
+/* What `gpus` got: the CUDA backend runs on one device until the experts are split across several. */
+static void log_gpus(const struct dsv4_host *h, const struct dsv4_backend_opts *opts)
+{
+    char list[DSV4_EP_MAX_GPUS * 5 + 1] = "";
+    size_t len = 0;
+
+    for (int i = 0; i < opts->n_gpus; i++)
+        len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%d", i ? "," : "", opts->gpus[i]);
+    if (strcmp(h->backend_name, "cuda") != 0) {
+        if (opts->n_gpus > 0)
+            dsv4_log_notice("gpus = %s: no effect on the %s backend", list, h->backend_name);
+        return;
+    }
+    if (opts->n_gpus == 1)
+        dsv4_log_info("gpus = %s: the CUDA backend runs on device %d", list, DSV4_HOST_CUDA_DEVICE);
+    else if (opts->n_gpus == 0)
+        dsv4_log_notice("gpus = all: expert parallelism over several GPUs is not built yet; the CUDA backend runs on "
+                        "device %d and leaves any other visible GPU idle", DSV4_HOST_CUDA_DEVICE);
+    else
+        dsv4_log_warning("gpus = %s: expert parallelism over several GPUs is not built yet; the CUDA backend runs on "
+                         "device %d only, devices %s stay idle", list, DSV4_HOST_CUDA_DEVICE,
+                         list + strcspn(list, ",") + 1);
 }
 
 static int boot(struct dsv4_host *h)
@@ -145,12 +178,16 @@ static int boot(struct dsv4_host *h)
         opts.expert_counts = h->expert_counts;
     }
 
+    opts.n_gpus = cfg->n_gpus;
+    memcpy(opts.gpus, cfg->gpus, sizeof(opts.gpus));
+
     set_phase(h, DSV4_HOST_CREATING_BACKEND);
     r = create_backend(h, &opts);
     if (r == 0)
         r = dsv4_fault_wrap_from_env(&h->backend);
     if (r < 0)
         return r;
+    log_gpus(h, &opts);
     struct dsv4_backend_stats bs;
     h->backend->ops->get_stats(h->backend, &bs);
     dsv4_log_info("backend %s (%s), numerics %s, %d threads, %d slots x %d tokens, %.1f MiB reserved%s%s",

@@ -16,7 +16,7 @@
 #include "engine/error.h"
 
 enum opt_type { OPT_PATH, OPT_INT, OPT_SIZE, OPT_SECONDS, OPT_BACKEND, OPT_NUMERICS, OPT_LEVEL,
-                OPT_USERS, OPT_GROUPS, OPT_OFFLOAD };
+                OPT_USERS, OPT_GROUPS, OPT_OFFLOAD, OPT_GPUS };
 
 struct opt {
     const char *key;            /* file spelling; the flag is --key with '_' -> '-' */
@@ -41,6 +41,9 @@ static const struct opt opts[] = {
     { "numerics", OPT_NUMERICS, F(numerics), 0, 0, 0, "exact|fp8|auto", "cache numerics; auto = fp8 for quantized checkpoints" },
     PATHOPT("listen", listen, "PATH", "listen on this Unix socket instead of socket activation"),
     INTOPT("threads", threads, 0, 1024, "CPU backend and sampler threads (0 = the online CPUs)"),
+    { "gpus", OPT_GPUS, F(gpus), 0, 0, 0, "N,...|all",
+      "CUDA devices by ordinal, up to " DSV4_STR(DSV4_EP_MAX_GPUS) " (default all visible); only the first runs "
+      "the model until expert parallelism is built" },
     INTOPT("max_batch", max_batch, 1, 1024, "sequence slots (requests decoded together)"),
     INTOPT("max_context", max_context, 16, 1 << 20, "tokens per slot (prompt + generated)"),
     { "prefix_cache", OPT_SIZE, F(prefix_cache), 0, 0, (int64_t)1 << 40, "BYTES",
@@ -214,6 +217,50 @@ static int parse_id_list(const char *v, bool users, uint32_t *ids, int *count, c
     return 0;
 }
 
+/* "all", or up to DSV4_EP_MAX_GPUS distinct device ordinals separated by commas. */
+static int parse_gpus(struct dsv4_settings *s, const char *v, const char *where)
+{
+    int gpus[DSV4_EP_MAX_GPUS], n = 0;
+    const char *p = v;
+
+    if (!strcmp(v, "all")) {
+        s->n_gpus = 0;
+        memset(s->gpus, 0, sizeof(s->gpus));
+        return 0;
+    }
+    for (;;) {
+        char *end;
+        while (*p == ' ' || *p == '\t')
+            p++;
+        if (!isdigit((unsigned char)*p) && *p != '-')
+            return dsv4_error_set(-EINVAL, "%s: gpus = '%s': expected all or device ordinals like 0,1", where, v);
+        errno = 0;
+        long x = strtol(p, &end, 10);
+        if (errno || end == p)
+            return dsv4_error_set(-EINVAL, "%s: gpus = '%s': expected all or device ordinals like 0,1", where, v);
+        if (x < 0 || x > DSV4_SETTINGS_GPU_ORDINAL_MAX)
+            return dsv4_error_set(-ERANGE, "%s: gpus: device %ld outside [0, %d]", where, x,
+                                  DSV4_SETTINGS_GPU_ORDINAL_MAX);
+        for (int i = 0; i < n; i++)
+            if (gpus[i] == (int)x)
+                return dsv4_error_set(-EINVAL, "%s: gpus: device %ld listed twice", where, x);
+        if (n == DSV4_EP_MAX_GPUS)
+            return dsv4_error_set(-E2BIG, "%s: gpus: more than %d devices", where, DSV4_EP_MAX_GPUS);
+        gpus[n++] = (int)x;
+        p = end;
+        while (*p == ' ' || *p == '\t')
+            p++;
+        if (*p == '\0')
+            break;
+        if (*p++ != ',')
+            return dsv4_error_set(-EINVAL, "%s: gpus = '%s': expected all or device ordinals like 0,1", where, v);
+    }
+    memset(s->gpus, 0, sizeof(s->gpus));
+    memcpy(s->gpus, gpus, (size_t)n * sizeof(int));
+    s->n_gpus = n;
+    return 0;
+}
+
 /* Apply one key = value; key in file spelling (max_batch) or flag spelling (max-batch).
  * where names the origin for messages ("dsv4d.conf:12", "--max-batch"). */
 static int dsv4_settings_set(struct dsv4_settings *s, const char *key, const char *value, const char *where)
@@ -296,6 +343,8 @@ static int dsv4_settings_set(struct dsv4_settings *s, const char *key, const cha
                                   where, value);
         s->log_level = r;
         return 0;
+    case OPT_GPUS:
+        return parse_gpus(s, value, where);
     case OPT_USERS:
         return parse_id_list(value, true, (uint32_t *)s->allow_users, &s->n_allow_users, where);
     case OPT_GROUPS:
@@ -489,6 +538,12 @@ void dsv4_settings_print(const struct dsv4_settings *s, FILE *f)
         case OPT_NUMERICS: fprintf(f, "%s = %s\n", o->key, numerics_name(s->numerics)); break;
         case OPT_OFFLOAD: fprintf(f, "%s = %s\n", o->key, offload_name(s->expert_offload)); break;
         case OPT_LEVEL: fprintf(f, "%s = %s\n", o->key, levels[s->log_level & 7]); break;
+        case OPT_GPUS:
+            if (s->n_gpus == 0)
+                fprintf(f, "%s = all\n", o->key);
+            else
+                print_ids(f, o->key, (const uint32_t *)s->gpus, s->n_gpus);
+            break;
         case OPT_USERS: print_ids(f, o->key, (const uint32_t *)s->allow_users, s->n_allow_users); break;
         case OPT_GROUPS: print_ids(f, o->key, (const uint32_t *)s->allow_groups, s->n_allow_groups); break;
         }

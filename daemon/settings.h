@@ -10,12 +10,14 @@
 #include <stdio.h>
 #include <sys/types.h>
 
+#include "engine/model/ep_plan.h"
 #include "engine/model/placement.h"
 
 #define DSV4_SETTINGS_PATH_MAX 4096
 #define DSV4_SETTINGS_SOCKET_PATH_MAX 108   /* sizeof(sun_path) */
 #define DSV4_SETTINGS_ALLOW_MAX 64          /* entries in allow_users / allow_groups */
 #define DSV4_SETTINGS_LINE_MAX 8192         /* one line of the config file */
+#define DSV4_SETTINGS_GPU_ORDINAL_MAX 255   /* the highest CUDA device ordinal `gpus` may name */
 
 enum dsv4_backend_choice { DSV4_BACKEND_AUTO, DSV4_BACKEND_CPU, DSV4_BACKEND_CUDA };
 enum dsv4_numerics_choice { DSV4_NUMERICS_CHOICE_AUTO, DSV4_NUMERICS_CHOICE_EXACT, DSV4_NUMERICS_CHOICE_FP8 };
@@ -28,6 +30,8 @@ struct dsv4_settings {
     enum dsv4_numerics_choice numerics;
     char listen[DSV4_SETTINGS_SOCKET_PATH_MAX]; /* "" = socket activation only */
     int threads;                /* CPU backend worker and sampler threads; 0 = the online CPUs */
+    int n_gpus;                 /* CUDA devices listed in `gpus`; 0 = all visible */
+    int gpus[DSV4_EP_MAX_GPUS]; /* their ordinals, distinct, in the order given */
 
     /* Engine shape, fixed at boot. */
     int max_batch;

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: MIT
 # doc/: the model and protocol descriptions and the man pages, installed by `make install`.
-dist_doc_DATA = doc/PROTOCOL.md doc/MODEL.md LICENSE
+dist_doc_DATA = doc/PROTOCOL.md doc/MODEL.md doc/MULTIGPU.md LICENSE
 
 # Section 1: user commands.
 dist_man1_MANS = doc/dsv4ctl.1

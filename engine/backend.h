@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "engine/serve/sampler.h"
+#include "engine/model/ep_plan.h"
 #include "engine/model/placement.h"
 #include "engine/model/weights.h"
 
@@ -36,6 +37,10 @@ struct dsv4_backend_opts {
     int expert_host_share;      /* percent; with DSV4_EXPERT_OFFLOAD_ON at least this share of each layer on the host */
     const uint64_t *expert_counts;  /* [n_layers * n_experts] routing statistics choosing the GPU's experts, or NULL */
     int spec_tokens;            /* speculative decoding: drafts per step to prepare for, 0..SPEC_TOKENS_MAX */
+    /* CUDA devices by ordinal, distinct (n_gpus 0: all visible). Experts are not yet split across them:
+     * the CUDA backend runs on one device (doc/MULTIGPU.md). */
+    int n_gpus;
+    int gpus[DSV4_EP_MAX_GPUS];
 };
 
 /* The prefix cache (engine/serve/prefix_cache.h) keeps slot state at block boundaries in a pool of pages

@@ -89,7 +89,7 @@ tests_gpu_test_gpu_attention_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_indexer_SOURCES = tests/gpu/test_gpu_indexer.c $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_indexer_CFLAGS = $(GPU_TEST_CFLAGS)
 tests_gpu_test_gpu_indexer_LDADD = $(GPU_TEST_LIBS)
-tests_gpu_test_gpu_prefix_SOURCES = tests/gpu/test_gpu_prefix.c tests/unit/sched_harness.h $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_prefix_SOURCES = tests/gpu/test_gpu_prefix.c tests/unit/sched_harness.h tests/unit/prefix_util.h $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_prefix_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
 tests_gpu_test_gpu_prefix_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_fault_SOURCES = tests/gpu/test_gpu_fault.c $(GPU_TEST_COMMON)

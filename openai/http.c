@@ -14,6 +14,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "openai/http.h"
+#include "openai/job.h"
+#include "openai/log.h"
 #include "openai/server.h"
 
 /* libmicrohttpd renamed 413 over the years; the number is what goes on the wire. */

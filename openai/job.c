@@ -18,6 +18,8 @@
 #include <time.h>
 
 #include "client/dsv4client.h"
+#include "openai/job.h"
+#include "openai/log.h"
 #include "openai/render.h"
 #include "openai/reply.h"
 #include "openai/server.h"

@@ -8,7 +8,6 @@
 #include <limits.h>
 #include <netdb.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,25 +18,13 @@
 
 #include <systemd/sd-daemon.h>
 
+#include "openai/http.h"
+#include "openai/log.h"
 #include "openai/server.h"
 
 #define DEFAULT_LISTEN "127.0.0.1:8000"
 /* Seconds a stopping server gives running requests to end after they are cancelled. */
 #define STOP_GRACE_S 10u
-
-static bool verbose;
-
-void dsv4_oai_log(int priority, const char *fmt, ...)
-{
-    if (priority == LOG_DEBUG && !verbose)
-        return;
-    char line[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(line, sizeof(line), fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "<%d>%s\n", priority, line);
-}
 
 void dsv4_oai_config_defaults(struct dsv4_oai_config *cfg)
 {
@@ -235,7 +222,7 @@ int main(int argc, char **argv)
             if (parse_uint("--dsv4d-timeout", optarg, 1, INT_MAX, &v) < 0) return 1;
             cfg.dsv4d_timeout_ms = (int)v;
             break;
-        case 'v': verbose = true; break;
+        case 'v': dsv4_oai_log_debug(true); break;
         case 'h': usage(stdout); return 0;
         case OPT_VERSION: printf("dsv4-openai %s\n", PACKAGE_VERSION); return 0;
         default: usage(stderr); return 2;

@@ -4,12 +4,14 @@
  * libdsv4client; a connection waits suspended while its worker has nothing for it, so the HTTP
  * thread never blocks on dsv4d.
  *
- *   server.h   configuration, limits, the shared server state, logging
+ *   server.h   configuration, limits, the shared server state
  *   http.c     libmicrohttpd: routing, body and header limits, deadlines, auth, suspended responses
  *   job.c      a request's work against dsv4d: chat and text completions (streamed as server-sent
  *              events or whole), models, health, metrics; OpenAI's JSON in and out
  *   render.c, reply.c   the V4 chat format and the parsing of the model's reply (tool calls)
- *   main.c     options, socket activation, signals */
+ *   log.c      log lines for journald
+ *   main.c     options, socket activation, signals
+ * Calls go one way: main -> http -> job -> render/reply, each of them -> log. */
 #ifndef DSV4_OPENAI_SERVER_H
 #define DSV4_OPENAI_SERVER_H
 
@@ -74,35 +76,5 @@ struct dsv4_oai_server {
     uint64_t disconnects;             /* generations cancelled because the client left */
     char model_name[256];             /* dsv4d's, once known */
 };
-
-/* http.c */
-int dsv4_oai_http_start(struct dsv4_oai_server *s, int listen_fd);
-/* Stop taking connections, cancel what runs, wait (at most grace_s) and stop. */
-void dsv4_oai_http_stop(struct dsv4_oai_server *s, unsigned grace_s);
-
-/* job.c: a job is created by http.c once the request is complete, runs on its own thread, and hands
- * its response back through the functions below. */
-struct dsv4_oai_job *dsv4_oai_job_new(struct dsv4_oai_server *s, enum dsv4_oai_route route, char *body,
-                                      size_t body_len);
-int dsv4_oai_job_start(struct dsv4_oai_job *j, void *conn, int client_fd);
-void dsv4_oai_job_ref(struct dsv4_oai_job *j);
-void dsv4_oai_job_unref(struct dsv4_oai_job *j);
-/* The HTTP side asks for the response: 0 and *ret_* set when the head is known, -EAGAIN when the
- * connection must wait (it is then suspended and resumed when there is news). */
-int dsv4_oai_job_head(struct dsv4_oai_job *j, void *conn, unsigned *ret_status, bool *ret_stream,
-                      char **ret_body, size_t *ret_len);
-/* Streamed body: bytes copied into buf, 0 and the connection suspended when none yet, -1 at the end. */
-long dsv4_oai_job_read(struct dsv4_oai_job *j, char *buf, size_t max);
-/* The connection is finished with (response sent, or the client left): cancel work still running. */
-void dsv4_oai_job_detach(struct dsv4_oai_job *j, bool client_left);
-/* Cancel every job (shutdown). */
-void dsv4_oai_jobs_cancel_all(struct dsv4_oai_server *s);
-
-/* An OpenAI error object: {"error": {"message", "type", "param", "code"}}; malloc'd JSON text. */
-char *dsv4_oai_error_json(const char *type, const char *param, const char *code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-/* main.c: log lines with sd-daemon priority prefixes on stderr. */
-void dsv4_oai_log(int priority, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 #endif

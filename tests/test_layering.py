@@ -8,7 +8,7 @@
    (model/) and the sampler's limits; inside protocol/, the low-level codec (codes, frame, validate, wire)
    nothing of the messages above it; inside daemon/, conn.c nothing of dispatch.c or server.c, and
    dispatch.c nothing of server.c.
-2. Calls, read from the built objects with nm: within protocol/, engine/, daemon/ and client/, no two
+2. Calls, read from the built objects with nm: within protocol/, engine/, daemon/, client/ and openai/, no two
    files call each other, directly or around a circle (a file's object defines what others use).
 """
 import collections
@@ -19,7 +19,7 @@ import sys
 
 SRC = os.environ.get("top_srcdir", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 BUILD = os.environ.get("top_builddir", ".")
-CALL_GRAPH_DIRS = ("protocol", "engine", "daemon", "client")
+CALL_GRAPH_DIRS = ("protocol", "engine", "daemon", "client", "openai")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 PROJECT = ("base/", "protocol/", "client/", "daemon/", "engine/", "kernels/", "openai/", "tools/", "tests/")
 

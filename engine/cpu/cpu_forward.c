@@ -140,7 +140,7 @@ static void carve(struct arena *a, const struct dsv4_weights *w, int64_t max_con
     wk->rsel = takef(a, cfg->n_experts);
     wk->h1 = takef(a, ffn_width);
     wk->h3 = takef(a, ffn_width);
-    wk->eout = takef(a, D);
+    wk->eout = takef(a, max64(cfg->n_experts_per_tok, 1) * D);
     wk->act = takef(a, dsv4_cpu_max_linear_in(w));
     wk->row = takef(a, dsv4_cpu_max_linear_in(w));
     if (s->has_mtp)

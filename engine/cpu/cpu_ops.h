@@ -50,7 +50,7 @@ struct dsv4_cpu_work {
     float *router;      /* [n_experts] scores */
     float *rsel;        /* [n_experts] selection keys (score + bias) */
     float *h1, *h3;     /* [max expert width] */
-    float *eout;        /* [D] one expert's output */
+    float *eout;        /* [max(topk, 1), D] the routed experts' outputs by slot; row 0 also other [D] results */
     float *act;         /* [max linear in] quantized activation / dequantized row */
     float *row;         /* [max linear in] dequantized row for unaligned views */
     float *draft_logits;    /* [vocab] the MTP block's logits of one draft (a checkpoint with MTP) */
@@ -146,8 +146,22 @@ void dsv4_cpu_attention(const struct dsv4_cpu_ctx *c, const struct dsv4_layer *l
 
 /* --- cpu_moe.c ------------------------------------------------------------------------------ */
 
-/* The MoE sublayer (routed experts + shared expert) for normed input xn of `token`; out [D]. */
+/* The MoE sublayer (routed experts + shared expert) for normed input xn of `token`; out [D]:
+ * route, experts over [0, E), combine over [0, E), shared. */
 void dsv4_cpu_moe(const struct dsv4_cpu_ctx *c, const struct dsv4_ffn *ffn, const float *xn,
                   int32_t token, float *out);
+/* The router: the token's top-k experts idx[K] and their weights wt[K] (counted in c->route_counts). */
+void dsv4_cpu_moe_route(const struct dsv4_cpu_ctx *c, const struct dsv4_ffn *ffn, const float *xn, int32_t token,
+                        int *idx, float *wt);
+/* rows [K, D]: row k = expert idx[k](xn), unweighted, for the slots whose expert lies in [e0, e1) (the
+ * experts one GPU holds); the other rows are left as they are. */
+void dsv4_cpu_moe_experts(const struct dsv4_cpu_ctx *c, const struct dsv4_ffn *ffn, const float *xn,
+                          const int *idx, int e0, int e1, float *rows);
+/* out [D] = sum of wt[k] * rows[k] over the slots whose expert lies in [e0, e1), in ascending expert
+ * order (then slot order), starting from zero. Over [0, E) this is the routed part of the sublayer. */
+void dsv4_cpu_moe_combine(const struct dsv4_config *cfg, const int *idx, const float *wt, const float *rows,
+                          int e0, int e1, float *out);
+/* out [D] += the shared expert of xn. */
+void dsv4_cpu_moe_shared(const struct dsv4_cpu_ctx *c, const struct dsv4_ffn *ffn, const float *xn, float *out);
 
 #endif

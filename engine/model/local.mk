@@ -5,7 +5,8 @@ libdsv4engine_la_SOURCES += \
 	engine/model/safetensors.c engine/model/safetensors.h \
 	engine/model/quant.c engine/model/quant.h \
 	engine/model/weights.c engine/model/weights.h engine/model/linear.c \
-	engine/model/placement.c engine/model/placement.h
+	engine/model/placement.c engine/model/placement.h \
+	engine/model/ep_plan.c engine/model/ep_plan.h
 
 check_PROGRAMS += tests/unit/test_weights
 TESTS += tests/unit/test_weights
@@ -36,3 +37,9 @@ TESTS += tests/unit/test_placement
 tests_unit_test_placement_SOURCES = tests/unit/test_placement.c tests/unit/seed_util.h
 tests_unit_test_placement_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_placement_LDADD = $(TEST_ENGINE_LIBS)
+
+check_PROGRAMS += tests/unit/test_ep_plan
+TESTS += tests/unit/test_ep_plan
+tests_unit_test_ep_plan_SOURCES = tests/unit/test_ep_plan.c
+tests_unit_test_ep_plan_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_ep_plan_LDADD = $(TEST_ENGINE_LIBS)

@@ -41,6 +41,6 @@ tests_unit_test_sched_spec_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
 # The prefix cache over the CPU backend: cached requests against cold ones, bit for bit.
 check_PROGRAMS += tests/unit/test_prefix_cpu
 TESTS += tests/unit/test_prefix_cpu
-tests_unit_test_prefix_cpu_SOURCES = tests/unit/test_prefix_cpu.c tests/unit/sched_harness.h
+tests_unit_test_prefix_cpu_SOURCES = tests/unit/test_prefix_cpu.c tests/unit/sched_harness.h tests/unit/prefix_util.h
 tests_unit_test_prefix_cpu_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_prefix_cpu_LDADD = $(TEST_ENGINE_LIBS)

@@ -22,6 +22,7 @@
 #include "engine/serve/scheduler.h"
 #include "engine/model/weights.h"
 #include "tests/gpu/gpu_test.h"
+#include "tests/unit/prefix_util.h"
 #include "tests/unit/sched_harness.h"
 
 #define POOL_BYTES (256 << 20)
@@ -41,34 +42,6 @@ static struct dsv4_weights *load(const char *name)
     return w;
 }
 
-static void tokens(int32_t *t, int n, int vocab, int salt)
-{
-    for (int i = 0; i < n; i++)
-        t[i] = (int32_t)((i * 37 + salt * 101 + (i * i) % 13 + 5) % vocab);
-}
-
-static int argmax(const float *v, int n)
-{
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (v[i] > v[best])
-            best = i;
-    return best;
-}
-
-/* Prefill rows [from, n) of t into slot (all logits), then `dec` greedy decode steps. */
-static void run_rest(struct dsv4_backend *b, int slot, const int32_t *t, int from, int n, int dec, float *out)
-{
-    const int V = b->weights->cfg.vocab_size;
-    DSV4_OK(b->ops->prefill(b, slot, t + from, n - from, out, true));
-    float *row = out + (size_t)(n - from - 1) * V;
-    for (int i = 0; i < dec; i++) {
-        int32_t next = argmax(row, V);
-        DSV4_OK(b->ops->decode(b, 1, &slot, &next, row + V));
-        row += V;
-    }
-}
-
 static void backend_case(const char *name, enum dsv4_numerics num)
 {
     struct dsv4_weights *w = load(name);
@@ -79,13 +52,13 @@ static void backend_case(const char *name, enum dsv4_numerics num)
     float *cold = malloc(sizeof(float) * (size_t)(n + dec) * (size_t)V);
     float *warm = malloc(sizeof(float) * (size_t)(n + dec) * (size_t)V);
     assert_true(t && cold && warm);
-    tokens(t, n, V, 1);
+    prefix_tokens(t, n, V, 1);
 
     struct dsv4_backend_opts bo = { .max_batch = MAX_BATCH, .max_context = ctx, .numerics = num };
     struct dsv4_backend *plain, *b;
     DSV4_OK(dsv4_backend_cuda_create(w, &bo, &plain));
     assert_int_equal(plain->prefix.n_pages, 0);
-    run_rest(plain, 0, t, 0, n, dec, cold);
+    prefix_run_rest(plain, 0, t, 0, n, dec, cold);
     dsv4_backend_destroy(plain);
 
     bo.prefix_pool_bytes = POOL_BYTES;
@@ -110,7 +83,7 @@ static void backend_case(const char *name, enum dsv4_numerics num)
     }
     assert_int_equal(b->ops->prefix_save(b, 1, blk, bnd[0]), -EINVAL);
 
-    run_rest(b, 0, t, blocks * B, n, dec, warm);
+    prefix_run_rest(b, 0, t, blocks * B, n, dec, warm);
     assert_memory_equal(warm, cold + (size_t)blocks * B * V, sizeof(float) * (size_t)(n - blocks * B + dec) * V);
 
     for (int k = 1; k <= blocks; k++) {
@@ -118,7 +91,7 @@ static void backend_case(const char *name, enum dsv4_numerics num)
         DSV4_OK(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t));
         assert_int_equal(b->ops->slot_position(b, 1), k * B);
         assert_int_equal(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t), -EBUSY);
-        run_rest(b, 1, t, k * B, n, dec, warm);
+        prefix_run_rest(b, 1, t, k * B, n, dec, warm);
         const size_t rows = (size_t)(n - k * B + dec);
         if (memcmp(warm, cold + (size_t)k * B * V, sizeof(float) * rows * V) != 0)
             fail_msg("%s (%s numerics): restored after %d blocks of %d, the logits differ from cold", name,

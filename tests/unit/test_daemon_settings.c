@@ -53,7 +53,8 @@ static void test_file_forms(void **state)
                             "expert_offload = on\n"
                             "expert_host_share = 30\n"
                             "expert_placement = /var/lib/dsv4d/routing.json\n"
-                            "routing_stats = /var/lib/dsv4d/routing.json\n");
+                            "routing_stats = /var/lib/dsv4d/routing.json\n"
+                            "gpus = 2, 0,1\n");
     dsv4_settings_defaults(&s);
     assert_int_equal(dsv4_settings_load_file(&s, path, true), 0);
     assert_string_equal(s.model, "/srv/models/flash");
@@ -72,6 +73,10 @@ static void test_file_forms(void **state)
     assert_int_equal(s.expert_host_share, 30);
     assert_string_equal(s.expert_placement, "/var/lib/dsv4d/routing.json");
     assert_string_equal(s.routing_stats, "/var/lib/dsv4d/routing.json");
+    assert_int_equal(s.n_gpus, 3);
+    assert_int_equal(s.gpus[0], 2);
+    assert_int_equal(s.gpus[1], 0);
+    assert_int_equal(s.gpus[2], 1);
     assert_string_equal(s.config_path, path);
     unlink(path);
 }
@@ -120,9 +125,9 @@ static void test_print_reads_back(void **state)
     for (int round = 0; round < 50; round++) {
         struct dsv4_settings a, b;
         enum dsv4_settings_action action;
-        char values[N + 3][32];
+        char values[N + 4][DSV4_EP_MAX_GPUS * 4 + 1];
         int want[N];
-        const char *argv[2 * N + 9];
+        const char *argv[2 * N + 11];
         int argc = 0;
 
         argv[argc++] = "dsv4d";
@@ -142,9 +147,28 @@ static void test_print_reads_back(void **state)
         argv[argc++] = values[N + 1];
         argv[argc++] = "--allow-users";
         argv[argc++] = values[N + 2];
+        /* a random set of distinct devices in random order, or all */
+        int n_gpus = rand() % (DSV4_EP_MAX_GPUS + 1), gpus[DSV4_EP_MAX_GPUS], pos = 0;
+        for (int i = 0; i < n_gpus; i++) {
+            bool dup;
+            do {
+                gpus[i] = rand() % (DSV4_SETTINGS_GPU_ORDINAL_MAX + 1);
+                dup = false;
+                for (int j = 0; j < i; j++)
+                    dup |= gpus[j] == gpus[i];
+            } while (dup);
+            pos += snprintf(values[N + 3] + pos, sizeof(values[N + 3]) - (size_t)pos, "%s%d", i ? "," : "", gpus[i]);
+        }
+        if (n_gpus == 0)
+            strcpy(values[N + 3], "all");
+        argv[argc++] = "--gpus";
+        argv[argc++] = values[N + 3];
         argv[argc++] = "--model";
         argv[argc++] = "/some/model dir";
         assert_int_equal(from_args(&a, argc, argv, &action), 0);
+        assert_int_equal(a.n_gpus, n_gpus);
+        for (int i = 0; i < n_gpus; i++)
+            assert_int_equal(a.gpus[i], gpus[i]);
         for (int k = 0; k < N; k++)
             assert_int_equal(*(const int *)((const char *)&a + keys[k].offset), want[k]);
         assert_int_equal(a.max_frame, (uint64_t)frame);
@@ -195,6 +219,15 @@ static void test_bad_lines(void **state)
         { "allow_users = no-such-user-here\n", -ENOENT, "no such user 'no-such-user-here'" },
         { "allow_groups = no-such-group-here\n", -ENOENT, "no such group 'no-such-group-here'" },
         { "allow_users = 4294967295\n", -ERANGE, "out of range" },
+        { "gpus = 0,1,0\n", -EINVAL, "gpus: device 0 listed twice" },
+        { "gpus = -1\n", -ERANGE, "gpus: device -1 outside [0, 255]" },
+        { "gpus = 0,256\n", -ERANGE, "gpus: device 256 outside [0, 255]" },
+        { "gpus = 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16\n", -E2BIG, "gpus: more than 16 devices" },
+        { "gpus = 0,,1\n", -EINVAL, "gpus = '0,,1': expected all or device ordinals" },
+        { "gpus = 0,1,\n", -EINVAL, "expected all or device ordinals" },
+        { "gpus = 1x\n", -EINVAL, "expected all or device ordinals" },
+        { "gpus = \n", -EINVAL, "expected all or device ordinals" },
+        { "gpus = any\n", -EINVAL, "expected all or device ordinals" },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         struct dsv4_settings s;

@@ -27,6 +27,7 @@
 #include "engine/error.h"
 #include "engine/serve/scheduler.h"
 #include "engine/model/weights.h"
+#include "tests/unit/prefix_util.h"
 #include "tests/unit/sched_harness.h"
 
 #define POOL_BYTES (64 << 20)   /* untouched pages cost nothing: calloc'd */
@@ -52,36 +53,7 @@ static struct dsv4_weights *load(const char *name)
     return w;
 }
 
-static void tokens(int32_t *t, int n, int vocab, int salt)
-{
-    for (int i = 0; i < n; i++)
-        t[i] = (int32_t)((i * 37 + salt * 101 + (i * i) % 13 + 5) % vocab);
-}
-
-static int argmax(const float *v, int n)
-{
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (v[i] > v[best])
-            best = i;
-    return best;
-}
-
 /* ---- backend ---- */
-
-/* Prefill rows [from, n) of t into slot (all logits), then `dec` greedy decode steps; logits of
- * every row into out [n - from + dec, V]. */
-static void run_rest(struct dsv4_backend *b, int slot, const int32_t *t, int from, int n, int dec, float *out)
-{
-    const int V = b->weights->cfg.vocab_size;
-    assert_int_equal(b->ops->prefill(b, slot, t + from, n - from, out, true), 0);
-    float *row = out + (size_t)(n - from - 1) * V;
-    for (int i = 0; i < dec; i++) {
-        int32_t next = argmax(row, V);
-        assert_int_equal(b->ops->decode(b, 1, &slot, &next, row + V), 0);
-        row += V;
-    }
-}
 
 static void backend_case(const char *name, enum dsv4_numerics num)
 {
@@ -95,13 +67,13 @@ static void backend_case(const char *name, enum dsv4_numerics num)
     assert_non_null(t);
     assert_non_null(cold);
     assert_non_null(warm);
-    tokens(t, n, V, 1);
+    prefix_tokens(t, n, V, 1);
 
     struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = ctx, .numerics = num, .threads = 1 };
     struct dsv4_backend *plain, *b;
     assert_int_equal(dsv4_backend_cpu_create(w, &bo, &plain), 0);
     assert_int_equal(plain->prefix.n_pages, 0);
-    run_rest(plain, 0, t, 0, n, dec, cold);
+    prefix_run_rest(plain, 0, t, 0, n, dec, cold);
     dsv4_backend_destroy(plain);
 
     bo.prefix_pool_bytes = POOL_BYTES;
@@ -124,7 +96,7 @@ static void backend_case(const char *name, enum dsv4_numerics num)
     assert_int_equal(b->ops->prefix_save(b, 1, blk, bnd[0]), -EINVAL);    /* slot 1 is at 0 */
 
     /* the source continues as if nothing was copied */
-    run_rest(b, 0, t, blocks * B, n, dec, warm);
+    prefix_run_rest(b, 0, t, blocks * B, n, dec, warm);
     assert_memory_equal(warm, cold + (size_t)blocks * B * V, sizeof(float) * (size_t)(n - blocks * B + dec) * V);
 
     for (int k = 1; k <= blocks; k++) {
@@ -132,7 +104,7 @@ static void backend_case(const char *name, enum dsv4_numerics num)
         assert_int_equal(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t), 0);
         assert_int_equal(b->ops->slot_position(b, 1), k * B);
         assert_int_equal(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t), -EBUSY);
-        run_rest(b, 1, t, k * B, n, dec, warm);
+        prefix_run_rest(b, 1, t, k * B, n, dec, warm);
         const size_t rows = (size_t)(n - k * B + dec);
         if (memcmp(warm, cold + (size_t)k * B * V, sizeof(float) * rows * V) != 0)
             fail_msg("%s (%s numerics): restored after %d blocks of %d, the logits differ from cold", name,
@@ -332,9 +304,9 @@ static void test_hit_on_running_source(void **state)
     assert_int_equal(p.B, B);
     int32_t a_prompt[3 * B + 5], b_prompt[4 * B];
     const int na = 3 * B + 5, nb = 4 * B;
-    tokens(a_prompt, na, p.V, 3);
+    prefix_tokens(a_prompt, na, p.V, 3);
     memcpy(b_prompt, a_prompt, sizeof(int32_t) * 3 * B);
-    tokens(b_prompt + 3 * B, B, p.V, 4);
+    prefix_tokens(b_prompt + 3 * B, B, p.V, 4);
 
     struct answer cold[2], warm[2];
     submit(&p.cold, a_prompt, na, &sp[1], &cold[0]);
@@ -373,7 +345,7 @@ static void test_hit_on_running_source(void **state)
     assert_int_equal(warm[0].n, 2 * B);
     memcpy(c_prompt, a_prompt, sizeof(int32_t) * (size_t)na);
     memcpy(c_prompt + na, warm[0].tokens, sizeof(int32_t) * 2 * B);
-    tokens(c_prompt + na + 2 * B, 7, p.V, 5);
+    prefix_tokens(c_prompt + na + 2 * B, 7, p.V, 5);
     struct answer c;
     both(&p, c_prompt, nc, &sp[1], &c, "the next turn of the source's conversation");
     /* fed to A's slot: prompt + all but its last token = na + 2B - 1 = 84: 5 blocks */
@@ -406,7 +378,7 @@ static void test_eviction(void **state)
     assert_int_equal(B, 16);
     assert_true(n <= 3 * 16 + 2);
     for (int i = 0; i < 6; i++)
-        tokens(prompts[i], n, p.V, 10 + i);
+        prefix_tokens(prompts[i], n, p.V, 10 + i);
     uint64_t hits = 0, hit_tokens = 0;
     for (int round = 0; round < 3; round++)
         for (int i = 0; i < 6; i++) {
