@@ -143,7 +143,11 @@ struct dsv4_backend_ops {
      *   between its verify and its accept.
      * accept: keep the first keep rows (1..rows) of slot's verify and take the others back: the slot
      *   is then bitwise what appending only the kept rows would have left (window ring, compressor
-     *   partial state, compressed entries, indexer keys, the MTP block), at position P + keep. */
+     *   partial state, compressed entries, indexer keys, the MTP block), at position P + keep.
+     * How a backend takes rows back is its own: the CPU backend records every byte the rows overwrite
+     * and writes it back (engine/cpu/cpu_undo.c); a GPU backend can instead keep its window rings
+     * window + S rows long (what rejected rows write then overwrites nothing a kept row needs), copy
+     * the compressors' partial state and the MTP ring rows before the verify, and reset positions. */
     int (*draft)(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, const int *k,
                  int32_t *drafts, int *ret_k);
     int (*verify)(struct dsv4_backend *b, int n, const int *slots, const int *rows, const int32_t *tokens,
