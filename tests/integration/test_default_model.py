@@ -12,7 +12,11 @@ models/default-fp8 (the same weights in DeepSeek's release format: FP8 linears, 
 made by tools/convert_release.py) under the official fp8 numerics (FP8 activations and KV cache,
 FP4 indexer keys), on 33 of the 60 questions (FP8_SUBSET): the two headline answers exactly;
 accuracy >= FP8_FLOOR. No Python oracle computes these numerics, so agreement with eval.json is
-reported, not asserted. Where torch is installed, models/default-fp8 must also be byte for byte what
+reported, not asserted.
+
+Speculative decoding (both models carry a trained MTP block): the BF16 model again at spec_tokens 1, 2
+and 3, and the fp8 model at 3, each reply identical to the same model's without speculation, and drafts
+made and some accepted (dsv4ctl stats' spec_* counters). Where torch is installed, models/default-fp8 must also be byte for byte what
 tools/convert_release.py makes of models/default.
 
 Floors, measured with these lists (and on all 402 questions of eval.json: the models' READMEs):
@@ -144,10 +148,10 @@ def ask_all(client, questions):
     return [done[i] for i in range(len(questions))]
 
 
-def run_model(t, label, model, numerics, questions, floor, want_kernel):
+def run_model(t, label, model, numerics, questions, floor, want_kernel, spec=0):
     """Serve `model`, ask `questions`, check; returns the replies (None where a request failed)."""
-    d = Daemon(args=["--max-batch", "8", "--max-context", "256", "--numerics", numerics], model=model,
-               tokenizer=False)
+    d = Daemon(args=["--max-batch", "8", "--max-context", "256", "--numerics", numerics, "--spec-tokens", str(spec)],
+               model=model, tokenizer=False)
     try:
         if not t.ok(d.start(), "%s: dsv4d is ready on the cpu backend" % label, d.log_text()):
             return None
@@ -159,6 +163,14 @@ def run_model(t, label, model, numerics, questions, floor, want_kernel):
         kernels = " ".join(st.get("kernels", [])) if st else ""
         t.ok(err is None and want_kernel in kernels, "%s: the daemon computes with %s" % (label, want_kernel),
              (err, kernels))
+        if spec:
+            hist = st.get("spec_accept_hist", []) if st else []
+            t.ok(st and st.get("spec_tokens") == spec and st["spec_drafted"] > 0 and st["spec_accepted"] > 0
+                 and len(hist) == spec + 1 and sum(hist) == st["spec_verifies"],
+                 "%s: drafts were made and accepted" % label, st)
+            if st:
+                print("# %s: %d verifies, %d of %d drafts accepted, accepted 0..%d: %s" %
+                      (label, st["spec_verifies"], st["spec_accepted"], st["spec_drafted"], spec, hist), flush=True)
         n = len(questions)
         failed = [(q, e, r and r.get("finish_reason")) for (_, q, _), (e, r) in zip(questions, answers)
                   if e is not None or r.get("finish_reason") != "stop"]
@@ -209,10 +221,18 @@ if bf16 is not None:
           (len(QUESTIONS) - len(diff), len(QUESTIONS)), flush=True)
     t.ok(not diff, "default (BF16, exact): every reply equals transformers' greedy reply", "\n".join(diff))
 
-fp8 = run_model(t, "default-fp8 (FP8/FP4, fp8)", FP8_MODEL, "fp8", [QUESTIONS[i] for i in FP8_SUBSET], FP8_FLOOR,
-                "fp8 numerics")
+    for k in range(1, 4):
+        label = "default (BF16, exact), spec_tokens %d" % k
+        spec = run_model(t, label, BF16_MODEL, "exact", QUESTIONS, BF16_FLOOR, "exact numerics", spec=k)
+        t.eq(spec, bf16, "%s: every reply identical to spec_tokens 0" % label)
+
+fp8_questions = [QUESTIONS[i] for i in FP8_SUBSET]
+fp8 = run_model(t, "default-fp8 (FP8/FP4, fp8)", FP8_MODEL, "fp8", fp8_questions, FP8_FLOOR, "fp8 numerics")
 if fp8 is not None:
     same = sum(got == py[i] for i, got in zip(FP8_SUBSET, fp8))
     print("# default-fp8 (FP8/FP4, fp8): %d / %d replies equal the BF16 model's in transformers (reported, "
           "not asserted)" % (same, len(FP8_SUBSET)), flush=True)
+    label = "default-fp8 (FP8/FP4, fp8), spec_tokens 3"
+    spec = run_model(t, label, FP8_MODEL, "fp8", fp8_questions, FP8_FLOOR, "fp8 numerics", spec=3)
+    t.eq(spec, fp8, "%s: every reply identical to spec_tokens 0" % label)
 t.done()
