@@ -19,8 +19,8 @@
 
 /* threads = 0 takes the online CPUs, up to this many. */
 #define DSV4_HOST_THREADS_MAX 64
-/* The one device the CUDA backend runs on today (dsv4_backend_cuda_create opens ordinal 0): the routed
- * experts are not yet split across the listed GPUs (doc/MULTIGPU.md). */
+/* The one device the CUDA backend runs on today: the first listed in gpus, else this one (the routed
+ * experts are not yet split across the listed GPUs, doc/MULTIGPU.md). */
 #define DSV4_HOST_CUDA_DEVICE 0
 
 struct dsv4_host {
@@ -70,12 +70,6 @@ static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *o
 
     if (cfg->backend == DSV4_BACKEND_CUDA || cfg->backend == DSV4_BACKEND_AUTO) {
 #ifdef HAVE_CUDA
-        if (opts->n_gpus > 0 && opts->gpus[0] != DSV4_HOST_CUDA_DEVICE)
-            return dsv4_error_set(-ENOTSUP, "gpus: the CUDA backend runs on device %d only (expert parallelism over "
-                                  "several GPUs is not built yet), and the list starts with device %d: list %d "
-                                  "first, or make device %d the first visible one (CUDA_VISIBLE_DEVICES=%d)",
-                                  DSV4_HOST_CUDA_DEVICE, opts->gpus[0], DSV4_HOST_CUDA_DEVICE, opts->gpus[0],
-                                  opts->gpus[0]);
         r = dsv4_backend_cuda_create(h->weights, opts, &h->backend);
         if (r == 0) {
             snprintf(h->backend_name, sizeof(h->backend_name), "cuda");
@@ -120,14 +114,13 @@ static void log_gpus(const struct dsv4_host *h, const struct dsv4_backend_opts *
         return;
     }
     if (opts->n_gpus == 1)
-        dsv4_log_info("gpus = %s: the CUDA backend runs on device %d", list, DSV4_HOST_CUDA_DEVICE);
+        dsv4_log_info("gpus = %s: the CUDA backend runs on device %d", list, opts->gpus[0]);
     else if (opts->n_gpus == 0)
         dsv4_log_notice("gpus = all: expert parallelism over several GPUs is not built yet; the CUDA backend runs on "
                         "device %d and leaves any other visible GPU idle", DSV4_HOST_CUDA_DEVICE);
     else
         dsv4_log_warning("gpus = %s: expert parallelism over several GPUs is not built yet; the CUDA backend runs on "
-                         "device %d only, devices %s stay idle", list, DSV4_HOST_CUDA_DEVICE,
-                         list + strcspn(list, ",") + 1);
+                         "device %d only, devices %s stay idle", list, opts->gpus[0], list + strcspn(list, ",") + 1);
 }
 
 static int boot(struct dsv4_host *h)

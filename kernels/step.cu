@@ -1079,7 +1079,9 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->branches = sw->branches;
     STEP(dsv4_cuda_attention_prepare(c->head_dim));
     STEP(dsv4_cuda_gemm_prepare());
-    STEP(dsv4_cuda_dev_create(0, w, opts, sw->log ? log_stderr : NULL, NULL, &cb->dev));
+    /* the first listed GPU (gpus =), else device 0: one device until the experts are split */
+    STEP(dsv4_cuda_dev_create(opts->n_gpus > 0 ? opts->gpus[0] : 0, w, opts, sw->log ? log_stderr : NULL, NULL,
+                              &cb->dev));
     cb->L = static_cast<struct step_layer *>(calloc(c->n_layers, sizeof(*cb->L)));
     cb->pos = static_cast<int64_t *>(calloc(cb->slots, sizeof(*cb->pos)));
     cb->h_in = static_cast<int32_t *>(calloc(STEP_IN_FIELDS * (size_t)cb->rows, sizeof(*cb->h_in)));
