@@ -11,7 +11,10 @@
  *   and again on a second run (a seed reproduces exactly);
  * distribution: over many seeds the first three sampled tokens follow the model's distribution (computed
  *   here from the logits), while drafts that are right about half the time are accepted and rejected:
- *   a chi-square test at significance 0.001. */
+ *   a chi-square test at significance 0.001;
+ * failures: a draft that fails costs speed only (same tokens, no drafts counted); a verify or accept
+ *   that fails ends the requests of that call with an error and the next request in the slot is
+ *   right again; a fatal one (-ENOTRECOVERABLE) ends everything and the step returns it. */
 #include "build-config.h"
 
 #include <errno.h>
@@ -500,6 +503,133 @@ static void test_distribution(void **state)
     env_close(&e);
 }
 
+/* ---- failures ---- */
+
+struct injection {
+    int draft_rc, verify_rc, accept_rc;     /* what the failing call returns (0: none fails) */
+    int verify_fail_at, accept_fail_at;     /* 1-based call that fails */
+    int verifies, accepts;
+};
+static struct injection inject;
+
+static int failing_draft(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, const int *k,
+                         int32_t *drafts, int *ret_k)
+{
+    if (inject.draft_rc)
+        return dsv4_error_set(inject.draft_rc, "injected draft failure");
+    return oracle.inner->draft(b, n, slots, tokens, k, drafts, ret_k);
+}
+
+static int failing_verify(struct dsv4_backend *b, int n, const int *slots, const int *rows, const int32_t *tokens,
+                          float *logits)
+{
+    if (++inject.verifies == inject.verify_fail_at)
+        return dsv4_error_set(inject.verify_rc, "injected verify failure");
+    return oracle.inner->verify(b, n, slots, rows, tokens, logits);
+}
+
+static int failing_accept(struct dsv4_backend *b, int slot, int keep)
+{
+    if (++inject.accepts == inject.accept_fail_at)
+        return dsv4_error_set(inject.accept_rc, "injected accept failure");
+    return oracle.inner->accept(b, slot, keep);
+}
+
+/* Events into answers like collect(), but a request may fail: its answer's finish says so. */
+static void collect_any(struct dsv4_sched *s)
+{
+    struct dsv4_sched_event ev;
+    while (dsv4_sched_next_event(s, &ev) == 1) {
+        struct answer *a = ev.user;
+        if (ev.type == DSV4_SCHED_EVENT_TOKEN) {
+            a->tokens[a->n++] = ev.sample.token;
+            continue;
+        }
+        a->finished = true;
+        a->finish = ev.result->finish;
+        assert_int_equal(dsv4_sched_release(s, ev.id), 0);
+    }
+}
+
+static int run_any(struct env *e, struct answer *a, int n)
+{
+    for (int guard = 0; guard < 10000; guard++) {
+        int done = 0;
+        for (int i = 0; i < n; i++)
+            done += a[i].finished;
+        if (done == n)
+            return 0;
+        int r = dsv4_sched_step(e->s);
+        collect_any(e->s);
+        if (r < 0)
+            return r;
+    }
+    fail_msg("requests did not finish");
+    return -ETIMEDOUT;
+}
+
+static void test_failures(void **state)
+{
+    (void)state;
+    static struct fcase cases[MAX_CASES];
+    static struct answer a[2], again;
+    int nc = load_cases("tiny_a", cases);
+    assert_true(nc >= 4);
+    const struct fcase *c0 = &cases[0], *c1 = &cases[3];    /* two prompts */
+    struct dsv4_sampling greedy;
+    dsv4_sampling_defaults(&greedy);
+    greedy.temperature = 0.0f;
+    for (int mode = 0; mode < 4; mode++) {
+        memset(&inject, 0, sizeof(inject));
+        struct env e;
+        env_open(&e, "tiny_a_mtp", 2, 512, 2, false, false);
+        oracle.inner = e.b->ops;
+        oracle.ops = *e.b->ops;
+        oracle.ops.draft = failing_draft;
+        oracle.ops.verify = failing_verify;
+        oracle.ops.accept = failing_accept;
+        e.b->ops = &oracle.ops;
+        if (mode == 0)
+            inject.draft_rc = -EIO;
+        else if (mode == 1)
+            inject = (struct injection){ .verify_rc = -EIO, .verify_fail_at = 3 };
+        else if (mode == 2)
+            inject = (struct injection){ .accept_rc = -EIO, .accept_fail_at = 4 };
+        else
+            inject = (struct injection){ .verify_rc = -ENOTRECOVERABLE, .verify_fail_at = 3 };
+        submit(&e, c0->seq, c0->n_prompt, c0->n_greedy, &greedy, &a[0]);
+        submit(&e, c1->seq, c1->n_prompt, c1->n_greedy, &greedy, &a[1]);
+        int r = run_any(&e, a, 2);
+        struct dsv4_sched_stats st;
+        dsv4_sched_get_stats(e.s, &st);
+        if (mode == 0) {
+            assert_int_equal(r, 0);
+            check_answer(&a[0], c0, c0->n_greedy);
+            check_answer(&a[1], c1, c1->n_greedy);
+            assert_int_equal(st.spec_steps, 0);
+        } else if (mode == 3) {
+            assert_int_equal(r, -ENOTRECOVERABLE);
+            assert_int_equal(a[0].finish, DSV4_FINISH_ERROR);
+            assert_int_equal(a[1].finish, DSV4_FINISH_ERROR);
+            assert_int_equal(dsv4_sched_step(e.s), -ENOTRECOVERABLE);
+        } else {
+            /* the failed call's requests end with an error (both share the verify; one accept fails) */
+            assert_int_equal(r, 0);
+            int errors = (a[0].finish == DSV4_FINISH_ERROR) + (a[1].finish == DSV4_FINISH_ERROR);
+            assert_int_equal(errors, mode == 1 ? 2 : 1);
+            for (int i = 0; i < 2; i++)
+                if (a[i].finish != DSV4_FINISH_ERROR)
+                    check_answer(&a[i], i ? c1 : c0, (i ? c1 : c0)->n_greedy);
+            /* the slots are whole again: a new request gets the greedy tokens */
+            submit(&e, c0->seq, c0->n_prompt, c0->n_greedy, &greedy, &again);
+            assert_int_equal(run_any(&e, &again, 1), 0);
+            check_answer(&again, c0, c0->n_greedy);
+        }
+        e.b->ops = oracle.inner;
+        env_close(&e);
+    }
+}
+
 /* A backend without the ops (or a checkpoint without MTP) decodes one token per step. */
 static void test_no_mtp(void **state)
 {
@@ -529,6 +659,7 @@ int main(void)
         cmocka_unit_test(test_greedy_identical),
         cmocka_unit_test(test_seeded_identical),
         cmocka_unit_test(test_distribution),
+        cmocka_unit_test(test_failures),
         cmocka_unit_test(test_no_mtp),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
