@@ -38,6 +38,29 @@ static int f_decode(struct dsv4_backend *b, int n, const int *slots, const int32
     return f->inner->ops->decode(f->inner, n, slots, tokens, logits);
 }
 
+/* Speculative decoding: a verify is the decode of its step and counts as one. */
+static int f_draft(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, const int *k, int32_t *drafts,
+                   int *ret_k)
+{
+    struct fault_impl *f = b->impl;
+    return f->faulted ? fault(f) : f->inner->ops->draft(f->inner, n, slots, tokens, k, drafts, ret_k);
+}
+
+static int f_verify(struct dsv4_backend *b, int n, const int *slots, const int *rows, const int32_t *tokens,
+                    float *logits)
+{
+    struct fault_impl *f = b->impl;
+    if (f->faulted || f->decodes_left-- <= 0)
+        return fault(f);
+    return f->inner->ops->verify(f->inner, n, slots, rows, tokens, logits);
+}
+
+static int f_accept(struct dsv4_backend *b, int slot, int keep)
+{
+    struct fault_impl *f = b->impl;
+    return f->faulted ? fault(f) : f->inner->ops->accept(f->inner, slot, keep);
+}
+
 static int f_sample(struct dsv4_backend *b, int n, const struct dsv4_backend_sample_req *req, struct dsv4_sample *out,
                     int *rc, char *msgs)
 {
@@ -123,6 +146,9 @@ int dsv4_fault_wrap_from_env(struct dsv4_backend **b)
         .destroy = f_destroy,
         .prefix_save = in->prefix_save ? f_prefix_save : NULL,
         .prefix_load = in->prefix_load ? f_prefix_load : NULL,
+        .draft = in->draft ? f_draft : NULL,
+        .verify = in->verify ? f_verify : NULL,
+        .accept = in->accept ? f_accept : NULL,
     };
     *w = **b;
     w->ops = &f->ops;
