@@ -12,8 +12,8 @@ import stat
 import subprocess
 import tempfile
 
-from dsv4d_harness import (BOS, FIXTURE_MODEL, FIXTURE_VOCAB, LONG_PROMPT, TIMEOUT, TOP_BUILDDIR, Client, Daemon, Tap,
-                           program, text_tokens, tokens_bin, write_tokenizer)
+from dsv4d_harness import (BOS, FIXTURE_MODEL, FIXTURE_VOCAB, LONG_PROMPT, TIMEOUT, TOP_BUILDDIR, Client, Closed, Daemon,
+                           Tap, program, text_tokens, tokens_bin, write_tokenizer)
 
 t = Tap()
 
@@ -95,12 +95,14 @@ finally:
     d.close()
 
 # ---- a drain: queued requests cancelled at once, running ones finish, as the log says ---------------
+DRAIN_TOKENS = 3000     # the running request's answer: seconds of decoding on the fixture model
 d = Daemon(activation=True, args=["--max-context", "4096", "--max-batch", "1", "--drain-grace", "600"],
            endless=True)
 try:
     t.ok(d.start(), "dsv4d (max_batch = 1) becomes ready", d.log_text())
     c = Client(d.sock_path)
-    running = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 400, "temperature": 0.0,
+    # long enough that it is still running when the late connection below is made, on a loaded machine too
+    running = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": DRAIN_TOKENS, "temperature": 0.0,
                                      "stream": True})
     c.recv()
     queued = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 5, "temperature": 0.0})
@@ -121,7 +123,7 @@ try:
         t.ok(False, "a connection made during the drain gets the error notification `draining`", repr(e))
     late.close()
     err, res = c.response(running, on_notification=lambda m: None)
-    t.ok(err is None and res["finish_reason"] == "length" and res["usage"]["completion_tokens"] == 400,
+    t.ok(err is None and res["finish_reason"] == "length" and res["usage"]["completion_tokens"] == DRAIN_TOKENS,
          "the running request finishes", (err, res and res.get("finish_reason")))
     t.eq(d.stop(), 0, "dsv4d exits 0 after the drain")
     log = d.log_text()
