@@ -268,6 +268,22 @@ static void write_routing_stats(struct dsv4_host *h)
     free(counts);
 }
 
+static void write_routing_stats_between(void *arg)
+{
+    write_routing_stats(arg);
+}
+
+int dsv4_host_dump_routing(struct dsv4_host *h)
+{
+    if (!h->cfg->routing_stats[0])
+        return dsv4_error_set(-ENOENT, "no routing_stats file is configured (routing_stats = FILE)");
+    if (dsv4_host_phase(h) != DSV4_HOST_RUNNING || !h->sched)
+        return dsv4_error_set(-EAGAIN, "the engine is not running (%s)", dsv4_host_phase_text(dsv4_host_phase(h)));
+    if (!h->backend->ops->routing_counts)
+        return dsv4_error_set(-ENOTSUP, "the %s backend keeps no routing counts", h->backend_name);
+    return dsv4_sched_run_between(h->sched, write_routing_stats_between, h);
+}
+
 static void *engine_thread(void *arg)
 {
     struct dsv4_host *h = arg;

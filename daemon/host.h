@@ -43,6 +43,10 @@ int dsv4_host_max_output_tokens(const struct dsv4_host *h);
 /* Stop the step loop (after its current step) and join the thread. When boot is still running the
  * thread is left to finish it and exit on its own (a checkpoint load cannot be interrupted); returns
  * false in that case, and the caller must not free the host. */
+/* Write the routing_stats file now (the counts since boot), from the engine thread between two steps;
+ * its log line says when it is done. -ENOENT without a configured file, -EAGAIN before the engine
+ * runs, -EBUSY while an earlier dump is pending. io thread. */
+int dsv4_host_dump_routing(struct dsv4_host *h);
 bool dsv4_host_stop(struct dsv4_host *h);
 void dsv4_host_free(struct dsv4_host *h);
 

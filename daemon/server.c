@@ -323,6 +323,17 @@ static int on_hup(sd_event_source *src, const struct signalfd_siginfo *si, void 
     return 0;
 }
 
+/* SIGUSR1: the routing statistics written now, without a restart (expert placement calibration). */
+static int on_usr1(sd_event_source *src, const struct signalfd_siginfo *si, void *userdata)
+{
+    struct dsv4_server *s = userdata;
+    if (dsv4_host_dump_routing(s->host) < 0)
+        dsv4_log_warning("SIGUSR1: routing statistics not written: %s", dsv4_error_message());
+    else
+        dsv4_log_notice("SIGUSR1: writing the routing statistics to %s", s->cfg->routing_stats);
+    return 0;
+}
+
 /* ---- setup --------------------------------------------------------------------------------------- */
 
 static int load_tokenizer(struct dsv4_server *s)
@@ -415,6 +426,7 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
     sigaddset(&mask, SIGTERM);
     sigaddset(&mask, SIGINT);
     sigaddset(&mask, SIGHUP);
+    sigaddset(&mask, SIGUSR1);
     pthread_sigmask(SIG_BLOCK, &mask, NULL);
     signal(SIGPIPE, SIG_IGN);
 
@@ -423,7 +435,8 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
         return dsv4_error_set(r, "sd_event_new: %s", strerror(-r));
     if ((r = sd_event_add_signal(s->event, NULL, SIGTERM, on_term, s)) < 0 ||
         (r = sd_event_add_signal(s->event, NULL, SIGINT, on_term, s)) < 0 ||
-        (r = sd_event_add_signal(s->event, NULL, SIGHUP, on_hup, s)) < 0)
+        (r = sd_event_add_signal(s->event, NULL, SIGHUP, on_hup, s)) < 0 ||
+        (r = sd_event_add_signal(s->event, NULL, SIGUSR1, on_usr1, s)) < 0)
         return dsv4_error_set(r, "signal handlers: %s", strerror(-r));
     r = dsv4_conns_init(&s->conns, s->event, cfg, &conn_hooks);
     if (r < 0)

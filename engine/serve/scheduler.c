@@ -125,6 +125,8 @@ struct dsv4_sched {
     int ev_tail;                    /* (ev_head + ev_count) % n_events; moved by the engine thread only */
     int ev_staged;                  /* entries written past the tail this step, not yet published */
     uint64_t kick;                  /* bumped by every call that may give the engine thread work */
+    void (*between)(void *);        /* dsv4_sched_run_between's pending call, or NULL */
+    void *between_arg;
     uint64_t step_generated;        /* tokens sampled this step (engine thread), added at publish */
 
     float *logits;                  /* [max_batch, V] */
@@ -803,6 +805,22 @@ void dsv4_sched_stop(struct dsv4_sched *s)
     s->kick++;
     pthread_cond_signal(&s->wake);
     pthread_mutex_unlock(&s->lock);
+}
+
+int dsv4_sched_run_between(struct dsv4_sched *s, void (*fn)(void *), void *arg)
+{
+    if (!fn)
+        return dsv4_error_set(-EINVAL, "no function to run between steps");
+    pthread_mutex_lock(&s->lock);
+    const bool busy = s->between != NULL;
+    if (!busy) {
+        s->between = fn;
+        s->between_arg = arg;
+        s->kick++;
+        pthread_cond_signal(&s->wake);
+    }
+    pthread_mutex_unlock(&s->lock);
+    return busy ? dsv4_error_set(-EBUSY, "an earlier call between steps has not run yet") : 0;
 }
 
 void dsv4_sched_drain(struct dsv4_sched *s, double grace_s)
@@ -1554,6 +1572,13 @@ int dsv4_sched_run(struct dsv4_sched *s)
                 return dsv4_error_set(r, "%s", s->fatal_msg);
             r = -EAGAIN;
         }
+        pthread_mutex_lock(&s->lock);
+        void (*between)(void *) = s->between;
+        void *between_arg = s->between_arg;
+        s->between = NULL;
+        pthread_mutex_unlock(&s->lock);
+        if (between)
+            between(between_arg);
         pthread_mutex_lock(&s->lock);
         if (s->stop_asked || (s->draining && s->n_queued == 0 && s->n_running == 0)) {
             pthread_mutex_unlock(&s->lock);

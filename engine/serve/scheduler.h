@@ -252,6 +252,11 @@ int dsv4_sched_run(struct dsv4_sched *s);
 /* Make dsv4_sched_run() return after its current step. Any thread. */
 void dsv4_sched_stop(struct dsv4_sched *s);
 
+/* Run fn(arg) once on the engine thread, between two steps of dsv4_sched_run (so it may call the
+ * backend, which only the engine thread touches); an idle loop wakes for it. One call at a time:
+ * -EBUSY while an earlier one has not run yet. Any thread. */
+int dsv4_sched_run_between(struct dsv4_sched *s, void (*fn)(void *), void *arg);
+
 /* Stop admitting: new submits fail with -ESHUTDOWN, queued requests finish CANCELLED at the next
  * step, running ones continue until grace_s from now has passed and are then cancelled. Any thread. */
 void dsv4_sched_drain(struct dsv4_sched *s, double grace_s);

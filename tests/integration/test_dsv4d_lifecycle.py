@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+import time
 
 from dsv4d_harness import (BOS, FIXTURE_MODEL, FIXTURE_VOCAB, LONG_PROMPT, TIMEOUT, TOP_BUILDDIR, Client, Closed, Daemon,
                            Tap, program, text_tokens, tokens_bin, write_tokenizer)
@@ -274,17 +275,30 @@ with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
         t.ok(d.start(), "dsv4d with routing_stats becomes ready", d.log_text())
         c = Client(d.sock_path)
         err, res = c.call("generate", {"tokens": tokens_bin(prompt), "max_tokens": 4, "temperature": 0.0})
-        c.close()
         t.ok(err is None, "it serves a request", err)
+        # SIGUSR1: written now, while it keeps serving (the engine thread writes between two steps)
+        d.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + TIMEOUT
+        while not os.path.exists(stats) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(stats) as f:
+            live = json.load(f)
+        t.ok(live["n_layers"] == L and sum(live["counts"][0]) > 0,
+             "SIGUSR1 writes the routing statistics without stopping dsv4d", d.log_text())
+        err2, res2 = c.call("generate", {"tokens": tokens_bin(prompt), "max_tokens": 4, "temperature": 0.0})
+        t.ok(err2 is None and d.proc.poll() is None, "and it serves the next request", err2)
+        c.close()
         t.eq(d.stop(), 0, "dsv4d exits 0")
         with open(stats) as f:
             data = json.load(f)
+        t.ok(sum(data["counts"][0]) > sum(live["counts"][0]),
+             "the file written at stop counts the request served after SIGUSR1", (data["counts"][0], live["counts"][0]))
         sums = [sum(row) for row in data["counts"]]
         t.ok(data["format"] == "dsv4d-routing-stats" and data["n_layers"] == L and data["n_experts"] == E and
              len(sums) == L and all(len(row) == E for row in data["counts"]),
              "the routing statistics file has the model's %d layers x %d experts" % (L, E), data)
         # every token ran every layer: the warm-up, the prompt and all but the last generated token
-        served = len(prompt) + res["usage"]["completion_tokens"] - 1
+        served = sum(len(prompt) + r["usage"]["completion_tokens"] - 1 for r in (res, res2))
         t.ok(len(set(sums)) == 1 and sums[0] % K == 0 and sums[0] // K >= served,
              "each layer counts top-%d experts for every token run (%d served)" % (K, served), sums)
         t.ok("routing statistics of %d routed tokens written to %s" % (sums[0] // K, stats) in d.log_text(),
