@@ -1220,6 +1220,46 @@ static void test_run_drain(void **state)
     env_close(&e);
 }
 
+/* dsv4_sched_run_between: the call runs once, on the engine thread, even with nothing to decode (the
+ * idle loop wakes for it); a second call while the first is pending is refused with -EBUSY, and no
+ * function is -EINVAL. */
+struct between {
+    pthread_t engine;
+    pthread_t ran_on;
+    int runs;
+};
+
+static void between_fn(void *arg)
+{
+    struct between *b = arg;
+    b->ran_on = pthread_self();
+    __atomic_add_fetch(&b->runs, 1, __ATOMIC_SEQ_CST);
+}
+
+static void test_run_between(void **state)
+{
+    struct env e;
+    env_open(&e, &FAKE_LONG, 2, 256, 32, 8);
+    struct between b = { 0 };
+    assert_int_equal(dsv4_sched_run_between(e.s, NULL, &b), -EINVAL);
+    assert_int_equal(dsv4_sched_run_between(e.s, between_fn, &b), 0);
+    assert_int_equal(dsv4_sched_run_between(e.s, between_fn, &b), -EBUSY);     /* the loop has not run yet */
+    struct runner rn = { e.s, -1 };
+    assert_int_equal(pthread_create(&b.engine, NULL, run_thread, &rn), 0);
+    for (int guard = 0; __atomic_load_n(&b.runs, __ATOMIC_SEQ_CST) == 0 && guard < 5000; guard++)
+        nanosleep(&(struct timespec){ 0, 1000000 }, NULL);
+    assert_int_equal(__atomic_load_n(&b.runs, __ATOMIC_SEQ_CST), 1);
+    assert_true(pthread_equal(b.ran_on, b.engine));
+    assert_int_equal(dsv4_sched_run_between(e.s, between_fn, &b), 0);          /* free again: a second one */
+    for (int guard = 0; __atomic_load_n(&b.runs, __ATOMIC_SEQ_CST) == 1 && guard < 5000; guard++)
+        nanosleep(&(struct timespec){ 0, 1000000 }, NULL);
+    assert_int_equal(__atomic_load_n(&b.runs, __ATOMIC_SEQ_CST), 2);
+    dsv4_sched_drain(e.s, 0.0);
+    assert_int_equal(pthread_join(b.engine, NULL), 0);
+    assert_int_equal(rn.rc, 0);
+    env_close(&e);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1232,6 +1272,7 @@ int main(void)
         cmocka_unit_test(test_cancel),
         cmocka_unit_test(test_prefill_interleave),
         cmocka_unit_test(test_drain),
+        cmocka_unit_test(test_run_between),
         cmocka_unit_test(test_random_workload),
         cmocka_unit_test(test_random_workload_device_sampling),
         cmocka_unit_test(test_reported_seed),
