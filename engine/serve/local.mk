@@ -29,12 +29,12 @@ tests_unit_test_scheduler_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,--wrap=reall
 # The scheduler over the real CPU backend on the tiny fixture models.
 check_PROGRAMS += tests/unit/test_sched_cpu
 TESTS += tests/unit/test_sched_cpu
-tests_unit_test_sched_cpu_SOURCES = tests/unit/test_sched_cpu.c tests/unit/sched_harness.h
+tests_unit_test_sched_cpu_SOURCES = tests/unit/test_sched_cpu.c tests/unit/sched_harness.h tests/unit/fixture_cases.h
 tests_unit_test_sched_cpu_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_sched_cpu_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
 check_PROGRAMS += tests/unit/test_sched_spec
 TESTS += tests/unit/test_sched_spec
-tests_unit_test_sched_spec_SOURCES = tests/unit/test_sched_spec.c tests/unit/sched_harness.h
+tests_unit_test_sched_spec_SOURCES = tests/unit/test_sched_spec.c tests/unit/sched_harness.h tests/unit/fixture_cases.h
 tests_unit_test_sched_spec_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_sched_spec_LDADD = $(TEST_ENGINE_LIBS) $(JANSSON_LIBS)
 

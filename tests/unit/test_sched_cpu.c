@@ -20,55 +20,10 @@
 #include "engine/error.h"
 #include "engine/serve/scheduler.h"
 #include "engine/model/weights.h"
+#include "tests/unit/fixture_cases.h"
 #include "tests/unit/sched_harness.h"
 
-#define MAX_CASES 8
-#define MAX_TOKENS 256
 #define MAX_CONTEXT 160
-
-struct fcase {
-    int32_t tokens[MAX_TOKENS];
-    int n_tokens;
-    int chunk;
-    int32_t greedy[MAX_TOKENS];
-    int n_greedy;
-};
-
-static void fixture_dir(const char *model, char *out, size_t cap)
-{
-    const char *top = getenv("top_srcdir");
-    snprintf(out, cap, "%s/tests/fixtures/%s", top ? top : ".", model);
-}
-
-static int load_cases(const char *model, struct fcase *cases)
-{
-    char dir[PATH_MAX], path[PATH_MAX + 16];
-    fixture_dir(model, dir, sizeof(dir));
-    snprintf(path, sizeof(path), "%s/cases.json", dir);
-    json_error_t jerr;
-    json_t *root = json_load_file(path, 0, &jerr);
-    if (!root)
-        fail_msg("%s: %s", path, jerr.text);
-    int n = 0;
-    size_t i;
-    json_t *c;
-    json_array_foreach(root, i, c) {
-        if (n == MAX_CASES)
-            break;
-        struct fcase *f = &cases[n++];
-        json_t *t = json_object_get(c, "tokens"), *g = json_object_get(c, "greedy");
-        f->n_tokens = (int)json_array_size(t);
-        f->n_greedy = (int)json_array_size(g);
-        assert_true(f->n_tokens <= MAX_TOKENS && f->n_greedy <= MAX_TOKENS);
-        for (int k = 0; k < f->n_tokens; k++)
-            f->tokens[k] = (int32_t)json_integer_value(json_array_get(t, (size_t)k));
-        for (int k = 0; k < f->n_greedy; k++)
-            f->greedy[k] = (int32_t)json_integer_value(json_array_get(g, (size_t)k));
-        f->chunk = (int)json_integer_value(json_object_get(c, "chunk"));
-    }
-    json_decref(root);
-    return n;
-}
 
 static void env_open(struct env *e, const char *model, int max_batch, int prefill_budget)
 {
@@ -105,31 +60,31 @@ static void test_fixture_greedy(void **state)
     dsv4_sampling_defaults(&greedy);
     greedy.temperature = 0.0f;
     for (int m = 0; m < 3; m++) {
-        static struct fcase cases[MAX_CASES];
-        int nc = load_cases(models[m], cases);
+        static struct fixture_case cases[FIXTURE_CASES_MAX];
+        int nc = fixture_cases_load(models[m], cases);
         assert_true(nc >= 2);
-        static struct answer a[MAX_CASES];
+        static struct answer a[FIXTURE_CASES_MAX];
         for (int c = 0; c < nc; c++) {
             struct env e;
             env_open(&e, models[m], 1, cases[c].chunk ? cases[c].chunk : 512);
-            submit(&e, cases[c].tokens, cases[c].n_tokens, cases[c].n_greedy, &greedy, &a[c]);
+            submit(&e, cases[c].seq, cases[c].n_prompt, cases[c].n_greedy, &greedy, &a[c]);
             run_until(&e, &a[c], 1);
             assert_int_equal(a[c].finish, DSV4_FINISH_LENGTH);
             assert_int_equal(a[c].n, cases[c].n_greedy);
-            assert_memory_equal(a[c].tokens, cases[c].greedy, sizeof(int32_t) * (size_t)cases[c].n_greedy);
+            assert_memory_equal(a[c].tokens, cases[c].seq + cases[c].n_prompt, sizeof(int32_t) * (size_t)cases[c].n_greedy);
             env_close(&e);
         }
         struct env e;
         env_open(&e, models[m], 4, 7);
         for (int c = 0; c < nc; c++) {
-            submit(&e, cases[c].tokens, cases[c].n_tokens, cases[c].n_greedy, &greedy, &a[c]);
+            submit(&e, cases[c].seq, cases[c].n_prompt, cases[c].n_greedy, &greedy, &a[c]);
             assert_true(dsv4_sched_step(e.s) >= 0);
             collect(e.s);
         }
         run_until(&e, a, nc);
         for (int c = 0; c < nc; c++) {
             assert_int_equal(a[c].n, cases[c].n_greedy);
-            assert_memory_equal(a[c].tokens, cases[c].greedy, sizeof(int32_t) * (size_t)cases[c].n_greedy);
+            assert_memory_equal(a[c].tokens, cases[c].seq + cases[c].n_prompt, sizeof(int32_t) * (size_t)cases[c].n_greedy);
         }
         env_close(&e);
     }

@@ -34,54 +34,11 @@
 #include "engine/error.h"
 #include "engine/model/weights.h"
 #include "engine/serve/scheduler.h"
+#include "tests/unit/fixture_cases.h"
 #include "tests/unit/sched_harness.h"
 
-#define MAX_CASES 8
-#define MAX_TOKENS 256
 #define MAX_CONTEXT 160
 #define POOL_BYTES (64 << 20)
-
-struct fcase {
-    int32_t seq[MAX_TOKENS];    /* prompt, then transformers' greedy tokens */
-    int n_prompt, n_greedy, chunk;
-};
-
-static void fixture_dir(const char *model, char *out, size_t cap)
-{
-    const char *top = getenv("top_srcdir");
-    snprintf(out, cap, "%s/tests/fixtures/%s", top ? top : ".", model);
-}
-
-/* The base model's cases (the _mtp fixture has the same main weights). */
-static int load_cases(const char *base, struct fcase *cases)
-{
-    char dir[PATH_MAX], path[PATH_MAX + 16];
-    fixture_dir(base, dir, sizeof(dir));
-    snprintf(path, sizeof(path), "%s/cases.json", dir);
-    json_error_t jerr;
-    json_t *root = json_load_file(path, 0, &jerr);
-    if (!root)
-        fail_msg("%s: %s", path, jerr.text);
-    int n = 0;
-    size_t i;
-    json_t *c;
-    json_array_foreach(root, i, c) {
-        if (n == MAX_CASES)
-            break;
-        struct fcase *f = &cases[n++];
-        json_t *t = json_object_get(c, "tokens"), *g = json_object_get(c, "greedy");
-        f->n_prompt = (int)json_array_size(t);
-        f->n_greedy = (int)json_array_size(g);
-        assert_true(f->n_prompt + f->n_greedy <= MAX_TOKENS);
-        for (int k = 0; k < f->n_prompt; k++)
-            f->seq[k] = (int32_t)json_integer_value(json_array_get(t, (size_t)k));
-        for (int k = 0; k < f->n_greedy; k++)
-            f->seq[f->n_prompt + k] = (int32_t)json_integer_value(json_array_get(g, (size_t)k));
-        f->chunk = (int)json_integer_value(json_object_get(c, "chunk"));
-    }
-    json_decref(root);
-    return n;
-}
 
 /* ---- a draft op that knows the answer ----
  * The backend as created, with its draft op wrapped: the MTP block still drafts (its state must move as
@@ -221,7 +178,7 @@ static void add_stats(struct env *e, int spec, struct spec_totals *t)
     t->full += spec ? st.spec_accept_hist[spec] : 0;
 }
 
-static void check_answer(const struct answer *a, const struct fcase *c, int max_tokens)
+static void check_answer(const struct answer *a, const struct fixture_case *c, int max_tokens)
 {
     assert_true(a->finished);
     assert_int_equal(a->n, max_tokens);
@@ -230,12 +187,12 @@ static void check_answer(const struct answer *a, const struct fcase *c, int max_
 
 static void greedy_model(const char *model, const char *base, bool with_oracle)
 {
-    static struct fcase cases[MAX_CASES];
-    static struct answer a[MAX_CASES], again;
+    static struct fixture_case cases[FIXTURE_CASES_MAX];
+    static struct answer a[FIXTURE_CASES_MAX], again;
     struct dsv4_sampling greedy;
     dsv4_sampling_defaults(&greedy);
     greedy.temperature = 0.0f;
-    int nc = load_cases(base, cases);
+    int nc = fixture_cases_load(base, cases);
     assert_true(nc >= 2);
     oracle.n_seqs = nc;
     for (int c = 0; c < nc; c++) {
@@ -571,11 +528,11 @@ static int run_any(struct env *e, struct answer *a, int n)
 static void test_failures(void **state)
 {
     (void)state;
-    static struct fcase cases[MAX_CASES];
+    static struct fixture_case cases[FIXTURE_CASES_MAX];
     static struct answer a[2], again;
-    int nc = load_cases("tiny_a", cases);
+    int nc = fixture_cases_load("tiny_a", cases);
     assert_true(nc >= 4);
-    const struct fcase *c0 = &cases[0], *c1 = &cases[3];    /* two prompts */
+    const struct fixture_case *c0 = &cases[0], *c1 = &cases[3];    /* two prompts */
     struct dsv4_sampling greedy;
     dsv4_sampling_defaults(&greedy);
     greedy.temperature = 0.0f;
