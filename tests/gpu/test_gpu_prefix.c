@@ -42,68 +42,21 @@ static struct dsv4_weights *load(const char *name)
     return w;
 }
 
-static void backend_case(const char *name, enum dsv4_numerics num)
+/* the pooled backend still holds its one device allocation */
+static void one_allocation(struct dsv4_backend *b)
 {
-    struct dsv4_weights *w = load(name);
-    const int V = w->cfg.vocab_size, B = dsv4_config_prefix_block(&w->cfg), dec = 3;
-    assert_true(B > 0 && B % MAX_BATCH == 0);
-    const int blocks = 4, n = blocks * B + B / 2 + 1, ctx = n + dec + B;
-    int32_t *t = malloc(sizeof(int32_t) * (size_t)n);
-    float *cold = malloc(sizeof(float) * (size_t)(n + dec) * (size_t)V);
-    float *warm = malloc(sizeof(float) * (size_t)(n + dec) * (size_t)V);
-    assert_true(t && cold && warm);
-    prefix_tokens(t, n, V, 1);
-
-    struct dsv4_backend_opts bo = { .max_batch = MAX_BATCH, .max_context = ctx, .numerics = num };
-    struct dsv4_backend *plain, *b;
-    DSV4_OK(dsv4_backend_cuda_create(w, &bo, &plain));
-    assert_int_equal(plain->prefix.n_pages, 0);
-    prefix_run_rest(plain, 0, t, 0, n, dec, cold);
-    dsv4_backend_destroy(plain);
-
-    bo.prefix_pool_bytes = POOL_BYTES;
-    DSV4_OK(dsv4_backend_cuda_create(w, &bo, &b));
-    const struct dsv4_prefix_geom *g = &b->prefix;
-    assert_int_equal(g->block, B);
-    assert_true(g->n_pages >= blocks * (g->block_pages + g->boundary_pages));
-    printf("# %s, %s numerics: blocks of %d tokens, pages of %lld bytes, a block's entries %d page(s), a boundary "
-           "%d\n", name, num == DSV4_NUMERICS_FP8 ? "fp8" : "exact", B, (long long)g->page_bytes, g->block_pages,
-           g->boundary_pages);
-    int32_t blk[16], bnd[16][64];
-    assert_true(blocks <= 16 && g->boundary_pages <= 64 && g->block_pages <= 1);
-    /* pages from the top of the pool down: a record's pages are never adjacent in order */
-    int32_t next_page = g->n_pages - 1;
-    for (int k = 0; k < blocks; k++) {
-        DSV4_OK(b->ops->prefill(b, 0, t + k * B, B, NULL, false));
-        blk[k] = next_page;
-        next_page -= g->block_pages;
-        for (int j = 0; j < g->boundary_pages; j++)
-            bnd[k][j] = next_page--;
-        DSV4_OK(b->ops->prefix_save(b, 0, g->block_pages ? &blk[k] : NULL, bnd[k]));
-    }
-    assert_int_equal(b->ops->prefix_save(b, 1, blk, bnd[0]), -EINVAL);
-
-    prefix_run_rest(b, 0, t, blocks * B, n, dec, warm);
-    assert_memory_equal(warm, cold + (size_t)blocks * B * V, sizeof(float) * (size_t)(n - blocks * B + dec) * V);
-
-    for (int k = 1; k <= blocks; k++) {
-        b->ops->slot_reset(b, 1);
-        DSV4_OK(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t));
-        assert_int_equal(b->ops->slot_position(b, 1), k * B);
-        assert_int_equal(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t), -EBUSY);
-        prefix_run_rest(b, 1, t, k * B, n, dec, warm);
-        const size_t rows = (size_t)(n - k * B + dec);
-        if (memcmp(warm, cold + (size_t)k * B * V, sizeof(float) * rows * V) != 0)
-            fail_msg("%s (%s numerics): restored after %d blocks of %d, the logits differ from cold", name,
-                     num == DSV4_NUMERICS_FP8 ? "fp8" : "exact", k, B);
-    }
     struct dsv4_backend_stats st;
     b->ops->get_stats(b, &st);
     assert_int_equal(st.device_allocs, 1);
-    dsv4_backend_destroy(b);
-    free(t);
-    free(cold);
-    free(warm);
+}
+
+static void backend_case(const char *name, enum dsv4_numerics num)
+{
+    struct dsv4_weights *w = load(name);
+    const int B = dsv4_config_prefix_block(&w->cfg);
+    assert_true(B > 0 && B % MAX_BATCH == 0);
+    const struct dsv4_backend_opts bo = { .max_batch = MAX_BATCH, .numerics = num };
+    prefix_backend_case(w, name, bo, POOL_BYTES, dsv4_backend_cuda_create, one_allocation);
     dsv4_weights_free(w);
 }
 
@@ -147,11 +100,7 @@ static void both(struct env *cold_env, struct env *warm_env, const int32_t *prom
     run_until(cold_env, &cold, 1);
     submit(warm_env, prompt, n, sp, warm);
     run_until(warm_env, warm, 1);
-    if (warm->n != cold.n || memcmp(warm->tokens, cold.tokens, sizeof(int32_t) * (size_t)cold.n) ||
-        memcmp(warm->logprob, cold.logprob, sizeof(float) * (size_t)cold.n) ||
-        memcmp(warm->top0, cold.top0, sizeof(int32_t) * (size_t)cold.n) ||
-        memcmp(warm->top_lp, cold.top_lp, sizeof(warm->top_lp[0]) * (size_t)cold.n))
-        fail_msg("%s: the cached answer differs from the cold one", what);
+    answer_expect_same(warm, &cold, what);
 }
 
 static void sched_case(const char *name, int64_t pool, bool evict)

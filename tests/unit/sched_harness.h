@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "engine/backend.h"
 #include "engine/error.h"
@@ -93,6 +94,18 @@ static void run_until(struct env *e, struct answer *a, int n)
         collect(e->s);
     }
     fail_msg("requests did not finish");
+}
+
+/* warm (a cached or otherwise different path) gave cold's answer bit for bit: tokens, log-probabilities
+ * and both top alternatives with theirs. */
+static inline void answer_expect_same(const struct answer *warm, const struct answer *cold, const char *what)
+{
+    if (warm->n != cold->n || memcmp(warm->tokens, cold->tokens, sizeof(int32_t) * (size_t)cold->n) ||
+        memcmp(warm->logprob, cold->logprob, sizeof(float) * (size_t)cold->n) ||
+        memcmp(warm->top0, cold->top0, sizeof(int32_t) * (size_t)cold->n) ||
+        memcmp(warm->top1, cold->top1, sizeof(int32_t) * (size_t)cold->n) ||
+        memcmp(warm->top_lp, cold->top_lp, sizeof(warm->top_lp[0]) * (size_t)cold->n))
+        fail_msg("%s: the cached answer differs from the cold one", what);
 }
 
 #endif

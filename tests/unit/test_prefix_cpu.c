@@ -58,62 +58,8 @@ static struct dsv4_weights *load(const char *name)
 static void backend_case(const char *name, enum dsv4_numerics num)
 {
     struct dsv4_weights *w = load(name);
-    const int V = w->cfg.vocab_size, B = dsv4_config_prefix_block(&w->cfg), dec = 3;
-    assert_true(B > 0);
-    const int blocks = 4, n = blocks * B + B / 2 + 1, ctx = n + dec + B;
-    int32_t *t = malloc(sizeof(int32_t) * (size_t)n);
-    float *cold = malloc(sizeof(float) * (size_t)(n + dec) * (size_t)V);
-    float *warm = malloc(sizeof(float) * (size_t)(n + dec) * (size_t)V);
-    assert_non_null(t);
-    assert_non_null(cold);
-    assert_non_null(warm);
-    prefix_tokens(t, n, V, 1);
-
-    struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = ctx, .numerics = num, .threads = 1 };
-    struct dsv4_backend *plain, *b;
-    assert_int_equal(dsv4_backend_cpu_create(w, &bo, &plain), 0);
-    assert_int_equal(plain->prefix.n_pages, 0);
-    prefix_run_rest(plain, 0, t, 0, n, dec, cold);
-    dsv4_backend_destroy(plain);
-
-    bo.prefix_pool_bytes = POOL_BYTES;
-    assert_int_equal(dsv4_backend_cpu_create(w, &bo, &b), 0);
-    const struct dsv4_prefix_geom *g = &b->prefix;
-    assert_int_equal(g->block, B);
-    assert_true(g->n_pages >= blocks * (g->block_pages + g->boundary_pages));
-        int32_t blk[16], bnd[16][64];
-    assert_true(blocks <= 16 && g->boundary_pages <= 64 && g->block_pages <= 1);
-    /* pages from the top of the pool down: a record's pages are never adjacent in order */
-    int32_t next_page = g->n_pages - 1;
-    for (int k = 0; k < blocks; k++) {
-        assert_int_equal(b->ops->prefill(b, 0, t + k * B, B, NULL, false), 0);
-        blk[k] = next_page;
-        next_page -= g->block_pages;
-        for (int j = 0; j < g->boundary_pages; j++)
-            bnd[k][j] = next_page--;
-        assert_int_equal(b->ops->prefix_save(b, 0, g->block_pages ? &blk[k] : NULL, bnd[k]), 0);
-    }
-    assert_int_equal(b->ops->prefix_save(b, 1, blk, bnd[0]), -EINVAL);    /* slot 1 is at 0 */
-
-    /* the source continues as if nothing was copied */
-    prefix_run_rest(b, 0, t, blocks * B, n, dec, warm);
-    assert_memory_equal(warm, cold + (size_t)blocks * B * V, sizeof(float) * (size_t)(n - blocks * B + dec) * V);
-
-    for (int k = 1; k <= blocks; k++) {
-        b->ops->slot_reset(b, 1);
-        assert_int_equal(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t), 0);
-        assert_int_equal(b->ops->slot_position(b, 1), k * B);
-        assert_int_equal(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t), -EBUSY);
-        prefix_run_rest(b, 1, t, k * B, n, dec, warm);
-        const size_t rows = (size_t)(n - k * B + dec);
-        if (memcmp(warm, cold + (size_t)k * B * V, sizeof(float) * rows * V) != 0)
-            fail_msg("%s (%s numerics): restored after %d blocks of %d, the logits differ from cold", name,
-                     num == DSV4_NUMERICS_FP8 ? "fp8" : "exact", k, B);
-    }
-    dsv4_backend_destroy(b);
-    free(t);
-    free(cold);
-    free(warm);
+    const struct dsv4_backend_opts bo = { .max_batch = 2, .numerics = num, .threads = 1 };
+    prefix_backend_case(w, name, bo, POOL_BYTES, dsv4_backend_cpu_create, NULL);
     dsv4_weights_free(w);
 }
 
@@ -189,16 +135,6 @@ static void submit(struct env *e, const int32_t *prompt, int n, const struct dsv
         fail_msg("submit: %s", dsv4_error_message());
 }
 
-static void expect_same(const struct answer *warm, const struct answer *cold, const char *what)
-{
-    if (warm->n != cold->n || memcmp(warm->tokens, cold->tokens, sizeof(int32_t) * (size_t)cold->n) ||
-        memcmp(warm->logprob, cold->logprob, sizeof(float) * (size_t)cold->n) ||
-        memcmp(warm->top0, cold->top0, sizeof(int32_t) * (size_t)cold->n) ||
-        memcmp(warm->top1, cold->top1, sizeof(int32_t) * (size_t)cold->n) ||
-        memcmp(warm->top_lp, cold->top_lp, sizeof(warm->top_lp[0]) * (size_t)cold->n))
-        fail_msg("%s: the cached answer differs from the cold one", what);
-}
-
 /* The request cold (a scheduler without a pool), then on the pool's scheduler: the same answer. */
 static void both(struct pair *p, const int32_t *prompt, int n, const struct dsv4_sampling *sp, struct answer *warm,
                  const char *what)
@@ -209,7 +145,7 @@ static void both(struct pair *p, const int32_t *prompt, int n, const struct dsv4
     assert_int_equal(cold.cached_tokens, 0);
     submit(&p->warm, prompt, n, sp, warm);
     run_until(&p->warm, warm, 1);
-    expect_same(warm, &cold, what);
+    answer_expect_same(warm, &cold, what);
 }
 
 static void samplings(struct dsv4_sampling sp[2])
@@ -336,8 +272,8 @@ static void test_hit_on_running_source(void **state)
     memset(&cold_a, 0, sizeof(cold_a));
     assert_int_equal(dsv4_sched_submit(p.cold.s, &rc, &cold_a.id), 0);
     run_until(&p.cold, &cold_a, 1);
-    expect_same(&warm[0], &cold_a, "the source request");
-    expect_same(&warm[1], &cold[1], "the request that hit the running source");
+    answer_expect_same(&warm[0], &cold_a, "the source request");
+    answer_expect_same(&warm[1], &cold[1], "the request that hit the running source");
 
     /* C: A's prompt and answer, then a new turn */
     int32_t c_prompt[3 * B + 5 + 2 * B + 7];
