@@ -398,15 +398,47 @@ class BiasBalancer:
                 r.e_score_correction_bias += BIAS_RATE * torch.sign(c.mean() - c)
 
 
+def adamw(module, lr):
+    """AdamW with weight decay on the matrices only (not the hyper-connection parameters)."""
+    decay = [p for n, p in module.named_parameters() if p.dim() >= 2 and "hc" not in n]
+    other = [p for n, p in module.named_parameters() if not (p.dim() >= 2 and "hc" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": other, "weight_decay": 0.0}],
+                             lr=lr, betas=BETAS)
+
+
+class StepBudget:
+    """Fits a run's step count to its time budget: steps 10..30 (past the warm-up) are timed, then the
+    count becomes what the rest of the budget allows, at most the count asked for."""
+
+    def __init__(self, seconds, device, label):
+        self.seconds, self.device, self.label = seconds, device, label
+        self.start = time.time()
+        self.t10 = None
+
+    def elapsed(self):
+        return time.time() - self.start
+
+    def after(self, step, total):
+        """The step count after `step` steps of `total`."""
+        if step not in (10, 30) or total <= 30:
+            return total
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if step == 10:
+            self.t10 = time.time()
+            return total
+        per_step = (time.time() - self.t10) / 20
+        total = max(step, min(total, step + int((self.seconds - self.elapsed()) / per_step)))
+        print(f"{self.label}: {per_step * 1000:.1f} ms/step -> {total} steps", flush=True)
+        return total
+
+
 def train(model, enc, heldout, rng, device, max_steps, seconds):
     model.to(device).train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "hc" not in n]
-    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "hc" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": other, "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS)
+    opt = adamw(model, LR)
     balancer = BiasBalancer(model.model.layers)
     total = max_steps
-    start = time.time()
+    budget = StepBudget(seconds, device, "timing")
     step = 0
     while step < total:
         for group in opt.param_groups:
@@ -420,19 +452,10 @@ def train(model, enc, heldout, rng, device, max_steps, seconds):
         opt.step()
         balancer.step()
         step += 1
-        # Time steps 10..30 (past the warm-up) and fix the step count to fill the budget.
-        if step in (10, 30) and total > 30:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if step == 10:
-                t10 = time.time()
-            else:
-                per_step = (time.time() - t10) / 20
-                total = max(step, min(max_steps, step + int((seconds - (time.time() - start)) / per_step)))
-                print(f"timing: {per_step * 1000:.1f} ms/step -> {total} steps", flush=True)
+        total = budget.after(step, total)
         if step % 100 == 0 or step == total:
             print(f"step {step}/{total} loss {loss.item():.4f} lr {lr_at(step - 1, total):.2e} "
-                  f"{time.time() - start:.0f}s", flush=True)
+                  f"{budget.elapsed():.0f}s", flush=True)
     return step
 
 
@@ -505,15 +528,12 @@ def train_mtp(model_dir, device, steps, seconds):
     block.train()
     seen = {}
     main_streams_hook(model, seen)
-    decay = [p for n, p in block.named_parameters() if p.dim() >= 2 and "hc" not in n]
-    other = [p for n, p in block.named_parameters() if not (p.dim() >= 2 and "hc" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": other, "weight_decay": 0.0}],
-                            lr=MTP_LR, betas=BETAS)
+    opt = adamw(block, MTP_LR)
     balancer = BiasBalancer([block.layer])
     heldout = heldout_questions()
     held_q = {it["question"] for it in heldout}
     rng = random.Random(SEED + 4)
-    start = time.time()
+    budget = StepBudget(seconds, device, "mtp timing")
     step = 0
     while step < steps:
         lr = MIN_LR + 0.5 * (MTP_LR - MIN_LR) * (1 + math.cos(math.pi * step / steps))
@@ -527,18 +547,10 @@ def train_mtp(model_dir, device, steps, seconds):
         opt.step()
         balancer.step()
         step += 1
-        if step in (10, 30) and steps > 30:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if step == 10:
-                t10 = time.time()
-            else:
-                per_step = (time.time() - t10) / 20
-                steps = max(step, min(steps, step + int((seconds - (time.time() - start)) / per_step)))
-                print(f"mtp timing: {per_step * 1000:.1f} ms/step -> {steps} steps", flush=True)
+        steps = budget.after(step, steps)
         if step % 100 == 0 or step == steps:
             print(f"mtp step {step}/{steps} loss {loss.item():.4f} top-1 {hits / max(n, 1):.3f} "
-                  f"{time.time() - start:.0f}s", flush=True)
+                  f"{budget.elapsed():.0f}s", flush=True)
     # Held-out: the held-out questions as one-turn conversations, never trained on.
     block.eval()
     hits = total = 0
