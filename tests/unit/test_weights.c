@@ -908,14 +908,14 @@ static void check_matvec(enum dsv4_wfmt fmt, int64_t out, int64_t in, int64_t ro
     struct qmat m;
     float *x = malloc(sizeof(float) * (size_t)in), *y = malloc(sizeof(float) * (size_t)out);
     float *row = malloc(sizeof(float) * (size_t)in);
-    double ymax = 0.0, errmax = 0.0;
+    double ymax = 0.0, ratio = 0.0;
 
     qmat_make(&m, fmt, out, in, row_stride, s);
     for (int64_t k = 0; k < in; k++)
         x[k] = stw_uniform(s);
     dsv4_linear_matvec(&m.W, x, y);
     for (int64_t r = 0; r < out; r++) {
-        double ref = 0.0;
+        double ref = 0.0, mag = 0.0;
 
         dsv4_linear_row(&m.W, r, row);
         for (int64_t k = 0; k < in; k++) {
@@ -923,15 +923,21 @@ static void check_matvec(enum dsv4_wfmt fmt, int64_t out, int64_t in, int64_t ro
                 fail_msg("fmt %d row %lld col %lld: %g, expected %g", fmt, (long long)r, (long long)k,
                          (double)row[k], m.deq[r * in + k]);
             ref += m.deq[r * in + k] * x[k];
+            mag += fabs(m.deq[r * in + k] * x[k]);
         }
         assert_false(isnan(y[r]));
         ymax = fmax(ymax, fabs(ref));
-        errmax = fmax(errmax, fabs(ref - y[r]));
+        /* A float sum of n products is off by at most n * 2^-24 * sum |w_k x_k| (the textbook bound,
+         * whatever the order); a short row that cancels can miss its own |y| by far more than
+         * 1e-5 relative, so the bound is on the terms, not the result. */
+        if (mag > 0.0)
+            ratio = fmax(ratio, fabs(ref - y[r]) / ((double)in * 0x1p-24 * mag));
     }
     assert_true(ymax > 0.0);
-    if (!(errmax <= 1e-5 * ymax))
-        fail_msg("fmt %d [%lld, %lld]: max |error| %g against max |y| %g", fmt, (long long)out,
-                 (long long)in, errmax, ymax);
+    if (!(ratio <= 1.0))
+        fail_msg("fmt %d [%lld, %lld]: error %g times the float summation bound", fmt, (long long)out,
+                 (long long)in, ratio);
+    print_message("fmt %d [%lld, %lld]: error %.3g of the bound\n", fmt, (long long)out, (long long)in, ratio);
     qmat_free(&m);
     free(x);
     free(y);
