@@ -3,6 +3,7 @@
 libdsv4engine_la_SOURCES += \
 	engine/model/config.c engine/model/config.h \
 	engine/model/safetensors.c engine/model/safetensors.h \
+	engine/model/synth.c engine/model/synth.h \
 	engine/model/quant.c engine/model/quant.h \
 	engine/model/weights.c engine/model/weights.h engine/model/linear.c \
 	engine/model/placement.c engine/model/placement.h \
@@ -43,3 +44,9 @@ TESTS += tests/unit/test_ep_plan
 tests_unit_test_ep_plan_SOURCES = tests/unit/test_ep_plan.c
 tests_unit_test_ep_plan_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_ep_plan_LDADD = $(TEST_ENGINE_LIBS)
+
+check_PROGRAMS += tests/unit/test_synth
+TESTS += tests/unit/test_synth
+tests_unit_test_synth_SOURCES = tests/unit/test_synth.c tests/unit/st_writer.h tests/unit/seed_util.h
+tests_unit_test_synth_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_synth_LDADD = $(TEST_ENGINE_LIBS)

@@ -39,6 +39,8 @@ struct dsv4_st {
     size_t nfiles;
     struct dsv4_st_tensor *tensors;     /* sorted by name */
     size_t ntensors, cap;
+    void **owned;               /* a table built in memory: the buffers it frees at close */
+    size_t nowned, capowned;
 };
 
 static const struct {
@@ -408,17 +410,8 @@ int dsv4_st_open(const char *dir, struct dsv4_st **ret)
         dsv4_error_set(r, "out of memory opening %s", dir);
     for (size_t i = 0; r == 0 && i < st->nfiles; i++)
         r = load_file(st, i);
-    if (r < 0)
+    if (r < 0 || (r = dsv4_st_seal(st)) < 0)
         goto out;
-
-    if (st->ntensors > 1)
-        qsort(st->tensors, st->ntensors, sizeof(*st->tensors), cmp_by_name);
-    for (size_t i = 1; i < st->ntensors; i++)
-        if (strcmp(st->tensors[i - 1].name, st->tensors[i].name) == 0) {
-            r = dsv4_error_set(-EINVAL, "tensor %s appears in both %s and %s", st->tensors[i].name,
-                               st->tensors[i - 1].file, st->tensors[i].file);
-            goto out;
-        }
     if (weight_map) {
         const char *key;
         json_t *v;
@@ -450,6 +443,64 @@ out:
     return 0;
 }
 
+int dsv4_st_seal(struct dsv4_st *st)
+{
+    if (st->ntensors > 1)
+        qsort(st->tensors, st->ntensors, sizeof(*st->tensors), cmp_by_name);
+    for (size_t i = 1; i < st->ntensors; i++)
+        if (strcmp(st->tensors[i - 1].name, st->tensors[i].name) == 0)
+            return dsv4_error_set(-EINVAL, "tensor %s appears in both %s and %s", st->tensors[i].name,
+                                  st->tensors[i - 1].file, st->tensors[i].file);
+    return 0;
+}
+
+int dsv4_st_new(const char *source, struct dsv4_st **ret)
+{
+    struct dsv4_st *st = calloc(1, sizeof(*st));
+
+    if (!st || !(st->source = strdup(source))) {
+        free(st);
+        return dsv4_error_set(-ENOMEM, "out of memory building %s", source);
+    }
+    *ret = st;
+    return 0;
+}
+
+int dsv4_st_add(struct dsv4_st *st, const char *name, enum dsv4_dtype dt, int ndim, const int64_t *shape,
+                const void *data, bool owned)
+{
+    struct dsv4_st_tensor t = { .dtype = dt, .ndim = ndim, .data = data, .file = st->source };
+    size_t n = 1;
+    int r;
+
+    if (ndim < 0 || ndim > DSV4_ST_MAX_DIMS)
+        return dsv4_error_set(-EINVAL, "%s: tensor %s has %d dimensions, at most %d", st->source, name, ndim,
+                              DSV4_ST_MAX_DIMS);
+    for (int i = 0; i < ndim; i++) {
+        t.shape[i] = shape[i];
+        n *= (size_t)shape[i];
+    }
+    t.nbytes = n * dsv4_dtype_size(dt);
+    if (owned && st->nowned == st->capowned) {
+        size_t cap = st->capowned ? 2 * st->capowned : 256;
+        void **no = realloc(st->owned, cap * sizeof(*no));
+
+        if (!no)
+            return dsv4_error_set(-ENOMEM, "out of memory building %s", st->source);
+        st->owned = no;
+        st->capowned = cap;
+    }
+    if (!(t.name = strdup(name)))
+        return dsv4_error_set(-ENOMEM, "out of memory building %s", st->source);
+    if ((r = tensor_push(st, &t)) < 0) {
+        free((char *)t.name);
+        return r;
+    }
+    if (owned)
+        st->owned[st->nowned++] = (void *)data;
+    return 0;
+}
+
 void dsv4_st_close(struct dsv4_st *st)
 {
     if (!st)
@@ -457,6 +508,9 @@ void dsv4_st_close(struct dsv4_st *st)
     for (size_t i = 0; i < st->ntensors; i++)
         free((char *)st->tensors[i].name);
     free(st->tensors);
+    for (size_t i = 0; i < st->nowned; i++)
+        free(st->owned[i]);
+    free(st->owned);
     for (size_t i = 0; i < st->nfiles; i++) {
         if (st->files[i].map)
             munmap(st->files[i].map, st->files[i].size);

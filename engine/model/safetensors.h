@@ -3,6 +3,7 @@
 #ifndef DSV4_ENGINE_MODEL_SAFETENSORS_H
 #define DSV4_ENGINE_MODEL_SAFETENSORS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -35,6 +36,14 @@ struct dsv4_st;                 /* opaque: all shards of one checkpoint */
  * matching shape x dtype. Returns 0 or -errno with a message naming the file and tensor. */
 int dsv4_st_open(const char *dir, struct dsv4_st **ret);
 void dsv4_st_close(struct dsv4_st *st);     /* accepts NULL */
+
+/* A table built in memory instead (synthetic weights): dsv4_st_add each tensor (the table frees
+ * data at close when owned; it must come from malloc/aligned_alloc), then dsv4_st_seal, which sorts
+ * the names for lookup and refuses a name added twice. source names the table in messages. */
+int dsv4_st_new(const char *source, struct dsv4_st **ret);
+int dsv4_st_add(struct dsv4_st *st, const char *name, enum dsv4_dtype dt, int ndim, const int64_t *shape,
+                const void *data, bool owned);
+int dsv4_st_seal(struct dsv4_st *st);
 
 /* NULL when absent. */
 const struct dsv4_st_tensor *dsv4_st_find(const struct dsv4_st *st, const char *name);

@@ -13,6 +13,7 @@
 
 #include "engine/error.h"
 #include "engine/model/quant.h"
+#include "engine/model/synth.h"
 #include "engine/model/weights.h"
 
 #define NAME_MAX_LEN 256
@@ -687,6 +688,7 @@ int dsv4_weights_load(const char *dir, struct dsv4_weights **ret)
     struct dsv4_weights *w = calloc(1, sizeof(*w));
     struct owned *own = calloc(1, sizeof(*own));
     struct loader L = { .w = w, .own = own };
+    struct dsv4_synth_recipe recipe;
     int r;
 
     if (!w || !own) {
@@ -697,7 +699,15 @@ int dsv4_weights_load(const char *dir, struct dsv4_weights **ret)
     w->owned = own;
     r = dsv4_config_load(dir, &w->cfg);
     if (r == 0)
+        r = dsv4_synth_recipe_read(dir, &w->cfg, &recipe);
+    if (r == 1) {
+        char source[4096];
+
+        snprintf(source, sizeof(source), "%s/%s", dir, DSV4_SYNTH_RECIPE);
+        r = dsv4_synth_tensors(&w->cfg, &recipe, source, &w->st);
+    } else if (r == 0) {
         r = dsv4_st_open(dir, &w->st);
+    }
     if (r == 0) {
         L.st = w->st;
         L.used = calloc(dsv4_st_count(w->st) + 1, 1);

@@ -125,7 +125,9 @@ struct dsv4_weights {
 };
 
 /* Load DIR (config.json + safetensors): parse the config, map the shards, find and validate every
- * tensor the config implies (presence, dtype, shape; a message names the tensor and file). */
+ * tensor the config implies (presence, dtype, shape; a message names the tensor and file). A DIR with
+ * synthetic.json in place of shards gets random weights generated in memory instead (synth.h),
+ * validated the same way. */
 int dsv4_weights_load(const char *dir, struct dsv4_weights **ret);
 void dsv4_weights_free(struct dsv4_weights *w);   /* accepts NULL */
 
