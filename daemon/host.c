@@ -145,9 +145,10 @@ static int boot(struct dsv4_host *h)
     r = dsv4_weights_load(cfg->model, &h->weights);
     if (r < 0)
         return dsv4_error_prefix(r, "model %s: ", cfg->model);
-    dsv4_log_info("model %s: %d layers, dim %d, vocab %d, %.1f MiB of weights", h->weights->cfg.model_name,
+    dsv4_log_info("model %s: %d layers, dim %d, vocab %d, %.1f MiB of weights%s", h->weights->cfg.model_name,
                   h->weights->cfg.n_layers, h->weights->cfg.dim, h->weights->cfg.vocab_size,
-                  (double)h->weights->bytes_total / (1 << 20));
+                  (double)h->weights->bytes_total / (1 << 20),
+                  h->weights->synthetic ? " (synthetic: random values generated at load, for measuring)" : "");
 
     switch (cfg->numerics) {
     case DSV4_NUMERICS_CHOICE_EXACT: opts.numerics = DSV4_NUMERICS_EXACT; break;

@@ -11,7 +11,8 @@
  * are HBM numbers; the graph is replayed and the median replay over REPS is reported. Weights hold
  * random values in their checkpoint formats (no NaN codes, scales near real ones), never zeros.
  *
- * With --model (a checkpoint from dsv4-mkckpt) it times the CUDA backend's decode step instead:
+ * With --model (a checkpoint from dsv4-mkckpt, or a directory its --synthetic wrote, whose weights are
+ * generated in memory at load) it times the CUDA backend's decode step instead:
  * every slot of the batch holds a short prompt, each step is timed on the host around what the
  * daemon calls (input upload, graph replay, sampling on the device, the sampled tokens back: the
  * serving path), median of BENCH_STEPS; then the same step with the [B, V] f32 logits copied to
@@ -660,8 +661,9 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     const struct dsv4_config *c = &w->cfg;
     OK(dsv4_backend_cuda_create(w, &opts, &b));
     b->ops->get_stats(b, &st);
-    printf("# %s: %d layers, %.2f GB of weights, boot %.1f s (load, upload, %llu graphs), %s\n", dir, c->n_layers,
-           w->bytes_total / 1e9, (now_us() - t0) / 1e6, (unsigned long long)st.graph_captures, st.variant);
+    printf("# %s: %d layers, %.2f GB of %s weights, boot %.1f s (load, upload, %llu graphs), %s\n", dir, c->n_layers,
+           w->bytes_total / 1e9, w->synthetic ? "synthetic" : "checkpoint", (now_us() - t0) / 1e6,
+           (unsigned long long)st.graph_captures, st.variant);
     printf("# routed experts: %u on the GPU (%.2f GB), %u in pinned host memory (%.2f GB)\n", st.experts_gpu,
            st.expert_bytes_gpu / 1e9, st.experts_host, st.expert_bytes_host / 1e9);
 

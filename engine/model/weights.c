@@ -705,6 +705,7 @@ int dsv4_weights_load(const char *dir, struct dsv4_weights **ret)
 
         snprintf(source, sizeof(source), "%s/%s", dir, DSV4_SYNTH_RECIPE);
         r = dsv4_synth_tensors(&w->cfg, &recipe, source, &w->st);
+        w->synthetic = true;
     } else if (r == 0) {
         r = dsv4_st_open(dir, &w->st);
     }

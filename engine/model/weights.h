@@ -115,6 +115,7 @@ struct dsv4_weights {
     struct dsv4_layer *layers;          /* [n_layers] */
     int n_mtp;                          /* 0 when the checkpoint carries no MTP weights */
     struct dsv4_mtp *mtp;               /* [n_mtp] */
+    bool synthetic;                     /* generated from DIR/synthetic.json: random values (synth.h) */
     uint64_t bytes_quantized;           /* FP8+FP4 payload and scales, for stats */
     uint64_t bytes_total;
     /* Checkpoint tensors no part of the config uses (transformers ignores them too): non-zero

@@ -82,6 +82,7 @@ static void test_tensors_and_repeats(void **state)
     assert_int_equal(w->n_unused, 0);       /* nothing generated that the loader did not take */
     assert_int_equal(w->n_mtp, 1);
     assert_true(w->bytes_quantized > 0);
+    assert_true(w->synthetic);
     assert_int_equal(L[0].attn.wq_a.fmt, DSV4_W_FP8);
     assert_int_equal(L[3].ffn.w1[0].fmt, DSV4_W_FP4);
     assert_int_equal(w->embed.fmt, DSV4_W_BF16);
