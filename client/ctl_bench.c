@@ -28,6 +28,7 @@ struct sample {
 
 struct level {
     const struct ctl_bench_opts *o;
+    int concurrency;
     int32_t lo, hi;             /* prompt ids are drawn from [lo, hi) */
     uint32_t total;
     struct sample *samples;     /* [total] */
@@ -37,6 +38,13 @@ struct level {
     atomic_ullong tokens;
     char first_error[256];      /* the first failure's message, for the report */
     pthread_mutex_t lock;
+    atomic_uint streaming;      /* requests that have their first token */
+    /* admit_tokens: under lock, the admission's send time and first token (0: not yet), and the
+     * streams' token gaps that overlap it */
+    double admit_t0, admit_t1, admit_ttft_ms;
+    double *gaps;               /* [CTL_BENCH_MAX_GAPS] */
+    uint32_t n_gaps;
+    char admit_error[256];
 };
 
 struct stream_state {
@@ -89,12 +97,22 @@ static void note_failure(struct level *lv, const char *fmt, ...)
 static int on_token(const struct dsv4_client_token *tok, void *user)
 {
     struct stream_state *st = user;
+    struct level *lv = st->lv;
     const double t = now_ms();
     (void)tok;
-    if (st->n++ == 0)
+    if (lv->gaps && st->n > 0) {    /* a gap that overlaps the admission's prefill */
+        pthread_mutex_lock(&lv->lock);
+        if (lv->admit_t0 > 0 && t > lv->admit_t0 && (lv->admit_t1 == 0 || st->last < lv->admit_t1) &&
+            lv->n_gaps < CTL_BENCH_MAX_GAPS)
+            lv->gaps[lv->n_gaps++] = t - st->last;
+        pthread_mutex_unlock(&lv->lock);
+    }
+    if (st->n++ == 0) {
         st->first = t;
+        atomic_fetch_add(&lv->streaming, 1);
+    }
     st->last = t;
-    atomic_fetch_add(&st->lv->tokens, 1);
+    atomic_fetch_add(&lv->tokens, 1);
     return 0;
 }
 
@@ -170,6 +188,67 @@ static void *worker(void *arg)
     return NULL;
 }
 
+static int on_admit_token(const struct dsv4_client_token *tok, void *user)
+{
+    struct level *lv = user;
+    const double t = now_ms();
+    (void)tok;
+    pthread_mutex_lock(&lv->lock);
+    if (lv->admit_t1 == 0) {
+        lv->admit_t1 = t;
+        lv->admit_ttft_ms = t - lv->admit_t0;
+    }
+    pthread_mutex_unlock(&lv->lock);
+    return 0;
+}
+
+/* admit_tokens: wait until every stream of the level (or every request, when fewer) has its first
+ * token, then send the long prompt on a connection of its own. */
+static void *admit_worker(void *arg)
+{
+    struct level *lv = arg;
+    const struct ctl_bench_opts *o = lv->o;
+    const unsigned want = (unsigned)lv->concurrency < lv->total ? (unsigned)lv->concurrency : lv->total;
+    struct dsv4_client *c = dsv4_client_new();
+    int32_t *prompt = malloc(sizeof(int32_t) * o->admit_tokens);
+    struct dsv4_client_result res;
+
+    while (atomic_load(&lv->streaming) < want && atomic_load(&lv->done) < lv->total)
+        nanosleep(&(struct timespec){ 0, 1000000L }, NULL);
+    if (!c || !prompt)
+        snprintf(lv->admit_error, sizeof(lv->admit_error), "out of memory");
+    else if (atomic_load(&lv->done) >= lv->total)
+        snprintf(lv->admit_error, sizeof(lv->admit_error), "the level ended before its streams all decoded "
+                 "(raise --max-tokens)");
+    else if (connect_client(c, o) < 0)
+        snprintf(lv->admit_error, sizeof(lv->admit_error), "connect: %s", dsv4_client_error_message(c));
+    else {
+        uint64_t r = o->seed ^ mix64(0xad317ull);
+        for (uint32_t k = 0; k < o->admit_tokens; k++) {
+            r = mix64(r);
+            prompt[k] = lv->lo + (int32_t)(r % (uint64_t)(lv->hi - lv->lo));
+        }
+        struct dsv4_client_generate_params p = o->gp;
+        p.tokens = prompt;
+        p.n_tokens = o->admit_tokens;
+        p.max_tokens = 1;
+        pthread_mutex_lock(&lv->lock);
+        lv->admit_t0 = now_ms();
+        pthread_mutex_unlock(&lv->lock);
+        if (dsv4_client_generate_stream(c, &p, on_admit_token, lv, &res) < 0)
+            snprintf(lv->admit_error, sizeof(lv->admit_error), "%s", dsv4_client_error_message(c));
+        else
+            dsv4_client_result_clear(&res);
+        pthread_mutex_lock(&lv->lock);
+        if (lv->admit_t1 == 0)
+            lv->admit_t1 = now_ms();    /* no token came: close the window anyway */
+        pthread_mutex_unlock(&lv->lock);
+    }
+    free(prompt);
+    dsv4_client_close(c);
+    return NULL;
+}
+
 static int cmp_double(const void *a, const void *b)
 {
     const double x = *(const double *)a, y = *(const double *)b;
@@ -195,6 +274,10 @@ struct level_report {
     uint32_t requests, failed;
     uint64_t tokens;
     double wall_s, ttft_med, ttft_p99, tpot_med, tpot_p99, out_tok_s, req_s;
+    /* admit_tokens */
+    double admit_ttft, gap_med, gap_p99, gap_max;
+    uint32_t n_gaps;
+    const char *admit_error;    /* NULL, or why there is no figure */
 };
 
 static void summarize(const struct level *lv, int concurrency, double wall_ms, struct level_report *r)
@@ -224,6 +307,15 @@ static void summarize(const struct level *lv, int concurrency, double wall_ms, s
         v[i] = lv->samples[i].ok ? lv->samples[i].tpot_ms : NAN;
     r->tpot_p99 = quantile(v, lv->total, 0.99);
     free(v);
+    r->admit_ttft = r->gap_med = r->gap_p99 = r->gap_max = NAN;
+    if (lv->gaps) {
+        r->admit_error = lv->admit_error[0] ? lv->admit_error : NULL;
+        r->admit_ttft = lv->admit_error[0] ? NAN : lv->admit_ttft_ms;
+        r->n_gaps = lv->n_gaps;
+        r->gap_max = quantile(lv->gaps, lv->n_gaps, 1.0);
+        r->gap_p99 = quantile(lv->gaps, lv->n_gaps, 0.99);
+        r->gap_med = quantile(lv->gaps, lv->n_gaps, 0.5);
+    }
 }
 
 /* JSON has no NaN: a quantity with no sample is null. */
@@ -243,6 +335,13 @@ static void print_report(FILE *out, const struct ctl_bench_opts *o, const struct
                               num_or_null(r->ttft_p99), "tpot_ms_median", num_or_null(r->tpot_med), "tpot_ms_p99",
                               num_or_null(r->tpot_p99), "output_tokens_per_s", r->out_tok_s, "requests_per_s",
                               r->req_s);
+        if (j && o->admit_tokens)
+            json_object_update_new(j, json_pack("{s:I, s:o, s:o, s:o, s:o, s:I}", "admit_tokens",
+                                                (json_int_t)o->admit_tokens, "admit_ttft_ms",
+                                                num_or_null(r->admit_ttft), "admit_gap_ms_median",
+                                                num_or_null(r->gap_med), "admit_gap_ms_p99", num_or_null(r->gap_p99),
+                                                "admit_gap_ms_max", num_or_null(r->gap_max), "admit_gaps",
+                                                (json_int_t)r->n_gaps));
         if (j) {
             json_dumpf(j, out, JSON_COMPACT);
             fputc('\n', out);
@@ -252,6 +351,12 @@ static void print_report(FILE *out, const struct ctl_bench_opts *o, const struct
     }
     fprintf(out, "%11d %8u %6u %9.1f %9.1f %9.2f %9.2f %10.1f %8.2f %7.1f\n", r->concurrency, r->requests, r->failed,
             r->ttft_med, r->ttft_p99, r->tpot_med, r->tpot_p99, r->out_tok_s, r->req_s, r->wall_s);
+    if (o->admit_tokens && r->admit_error)
+        fprintf(out, "# admit: no figure: %s\n", r->admit_error);
+    else if (o->admit_tokens)
+        fprintf(out, "# admit: a %u-token prompt beside %d streams: ttft %.1f ms; the streams' token gaps meanwhile: "
+                     "median %.2f, p99 %.2f, max %.2f ms (%u gaps)\n",
+                o->admit_tokens, r->concurrency, r->admit_ttft, r->gap_med, r->gap_p99, r->gap_max, r->n_gaps);
 }
 
 static void progress_line(FILE *f, int concurrency, const struct level *lv, double t0)
@@ -269,12 +374,16 @@ static int run_level(const struct ctl_bench_opts *o, int concurrency, int32_t lo
     uint32_t total = o->requests ? o->requests : (uint32_t)concurrency * REQUESTS_PER_CLIENT;
     if (total < MIN_REQUESTS && !o->requests)
         total = MIN_REQUESTS;
-    struct level lv = { .o = o, .lo = lo, .hi = hi, .total = total };
-    pthread_t *th = calloc((size_t)concurrency, sizeof(*th));
+    struct level lv = { .o = o, .concurrency = concurrency, .lo = lo, .hi = hi, .total = total };
+    pthread_t *th = calloc((size_t)concurrency, sizeof(*th)), admit;
+    bool admitting = false;
     lv.samples = calloc(total, sizeof(*lv.samples));
-    if (!th || !lv.samples) {
+    if (o->admit_tokens)
+        lv.gaps = calloc(CTL_BENCH_MAX_GAPS, sizeof(*lv.gaps));
+    if (!th || !lv.samples || (o->admit_tokens && !lv.gaps)) {
         free(th);
         free(lv.samples);
+        free(lv.gaps);
         set_err(err, err_len, "bench: out of memory for %u requests", total);
         return -ENOMEM;
     }
@@ -284,6 +393,11 @@ static int run_level(const struct ctl_bench_opts *o, int concurrency, int32_t lo
     for (; started < concurrency; started++)
         if ((rc = pthread_create(&th[started], NULL, worker, &lv)) != 0)
             break;
+    if (started > 0 && o->admit_tokens) {
+        admitting = pthread_create(&admit, NULL, admit_worker, &lv) == 0;
+        if (!admitting)
+            snprintf(lv.admit_error, sizeof(lv.admit_error), "cannot start its thread");
+    }
     if (started == 0) {
         set_err(err, err_len, "bench: cannot start a client thread: %s", strerror(rc));
         rc = -rc;
@@ -296,6 +410,8 @@ static int run_level(const struct ctl_bench_opts *o, int concurrency, int32_t lo
         for (int i = 0; i < started; i++)
             pthread_join(th[i], NULL);
         const double wall = now_ms() - t0;
+        if (admitting)
+            pthread_join(admit, NULL);
         if (progress) {
             progress_line(progress, concurrency, &lv, t0);
             fputc('\n', progress);
@@ -313,6 +429,7 @@ static int run_level(const struct ctl_bench_opts *o, int concurrency, int32_t lo
     pthread_mutex_destroy(&lv.lock);
     free(th);
     free(lv.samples);
+    free(lv.gaps);
     return rc;
 }
 
@@ -346,6 +463,11 @@ int ctl_bench_run(const struct ctl_bench_opts *o, FILE *out, FILE *progress, cha
         set_err(err, err_len, "bench: --prompt-tokens %u exceeds the server's limit of %u", o->prompt_tokens,
                 info->max_prompt_tokens);
         rc = -EINVAL;
+    } else if (o->admit_tokens && ((info->max_context && o->admit_tokens + 1 > info->max_context) ||
+                                   (info->max_prompt_tokens && o->admit_tokens > info->max_prompt_tokens))) {
+        set_err(err, err_len, "bench: --admit-tokens %u leaves no room in the server's context of %u tokens "
+                "(prompt limit %u)", o->admit_tokens, info->max_context, info->max_prompt_tokens);
+        rc = -EINVAL;
     }
     if (rc < 0) {
         dsv4_client_close(c);
@@ -358,6 +480,10 @@ int ctl_bench_run(const struct ctl_bench_opts *o, FILE *out, FILE *progress, cha
                 (double)o->gp.temperature);
         fprintf(out, "# ttft: send to first token (queueing included); tpot: per request, (last - first token) / "
                      "(tokens - 1); median and p99 over requests\n");
+        if (o->admit_tokens)
+            fprintf(out, "# admit: once every stream of a level decodes, one %u-token prompt more (max_tokens 1); "
+                         "its ttft, and the gaps between the streams' tokens that overlap its prefill\n",
+                    o->admit_tokens);
         fprintf(out, "%11s %8s %6s %9s %9s %9s %9s %10s %8s %7s\n", "concurrency", "requests", "failed", "ttft_ms",
                 "ttft_p99", "tpot_ms", "tpot_p99", "out_tok/s", "req/s", "wall_s");
         fflush(out);

@@ -3,7 +3,10 @@
  * C client threads, each with its own connection, that send streamed requests with random token-id
  * prompts back to back until the level's request count is reached, and reports time to first
  * token, time per output token (median and p99 over requests) and output tokens/s over the level's
- * wall time. */
+ * wall time. With admit_tokens, once every stream of a level has its first token, one more
+ * connection sends a prompt of that many tokens (max_tokens 1): the report adds its time to first
+ * token and the token gaps the running streams saw while it was prefilled (what a long prompt
+ * arriving costs the users already being served). */
 #ifndef DSV4_CLIENT_CTL_BENCH_H
 #define DSV4_CLIENT_CTL_BENCH_H
 
@@ -17,6 +20,7 @@
 #define CTL_BENCH_MAX_CONCURRENCY 1024      /* client threads (and connections) of one level */
 #define CTL_BENCH_MAX_REQUESTS 1000000      /* requests of one level */
 #define CTL_BENCH_MAX_PROMPT (1u << 20)     /* prompt tokens of one request */
+#define CTL_BENCH_MAX_GAPS (1u << 16)       /* stream token gaps kept during an admission */
 
 struct ctl_bench_opts {
     const char *socket;         /* NULL: $DSV4_SOCKET, then the default */
@@ -27,6 +31,7 @@ struct ctl_bench_opts {
     uint32_t prompt_tokens;
     uint32_t requests;          /* per level; 0: 4 x C, at least 8 */
     uint64_t seed;              /* prompt ids and sampling seeds derive from it and the request index */
+    uint32_t admit_tokens;      /* 0: none; else the prompt admitted beside each level's streams */
     bool json;                  /* one JSON object a level on out instead of the table */
     /* sampling: every field but the prompt, which each request fills in */
     struct dsv4_client_generate_params gp;

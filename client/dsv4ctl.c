@@ -75,6 +75,8 @@ static void usage(FILE *f)
         "      --concurrency LIST  client connections of each level, e.g. 1,16,64 (default 1)\n"
         "      --prompt-tokens N   random token ids per prompt (default 128)\n"
         "      --requests N        requests per level (default 4 per connection, at least 8)\n"
+        "      --admit-tokens N    once a level's streams decode, admit an N-token prompt beside them and\n"
+        "                        report its TTFT and the streams' token gaps meanwhile\n"
         "\n"
         "Common options:\n"
         "  -s, --socket PATH     daemon socket (default $DSV4_SOCKET, then %s)\n"
@@ -689,7 +691,7 @@ static int cmd_bench(const struct options *o)
 enum {
     OPT_TOKENS = 256, OPT_CHAT, OPT_SYSTEM, OPT_THINK, OPT_NO_BOS, OPT_TEMPERATURE, OPT_TOP_P, OPT_TOP_K, OPT_MIN_P,
     OPT_PRESENCE, OPT_FREQUENCY, OPT_REPETITION, OPT_SEED, OPT_STOP, OPT_STOP_IDS, OPT_LOGPROBS, OPT_STREAM,
-    OPT_NO_STREAM, OPT_CONCURRENCY, OPT_PROMPT_TOKENS, OPT_REQUESTS,
+    OPT_NO_STREAM, OPT_CONCURRENCY, OPT_PROMPT_TOKENS, OPT_REQUESTS, OPT_ADMIT_TOKENS,
 };
 
 static const struct option long_options[] = {
@@ -720,6 +722,7 @@ static const struct option long_options[] = {
     { "no-stream", no_argument, NULL, OPT_NO_STREAM },
     { "concurrency", required_argument, NULL, OPT_CONCURRENCY },
     { "prompt-tokens", required_argument, NULL, OPT_PROMPT_TOKENS },
+    { "admit-tokens", required_argument, NULL, OPT_ADMIT_TOKENS },
     { "requests", required_argument, NULL, OPT_REQUESTS },
     { 0, 0, 0, 0 },
 };
@@ -790,6 +793,9 @@ static void parse_options(struct options *o, int argc, char **argv)
             break;
         case OPT_REQUESTS:
             o->bench.requests = (uint32_t)parse_int("--requests", optarg, 1, CTL_BENCH_MAX_REQUESTS);
+            break;
+        case OPT_ADMIT_TOKENS:
+            o->bench.admit_tokens = (uint32_t)parse_int("--admit-tokens", optarg, 1, CTL_BENCH_MAX_PROMPT);
             break;
         default: fprintf(stderr, "Try '%s --help'.\n", prog); exit(EXIT_USAGE);
         }

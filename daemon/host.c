@@ -218,6 +218,7 @@ static int boot(struct dsv4_host *h)
         limits.max_requests = DSV4_SCHED_REQUESTS_MAX;
     limits.max_output_tokens = cfg->max_context;
     limits.prefill_budget = opts.prefill_chunk;
+    limits.decode_stall_ms = cfg->decode_stall_ms;
     limits.sampler_threads = threads;
     r = dsv4_sched_create(h->backend, h->tok, &limits, &h->sched);
     if (r < 0)

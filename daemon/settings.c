@@ -14,6 +14,7 @@
 #include "daemon/settings.h"
 #include "engine/backend.h"
 #include "engine/error.h"
+#include "engine/serve/scheduler.h"
 
 enum opt_type { OPT_PATH, OPT_INT, OPT_SIZE, OPT_SECONDS, OPT_BACKEND, OPT_NUMERICS, OPT_LEVEL,
                 OPT_USERS, OPT_GROUPS, OPT_OFFLOAD, OPT_GPUS };
@@ -52,6 +53,10 @@ static const struct opt opts[] = {
            "prompt tokens prefilled per engine step, all requests together; on CUDA one step's rows "
            "(0 = " DSV4_STR(DSV4_PREFILL_CHUNK_DEFAULT) "; running streams wait for at most one such step "
            "between tokens)"),
+    INTOPT("decode_stall_ms", decode_stall_ms, 0, DSV4_SCHED_DECODE_STALL_MS_MAX,
+           "while streams generate, a step prefills only what the measured prefill rate fits in this many "
+           "ms (at least " DSV4_STR(DSV4_SCHED_STALL_MIN_TOKENS) " tokens), bounding their time per token "
+           "(0 = off: a whole prefill_chunk)"),
     INTOPT("spec_tokens", spec_tokens, 0, DSV4_SPEC_TOKENS_MAX,
            "speculative decoding: tokens the checkpoint's MTP block drafts per step and one batched step "
            "verifies (0 = off; the output is the same either way)"),

@@ -38,6 +38,7 @@ struct dsv4_settings {
     int max_context;
     uint64_t prefix_cache;      /* bytes of the prefix-cache pool (device memory on CUDA); 0 = off */
     int prefill_chunk;          /* prompt tokens per engine step (0 = DSV4_PREFILL_CHUNK_DEFAULT) */
+    int decode_stall_ms;        /* 0 = off; else the prefill a decoding step may take (engine/serve/scheduler.h) */
     int spec_tokens;            /* MTP drafts per decode step (0 = no speculative decoding) */
     enum dsv4_expert_offload expert_offload;    /* routed experts that do not fit the GPU: pinned host memory */
     int expert_host_share;      /* percent of each layer's experts in host memory at least (expert_offload = on) */

@@ -41,6 +41,7 @@
 #define SCHED_ID_INDEX_BITS 16
 #define SCHED_ID_INDEX_MASK ((1u << SCHED_ID_INDEX_BITS) - 1)
 #define SCHED_PREFILL_BUDGET_MAX (1 << 20)
+#define SCHED_RATE_WEIGHT 0.5       /* a new prefill chunk's share of the moving average of its rate */
 
 enum req_state { REQ_FREE, REQ_QUEUED, REQ_RUNNING, REQ_FINISHED };
 
@@ -98,6 +99,7 @@ struct dsv4_sched {
     int vocab, max_batch, max_context;
     int32_t eos;
     struct dsv4_sched_limits lim;   /* defaults resolved */
+    double prefill_ns_per_token;    /* moving average over chunks of >= DSV4_SCHED_STALL_MIN_TOKENS; 0: none yet */
     uint64_t allocations;
 
     pthread_mutex_t lock;
@@ -389,6 +391,9 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     if (lim.prefill_budget < 1 || lim.prefill_budget > SCHED_PREFILL_BUDGET_MAX)
         return dsv4_error_set(-EINVAL, "scheduler prefill_budget %d: must be in [1, %d]",
                               lim.prefill_budget, SCHED_PREFILL_BUDGET_MAX);
+    if (lim.decode_stall_ms < 0 || lim.decode_stall_ms > DSV4_SCHED_DECODE_STALL_MS_MAX)
+        return dsv4_error_set(-EINVAL, "scheduler decode_stall_ms %d: must be in [0, %d]", lim.decode_stall_ms,
+                              DSV4_SCHED_DECODE_STALL_MS_MAX);
     if (lim.max_output_tokens < 1 || lim.max_output_tokens > max_context)
         return dsv4_error_set(-EINVAL, "scheduler max_output_tokens %d: must be in [1, max_context %d]",
                               lim.max_output_tokens, max_context);
@@ -1387,6 +1392,34 @@ static void admit(struct dsv4_sched *s, uint64_t t)
     }
 }
 
+/* The step's prefill tokens (scheduler.h): the budget, or while streams decode and decode_stall_ms is
+ * set, what the measured prefill rate fits in that time. */
+static int step_prefill_budget(const struct dsv4_sched *s, int n_running)
+{
+    const int budget = s->lim.prefill_budget;
+    bool decoding = false;
+
+    if (!s->lim.decode_stall_ms || s->prefill_ns_per_token <= 0.0)
+        return budget;
+    for (int k = 0; k < n_running && !decoding; k++)
+        decoding = s->reqs[s->running[k]].generating;
+    if (!decoding)
+        return budget;
+    const double fit = s->lim.decode_stall_ms * 1e6 / s->prefill_ns_per_token;
+    return fit < DSV4_SCHED_STALL_MIN_TOKENS ? DSV4_SCHED_STALL_MIN_TOKENS : fit > budget ? budget : (int)fit;
+}
+
+/* Fold one prefill chunk's time into the rate; short chunks (a prompt's tail) are mostly fixed cost
+ * and would overstate it. */
+static void note_prefill_rate(struct dsv4_sched *s, int tokens, uint64_t ns)
+{
+    if (tokens < DSV4_SCHED_STALL_MIN_TOKENS)
+        return;
+    const double per = (double)ns / tokens;
+    s->prefill_ns_per_token = s->prefill_ns_per_token > 0.0
+                              ? s->prefill_ns_per_token + SCHED_RATE_WEIGHT * (per - s->prefill_ns_per_token) : per;
+}
+
 int dsv4_sched_step(struct dsv4_sched *s)
 {
     uint64_t t0 = now_ns();
@@ -1405,7 +1438,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
     /* Prefill: oldest first, within the budget. Only the running list's first n_running entries
      * are ours to read: submit never touches it. */
     struct dsv4_backend *b = s->backend;
-    int budget = s->lim.prefill_budget;
+    int budget = step_prefill_budget(s, n_running);
     int prefill_tokens = 0;
     int r_restore;
     for (int k = 0; k < n_running; k++)
@@ -1427,7 +1460,10 @@ int dsv4_sched_step(struct dsv4_sched *s)
                 chunk = s->block - (int)(q->position % s->block);
             bool last = chunk == left;
             float *lg = last && !s->device_sampling ? s->logits : NULL;
+            const uint64_t tp = now_ns();
             int r = b->ops->prefill(b, q->slot, q->prompt + q->n_prefilled, chunk, lg, false);
+            if (r == 0)
+                note_prefill_rate(s, chunk, now_ns() - tp);
             if (r < 0) {
                 if (!backend_fatal(s, r, "prefill"))
                     fail_request(s, q, r, "prefill");

@@ -24,7 +24,11 @@
  * step's prefill_budget tokens are spent; a sequence whose prompt completes samples its first token
  * from the chunk's last row. (3) One batched decode for every sequence that was already generating at
  * the start of the step. (4) Sample, check stops, queue events. A long prompt therefore delays the
- * others' next token by at most one prefill_budget-sized chunk per step.
+ * others' next token by at most one prefill_budget-sized chunk per step; with decode_stall_ms, by
+ * about that long: a step that decodes prefills no more tokens than the prefill rate measured so far
+ * (a moving average over chunks of at least DSV4_SCHED_STALL_MIN_TOKENS) fits in decode_stall_ms,
+ * and never fewer than DSV4_SCHED_STALL_MIN_TOKENS, so prompts still advance. Steps with no stream
+ * decoding use the whole budget.
  *
  * Stops (first match wins, in this order, after each sampled token):
  *   EOS (the model's eos id) or one of stop_token_ids -> DSV4_FINISH_STOP (the token is kept in
@@ -100,9 +104,13 @@ struct dsv4_sched_detok {
     void *ctx;
 };
 
+#define DSV4_SCHED_DECODE_STALL_MS_MAX 60000
+#define DSV4_SCHED_STALL_MIN_TOKENS 16
+
 struct dsv4_sched_limits {
     int max_requests;       /* queued + running + finished-but-not-released; 0 = 4 * max_batch */
     int prefill_budget;     /* prompt tokens prefilled per step, all sequences together; 0 = 512 */
+    int decode_stall_ms;    /* 0 = off; else a step that decodes prefills what fits in this long (above) */
     int max_output_tokens;  /* per request; 0 = min(max_context, 32768) */
     int max_output_bytes;   /* text per request; 0 = 8 * max_output_tokens */
     int max_unreleased;     /* finished requests holding output buffers until released; 0 = max_batch */

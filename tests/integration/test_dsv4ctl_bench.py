@@ -47,6 +47,16 @@ try:
          ["2", "8", "0"], "bench table: header, then C=2 with the default 8 requests and no failure",
          (r.stdout, r.stderr))
 
+    # a 150-token prompt admitted beside 2 streams that run to max_tokens (the endless model)
+    r = ctl("bench", "--concurrency", "2", "--prompt-tokens", "8", "--max-tokens", "200", "--requests", "2",
+            "--temperature", "0", "--admit-tokens", "150", "--json", env=sock)
+    lv = json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else {}
+    t.ok(lv.get("admit_tokens") == 150 and lv.get("admit_ttft_ms") and lv["admit_ttft_ms"] > 0 and
+         lv["admit_gaps"] > 0 and 0 < lv["admit_gap_ms_median"] <= lv["admit_gap_ms_p99"] <= lv["admit_gap_ms_max"],
+         "bench --admit-tokens: the admitted prompt's TTFT and the streams' gaps meanwhile", (r.stdout, r.stderr))
+    r = ctl("bench", "--prompt-tokens", "8", "--max-tokens", "4", "--admit-tokens", "256", env=sock)
+    t.ok(r.returncode == 2 and "--admit-tokens 256" in r.stderr, "an admitted prompt past the context is refused "
+         "before any request, exit 2", (r.returncode, r.stderr))
     r = ctl("bench", "--prompt-tokens", "300", "--max-tokens", "4", env=sock)
     t.ok(r.returncode == 2 and "context of 256" in r.stderr, "a prompt past the server's context is refused "
          "before any request, exit 2", (r.returncode, r.stderr))
@@ -59,7 +69,7 @@ try:
 
     r = ctl("stats", "--json", env=sock)
     st = json.loads(r.stdout) if r.returncode == 0 else {}
-    t.ok(st.get("slots_busy") == 0 and st.get("requests_total", 0) >= 20 and st.get("requests_failed") == 0,
+    t.ok(st.get("slots_busy") == 0 and st.get("requests_total", 0) >= 23 and st.get("requests_failed") == 0,
          "afterwards every slot is free and no request failed", (r.stdout, r.stderr))
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:

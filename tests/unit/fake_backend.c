@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engine/error.h"
 #include "engine/serve/philox.h"
@@ -105,6 +106,14 @@ static int fake_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens,
     f->c.tokens_in += n;
     if (n > f->c.max_prefill_chunk)
         f->c.max_prefill_chunk = n;
+    f->c.last_prefill_chunk = n;
+    if (f->fo.prefill_us_per_token > 0) {
+        const int64_t us = (int64_t)n * f->fo.prefill_us_per_token;
+        struct timespec ts = { .tv_sec = us / 1000000, .tv_nsec = us % 1000000 * 1000 };
+
+        while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+            ;
+    }
     return 0;
 }
 

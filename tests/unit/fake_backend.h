@@ -22,6 +22,7 @@ struct fake_backend_opts {
                                  * slot's penalty history and samples its own rows (engine/serve/sampler.c) */
     bool fail_fatal;            /* fail_after's failure is -ENOTRECOVERABLE (a sticky device error, as
                                  * the CUDA backend reports one), and every call after it fails too */
+    int prefill_us_per_token;   /* > 0: a prefill call sleeps that long per token (a measurable rate) */
 };
 
 int fake_backend_create(const struct fake_backend_opts *fo, const struct dsv4_backend_opts *opts,
@@ -33,6 +34,7 @@ void fake_backend_row(const struct fake_backend_opts *fo, const int32_t *history
 struct fake_backend_counters {
     int64_t prefill_calls, decode_calls, resets;
     int max_prefill_chunk;      /* largest n in one prefill call */
+    int last_prefill_chunk;     /* n of the latest prefill call */
     int max_decode_batch;
     int64_t tokens_in;          /* tokens appended, prefill and decode together */
 };

@@ -62,10 +62,10 @@ void *__wrap_realloc(void *p, size_t n)
 #define OUT_MAX 512
 #define TEXT_MAX 4096
 
-static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false };  /* EOS never wins */
-static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0, false, false };      /* EOS like any */
+static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 0 };  /* EOS never wins */
+static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0, false, false, 0 };      /* EOS like any */
 /* The same, sampling inside the backend (ops->sample), as the CUDA backend does. */
-static const struct fake_backend_opts FAKE_EOS_DEVICE = { VOCAB, EOS, 0.0f, 6.0f, 0, true, false };
+static const struct fake_backend_opts FAKE_EOS_DEVICE = { VOCAB, EOS, 0.0f, 6.0f, 0, true, false, 0 };
 
 struct outcome {
     bool finished;
@@ -83,6 +83,7 @@ struct outcome {
 
 /* Sampler threads for the scheduler env_open() makes (tests that exercise the pool set it). */
 static int env_sampler_threads;
+static int env_decode_stall_ms;
 
 struct env {
     struct dsv4_backend *b;
@@ -101,6 +102,7 @@ static void env_open(struct env *e, const struct fake_backend_opts *fo, int max_
         .max_requests = max_requests,
         .max_output_tokens = max_context < OUT_MAX ? max_context : OUT_MAX,
         .sampler_threads = env_sampler_threads,
+        .decode_stall_ms = env_decode_stall_ms,
         .detok = { fake_token_bytes, NULL },
     };
     int r = dsv4_sched_create(e->b, NULL, &lim, &e->s);
@@ -572,7 +574,7 @@ static void test_limits(void **state)
 /* EOS and stop_token_ids end a request with STOP; the token counts, its text does not. */
 static void test_stop_tokens(void **state)
 {
-    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0, false, false };
+    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0, false, false, 0 };
     struct env e;
     env_open(&e, &eos_first, 1, 64, 64, 4);
     int32_t prompt[6] = { 5, 6, 7, 8, 9, 10 };
@@ -684,6 +686,67 @@ static void test_prefill_interleave(void **state)
     fake_backend_counters(e.b, &c);
     assert_int_equal(c.max_prefill_chunk, 32);
     run_all(&e, o, 5);
+    env_close(&e);
+}
+
+/* decode_stall_ms: while streams decode, a step prefills what the measured rate fits in the bound
+ * (the fake sleeps 100 us a prefilled token, so 20 ms fit at most 200 tokens, fewer when the step's
+ * own overhead shows in the rate); with nothing decoding, the whole budget. */
+static void test_decode_stall(void **state)
+{
+    const struct fake_backend_opts fo = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 100 };
+    const int budget = 1024, fit = 20 * 1000 / 100;
+    static int32_t prompt[1500];
+    static struct outcome o[6];
+    struct fake_backend_counters c;
+    struct env e;
+    uint64_t st = 17;
+
+    env_decode_stall_ms = 20;
+    env_open(&e, &fo, 5, 4096, budget, 12);
+    env_decode_stall_ms = 0;
+    random_prompt(&st, prompt, 1500);
+    /* no rate measured yet, nothing decoding: a 300-token prompt in one chunk */
+    struct dsv4_sched_request rq = make_request(prompt, 300, 1, 0);
+    submit(&e, &rq, &o[5]);
+    run_all(&e, &o[5], 1);
+    fake_backend_counters(e.b, &c);
+    assert_int_equal(c.max_prefill_chunk, 300);
+    /* four streams decoding, then a 1500-token prompt: its chunks fit the bound, every stream moves
+     * each step */
+    for (int i = 0; i < 4; i++) {
+        rq = make_request(prompt + 100 + i, 8, 400, i);
+        submit(&e, &rq, &o[i]);
+    }
+    for (int i = 0; i < 2; i++)
+        step(e.s);
+    rq = make_request(prompt, 1500, 4, 0);
+    submit(&e, &rq, &o[4]);
+    int steps = 0, before[4];
+    while (o[4].n_tokens == 0) {
+        for (int i = 0; i < 4; i++)
+            before[i] = o[i].n_tokens;
+        step(e.s);
+        steps++;
+        fake_backend_counters(e.b, &c);
+        if (c.last_prefill_chunk > fit || c.last_prefill_chunk < DSV4_SCHED_STALL_MIN_TOKENS)
+            fail_msg("step %d prefilled %d tokens while 4 streams decode (bound %d)", steps, c.last_prefill_chunk, fit);
+        for (int i = 0; i < 4; i++)
+            assert_int_equal(o[i].n_tokens, before[i] + 1);
+        assert_true(steps < 1500 / DSV4_SCHED_STALL_MIN_TOKENS + 2);
+    }
+    print_message("a 1500-token prompt beside 4 decoding streams: %d steps of at most %d tokens\n", steps, fit);
+    assert_true(steps >= 1500 / fit);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(dsv4_sched_cancel(e.s, o[i].id), 0);
+    run_all(&e, o, 5);
+    /* nothing decoding again: the whole budget */
+    rq = make_request(prompt, 1400, 1, 0);
+    submit(&e, &rq, &o[5]);
+    step(e.s);
+    fake_backend_counters(e.b, &c);
+    assert_int_equal(c.last_prefill_chunk, budget);
+    run_all(&e, &o[5], 1);
     env_close(&e);
 }
 
@@ -956,7 +1019,7 @@ static void test_tokenizer_text(void **state)
     if (r < 0)
         fail_msg("tokenizer: %s", dsv4_error_message());
 
-    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0, false, false };
+    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0, false, false, 0 };
     struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = 256 };
     struct dsv4_backend *b;
     assert_int_equal(fake_backend_create(&fo, &bo, &b), 0);
@@ -1003,7 +1066,7 @@ static void test_tokenizer_text(void **state)
  * the next requests run (here the failure is injected once 30 tokens went in). */
 static void test_backend_error(void **state)
 {
-    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30, false, false };
+    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30, false, false, 0 };
     struct env e;
     env_open(&e, &failing, 2, 128, 64, 8);
     int32_t prompt[10] = { 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
@@ -1050,7 +1113,7 @@ static void *run_thread(void *arg)
  * queued, with that error; new ones are refused; the engine thread's loop returns the error. */
 static void test_backend_fatal(void **state)
 {
-    const struct fake_backend_opts faulty = { VOCAB, EOS, -100.0f, 6.0f, 40, false, true };
+    const struct fake_backend_opts faulty = { VOCAB, EOS, -100.0f, 6.0f, 40, false, true, 0 };
     struct env e;
     env_open(&e, &faulty, 2, 128, 64, 8);
     int32_t prompt[10] = { 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
@@ -1271,6 +1334,7 @@ int main(void)
         cmocka_unit_test(test_stop_tokens),
         cmocka_unit_test(test_cancel),
         cmocka_unit_test(test_prefill_interleave),
+        cmocka_unit_test(test_decode_stall),
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_run_between),
         cmocka_unit_test(test_random_workload),
