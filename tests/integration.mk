@@ -9,6 +9,7 @@ DSV4D_INTEGRATION_TESTS = \
 	tests/integration/test_dsv4d_client.py \
 	tests/integration/test_dsv4ctl_bench.py \
 	tests/integration/test_dsv4d_soak.py \
+	tests/integration/test_synthetic.py \
 	tests/integration/test_units.sh \
 	tests/integration/test_docs.sh
 TESTS += $(DSV4D_INTEGRATION_TESTS)

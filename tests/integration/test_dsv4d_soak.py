@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: MIT
 """A soak of dsv4d with everything on at once: speculative decoding (spec_tokens 3, the default model's
 trained MTP block), the prefix cache (prompts share 64- and 128-token prefixes, the model's block
-being 64), a full batch, and clients that stream, cancel, drop their connection mid-stream and send
-bad requests, from CLIENTS threads at once.
+being 64), prefill in small chunks beside decoding streams (decode_stall_ms 1), a full batch, and
+clients that stream, cancel, drop their connection mid-stream and send bad requests, from CLIENTS
+threads at once.
 
 The oracle is a second dsv4d on the same model with neither speculation nor the prefix cache, asked
 each distinct request once: every request the soak lets finish must give exactly its tokens (same
@@ -196,7 +197,10 @@ def main():
     if refs is None or any(r is None for r in refs):
         t.done()
         return
-    d = Daemon(args=ARGS + ["--spec-tokens", "3", "--prefix-cache", "16M"], model=MODEL, tokenizer=False)
+    # decode_stall_ms 1: while streams decode, prompts advance in small chunks of whatever size the
+    # measured rate gives, which the answers must not notice either
+    d = Daemon(args=ARGS + ["--spec-tokens", "3", "--prefix-cache", "16M", "--decode-stall-ms", "1"], model=MODEL,
+               tokenizer=False)
     try:
         if not t.ok(d.start(), "soak dsv4d (spec_tokens 3, prefix cache) is ready", d.log_text()):
             t.done()
