@@ -19,6 +19,8 @@
  * the host instead of sampled there (what dsv4-run and host sampling do). The floor counts the
  * weights every step reads (everything but the routed experts, plus the experts the batch routes
  * to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy bandwidth.
+ * A verify-shaped step follows: one slot appends 1 to 1 + DSV4_SPEC_TOKENS_MAX rows in one step with
+ * every row's logits to the host, beside one row (the cost side of speculative decoding).
  * --chunk N sets the backend's prefill chunk (the longest prefill step timed); --profile brackets the
  * second step of the longest prefill timing with cudaProfilerStart/Stop, for
  * `ncu --profile-from-start off` (per-kernel time of one chunk).
@@ -740,6 +742,36 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         }
         snprintf(what, sizeof(what), "  the same, logits to the host");
         report(what, B, median(us, BENCH_STEPS), bytes);
+    }
+    /* Speculative decoding's verify, shaped: one slot appends 1 + k rows in one step (what a verify of
+     * k drafts computes, less the MTP block's catch-up) with every row's logits to the host, as the
+     * scheduler samples them there. Beside one row, the step's cost per token: at an acceptance of a
+     * tokens a verify, speculation gains a x t(1) / t(1 + k). */
+    {
+        float vs[BENCH_STEPS], t1 = 0.0f;
+        int32_t rows_tok[DSV4_SPEC_TOKENS_MAX + 1];
+        printf("%-34s %5s %10s %12s\n", "verify-shaped step (1 slot)", "rows", "us", "x one row");
+        for (int r = 1; r <= DSV4_SPEC_TOKENS_MAX + 1; r++) {
+            for (int step = 0; step < BENCH_STEPS + 1; step++) {
+                b->ops->slot_reset(b, 0);
+                for (int t = 0; t < BENCH_PROMPT; t++)
+                    prompt[t] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+                OK(b->ops->prefill(b, 0, prompt, BENCH_PROMPT, NULL, false));
+                for (int j = 0; j < r; j++)
+                    rows_tok[j] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+                double a = now_us();
+                OK(b->ops->prefill(b, 0, rows_tok, r, logits, true));
+                if (step > 0)
+                    vs[step - 1] = (float)(now_us() - a);
+            }
+            const float m = median(vs, BENCH_STEPS);
+            if (r == 1)
+                t1 = m;
+            printf("%-34s %5d %10.1f %12.2f\n", "  rows, every row's logits", r, m, m / t1);
+            if (r > 1)
+                printf("# %d drafts: speculation gains %.2fx at an acceptance of 2.5 tokens a verify\n", r - 1,
+                       2.5 * t1 / m);
+        }
     }
     /* prefill: one slot, `prefill` tokens in calls of `step` tokens, each call one step of that many
      * rows (64: a bucket graph, what every prefill was before longer chunks; more: one eager step of
