@@ -95,7 +95,7 @@ static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *o
     }
     r = dsv4_backend_cpu_create(h->weights, opts, &h->backend);
     if (r < 0)
-        return dsv4_error_prefix(r, "CPU backend: ");
+        return r;       /* the backend's message names it */
     snprintf(h->backend_name, sizeof(h->backend_name), "cpu");
     return 0;
 }

@@ -225,8 +225,7 @@ static const struct dsv4_backend_ops cpu_ops = {
     .accept = cpu_accept,
 };
 
-int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
-                            struct dsv4_backend **ret)
+static int cpu_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts, struct dsv4_backend **ret)
 {
     if (opts->max_batch < 1 || opts->max_batch > DSV4_CPU_MAX_BATCH)
         return dsv4_error_set(-EINVAL, "max_batch %d is outside [1, %d]", opts->max_batch, DSV4_CPU_MAX_BATCH);
@@ -243,7 +242,7 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
     if (!b || !im || !(im->slots = calloc((size_t)opts->max_batch, sizeof(*im->slots)))) {
         free(im);
         free(b);
-        return dsv4_error_set(-ENOMEM, "out of memory for the CPU backend");
+        return dsv4_error_set(-ENOMEM, "out of memory");
     }
     b->ops = &cpu_ops;
     b->weights = w;
@@ -252,27 +251,27 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
     im->route_counts = calloc((size_t)w->cfg.n_layers * (size_t)w->cfg.n_experts, sizeof(*im->route_counts));
     if (!im->route_counts) {
         cpu_destroy(b);
-        return dsv4_error_set(-ENOMEM, "out of memory for the CPU backend's routing counts");
+        return dsv4_error_set(-ENOMEM, "out of memory for the routing counts");
     }
     if (opts->threads > 1) {
         int rc = dsv4_cpu_pool_create(opts->threads, dsv4_cpu_max_linear_in(w), &im->pool);
         if (rc < 0) {
             cpu_destroy(b);
-            return dsv4_error_prefix(rc, "CPU backend: ");
+            return rc;
         }
     }
     for (int i = 0; i < opts->max_batch; i++) {
         int rc = dsv4_cpu_seq_create(w, opts->max_context, &im->slots[i]);
         if (rc < 0) {
             cpu_destroy(b);
-            return dsv4_error_prefix(rc, "CPU backend slot %d: ", i);
+            return dsv4_error_prefix(rc, "slot %d: ", i);
         }
         im->slots[i]->pool = im->pool;
         im->slots[i]->route_counts = im->route_counts;
         im->n_slots = i + 1;
         if (b->spec_tokens && (rc = dsv4_cpu_seq_spec_init(w, im->slots[i], b->spec_tokens)) < 0) {
             cpu_destroy(b);
-            return dsv4_error_prefix(rc, "CPU backend slot %d: ", i);
+            return dsv4_error_prefix(rc, "slot %d: ", i);
         }
         im->bytes += im->slots[i]->bytes;
     }
@@ -287,8 +286,16 @@ int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_back
     }
     if (rc < 0) {
         cpu_destroy(b);
-        return dsv4_error_prefix(rc, "CPU backend: ");
+        return rc;
     }
     *ret = b;
     return 0;
+}
+
+int dsv4_backend_cpu_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
+                            struct dsv4_backend **ret)
+{
+    int rc = cpu_create(w, opts, ret);
+
+    return rc < 0 ? dsv4_error_prefix(rc, "CPU backend: ") : 0;
 }
