@@ -3,7 +3,9 @@
 libdsv4engine_la_SOURCES += \
 	engine/serve/philox.c engine/serve/philox.h \
 	engine/serve/sampler.c engine/serve/sampler.h \
-	engine/serve/scheduler.c engine/serve/scheduler.h \
+	engine/serve/scheduler.c engine/serve/scheduler.h engine/serve/sched_internal.h \
+	engine/serve/sched_step.c engine/serve/sched_spec.c engine/serve/sched_prefix.c \
+	engine/serve/sched_pool.c engine/serve/sched_emit.c \
 	engine/serve/prefix_cache.c engine/serve/prefix_cache.h
 
 check_PROGRAMS += tests/unit/test_prefix_cache

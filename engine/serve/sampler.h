@@ -21,11 +21,11 @@
  * The result depends only on the row, the params, the history counts, the seed and the output index:
  * never on the batch or the slot.
  *
- * Speculative decoding verifies a draft with this same draw (engine/serve/scheduler.c, spec_decode):
- * the draft is the MTP block's greedy pick, a certain proposal, for which the rejection rule accepts
- * it with probability p(draft) and otherwise draws from p without it; sampling the verified row as
- * above and accepting the draft when the draw equals it does exactly that, and leaves every token
- * what decoding without drafts draws. */
+ * Speculative decoding verifies a draft with this same draw (engine/serve/sched_spec.c): the draft is
+ * the MTP block's greedy pick, a certain proposal, for which the rejection rule accepts it with
+ * probability p(draft) and otherwise draws from p without it; sampling the verified row as above and
+ * accepting the draft when the draw equals it does exactly that, and leaves every token what
+ * decoding without drafts draws. */
 #ifndef DSV4_ENGINE_SERVE_SAMPLER_H
 #define DSV4_ENGINE_SERVE_SAMPLER_H
 

@@ -1,0 +1,76 @@
+/* SPDX-License-Identifier: MIT */
+/* The scheduler's use of the prefix cache (engine/serve/sched_internal.h): restore a request's longest
+ * cached prefix before its first prefill, snapshot its slot at block boundaries. */
+#include "build-config.h"
+
+#include <stdint.h>
+
+#include "engine/serve/sched_internal.h"
+
+struct save_ctx {
+    struct dsv4_backend *b;
+    int slot;
+};
+
+static int save_slot(void *ctx, const int32_t *block_pages, const int32_t *boundary_pages)
+{
+    const struct save_ctx *x = ctx;
+    return x->b->ops->prefix_save(x->b, x->slot, block_pages, boundary_pages);
+}
+
+/* Before q's first prefill: restore the longest cached prefix of its prompt, all but the last token
+ * (prefill makes that one's logits). Returns 0, or the backend's error (q is then finished). */
+int sched_prefix_restore(struct dsv4_sched *s, struct sched_req *q)
+{
+    struct dsv4_backend *b = s->backend;
+    struct dsv4_prefix_hit hit;
+    q->cache_looked = true;
+    if (!s->prefix)
+        return 0;
+    q->caching = true;
+    dsv4_prefix_cache_lookup(s->prefix, q->prompt, q->n_prompt - 1, &hit);
+    q->cache_match = hit.matched_blocks;
+    if (hit.node == DSV4_PREFIX_ROOT)
+        return 0;
+    q->cache_node = hit.node;       /* released with the slot, also when the load fails */
+    int r = b->ops->prefix_load(b, q->slot, hit.n_blocks, hit.block_pages, hit.boundary_pages, q->prompt);
+    if (r < 0) {
+        sched_fail_request(s, q, r, "restoring the cached prefix");
+        return r;
+    }
+    const int n = hit.n_blocks * s->block;
+    uint8_t *seen = s->seen + (size_t)q->slot * s->seen_stride;
+    for (int i = 0; i < n; i++)
+        seen[q->prompt[i] / 8] |= (uint8_t)(1u << (q->prompt[i] % 8));
+    q->n_prefilled = n;
+    q->position = n;
+    q->result.cached_tokens = n;
+    return 0;
+}
+
+/* The tokens of the block that ends at q's position: prompt, then the generated tokens fed since. */
+static const int32_t *fed_block(struct dsv4_sched *s, const struct sched_req *q)
+{
+    const int64_t start = q->position - s->block;
+    if (q->position <= q->n_prompt)
+        return q->prompt + start;
+    const int32_t *gen = s->outs[q->out].tokens;
+    for (int i = 0; i < s->block; i++)
+        s->block_tokens[i] = start + i < q->n_prompt ? q->prompt[start + i] : gen[start + i - q->n_prompt];
+    return s->block_tokens;
+}
+
+/* q's slot has reached a block boundary: its state becomes (or meets) the next node of its chain.
+ * When the cache has no room, or the copy fails (the slot itself is unchanged), q stops snapshotting
+ * and runs on. */
+void sched_prefix_snapshot(struct dsv4_sched *s, struct sched_req *q, bool hot)
+{
+    struct save_ctx ctx = { s->backend, q->slot };
+    int32_t node;
+    int r = dsv4_prefix_cache_extend(s->prefix, q->cache_node, fed_block(s, q), hot, save_slot, &ctx, &node);
+    if (sched_backend_fatal(s, r, "saving a prefix"))
+        return;
+    dsv4_prefix_cache_release(s->prefix, q->cache_node);
+    q->cache_node = r == 0 ? node : DSV4_PREFIX_ROOT;
+    q->caching = r == 0;
+}
