@@ -95,11 +95,10 @@ static uint64_t mix64(uint64_t z)
 /* splitmix64: one stream per (tensor, block) */
 static uint64_t next64(uint64_t *s)
 {
+    const uint64_t z = mix64(*s);
+
     *s += 0x9e3779b97f4a7c15ull;
-    uint64_t z = *s;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+    return z;
 }
 
 static double uniform01(uint64_t *s)        /* (0, 1] */
