@@ -15,7 +15,10 @@
  *   router_skew      s >= 0: the scored layers' selection bias of the expert whose popularity rank
  *                    is r (a random permutation per layer) gets -s ln r added, so routing follows a
  *                    Zipf-like law (trained routers are skewed; random ones route nearly uniformly).
- *                    0 keeps the plain N(0, 0.01) bias. Hash layers route by their table, unskewed. */
+ *                    0 keeps the plain N(0, 0.01) bias. Hash layers route by their table, unskewed.
+ *                    At Flash's shapes (256 experts, top 6; the router alone on N(0, 1) inputs)
+ *                    the most routed tenth of the experts takes 12% of the tokens at s = 0, 32% at
+ *                    0.1, 62% at 0.2 and 98% at 0.5, where 182 experts are never routed to. */
 #ifndef DSV4_ENGINE_MODEL_SYNTH_H
 #define DSV4_ENGINE_MODEL_SYNTH_H
 
