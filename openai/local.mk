@@ -16,7 +16,8 @@ EXTRA_DIST += tests/fixtures/openai/dsml.json tools/make_openai_fixtures.py
 
 if HAVE_OPENAI
 bin_PROGRAMS += dsv4-openai
-dsv4_openai_SOURCES = openai/main.c openai/http.c openai/http.h openai/job.c openai/job.h openai/log.c openai/log.h \
+dsv4_openai_SOURCES = openai/main.c openai/http.c openai/http.h openai/job.c openai/job.h openai/job_internal.h openai/job_respond.c openai/job_dsv4d.c \
+	openai/job_fields.c openai/job_generate.c openai/job_info.c openai/log.c openai/log.h \
 	openai/server.h
 dsv4_openai_CFLAGS = $(AM_CFLAGS) $(MHD_CFLAGS) $(JANSSON_CFLAGS) $(SYSTEMD_CFLAGS)
 dsv4_openai_LDADD = libdsv4openai.la libdsv4client.la $(MHD_LIBS) $(JANSSON_LIBS) $(SYSTEMD_LIBS) -lm

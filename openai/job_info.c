@@ -1,0 +1,139 @@
+/* SPDX-License-Identifier: MIT */
+/* Models, health and metrics (openai/job_internal.h): what dsv4d says of itself, in OpenAI's and
+ * Prometheus's forms. */
+#include "build-config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "openai/job_internal.h"
+#include "openai/log.h"
+
+void oai_run_models(struct dsv4_oai_job *j)
+{
+    struct dsv4_client *c;
+    const struct dsv4_client_info *info;
+    char name[256];
+    if (oai_connect_dsv4d(j, QUICK_TIMEOUT_MS, &c) < 0)
+        return;
+    int rc = dsv4_client_hello(c, &info);
+    if (rc < 0) {
+        oai_respond_client_error(j, c, rc, "hello");
+    } else {
+        oai_model_name(j, c, name, sizeof(name));
+        oai_respond_json(j, 200, json_pack("{s:s,s:[{s:s,s:s,s:I,s:s,s:I}]}", "object", "list", "data", "id", name, "object",
+                                       "model", "created", (json_int_t)time(NULL), "owned_by", "dsv4d", "max_model_len",
+                                       (json_int_t)info->max_context));
+    }
+    dsv4_client_close(c);
+}
+
+void oai_run_health(struct dsv4_oai_job *j)
+{
+    struct dsv4_client *c = dsv4_client_new();
+    struct dsv4_client_health h;
+    int rc = c ? dsv4_client_connect(c, j->srv->cfg->socket, QUICK_TIMEOUT_MS) : -ENOMEM;
+    if (rc == 0) {
+        dsv4_client_set_timeout(c, QUICK_TIMEOUT_MS);
+        rc = dsv4_client_health(c, &h);
+    }
+    if (rc < 0)
+        oai_respond_json(j, 503, json_pack("{s:s,s:s}", "status", "unavailable", "reason",
+                                       c ? dsv4_client_error_message(c) : "out of memory"));
+    else
+        oai_respond_json(j, h.status == DSV4_CLIENT_HEALTH_READY ? 200 : 503,
+                     json_pack("{s:s,s:s}", "status", dsv4_client_health_name(h.status), "reason", h.reason));
+    dsv4_client_close(c);
+}
+
+static void metric(struct dsv4_buf *b, const char *name, const char *type, const char *help, double v)
+{
+    dsv4_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
+}
+
+/* Prometheus text exposition of dsv4d's stats and this front's own counters. */
+void oai_run_metrics(struct dsv4_oai_job *j)
+{
+    struct dsv4_oai_server *s = j->srv;
+    struct dsv4_client *c = dsv4_client_new();
+    struct dsv4_client_stats st;
+    struct dsv4_client_health h;
+    struct dsv4_buf b = {0};
+    int rc = c ? dsv4_client_connect(c, s->cfg->socket, QUICK_TIMEOUT_MS) : -ENOMEM;
+    if (rc == 0) {
+        dsv4_client_set_timeout(c, QUICK_TIMEOUT_MS);
+        rc = dsv4_client_stats(c, &st);
+    }
+    if (rc == 0)
+        rc = dsv4_client_health(c, &h);
+    metric(&b, "dsv4d_up", "gauge", "1 when dsv4d answered this scrape", rc == 0);
+    if (rc == 0) {
+        dsv4_buf_printf(&b, "# HELP dsv4d_health dsv4d's state (1 for the current one)\n# TYPE dsv4d_health gauge\n");
+        for (int k = DSV4_CLIENT_HEALTH_READY; k <= DSV4_CLIENT_HEALTH_DRAINING; k++)
+            dsv4_buf_printf(&b, "dsv4d_health{status=\"%s\"} %d\n", dsv4_client_health_name(k), (int)h.status == k);
+        dsv4_buf_printf(&b, "# HELP dsv4d_info the backend and kernel variants in use\n# TYPE dsv4d_info gauge\n"
+                        "dsv4d_info{backend=\"%s\"} 1\n", st.backend);
+        for (size_t k = 0; k < st.n_kernels; k++) {
+            char esc[160];
+            size_t w = 0;
+            for (const char *p = st.kernels[k]; *p && w + 2 < sizeof(esc); p++) {
+                if (*p == '"' || *p == '\\')
+                    esc[w++] = '\\';
+                esc[w++] = *p == '\n' ? ' ' : *p;
+            }
+            esc[w] = '\0';
+            dsv4_buf_printf(&b, "dsv4d_info{kernel=\"%s\"} 1\n", esc);
+        }
+        metric(&b, "dsv4d_uptime_seconds", "gauge", "time since dsv4d started", st.uptime_s);
+        metric(&b, "dsv4d_slots", "gauge", "sequence slots", st.slots_total);
+        metric(&b, "dsv4d_slots_busy", "gauge", "slots holding a sequence", st.slots_busy);
+        metric(&b, "dsv4d_queue_depth", "gauge", "requests waiting for a slot", st.queue_depth);
+        metric(&b, "dsv4d_connections", "gauge", "open connections to dsv4d", st.connections);
+        metric(&b, "dsv4d_requests_total", "counter", "generate requests accepted", (double)st.requests_total);
+        metric(&b, "dsv4d_requests_failed_total", "counter", "generate requests that failed", (double)st.requests_failed);
+        metric(&b, "dsv4d_requests_cancelled_total", "counter", "generate requests cancelled",
+               (double)st.requests_cancelled);
+        metric(&b, "dsv4d_prompt_tokens_total", "counter", "prompt tokens accepted", (double)st.prompt_tokens_total);
+        metric(&b, "dsv4d_generated_tokens_total", "counter", "tokens generated", (double)st.generated_tokens_total);
+        metric(&b, "dsv4d_prefill_tokens_per_second", "gauge", "recent prefill rate", st.prefill_tokens_per_s);
+        metric(&b, "dsv4d_decode_tokens_per_second", "gauge", "recent decode rate", st.decode_tokens_per_s);
+        metric(&b, "dsv4d_device_arena_bytes", "gauge", "the boot-time device allocation", (double)st.device_arena_bytes);
+        metric(&b, "dsv4d_heap_allocated_bytes", "gauge", "heap bytes allocated", (double)st.heap_allocated);
+        metric(&b, "dsv4d_heap_resident_bytes", "gauge", "heap bytes resident", (double)st.heap_resident);
+        metric(&b, "dsv4d_device_allocs_after_boot", "gauge", "device allocations after boot (stays 0)",
+               (double)st.device_allocs_after_boot);
+        metric(&b, "dsv4d_graph_captures_after_boot", "gauge", "graph captures after boot (stays 0)",
+               (double)st.graph_captures_after_boot);
+        metric(&b, "dsv4d_steps_total", "counter", "engine steps that did work", (double)st.steps);
+        metric(&b, "dsv4d_decode_steps_total", "counter", "steps that decoded", (double)st.decode_steps);
+        dsv4_buf_printf(&b, "# HELP dsv4d_decode_batch_size decode steps by batch size\n"
+                        "# TYPE dsv4d_decode_batch_size histogram\n");
+        uint64_t cum = 0;
+        for (size_t k = 0; k < st.n_batch_hist; k++) {
+            cum += st.batch_hist[k];
+            if (k + 1 < st.n_batch_hist)
+                dsv4_buf_printf(&b, "dsv4d_decode_batch_size_bucket{le=\"%llu\"} %" PRIu64 "\n", 1ull << k, cum);
+        }
+        dsv4_buf_printf(&b, "dsv4d_decode_batch_size_bucket{le=\"+Inf\"} %" PRIu64 "\n"
+                        "dsv4d_decode_batch_size_count %" PRIu64 "\n", st.decode_steps, st.decode_steps);
+    }
+    static const char *const route_names[] = {"chat_completions", "completions", "models", "health", "metrics"};
+    pthread_mutex_lock(&s->lock);
+    dsv4_buf_printf(&b, "# HELP dsv4_openai_requests_total HTTP requests by endpoint\n"
+                    "# TYPE dsv4_openai_requests_total counter\n");
+    for (int r = 0; r < DSV4_OAI_N_ROUTES; r++)
+        dsv4_buf_printf(&b, "dsv4_openai_requests_total{endpoint=\"%s\"} %" PRIu64 "\n", route_names[r], s->requests[r]);
+    dsv4_buf_printf(&b, "# HELP dsv4_openai_errors_total error responses by class\n"
+                    "# TYPE dsv4_openai_errors_total counter\n"
+                    "dsv4_openai_errors_total{class=\"4xx\"} %" PRIu64 "\n"
+                    "dsv4_openai_errors_total{class=\"5xx\"} %" PRIu64 "\n", s->responses_4xx, s->responses_5xx);
+    metric(&b, "dsv4_openai_generations", "gauge", "completions in flight", s->generations);
+    metric(&b, "dsv4_openai_disconnects_total", "counter", "generations cancelled because the client left",
+           (double)s->disconnects);
+    pthread_mutex_unlock(&s->lock);
+    dsv4_client_close(c);
+    oai_respond(j, 200, dsv4_buf_steal(&b));
+}
