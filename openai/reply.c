@@ -122,6 +122,17 @@ static int call_args(struct dsv4_reply *r)
     return rc;
 }
 
+/* Close the open call with the parameters that were complete: its arguments end as one JSON object. */
+static int close_call(struct dsv4_reply *r)
+{
+    int rc = dsv4_buf_puts(&r->args, r->params ? "}" : "{}");
+    if (rc == 0)
+        rc = call_args(r);
+    if (rc == 0)
+        rc = emit(r, DSV4_REPLY_CALL_END, "", 0);
+    return rc;
+}
+
 /* One complete parameter element starting at h (after its opening "<｜DSML｜parameter name=\"").
  * Returns the bytes consumed after the opening, 0 to wait, -EBADMSG when malformed. */
 static ssize_t parse_param(struct dsv4_reply *r, const char *h, size_t hn)
@@ -244,8 +255,7 @@ static int run(struct dsv4_reply *r, bool final)
             size_t sp = skip_space(h, hn);
             int a = starts(h + sp, hn - sp, invoke_close), b = starts(h + sp, hn - sp, param_open);
             if (a == 1) {
-                if ((rc = dsv4_buf_puts(&r->args, r->params ? "}" : "{}")) || (rc = call_args(r)) ||
-                    (rc = emit(r, DSV4_REPLY_CALL_END, "", 0)))
+                if ((rc = close_call(r)))
                     return rc;
                 used = sp + strlen(invoke_close);
                 r->st = ST_CALLS;
@@ -255,6 +265,9 @@ static int run(struct dsv4_reply *r, bool final)
                 const char *p = h + sp + strlen(param_open);
                 ssize_t n = parse_param(r, p, hn - (size_t)(p - h));
                 if (n == -EBADMSG) {
+                    /* not the format: the call begun is closed, the rest is content */
+                    if ((rc = close_call(r)))
+                        return rc;
                     r->st = ST_PLAIN;
                     break;
                 }
@@ -275,6 +288,8 @@ static int run(struct dsv4_reply *r, bool final)
                 dsv4_buf_consume(&r->hold, hn);
                 return 0;
             }
+            if ((rc = close_call(r)))
+                return rc;
             r->st = ST_PLAIN;
             break;
         }
@@ -298,9 +313,7 @@ int dsv4_reply_finish(struct dsv4_reply *r)
 {
     int rc = run(r, true);
     if (rc == 0 && r->st == ST_INVOKE) {
-        /* Cut short inside a call: close it with the parameters that were complete. */
-        if ((rc = dsv4_buf_puts(&r->args, r->params ? "}" : "{}")) == 0 && (rc = call_args(r)) == 0)
-            rc = emit(r, DSV4_REPLY_CALL_END, "", 0);
+        rc = close_call(r);     /* cut short inside a call */
         r->st = ST_AFTER;
     }
     return rc;

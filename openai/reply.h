@@ -13,8 +13,8 @@
  * The arguments are DeepSeek's decoding: string="true" values become JSON strings, string="false"
  * values are JSON already and are kept as written (a value that is not valid JSON becomes a string,
  * so arguments are always one JSON object). Text is held back only while it could still be the start
- * of a marker. A tool-call block that does not follow the format ends parsing: the rest comes out as
- * content. Feed any split of the text (it need not fall on UTF-8 boundaries: markers are ASCII and
+ * of a marker. A tool-call block that does not follow the format ends parsing: a call it had begun is
+ * closed with the parameters that were complete, and the rest comes out as content. Feed any split of the text (it need not fall on UTF-8 boundaries: markers are ASCII and
  * the held-back text is only ever split at a marker). */
 #ifndef DSV4_OPENAI_REPLY_H
 #define DSV4_OPENAI_REPLY_H

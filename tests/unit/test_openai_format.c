@@ -235,6 +235,32 @@ static void test_parse_stream_and_malformed(void **state)
     assert_int_equal(json_array_size(got.calls), 0);
     dsv4_reply_free(r);
     dsv4_buf_free(&got.content);
+
+    /* Broken inside a call (a marker the fuzzer mangled): the call ends with its complete parameters,
+     * as one JSON object (collect checks), before the rest comes out as content. */
+    static const char *const broken[] = {
+        "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"g\">\n"
+        "<｜DSML｜parameter name=\"n\" string=\"false\">5</｜DSML｜parameter>\n</｜DSML\tB>\n",
+        "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"g\">\n"
+        "<｜DSML｜parameter name=\"n\" string=\"false\">5</｜DSML｜parameter>\n"
+        "<｜DSML｜parameter name=\"m\" strung=\"true\">x</｜DSML｜parameter>",
+    };
+    json_decref(got.calls);
+    for (size_t k = 0; k < 2; k++) {
+        memset(&got.content, 0, sizeof(got.content));
+        got.calls = json_array();
+        assert_int_equal(dsv4_reply_new(false, true, collect, &got, &r), 0);
+        assert_int_equal(dsv4_reply_feed(r, broken[k], strlen(broken[k])), 0);
+        assert_int_equal(dsv4_reply_finish(r), 0);
+        assert_int_equal(json_array_size(got.calls), 1);
+        assert_string_equal(json_string_value(json_object_get(json_array_get(got.calls, 0), "arguments")),
+                            "{\"n\": 5}");
+        assert_non_null(strstr(got.content.p, k ? "strung" : "</｜DSML\tB>"));
+        dsv4_reply_free(r);
+        dsv4_buf_free(&got.content);
+        json_decref(got.calls);
+    }
+    got.calls = json_array();
     memset(&got.content, 0, sizeof(got.content));
     assert_int_equal(dsv4_reply_new(true, false, collect, &got, &r), 0);
     assert_int_equal(dsv4_reply_feed(r, "why</thi", 8), 0);
