@@ -62,14 +62,16 @@ struct job {
     uint64_t key;       /* the tensor's stream */
 };
 
-/* Walker's alias method over the codes of one format: a draw of 32 random bits picks a slot from its
- * top `bits` and keeps it or takes its alias by the rest, which gives each code its probability to
- * within 2^-32 (a plain inverse-CDF table of 2^16 entries would round FP8's rarest codes away). */
+/* Walker's alias method over the 256 values of a byte (an e4m3 code, or two e2m1 codes): a draw of
+ * 32 random bits picks a slot from its top 8 and keeps it or takes its alias by the low 24, which
+ * gives each byte its probability to within 2^-32 (a plain inverse-CDF table of 2^16 entries would
+ * round FP8's rarest codes away). */
+#define ALIAS_SLOTS 256
+#define ALIAS_UNIT (1u << 24)       /* the low bits' range */
+
 struct alias {
-    int bits;                   /* slots: 1 << bits, slot i is code i */
-    double p[256];              /* code i's probability */
-    uint32_t keep[256];         /* keep slot i when the low 32 - bits bits are below this */
-    uint8_t other[256];
+    uint32_t keep[ALIAS_SLOTS];     /* keep slot i when the low 24 bits are below this */
+    uint8_t other[ALIAS_SLOTS];
 };
 
 struct gen {
@@ -125,21 +127,19 @@ static uint16_t f32_to_bf16(float f)        /* round to nearest even; inputs are
 
 static uint8_t alias_draw(const struct alias *a, uint32_t r)
 {
-    const uint32_t i = r >> (32 - a->bits), u = r & ((1u << (32 - a->bits)) - 1u);
+    const uint32_t i = r >> 24, u = r & (ALIAS_UNIT - 1u);
 
     return u < a->keep[i] ? (uint8_t)i : a->other[i];
 }
 
-/* p[1 << bits] (summing to 1) -> a (Vose's construction). */
-static void alias_build(struct alias *a, int bits, const double *p)
+/* p[ALIAS_SLOTS] (summing to 1) -> a (Vose's construction). */
+static void alias_build(struct alias *a, const double *p)
 {
-    const int n = 1 << bits;
-    const double unit = (double)(1u << (32 - bits));
-    double q[256];
-    int small[256], large[256], ns = 0, nl = 0;
+    const int n = ALIAS_SLOTS;
+    const double unit = (double)ALIAS_UNIT;
+    double q[ALIAS_SLOTS];
+    int small[ALIAS_SLOTS], large[ALIAS_SLOTS], ns = 0, nl = 0;
 
-    a->bits = bits;
-    memcpy(a->p, p, sizeof(double) * (size_t)n);
     for (int i = 0; i < n; i++) {
         q[i] = p[i] * n;
         if (q[i] < 1.0)
@@ -167,13 +167,11 @@ static void alias_build(struct alias *a, int bits, const double *p)
     }
 }
 
-/* The code law: N(0, fmt_max / amax_sigmas) rounded to the nearest of mags[0..n) (ties between two
- * magnitudes at their midpoint, clipped at the top), its sign in sign_bit; 1 << bits codes. */
-static void code_law(struct alias *a, int bits, const float *mags, int n, double fmt_max, double amax_sigmas,
-                     uint8_t sign_bit)
+/* The code law into p (zeroed by the caller): N(0, fmt_max / amax_sigmas) rounded to the nearest of
+ * mags[0..n) (ties between two magnitudes at their midpoint, clipped at the top), its sign in sign_bit. */
+static void code_probs(double *p, const float *mags, int n, double fmt_max, double amax_sigmas, uint8_t sign_bit)
 {
     const double k = 1.0 / (fmt_max / amax_sigmas * M_SQRT2);
-    double p[256] = { 0 };
 
     for (int m = 0; m < n; m++) {
         const double lo = m == 0 ? 0.0 : 0.5 * (mags[m - 1] + mags[m]);
@@ -181,25 +179,24 @@ static void code_law(struct alias *a, int bits, const float *mags, int n, double
 
         p[m] = p[m | sign_bit] = 0.5 * (erf(hi * k) - erf(lo * k));
     }
-    alias_build(a, bits, p);
 }
 
 static void make_laws(struct gen *g)
 {
-    struct alias nibble;
-    double pair[256];
+    double p8[ALIAS_SLOTS] = { 0 }, nib[16] = { 0 }, pair[ALIAS_SLOTS];
     float mags[0x7f];
 
     for (int m = 0; m < 0x7f; m++)     /* 0x7f is NaN: probability 0 */
         mags[m] = dsv4_e4m3_to_f32((uint8_t)m);
-    code_law(&g->fp8, 8, mags, 0x7f, E4M3_MAX, FP8_AMAX_SIGMAS, 0x80);
+    code_probs(p8, mags, 0x7f, E4M3_MAX, FP8_AMAX_SIGMAS, 0x80);
+    alias_build(&g->fp8, p8);
     for (int m = 0; m < 8; m++)
         mags[m] = dsv4_e2m1_to_f32((uint8_t)m);
-    code_law(&nibble, 4, mags, 8, E2M1_MAX, FP4_AMAX_SIGMAS, 0x8);
+    code_probs(nib, mags, 8, E2M1_MAX, FP4_AMAX_SIGMAS, 0x8);
     /* a byte holds two independent nibbles: one draw per byte from their joint law */
-    for (int b = 0; b < 256; b++)
-        pair[b] = nibble.p[b & 15] * nibble.p[b >> 4];
-    alias_build(&g->fp4, 8, pair);
+    for (int b = 0; b < ALIAS_SLOTS; b++)
+        pair[b] = nib[b & 15] * nib[b >> 4];
+    alias_build(&g->fp4, pair);
 }
 
 /* ---- filling ---- */
