@@ -94,6 +94,15 @@ static void note_failure(struct level *lv, const char *fmt, ...)
     pthread_mutex_unlock(&lv->lock);
 }
 
+/* prompt[n]: ids from the level's [lo, hi), a function of key alone (the same on every run). */
+static void random_prompt(const struct level *lv, uint64_t key, int32_t *prompt, uint32_t n)
+{
+    for (uint32_t k = 0; k < n; k++) {
+        key = mix64(key);
+        prompt[k] = lv->lo + (int32_t)(key % (uint64_t)(lv->hi - lv->lo));
+    }
+}
+
 static int on_token(const struct dsv4_client_token *tok, void *user)
 {
     struct stream_state *st = user;
@@ -151,11 +160,7 @@ static void *worker(void *arg)
             }
             connected = true;
         }
-        uint64_t r = o->seed ^ mix64(i);
-        for (uint32_t k = 0; k < o->prompt_tokens; k++) {
-            r = mix64(r);
-            prompt[k] = lv->lo + (int32_t)(r % (uint64_t)(lv->hi - lv->lo));
-        }
+        random_prompt(lv, o->seed ^ mix64(i), prompt, o->prompt_tokens);
         struct dsv4_client_generate_params p = o->gp;
         p.tokens = prompt;
         p.n_tokens = o->prompt_tokens;
@@ -223,11 +228,7 @@ static void *admit_worker(void *arg)
     else if (connect_client(c, o) < 0)
         snprintf(lv->admit_error, sizeof(lv->admit_error), "connect: %s", dsv4_client_error_message(c));
     else {
-        uint64_t r = o->seed ^ mix64(0xad317ull);
-        for (uint32_t k = 0; k < o->admit_tokens; k++) {
-            r = mix64(r);
-            prompt[k] = lv->lo + (int32_t)(r % (uint64_t)(lv->hi - lv->lo));
-        }
+        random_prompt(lv, o->seed ^ mix64(0xad317ull), prompt, o->admit_tokens);
         struct dsv4_client_generate_params p = o->gp;
         p.tokens = prompt;
         p.n_tokens = o->admit_tokens;
