@@ -324,6 +324,20 @@ static void generate(struct gen *G, struct dsv4_client *c)
     dsv4_client_result_clear(&res);
 }
 
+/* Connect to dsv4d (*c, closed by the caller), and a second time for the text of logprob
+ * alternatives when aux, then generate; a failure is answered. */
+static void connect_and_generate(struct gen *G, bool aux, struct dsv4_client **c)
+{
+    struct dsv4_oai_job *j = G->j;
+
+    if (oai_connect_dsv4d(j, j->srv->cfg->dsv4d_timeout_ms, c) < 0)
+        return;
+    if (aux && oai_connect_dsv4d(j, j->srv->cfg->dsv4d_timeout_ms, &G->aux) < 0)
+        return;
+    oai_model_name(j, *c, G->model, sizeof(G->model));
+    generate(G, *c);
+}
+
 static void gen_clear(struct gen *G)
 {
     dsv4_client_close(G->aux);
@@ -403,12 +417,7 @@ void oai_run_chat(struct dsv4_oai_job *j)
         oai_respond_error(j, 500, "server_error", NULL, NULL, "out of memory");
         goto out;
     }
-    if (oai_connect_dsv4d(j, j->srv->cfg->dsv4d_timeout_ms, &c) < 0)
-        goto out;
-    if (lp && oai_connect_dsv4d(j, j->srv->cfg->dsv4d_timeout_ms, &G.aux) < 0)
-        goto out;
-    oai_model_name(j, c, G.model, sizeof(G.model));
-    generate(&G, c);
+    connect_and_generate(&G, lp, &c);
     goto out;
 bad_request:
     oai_respond_bad(j, &b);
@@ -489,12 +498,7 @@ void oai_run_completions(struct dsv4_oai_job *j)
         oai_respond_error(j, 500, "server_error", NULL, NULL, "out of memory");
         goto out;
     }
-    if (oai_connect_dsv4d(j, j->srv->cfg->dsv4d_timeout_ms, &c) < 0)
-        goto out;
-    if (lp >= 0 && oai_connect_dsv4d(j, j->srv->cfg->dsv4d_timeout_ms, &G.aux) < 0)
-        goto out;
-    oai_model_name(j, c, G.model, sizeof(G.model));
-    generate(&G, c);
+    connect_and_generate(&G, lp >= 0, &c);
     goto out;
 bad_request:
     oai_respond_bad(j, &b);
