@@ -404,6 +404,20 @@ class Client:
         self.sock.close()
 
 
+def generate_all(client, params, in_flight):
+    """One generate per entry of params on one connection, in_flight at a time (dsv4d holds at most
+    max_requests_per_conn, 16 by default); returns [(error, result)] in params' order."""
+    done, pending, nxt = {}, {}, 0
+    while len(done) < len(params):
+        while nxt < len(params) and len(pending) < in_flight:
+            pending[client.request("generate", params[nxt])] = nxt
+            nxt += 1
+        m = client.recv()
+        if m[0] == 1 and m[1] in pending:
+            done[pending.pop(m[1])] = (m[2], m[3])
+    return [done[i] for i in range(len(params))]
+
+
 def generated_greedy(client, tokens, n):
     """Greedy generation of n tokens from a token prompt; returns (error, result)."""
     return client.call("generate", {"tokens": tokens_bin(tokens), "max_tokens": n, "temperature": 0.0})

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from dsv4d_harness import TIMEOUT, TOP_SRCDIR, Client, Daemon, Tap
+from dsv4d_harness import TIMEOUT, TOP_SRCDIR, Client, Daemon, Tap, generate_all
 
 BF16_MODEL = os.path.join(TOP_SRCDIR, "models", "default")
 FP8_MODEL = os.path.join(TOP_SRCDIR, "models", "default-fp8")
@@ -135,17 +135,8 @@ def python_replies():
 def ask_all(client, questions):
     """Every question as a one-message chat, IN_FLIGHT at a time on one connection; returns
     [(error, result)] in question order."""
-    done, pending, nxt = {}, {}, 0
-    while len(done) < len(questions):
-        while nxt < len(questions) and len(pending) < IN_FLIGHT:
-            msgid = client.request("generate", {"messages": [{"role": "user", "content": questions[nxt][1]}],
-                                                "max_tokens": MAX_TOKENS, "temperature": 0.0})
-            pending[msgid] = nxt
-            nxt += 1
-        m = client.recv()
-        if m[0] == 1 and m[1] in pending:
-            done[pending.pop(m[1])] = (m[2], m[3])
-    return [done[i] for i in range(len(questions))]
+    return generate_all(client, [{"messages": [{"role": "user", "content": q}], "max_tokens": MAX_TOKENS,
+                                  "temperature": 0.0} for _, q, _ in questions], IN_FLIGHT)
 
 
 def run_model(t, label, model, numerics, questions, floor, want_kernel, spec=0):

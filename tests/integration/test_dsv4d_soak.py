@@ -23,7 +23,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dsv4d_harness import TIMEOUT, TOP_SRCDIR, Client, Closed, Daemon, Tap, bin_tokens, tokens_bin  # noqa: E402
+from dsv4d_harness import (TIMEOUT, TOP_SRCDIR, Client, Closed, Daemon, Tap, bin_tokens, generate_all,  # noqa: E402
+                           tokens_bin)
 
 MODEL = os.path.join(TOP_SRCDIR, "models", "default-fp8")
 REQUESTS = int(os.environ.get("DSV4_SOAK_REQUESTS", "240"))
@@ -61,15 +62,7 @@ def references(t, reqs):
         if not t.ok(d.start(), "reference dsv4d (no speculation, no prefix cache) is ready", d.log_text()):
             return None
         c = Client(d.sock_path)
-        ids, got, nxt = {}, {}, 0
-        while len(got) < len(reqs):     # 8 in flight (a connection may hold 16); answers in any order
-            while nxt < len(reqs) and nxt - len(got) < 8:
-                ids[c.request("generate", reqs[nxt])] = nxt
-                nxt += 1
-            m = c.recv()
-            if m[0] == 1:
-                got[ids[m[1]]] = None if m[2] else bin_tokens(m[3]["tokens"])
-        out = [got[i] for i in range(len(reqs))]
+        out = [None if err else bin_tokens(res["tokens"]) for err, res in generate_all(c, reqs, 8)]
         c.close()
         t.ok(all(o is not None for o in out), "the reference answers all %d requests" % len(reqs))
         t.eq(d.stop(), 0, "reference dsv4d exits 0")
