@@ -96,6 +96,15 @@ static void run_until(struct env *e, struct answer *a, int n)
     fail_msg("requests did not finish");
 }
 
+/* p[n]: BOS, then ids 2..255 drawn from the linear congruential stream *st (advanced once an id). */
+static inline void harness_prompt(uint64_t *st, int32_t *p, int n)
+{
+    for (int k = 0; k < n; k++) {
+        *st = *st * 6364136223846793005ull + 1442695040888963407ull;
+        p[k] = k == 0 ? 0 : 2 + (int32_t)((*st >> 33) % 254);
+    }
+}
+
 /* warm (a cached or otherwise different path) gave cold's answer bit for bit: tokens, log-probabilities
  * and both top alternatives with theirs. */
 static inline void answer_expect_same(const struct answer *warm, const struct answer *cold, const char *what)

@@ -98,10 +98,7 @@ static void test_seeded_batch_invariance(void **state)
     struct dsv4_sampling sp[N];
     uint64_t st = 31;
     for (int i = 0; i < N; i++) {
-        for (int k = 0; k < 64; k++) {
-            st = st * 6364136223846793005ull + 1442695040888963407ull;
-            prompts[i][k] = k == 0 ? 0 : 2 + (int32_t)((st >> 33) % 254);
-        }
+        harness_prompt(&st, prompts[i], 64);
         dsv4_sampling_defaults(&sp[i]);
         sp[i].has_seed = true;
         sp[i].seed = 500 + (uint64_t)i;

@@ -284,10 +284,7 @@ static void test_seeded_identical(void **state)
     struct dsv4_sampling sp[NS];
     uint64_t st = 77;
     for (int i = 0; i < NS; i++) {
-        for (int k = 0; k < 64; k++) {
-            st = st * 6364136223846793005ull + 1442695040888963407ull;
-            prompts[i][k] = k == 0 ? 0 : 2 + (int32_t)((st >> 33) % 254);
-        }
+        harness_prompt(&st, prompts[i], 64);
         dsv4_sampling_defaults(&sp[i]);
         sp[i].has_seed = true;
         sp[i].seed = 900 + (uint64_t)i;
@@ -388,10 +385,7 @@ static void test_distribution(void **state)
     (void)state;
     int32_t seq[DIST_PROMPT + 3];
     uint64_t st = 4242;
-    for (int k = 0; k < DIST_PROMPT; k++) {
-        st = st * 6364136223846793005ull + 1442695040888963407ull;
-        seq[k] = k == 0 ? 0 : 2 + (int32_t)((st >> 33) % 254);
-    }
+    harness_prompt(&st, seq, DIST_PROMPT);
     struct env e;
     env_open(&e, "tiny_a_mtp", 4, 64, 2, false, false);
     int V = e.w->cfg.vocab_size;
