@@ -188,9 +188,9 @@ static int boot(struct dsv4_host *h)
                   h->backend_name, h->backend_note, h->numerics, threads, cfg->max_batch, cfg->max_context,
                   (double)bs.bytes_reserved / (1 << 20), bs.variant[0] ? ", kernels: " : "", bs.variant);
     if (bs.experts_host > 0)
-        dsv4_log_info("routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory (%.2f GiB), %s",
-                      bs.experts_gpu, bs.expert_bytes_gpu / 1073741824.0, bs.experts_host,
-                      bs.expert_bytes_host / 1073741824.0,
+        dsv4_log_info("routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory (%.2f GiB, and the "
+                      "embedding's %.2f GiB), %s", bs.experts_gpu, bs.expert_bytes_gpu / 1073741824.0, bs.experts_host,
+                      bs.expert_bytes_host / 1073741824.0, bs.embed_bytes_host / 1073741824.0,
                       cfg->expert_placement[0] ? "the most routed on the GPU (expert_placement)" : "spread evenly");
     for (int l0 = 0; bs.experts_host > 0 && l0 < bs.expert_layers; l0 += DSV4_PLACEMENT_LINE_LAYERS) {
         char line[160];

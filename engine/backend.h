@@ -71,6 +71,7 @@ struct dsv4_backend_stats {
     char variant[192];          /* kernels in use, for stats and logs */
     uint32_t experts_gpu, experts_host;         /* routed experts by where they live (CUDA; 0, 0 on the CPU) */
     uint64_t expert_bytes_gpu, expert_bytes_host;
+    uint64_t embed_bytes_host;  /* the token embedding in pinned host memory (CUDA, with experts there too) */
     int expert_layers;                          /* layers in the arrays below (CUDA; 0 on the CPU) */
     uint16_t experts_gpu_by_layer[DSV4_MAX_LAYERS], experts_host_by_layer[DSV4_MAX_LAYERS];
 };

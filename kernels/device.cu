@@ -90,6 +90,7 @@ struct dsv4_cuda_dev {
     int n_layers, experts_per_layer;
     struct dsv4_placement *place;       /* where each routed expert lives */
     bool *layer_movable;        /* [n_layers] the layer's experts are in a table, so they may live on the host */
+    bool embed_on_host;         /* the embedding lives in the host allocation too (read a row per token) */
     uint8_t *host;              /* the pinned, mapped allocation of the experts placed in host memory, or NULL */
     uint8_t *host_dev;          /* the same bytes as kernels address them */
     size_t host_size, host_used;
@@ -107,6 +108,8 @@ struct walker {
     struct dsv4_cuda_dev *dev;
     const struct dsv4_config *cfg;
     size_t bytes;               /* pass 1: sum of aligned sizes, routed experts that may move excepted */
+    const struct dsv4_linear *embed;    /* the token embedding, which may move to host memory too */
+    size_t embed_bytes;         /* pass 1: its aligned size (not in bytes) */
     uint64_t *expert_bytes;     /* pass 1: [n_layers] aligned bytes of each layer's movable experts */
     int ex_layer, ex_expert;    /* the movable expert being walked (ex_layer -1: none) */
 };
@@ -218,20 +221,10 @@ static int walk_weights(struct walker *wk, const struct dsv4_weights *w)
     WALK(wk->linear(wk, &w->hc_head.fn));
     WALK(walk_vec(wk, w->hc_head.base, c->hc_mult, sizeof(float)));
     WALK(walk_vec(wk, w->hc_head.scale, 1, sizeof(float)));
+    /* The MTP block stays on the host: this backend does not speculate (kernels/NOTES.md), and at
+     * Flash's shapes the block is 3.4 GB, about 270 routed experts' worth of GPU memory. */
     for (int i = 0; i < c->n_layers; i++)
         WALK(walk_layer(wk, i, &w->layers[i]));
-    for (int i = 0; i < w->n_mtp; i++) {
-        const struct dsv4_mtp *m = &w->mtp[i];
-        WALK(walk_vec(wk, m->enorm, c->dim, sizeof(float)));
-        WALK(walk_vec(wk, m->hnorm, c->dim, sizeof(float)));
-        WALK(wk->linear(wk, &m->e_proj));
-        WALK(wk->linear(wk, &m->h_proj));
-        WALK(walk_layer(wk, -1, &m->layer));
-        WALK(wk->linear(wk, &m->hc_head.fn));
-        WALK(walk_vec(wk, m->hc_head.base, c->hc_mult, sizeof(float)));
-        WALK(walk_vec(wk, m->hc_head.scale, 1, sizeof(float)));
-        WALK(walk_vec(wk, m->norm, c->dim, sizeof(float)));
-    }
     return 0;
 }
 
@@ -262,7 +255,9 @@ static int size_linear(struct walker *wk, const struct dsv4_linear *l)
     if (!linear_present(l))
         return 0;
     const size_t b = align_up(linear_elem_bytes(l, l->out * l->in)) + align_up(linear_scale_bytes(l));
-    if (wk->ex_layer >= 0)
+    if (l == wk->embed)
+        wk->embed_bytes += b;
+    else if (wk->ex_layer >= 0)
         wk->expert_bytes[wk->ex_layer] += b;
     else
         wk->bytes += b;
@@ -333,7 +328,8 @@ static int upload_linear(struct walker *wk, const struct dsv4_linear *l)
     struct dev_linear *dl;
     void *w = NULL, *s = NULL;
     size_t row = linear_elem_bytes(l, l->in), sb = linear_scale_bytes(l);
-    const bool host = wk->ex_layer >= 0 && dsv4_placement_on_host(dev->place, wk->ex_layer, wk->ex_expert);
+    const bool host = wk->ex_layer >= 0 ? dsv4_placement_on_host(dev->place, wk->ex_layer, wk->ex_expert)
+                                        : l == wk->embed && dev->embed_on_host;
 
     if (!linear_present(l))
         return 0;
@@ -353,6 +349,8 @@ static int upload_linear(struct walker *wk, const struct dsv4_linear *l)
     dl->lin.scale_stride = l->scale_stride;
     if (!host)
         dev->stats.weight_bytes += row * l->out + sb;
+    else if (l == wk->embed)
+        dev->stats.host_embed_bytes = row * l->out + sb;
     return 0;
 }
 
@@ -426,14 +424,17 @@ static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), v
         log(ctx, line);
 }
 
-/* Pass 1 gave the dense bytes (wk->bytes) and each layer's movable expert bytes; `rest` is what
- * the caches, workspaces and prefix pool take. Decide where each expert lives and make the host
- * allocation for those that go there (the only one: nothing is allocated after boot). */
+/* Pass 1 gave the dense bytes (wk->bytes), the embedding's and each layer's movable expert bytes;
+ * `rest` is what the caches, workspaces and prefix pool take. Decide where each expert lives and
+ * make the host allocation for those that go there (the only one: nothing is allocated after boot).
+ * When some expert must live on the host the embedding goes there first: a token reads one 8 KB
+ * row of it, against 12.6 MB for each host expert it routes to (Flash), so its 1.06 GB on the GPU
+ * are worth ~84 experts more. */
 static int plan_experts(struct dsv4_cuda_dev *dev, struct walker *wk, const struct dsv4_backend_opts *o,
                         size_t rest, size_t free_b)
 {
     const struct dsv4_config *c = wk->cfg;
-    const size_t need = wk->bytes + rest + DSV4_CUDA_GPU_MARGIN;
+    const size_t need = wk->bytes + wk->embed_bytes + rest + DSV4_CUDA_GPU_MARGIN;
     for (int l = 0; l < c->n_layers; l++)
         wk->expert_bytes[l] /= (uint64_t)c->n_experts;      /* the experts of a movable layer are alike */
     struct dsv4_placement_req req = {};
@@ -445,6 +446,13 @@ static int plan_experts(struct dsv4_cuda_dev *dev, struct walker *wk, const stru
     req.host_percent = o->expert_host_share;
     req.counts = o->expert_counts;
     WALK(dsv4_placement_plan(&req, &dev->place));
+    if (dev->place->offload && wk->embed_bytes > 0) {
+        dsv4_placement_free(dev->place);
+        dev->place = NULL;
+        dev->embed_on_host = true;
+        req.gpu_budget += wk->embed_bytes;
+        WALK(dsv4_placement_plan(&req, &dev->place));
+    }
     dev->layer_movable = static_cast<bool *>(calloc((size_t)c->n_layers + 1, sizeof(bool)));
     if (!dev->layer_movable)
         return dsv4_error_set(-ENOMEM, "cuda: placement of %d layers", c->n_layers);
@@ -455,16 +463,17 @@ static int plan_experts(struct dsv4_cuda_dev *dev, struct walker *wk, const stru
     }
     dev->stats.gpu_expert_bytes = dev->place->gpu_bytes;
     dev->stats.host_expert_bytes = dev->place->host_bytes;
-    if (!dev->place->host_bytes)
+    const size_t host_b = dev->place->host_bytes + (dev->embed_on_host ? wk->embed_bytes : 0);
+    if (!host_b)
         return 0;
     void *h = NULL, *d = NULL;
-    cudaError_t e = cudaHostAlloc(&h, dev->place->host_bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    cudaError_t e = cudaHostAlloc(&h, host_b, cudaHostAllocMapped | cudaHostAllocPortable);
     if (e != cudaSuccess)
         return dsv4_error_set(-ENOMEM, "cuda: pinning %.2f GiB of host memory for %u routed experts that do not fit "
-                              "the GPU: %s (free host memory, or expert_host_share lower)",
-                              dev->place->host_bytes / DEV_GIB, dev->stats.experts_host, cudaGetErrorString(e));
+                              "the GPU and the embedding: %s (free host memory, or expert_host_share lower)",
+                              host_b / DEV_GIB, dev->stats.experts_host, cudaGetErrorString(e));
     dev->host = static_cast<uint8_t *>(h);
-    dev->host_size = dev->place->host_bytes;
+    dev->host_size = host_b;
     dev->stats.host_allocs++;
     DSV4_CUDA_TRY(cudaHostGetDevicePointer(&d, h, 0));
     dev->host_dev = static_cast<uint8_t *>(d);
@@ -478,6 +487,7 @@ extern "C" void dsv4_cuda_dev_expert_stats(const struct dsv4_cuda_dev *dev, stru
     ret->experts_host = dev->stats.experts_host;
     ret->expert_bytes_gpu = dev->stats.gpu_expert_bytes;
     ret->expert_bytes_host = dev->stats.host_expert_bytes;
+    ret->embed_bytes_host = dev->stats.host_embed_bytes;
     ret->expert_layers = p && p->n_layers <= DSV4_MAX_LAYERS ? p->n_layers : 0;
     for (int l = 0; l < ret->expert_layers; l++) {
         ret->experts_host_by_layer[l] = (uint16_t)p->host_experts[l];
@@ -493,6 +503,9 @@ static void log_placement(struct dsv4_cuda_dev *dev, void (*log)(void *, const c
     vlog(dev, log, ctx, false, "cuda: routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory "
          "(%.2f GiB, read in place over PCIe): %s", dev->stats.experts_gpu, p->gpu_bytes / DEV_GIB,
          dev->stats.experts_host, p->host_bytes / DEV_GIB, dsv4_placement_rule(p));
+    if (dev->embed_on_host)
+        vlog(dev, log, ctx, false, "cuda: the embedding (%.2f GiB) in pinned host memory too: a row read per token",
+             dev->stats.host_embed_bytes / DEV_GIB);
     if (!p->offload)
         return;
     dsv4_cuda_dev_expert_stats(dev, &st);
@@ -592,6 +605,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     wk.vector = size_vector;
     wk.experts = size_experts;
     wk.ex_layer = -1;
+    wk.embed = &w->embed;
     std::unique_ptr<uint64_t[]> expert_bytes(new (std::nothrow) uint64_t[c->n_layers + 1]());
     if (!expert_bytes)
         return dsv4_error_set(-ENOMEM, "cuda: expert sizes of %d layers", c->n_layers);
@@ -608,13 +622,13 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     const size_t fixed = wk.bytes + cache + ws + prefix + counts;
     if (fixed + DSV4_CUDA_GPU_MARGIN > free_b)
         return dsv4_error_set(-ENOMEM, "cuda: device %d (%s) has %.2f GiB free; the plan needs %.2f GiB before any "
-                              "routed expert (dense weights %.2f + caches %.2f for %d slots x %d tokens + workspace "
+                              "routed expert (dense weights %.2f, the embedding apart, + caches %.2f for %d slots x %d tokens + workspace "
                               "%.2f + prefix cache %.2f + margin %.2f): lower max_batch, max_context or prefix_cache",
                               dev->ordinal, prop.name, free_b / DEV_GIB, (fixed + DSV4_CUDA_GPU_MARGIN) / DEV_GIB,
                               wk.bytes / DEV_GIB, cache / DEV_GIB, o->max_batch, o->max_context, ws / DEV_GIB,
                               prefix / DEV_GIB, DSV4_CUDA_GPU_MARGIN / DEV_GIB);
     WALK(plan_experts(dev, &wk, o, cache + ws + prefix + counts, free_b));
-    dev->arena_size = fixed + dev->place->gpu_bytes;
+    dev->arena_size = fixed + (dev->embed_on_host ? 0 : wk.embed_bytes) + dev->place->gpu_bytes;
     DSV4_CUDA_TRY(cudaMalloc(&p, dev->arena_size));
     dev->stats.device_allocs++;
     dev->arena = static_cast<uint8_t *>(p);

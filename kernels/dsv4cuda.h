@@ -116,6 +116,7 @@ struct dsv4_cuda_dev_stats {
     uint64_t host_allocs;       /* pinned host allocations (1 when routed experts live in host memory, else 0) */
     uint64_t gpu_expert_bytes;  /* routed experts on the device (part of weight_bytes) */
     uint64_t host_expert_bytes; /* routed experts in pinned host memory, read in place over PCIe */
+    uint64_t host_embed_bytes;  /* the token embedding there too (when experts are): a row read per token */
     uint32_t experts_gpu, experts_host;     /* routed experts by where they live, all layers */
     uint64_t launches[DSV4_CUDA_V_COUNT];  /* per-variant launch counters (process-wide) */
     char device_name[96];

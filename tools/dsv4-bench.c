@@ -666,8 +666,9 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     printf("# %s: %d layers, %.2f GB of %s weights, boot %.1f s (load, upload, %llu graphs), %s\n", dir, c->n_layers,
            w->bytes_total / 1e9, w->synthetic ? "synthetic" : "checkpoint", (now_us() - t0) / 1e6,
            (unsigned long long)st.graph_captures, st.variant);
-    printf("# routed experts: %u on the GPU (%.2f GB), %u in pinned host memory (%.2f GB)\n", st.experts_gpu,
-           st.expert_bytes_gpu / 1e9, st.experts_host, st.expert_bytes_host / 1e9);
+    printf("# routed experts: %u on the GPU (%.2f GB), %u in pinned host memory (%.2f GB); embedding in host memory: "
+           "%.2f GB\n", st.experts_gpu, st.expert_bytes_gpu / 1e9, st.experts_host, st.expert_bytes_host / 1e9,
+           st.embed_bytes_host / 1e9);
 
     /* bytes every step reads apart from the routed experts; the embedding contributes a row per token */
     double expert = 0.0, routed_all = 0.0;

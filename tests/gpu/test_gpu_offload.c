@@ -183,6 +183,9 @@ static void check_offload(const char *dir, enum dsv4_numerics num, int share)
     assert_int_equal(sb.experts_gpu + sb.experts_host, (uint32_t)(L * E));
     assert_true(sb.expert_bytes_host > 0);
     assert_int_equal(sb.expert_bytes_gpu + sb.expert_bytes_host, sa.expert_bytes_gpu);
+    /* with experts on the host the embedding goes there too (its rows are read from there below) */
+    assert_int_equal(sa.embed_bytes_host, 0);
+    assert_true(sb.embed_bytes_host >= (uint64_t)c->vocab_size * (uint64_t)c->dim);
 
     make_traffic(&t, c->vocab_size);
     run_both(a, b, &t, c->vocab_size);
