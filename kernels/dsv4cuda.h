@@ -218,20 +218,6 @@ int64_t dsv4_cuda_gemm_prefetch_bytes(void);
 bool dsv4_cuda_gemm_supports(const struct dsv4_cuda_linear *W, bool quant_act);
 int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
                    struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
-/* A linear's output [rows, out] as its consumer reads it: value (b, o) = part[b * out + o] when n is
- * 1, else the sum from 0 over s < n, in order, of part[s * stride + b * out + o] (what the split-K
- * reduce launch would write, bit for bit). */
-struct dsv4_cuda_splits {
-    const float *part;
-    int n;
-    int64_t stride;
-};
-/* dsv4_cuda_gemm without the split-K reduce launch: the consumer sums the splits as it reads them
- * (*ret, valid until the next call on ws). Where the GEMM folds its splits itself (one split, or
- * more than DSV4_CUDA_MAX_BATCH rows) it writes d_y and *ret names it. ldy must be W->out. */
-int dsv4_cuda_gemm_splits(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
-                          struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, struct dsv4_cuda_splits *ret,
-                          void *stream);
 /* The same, for a linear that reads the x of the previous call on ws (wkv after wq_a, w3 after w1,
  * the compressor's gate after its kv): the caller promises that x has not changed since that call,
  * and the activation preparation (quantize or split: one launch) is skipped when that call prepared
@@ -322,10 +308,6 @@ int dsv4_cuda_mhc_fn_pre(const struct dsv4_cuda_linear *W, const float *d_X, int
 /* mHC post: d_Xo[b, k] = post_k * f_b + sum_j comb[j, k] X[b, j]; d_Xo must not alias d_X. */
 int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const float *d_post, const float *d_comb,
                        int batch, int hc, int dim, float *d_Xo, void *stream);
-/* The same with f read as a linear's split-K partials (dsv4_cuda_gemm_splits): the reduce folded
- * into this launch, the same bits. */
-int dsv4_cuda_mhc_post_splits(const float *d_X, struct dsv4_cuda_splits f, const float *d_post, const float *d_comb,
-                              int batch, int hc, int dim, float *d_Xo, void *stream);
 
 /* The official numerics' cache codecs, exposed for their tests (the step fuses them):
  * d_y[r] = decode(encode(d_x[r])) of one KV entry per row of hd values (kv_format 1: e4m3 1x64

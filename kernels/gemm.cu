@@ -631,10 +631,8 @@ static int launch_nt(const gemm_args &a, cudaStream_t s)
 }
 
 /* groups > 1: fp8raw only (checked by the callers) */
-/* defer (or NULL): no reduce launch; *defer tells the consumer how to read the output. */
 static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx, int rows, bool quant_act,
-                    bool same_x, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, cudaStream_t s,
-                    struct dsv4_cuda_splits *defer = nullptr)
+                    bool same_x, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, cudaStream_t s)
 {
     const int mode = gemm_mode(W, quant_act);
     const int64_t k = W->in * groups;
@@ -702,11 +700,6 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
     ws->prepared.k = k;
     ws->prepared.rows = rows;
     ws->prepared.mode = mode;
-    if (defer) {
-        const bool split = a.splits > 1 && rows <= DSV4_CUDA_MAX_BATCH;
-        *defer = { split ? ws->part : d_y, split ? a.splits : 1, split ? (int64_t)rows * W->out : 0 };
-        return 0;
-    }
     if (a.splits > 1 && rows <= DSV4_CUDA_MAX_BATCH) {  /* above it the CTAs fold the splits themselves */
         const int64_t n = (int64_t)rows * W->out;
         dsv4_launch(gemm_reduce_kernel, (unsigned)((n + 255) / 256), 256, 0, s, ws->part, a.splits, rows, W->out, d_y,
@@ -732,18 +725,6 @@ extern "C" int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x
                               struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream)
 {
     return gemm_one(W, d_x, ldx, rows, quant_act, false, ws, d_y, ldy, stream);
-}
-
-extern "C" int dsv4_cuda_gemm_splits(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows,
-                                     bool quant_act, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy,
-                                     struct dsv4_cuda_splits *ret, void *stream)
-{
-    if (ldy != W->out)
-        return dsv4_error_set(-EINVAL, "gemm_splits: output rows %lld apart, not the linear's %lld outputs",
-                              (long long)ldy, (long long)W->out);
-    if (!dsv4_cuda_gemm_supports(W, quant_act))
-        return gemm_one(W, d_x, ldx, rows, quant_act, false, ws, d_y, ldy, stream);     /* its message */
-    return gemm_run(W, 1, d_x, ldx, rows, quant_act, false, ws, d_y, ldy, static_cast<cudaStream_t>(stream), ret);
 }
 
 extern "C" int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows,

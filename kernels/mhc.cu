@@ -351,8 +351,7 @@ extern "C" int dsv4_cuda_mhc_fn_pre(const struct dsv4_cuda_linear *W, const floa
 /* One thread per (b, d): the hc stream values X[b, :, d] read once into registers, then every
  * output Xo[b, k, d] = post[b, k] f[b, d] + sum_j comb[b, j, k] X[b, j, d] summed in j order (one
  * thread per output read each X value hc times: a prefill chunk's X is 64 MiB at 1024 rows). */
-/* f as struct dsv4_cuda_splits describes it: gemm_reduce_kernel's sum where there are splits */
-__global__ void mhc_post_kernel(const float *__restrict__ X, const struct dsv4_cuda_splits f,
+__global__ void mhc_post_kernel(const float *__restrict__ X, const float *__restrict__ f,
                                 const float *__restrict__ post, const float *__restrict__ comb, int batch,
                                 int hc, int dim, float *__restrict__ Xo)
 {
@@ -362,14 +361,7 @@ __global__ void mhc_post_kernel(const float *__restrict__ X, const struct dsv4_c
         return;
     const int64_t d = i % dim, b = i / dim;
     const float *Xb = X + b * hc * dim, *cb = comb + b * hc * hc;
-    float fv;
-    if (f.n == 1) {
-        fv = f.part[i];
-    } else {
-        fv = 0.0f;
-        for (int s = 0; s < f.n; s++)
-            fv += f.part[s * f.stride + i];
-    }
+    const float fv = f[b * dim + d];
     float xv[DSV4_MAX_HC];
 #pragma unroll
     for (int j = 0; j < DSV4_MAX_HC; j++)
@@ -387,24 +379,14 @@ __global__ void mhc_post_kernel(const float *__restrict__ X, const struct dsv4_c
 extern "C" int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const float *d_post, const float *d_comb,
                                   int batch, int hc, int dim, float *d_Xo, void *stream)
 {
-    const struct dsv4_cuda_splits f = { d_f, 1, 0 };
-    return dsv4_cuda_mhc_post_splits(d_X, f, d_post, d_comb, batch, hc, dim, d_Xo, stream);
-}
-
-extern "C" int dsv4_cuda_mhc_post_splits(const float *d_X, struct dsv4_cuda_splits f, const float *d_post,
-                                         const float *d_comb, int batch, int hc, int dim, float *d_Xo, void *stream)
-{
     const int threads = 256;
     const int64_t total = (int64_t)batch * dim;     /* threads: one per (row, d) */
     if (hc < 1 || hc > DSV4_MAX_HC)
         return dsv4_error_set(-EINVAL, "mhc_post: hc_mult %d outside 1..%d", hc, DSV4_MAX_HC);
-    if (!f.part || f.n < 1 || (f.n > 1 && f.stride < total))
-        return dsv4_error_set(-EINVAL, "mhc_post: %d splits %lld floats apart for %lld values", f.n,
-                              (long long)f.stride, (long long)total);
     if (total <= 0)
         return 0;
     dsv4_launch(mhc_post_kernel, (unsigned)((total + threads - 1) / threads), threads, 0,
-                static_cast<cudaStream_t>(stream), d_X, f, d_post, d_comb, batch, hc, dim, d_Xo);
+                static_cast<cudaStream_t>(stream), d_X, d_f, d_post, d_comb, batch, hc, dim, d_Xo);
     DSV4_CUDA_LAUNCHED("mhc_post");
     return 0;
 }

@@ -482,10 +482,8 @@ static int index_select(const struct cuda_backend *cb, const struct step_layer *
 
 /* Main lane: q (wq_a, norm, wq_b, RoPE) and this position's KV into the window. Side lane, from xn:
  * compress(), then index_select() once the main lane has normalized qr. Attention joins them. */
-/* prepared: sublayer_pre left xn prepared for wq_a in the main lane's workspace. *out: wo_b's
- * output as mHC post reads it (its split-K partials where it has them: no reduce launch). */
-static int attention(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared,
-                     struct dsv4_cuda_splits *out)
+/* prepared: sublayer_pre left xn prepared for wq_a in the main lane's workspace. */
+static int attention(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared)
 {
     const struct lane *m = &cb->ln[0], *sd = &cb->ln[1];
     const cudaStream_t s = m->s;
@@ -561,10 +559,6 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
             const struct dsv4_cuda_linear v = dsv4_cuda_linear_rows(&L->wo_a, (int64_t)g * R, R);
             STEP(lin(cb, &v, t->o + g * gin, (int64_t)H * hd, B, t->z + (int64_t)g * R, (int64_t)G * R, true, m));
         }
-    const bool quant = lin_quant(cb, &L->wo_b, false);
-    if (cb->use_gemm && dsv4_cuda_gemm_supports(&L->wo_b, quant))
-        return dsv4_cuda_gemm_splits(&L->wo_b, t->z, (int64_t)G * R, B, quant, m->gemm, t->sub, c->dim, out, s);
-    *out = { t->sub, 1, 0 };
     return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, m);
 }
 
@@ -643,11 +637,10 @@ static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *
     return norm_prep(cb, t->y, norm, c->dim, next, B, t->xn, xq, &cb->ln[0], prepared);
 }
 
-/* mHC post of the sublayer's output f into the other stream buffer, which then becomes X. */
-static int sublayer_post(struct cuda_backend *cb, int B, const struct dsv4_cuda_splits &f, cudaStream_t s)
+static int sublayer_post(struct cuda_backend *cb, int B, cudaStream_t s)
 {
     struct step_buf *t = &cb->b;
-    STEP(dsv4_cuda_mhc_post_splits(t->X, f, t->post, t->comb, B, cb->cfg->hc_mult, cb->cfg->dim, t->X2, s));
+    STEP(dsv4_cuda_mhc_post(t->X, t->sub, t->post, t->comb, B, cb->cfg->hc_mult, cb->cfg->dim, t->X2, s));
     float *tmp = t->X;
     t->X = t->X2;
     t->X2 = tmp;
@@ -667,17 +660,15 @@ static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStre
     for (int l = 0; rc == 0 && l < c->n_layers; l++) {
         const struct step_layer *L = &cb->L[l];
         bool pa, pf;    /* xn prepared for wq_a, for the gate */
-        struct dsv4_cuda_splits att;                    /* the attention's output, wo_b's partials */
-        const struct dsv4_cuda_splits ffn = { t->sub, 1, 0 };
         if ((rc = sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, &L->wq_a, NULL, B, s,
                                &pa)) < 0)
             break;
-        if ((rc = attention(cb, L, B, pa, &att)) < 0 || (rc = sublayer_post(cb, B, att, s)) < 0)
+        if ((rc = attention(cb, L, B, pa)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
             break;
         if ((rc = sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, &L->gate,
                                moe_quant_act(cb, L) ? t->xq : NULL, B, s, &pf)) < 0)
             break;
-        if ((rc = moe(cb, L, B, pf)) < 0 || (rc = sublayer_post(cb, B, ffn, s)) < 0)
+        if ((rc = moe(cb, L, B, pf)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
             break;
     }
     /* the head's rows: from head_from on (a prefill chunk's last row, or every row) */

@@ -606,56 +606,6 @@ static void test_norm_prep(void **state)
     ws_close();
 }
 
-/* dsv4_cuda_gemm_splits: the partials it leaves, summed in order from 0 as its consumer sums them,
- * are dsv4_cuda_gemm's output bit for bit; an output not W->out apart is refused. */
-static void test_gemm_splits(void **state)
-{
-    static const struct { enum dsv4_wfmt fmt; bool quant; int64_t out, in; const char *what; } forms[] = {
-        { DSV4_W_FP8, true, 4096, 8192, "fp8 wo_b [4096,8192], quantized x" },
-        { DSV4_W_BF16, false, 256, 4096, "bf16 gate [256,4096]" },
-    };
-    static const int rows[] = { 1, 17, 64 };
-
-    (void)state;
-    ws_open();
-    for (size_t f = 0; f < sizeof(forms) / sizeof(forms[0]); f++) {
-        const int64_t out = forms[f].out, in = forms[f].in;
-        struct pair W;
-        make_linear(&W, forms[f].fmt, out, in);
-        for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++) {
-            const int B = rows[r];
-            float *x = malloc(sizeof(float) * B * in);
-            fill_activations(x, (size_t)B * in);
-            float *dx = gt_dev_copy(x, sizeof(float) * B * in);
-            float *dy_ref = gt_dev_poisoned((size_t)B * out), *dy = gt_dev_poisoned((size_t)B * out);
-            struct dsv4_cuda_splits sp;
-            DSV4_OK(dsv4_cuda_gemm(&W.d, dx, in, B, forms[f].quant, &gemm_ws, dy_ref, out, NULL));
-            DSV4_OK(dsv4_cuda_gemm_splits(&W.d, dx, in, B, forms[f].quant, &gemm_ws, dy, out, &sp, NULL));
-            assert_true(sp.n >= 1);
-            const size_t nv = (size_t)B * out, nf = sp.n == 1 ? nv : (size_t)sp.n * (size_t)sp.stride;
-            float *part = gt_host_from(sp.part, nf), *ref = gt_host_from(dy_ref, nv), *got = malloc(sizeof(float) * nv);
-            for (size_t i = 0; i < nv; i++) {
-                float v = part[i];
-                if (sp.n > 1) {
-                    v = 0.0f;
-                    for (int s = 0; s < sp.n; s++)
-                        v += part[(size_t)s * (size_t)sp.stride + i];
-                }
-                got[i] = v;
-            }
-            assert_memory_equal(got, ref, sizeof(float) * nv);
-            printf("# gemm splits, %s, %d rows: %d partials summed in order == the reduced output, bit for bit\n",
-                   forms[f].what, B, sp.n);
-            assert_int_equal(dsv4_cuda_gemm_splits(&W.d, dx, in, B, forms[f].quant, &gemm_ws, dy, out + 1, &sp, NULL),
-                             -EINVAL);
-            free(x); free(part); free(ref); free(got);
-            cudaFree(dx); cudaFree(dy_ref); cudaFree(dy);
-        }
-        free_linear(&W);
-    }
-    ws_close();
-}
-
 /* A strided view (a stacked transformers expert) is refused when misaligned, never misread. */
 static void test_refuses_misaligned(void **state)
 {
@@ -681,7 +631,6 @@ int main(void)
         cmocka_unit_test(test_same_x),
         cmocka_unit_test(test_prefill_rows),
         cmocka_unit_test(test_norm_prep),
-        cmocka_unit_test(test_gemm_splits),
         cmocka_unit_test(test_refuses_misaligned),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));

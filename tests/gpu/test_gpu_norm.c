@@ -183,28 +183,6 @@ static void check_mhc(int batch, int hc, int dim, int iters)
     snprintf(what, sizeof(what), "mhc_post hc=%d [%d,%d]", hc, batch, dim);
     ASSERT_REL(what, out, rXo, NX, FP32_BOUND);
     free(out);
-    {   /* f as three split-K partials: the same bits as post of their in-order sum */
-        enum { SPLITS = 3 };
-        const size_t nf = (size_t)batch * dim;
-        float *part = malloc(SPLITS * nf * sizeof(float)), *sum = malloc(nf * sizeof(float));
-        gt_fill_normal(part, SPLITS * nf, 1.0f);
-        for (size_t i = 0; i < nf; i++) {
-            sum[i] = 0.0f;
-            for (int s = 0; s < SPLITS; s++)
-                sum[i] += part[s * nf + i];
-        }
-        float *dpart = gt_dev_copy(part, SPLITS * nf * sizeof(float)), *dsum = gt_dev_copy(sum, nf * sizeof(float));
-        float *dXs = gt_dev_poisoned(NX);
-        const struct dsv4_cuda_splits sp = { dpart, SPLITS, (int64_t)nf };
-        DSV4_OK(dsv4_cuda_mhc_post(dX, dsum, dpost, dcomb, batch, hc, dim, dXo, NULL));
-        DSV4_OK(dsv4_cuda_mhc_post_splits(dX, sp, dpost, dcomb, batch, hc, dim, dXs, NULL));
-        float *a = gt_host_from(dXo, NX), *b = gt_host_from(dXs, NX);
-        assert_memory_equal(a, b, NX * sizeof(float));
-        const struct dsv4_cuda_splits bad = { dpart, SPLITS, (int64_t)nf - 1 };
-        assert_int_equal(dsv4_cuda_mhc_post_splits(dX, bad, dpost, dcomb, batch, hc, dim, dXs, NULL), -EINVAL);
-        cudaFree(dpart); cudaFree(dsum); cudaFree(dXs);
-        free(part); free(sum); free(a); free(b);
-    }
     cudaFree(dX); cudaFree(dm); cudaFree(dbase); cudaFree(dscale); cudaFree(df); cudaFree(dy);
     cudaFree(dpost); cudaFree(dcomb); cudaFree(dXo);
     free(X); free(m); free(base); free(f); free(ry); free(rpost); free(rcomb); free(rXo);
