@@ -145,8 +145,8 @@ const struct dsv4_cuda_linear *dsv4_cuda_dev_linear_for(const struct dsv4_cuda_d
 const struct dsv4_placement *dsv4_cuda_dev_placement(const struct dsv4_cuda_dev *dev);
 /* The backend stats' expert fields: experts and bytes on each side, and per layer. */
 void dsv4_cuda_dev_expert_stats(const struct dsv4_cuda_dev *dev, struct dsv4_backend_stats *ret);
-/* Layer's device counters of tokens routed to each expert [n_experts] (dsv4_cuda_router adds to
- * them); NULL for a layer out of range. */
+/* Layer's device counters of tokens routed to each expert [n_experts] (dsv4_cuda_route_count adds
+ * to them); NULL for a layer out of range. */
 uint64_t *dsv4_cuda_dev_route_counts(const struct dsv4_cuda_dev *dev, int layer);
 /* Copy every layer's counters to counts [n_layers * n_experts] (the steps finished so far). */
 int dsv4_cuda_dev_read_route_counts(const struct dsv4_cuda_dev *dev, uint64_t *counts);
@@ -227,11 +227,10 @@ int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const float *d_x, in
 /* RMSNorm of d_x [rows, W->in] into d_y, bit for bit as dsv4_cuda_rmsnorm writes it, and in the same
  * launch d_y prepared in ws for W, so that dsv4_cuda_gemm_same_x(W, d_y, W->in, rows, quant_act, ws,
  * ...) skips its own preparation launch. W: FP8 with quantized activations, or BF16
- * (dsv4_cuda_gemm_norm_supports). d_xq, when not NULL, gets d_y through the 1x128 activation
- * quantizer in the same launch: dsv4_cuda_fp8_roundtrip(d_y, rows, W->in, 128, d_xq) bit for bit. */
+ * (dsv4_cuda_gemm_norm_supports). */
 bool dsv4_cuda_gemm_norm_supports(const struct dsv4_cuda_linear *W, bool quant_act);
 int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_act, const float *d_x, const float *d_w,
-                        int rows, float eps, struct dsv4_cuda_gemm_ws *ws, float *d_y, float *d_xq, void *stream);
+                        int rows, float eps, struct dsv4_cuda_gemm_ws *ws, float *d_y, void *stream);
 /* The grouped output projection in one launch: W [groups R, K] FP8 with raw activations,
  * d_y[n, g R + r] = sum_k W[g R + r, k] d_x[n, g K + k]; R a multiple of 128 (one scale block). */
 bool dsv4_cuda_gemm_grouped_supports(const struct dsv4_cuda_linear *W, int groups);
@@ -246,20 +245,13 @@ int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, int n, float
  * rotated in f32 as engine/cpu/cpu_rope.c rotates them. d_x may equal d_y. */
 int dsv4_cuda_rmsnorm_rope(const float *d_x, const float *d_w, int rows, int n, float eps, int heads, int rd,
                            const int32_t *d_pos, const float *d_inv_freq, float *d_y, void *stream);
-/* Both of a step's: the query heads d_q [tokens, heads, n] unweighted, and d_kv [tokens, n] with
- * weight d_kv_w, in place, in one launch; each row's bits are dsv4_cuda_rmsnorm_rope's. */
-int dsv4_cuda_qkv_norm_rope(float *d_q, int heads, float *d_kv, const float *d_kv_w, int tokens, int n, float eps,
-                            int rd, const int32_t *d_pos, const float *d_inv_freq, void *stream);
 
 /* Router for `batch` tokens: d_logits [batch, E] (gate output). Scored layers (d_tid2eid NULL):
  * s = sqrt(softplus(l)), idx = top-k of s + bias (ties to the lower index), Hash layers: idx =
- * tid2eid[token]. Weights w = s[idx] / sum(s[idx]) * route_scale (norm_topk_prob). Routing
- * statistics in the same launch: d_counts[e] (or NULL) += the rows b whose d_slot[b] is not pad_slot
- * (a bucket's padding rows) with e among their choices. */
+ * tid2eid[token]. Weights w = s[idx] / sum(s[idx]) * route_scale (norm_topk_prob). */
 int dsv4_cuda_router(const float *d_logits, int batch, int n_experts, int topk, const float *d_bias,
                      const int32_t *d_tid2eid, const int32_t *d_tokens, float route_scale,
-                     int32_t *d_idx, float *d_w, const int32_t *d_slot, int pad_slot, uint64_t *d_counts,
-                     void *stream);
+                     int32_t *d_idx, float *d_w, void *stream);
 
 /* Routed experts: d_y[b] = sum_j w[b,j] expert_{idx[b,j]}(x_b), expert(x) = w2(silu(min(w1 x, L)) *
  * clamp(w3 x, -L, L)), grouped by expert over the batch. With ex->quant_act, d_x [batch, D] must be
@@ -277,6 +269,10 @@ int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int top
                           const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add, float *d_y,
                           void *stream);
 
+/* Routing statistics (kernels/route_stats.cu): d_counts[e] += the rows b < batch whose d_slot[b] is
+ * not pad_slot (a bucket's padding rows) with e among d_idx[b, 0..topk). */
+int dsv4_cuda_route_count(const int32_t *d_idx, int batch, int topk, const int32_t *d_slot, int pad_slot,
+                          uint64_t *d_counts, void *stream);
 
 /* d_h[b, i] = silu(min(g, L)) * clamp(u, -L, L) for g = d_gate[b, i], u = d_up[b, i] (shared expert). */
 int dsv4_cuda_swiglu(const float *d_gate, const float *d_up, int rows, int64_t n, float limit,

@@ -427,14 +427,12 @@ __global__ void gemm_split_kernel(const float *__restrict__ x, int64_t ldx, int 
 /* One block per row: y = RMSNorm(x) [rows, k] as rmsnorm_kernel writes it, then y prepared for a
  * linear of MODE in the same launch: fp8, the 1x128 quantizer with gemm_quant_kernel's arithmetic
  * (warp w takes blocks w, w + 8, ..., each lane the values i * 32 + lane, as prep_block reads them);
- * bf16, hi and lo planes as gemm_split_kernel writes them. xq (or NULL) gets y through the same
- * quantizer as f32 values, fp8_roundtrip_kernel's bits (the routed experts' input, which the gate's
- * preparation makes in passing). y is read back after the barrier: every thread's normalized values
- * are visible to the block by then. x may equal y (each thread reads its values before writing them). */
+ * bf16, hi and lo planes as gemm_split_kernel writes them. y is read back after the barrier: every
+ * thread's normalized values are visible to the block by then. */
 template <int MODE>
 __global__ void __launch_bounds__(NORM_THREADS)
-gemm_norm_prep_kernel(const float *x, const float *__restrict__ w, int rows, int k, float eps, float *y,
-                      void *__restrict__ xa, float *__restrict__ sa, float *__restrict__ xq)
+gemm_norm_prep_kernel(const float *__restrict__ x, const float *__restrict__ w, int rows, int k, float eps, float *y,
+                      void *__restrict__ xa, float *__restrict__ sa)
 {
     dsv4_pdl_enter();
     const int64_t n = blockIdx.x;
@@ -449,8 +447,7 @@ gemm_norm_prep_kernel(const float *x, const float *__restrict__ w, int rows, int
             hi[i] = h;
             lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
         }
-        if (!xq)
-            return;
+        return;
     }
     const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
     __half *q = static_cast<__half *>(xa) + n * k;
@@ -464,15 +461,11 @@ gemm_norm_prep_kernel(const float *x, const float *__restrict__ w, int rows, int
         const float s = dsv4_act_scale(dsv4_warp_max(m)), inv = 1.0f / s;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const int64_t o = kb * 128 + i * DSV4_CUDA_WARP + lane;
             __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
             __half_raw h = __nv_cvt_fp8_to_halfraw(e, __NV_E4M3);
-            if (MODE == GEMM_FP8)
-                q[o] = *reinterpret_cast<__half *>(&h);
-            if (xq)
-                xq[n * k + o] = __half2float(*reinterpret_cast<__half *>(&h)) * s;
+            q[kb * 128 + i * DSV4_CUDA_WARP + lane] = *reinterpret_cast<__half *>(&h);
         }
-        if (MODE == GEMM_FP8 && lane == 0)
+        if (lane == 0)
             sa[n * (k / 128) + kb] = s;
     }
 }
@@ -742,7 +735,7 @@ extern "C" bool dsv4_cuda_gemm_norm_supports(const struct dsv4_cuda_linear *W, b
 
 extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_act, const float *d_x,
                                    const float *d_w, int rows, float eps, struct dsv4_cuda_gemm_ws *ws, float *d_y,
-                                   float *d_xq, void *stream)
+                                   void *stream)
 {
     const int mode = gemm_mode(W, quant_act);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -758,10 +751,10 @@ extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_
                               rows, k, ws->rows, (long long)ws->max_k);
     if (mode == GEMM_FP8)
         dsv4_launch(gemm_norm_prep_kernel<GEMM_FP8>, rows, NORM_THREADS, 0, s, d_x, d_w, rows, k, eps, d_y, ws->xa,
-                    ws->sa, d_xq);
+                    ws->sa);
     else
         dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, rows, NORM_THREADS, 0, s, d_x, d_w, rows, k, eps, d_y, ws->xa,
-                    ws->sa, d_xq);
+                    ws->sa);
     DSV4_CUDA_LAUNCHED("gemm_norm_prep");
     ws->prepared.x = d_y;
     ws->prepared.ldx = k;

@@ -44,14 +44,11 @@ static __device__ __forceinline__ float swiglu(float g, float u, float limit)
 
 /* One warp per token. Shared: scores [E], selection values [E]. Lane j keeps the j-th choice in a
  * register and writes its index and weight: nothing is read back from global memory (a serial
- * round trip per choice was most of this kernel's time at batch 1). With counts, lane j also adds
- * its choice to the layer's routing statistics, unless the row is a bucket's padding (slot
- * pad_slot): the counts choose which experts stay on the GPU (engine/model/placement.h). */
+ * round trip per choice was most of this kernel's time at batch 1). */
 __global__ void router_kernel(const float *__restrict__ logits, int n_experts, int topk,
                               const float *__restrict__ bias, const int32_t *__restrict__ tid2eid,
                               const int32_t *__restrict__ tokens, float route_scale,
-                              int32_t *__restrict__ idx, float *__restrict__ w, const int32_t *__restrict__ slot,
-                              int pad_slot, unsigned long long *__restrict__ counts)
+                              int32_t *__restrict__ idx, float *__restrict__ w)
 {
     dsv4_pdl_enter();
     extern __shared__ float sm[];
@@ -100,28 +97,22 @@ __global__ void router_kernel(const float *__restrict__ logits, int n_experts, i
     if (lane < topk) {
         idx[(int64_t)b * topk + lane] = mine;
         w[(int64_t)b * topk + lane] = mine >= 0 ? score[mine] / (sum + 1e-20f) * route_scale : 0.0f;
-        if (counts && mine >= 0 && slot[b] != pad_slot)
-            atomicAdd(&counts[mine], 1ull);
     }
 }
 
 extern "C" int dsv4_cuda_router(const float *d_logits, int batch, int n_experts, int topk,
                                 const float *d_bias, const int32_t *d_tid2eid, const int32_t *d_tokens,
-                                float route_scale, int32_t *d_idx, float *d_w, const int32_t *d_slot, int pad_slot,
-                                uint64_t *d_counts, void *stream)
+                                float route_scale, int32_t *d_idx, float *d_w, void *stream)
 {
     if (n_experts < 1 || n_experts > MOE_MAX_EXPERTS || topk < 1 || topk > DSV4_MAX_TOPK || topk > n_experts)
         return dsv4_error_set(-EINVAL, "router: %d experts (max %d), top-%d (max %d)", n_experts,
                               MOE_MAX_EXPERTS, topk, DSV4_MAX_TOPK);
     if (d_tid2eid && !d_tokens)
         return dsv4_error_set(-EINVAL, "router: hash routing needs the batch's token ids");
-    if (d_counts && !d_slot)
-        return dsv4_error_set(-EINVAL, "router: routing statistics need the rows' slots");
     if (batch < 1)
         return 0;
     dsv4_launch(router_kernel, batch, DSV4_CUDA_WARP, 2 * n_experts * sizeof(float), static_cast<cudaStream_t>(stream),
-                d_logits, n_experts, topk, d_bias, d_tid2eid, d_tokens, route_scale, d_idx, d_w, d_slot, pad_slot,
-                reinterpret_cast<unsigned long long *>(d_counts));
+                d_logits, n_experts, topk, d_bias, d_tid2eid, d_tokens, route_scale, d_idx, d_w);
     DSV4_CUDA_LAUNCHED("router");
     return 0;
 }

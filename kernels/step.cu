@@ -380,21 +380,6 @@ static int lane_wait(const struct cuda_backend *cb, const struct lane *to, const
 
 /* The compressor of a CSA or HCA layer (its entries into the slot's compressed cache), and on CSA
  * layers the indexer's compressor (its keys) and weights_proj, all from xn on lane `ln`. */
-/* y [B, n] = RMSNorm(x) with weight w (y may be x); where `next`, the first linear to read y on lane
- * ln, allows, the same launch prepares y for it (*prepared: the linear then skips its own
- * preparation). xq (or NULL) gets y through the 1x128 activation quantizer. */
-static int norm_prep(struct cuda_backend *cb, const float *x, const float *w, int n, const struct dsv4_cuda_linear *next,
-                     int B, float *y, float *xq, const struct lane *ln, bool *prepared)
-{
-    const float eps = (float)cb->cfg->rms_norm_eps;
-    const bool quant = lin_quant(cb, next, false);
-    *prepared = cb->use_gemm && next->in == n && dsv4_cuda_gemm_norm_supports(next, quant);
-    if (*prepared)
-        return dsv4_cuda_gemm_norm(next, quant, x, w, B, eps, ln->gemm, y, xq, ln->s);
-    STEP(dsv4_cuda_rmsnorm(x, w, B, n, eps, y, ln->s));
-    return xq ? dsv4_cuda_fp8_roundtrip(y, B, n, DSV4_CUDA_ACT_BLOCK, xq, ln->s) : 0;
-}
-
 static int compress(const struct cuda_backend *cb, const struct step_layer *L, int B, const struct lane *ln)
 {
     const struct dsv4_config *c = cb->cfg;
@@ -500,14 +485,14 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     }
     STEP(lin_x(cb, &L->wq_a, t->xn, c->dim, B, t->qr, c->q_lora_rank, false, prepared, m));
     STEP(lin_same_x(cb, &L->wkv, t->xn, c->dim, B, t->kv, hd, m));
-    bool pq;    /* qr normalized in place, and prepared for wq_b in the same launch where it allows */
-    STEP(norm_prep(cb, t->qr, L->q_norm, c->q_lora_rank, &L->wq_b, B, t->qr, NULL, m, &pq));
+    STEP(dsv4_cuda_rmsnorm(t->qr, L->q_norm, B, c->q_lora_rank, eps, t->qr, s));
     if (L->csa) {
         STEP(lane_wait(cb, sd, m, cb->ev_fork));
         STEP(index_select(cb, L, B, sd));
     }
-    STEP(lin_x(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, pq, m));
-    STEP(dsv4_cuda_qkv_norm_rope(t->q, H, t->kv, L->kv_norm, B, hd, eps, rd, pos, inv, s));
+    STEP(lin(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, m));
+    STEP(dsv4_cuda_rmsnorm_rope(t->q, NULL, B * H, hd, eps, H, rd, pos, inv, t->q, s));
+    STEP(dsv4_cuda_rmsnorm_rope(t->kv, L->kv_norm, B, hd, eps, 1, rd, pos, inv, t->kv, s));
     if (L->ratio)
         STEP(lane_wait(cb, m, sd, cb->ev_join));
 
@@ -562,15 +547,8 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, m);
 }
 
-/* Where the routed experts take quantized activations (fp8 numerics, FP8/FP4 experts), they read
- * xn through the 1x128 quantizer, which sublayer_pre writes to t->xq beside xn. */
-static bool moe_quant_act(const struct cuda_backend *cb, const struct step_layer *L)
-{
-    return cb->fp8 && (L->ex.fmt == DSV4_W_FP8 || L->ex.fmt == DSV4_W_FP4);
-}
-
-/* Main lane: gate, router (which counts the routing statistics) and the routed experts. Side lane,
- * from xn: the shared expert into sout, which the routed experts' combine adds as it writes sub. */
+/* Main lane: gate, router and the routed experts. Side lane, from xn: the shared expert into sout,
+ * which the routed experts' combine adds as it writes sub. */
 /* prepared: sublayer_pre left xn prepared for the gate in the main lane's workspace. */
 static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared)
 {
@@ -591,10 +569,15 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool 
     }
     STEP(lin_x(cb, &L->gate, t->xn, D, B, t->rlogits, c->n_experts, false, prepared, m));
     STEP(dsv4_cuda_router(t->rlogits, B, c->n_experts, K, L->hash ? NULL : L->gate_bias, L->hash ? L->tid2eid : NULL,
-                          t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, t->in + B, cb->slots - 1,
-                          L->route_counts, s));
-    ex.quant_act = moe_quant_act(cb, L);
-    STEP(dsv4_cuda_moe_routed(&ex, ex.quant_act ? t->xq : t->xn, B, K, t->ridx, &t->moe, s));
+                          t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
+    STEP(dsv4_cuda_route_count(t->ridx, B, K, t->in + B, cb->slots - 1, L->route_counts, s));
+    ex.quant_act = cb->fp8 && (ex.fmt == DSV4_W_FP8 || ex.fmt == DSV4_W_FP4);
+    const float *x = t->xn;
+    if (ex.quant_act) {
+        STEP(dsv4_cuda_fp8_roundtrip(t->xn, B, D, DSV4_CUDA_ACT_BLOCK, t->xq, s));
+        x = t->xq;
+    }
+    STEP(dsv4_cuda_moe_routed(&ex, x, B, K, t->ridx, &t->moe, s));
     if (L->sw1.w)
         STEP(lane_wait(cb, m, sd, cb->ev_join));
     return dsv4_cuda_moe_combine(&ex, B, K, t->ridx, t->rw, &t->moe, L->sw1.w ? t->sout : NULL, t->sub, s);
@@ -618,9 +601,23 @@ static int hc_fn(struct cuda_backend *cb, const struct dsv4_cuda_linear *fn, con
     return dsv4_cuda_gemv(fn, X, ldx, B, y, fn->out, s);
 }
 
-/* mHC pre, then the sublayer's RMSNorm into xn (norm_prep, for `next`; xq as there). */
+/* xn = RMSNorm(y) with weight w; where `next`, the first linear to read xn on the main lane, allows,
+ * the same launch prepares xn for it (*prepared: the linear then skips its own preparation). */
+static int norm_xn(struct cuda_backend *cb, const float *w, const struct dsv4_cuda_linear *next, int B, cudaStream_t s,
+                   bool *prepared)
+{
+    struct step_buf *t = &cb->b;
+    const float eps = (float)cb->cfg->rms_norm_eps;
+    const bool quant = lin_quant(cb, next, false);
+    *prepared = cb->use_gemm && dsv4_cuda_gemm_norm_supports(next, quant);
+    if (*prepared)
+        return dsv4_cuda_gemm_norm(next, quant, t->y, w, B, eps, cb->ln[0].gemm, t->xn, s);
+    return dsv4_cuda_rmsnorm(t->y, w, B, cb->cfg->dim, eps, t->xn, s);
+}
+
+/* mHC pre, then the sublayer's RMSNorm into xn (norm_xn, for `next`). */
 static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *fn, const float *base,
-                        const float *scale, const float *norm, const struct dsv4_cuda_linear *next, float *xq, int B,
+                        const float *scale, const float *norm, const struct dsv4_cuda_linear *next, int B,
                         cudaStream_t s, bool *prepared)
 {
     const struct dsv4_config *c = cb->cfg;
@@ -634,7 +631,7 @@ static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *
         STEP(dsv4_cuda_mhc_pre(t->X, t->mix, base, scale, B, hc, D, iters, (float)c->hc_eps, (float)c->rms_norm_eps,
                                t->y, t->post, t->comb, s));
     }
-    return norm_prep(cb, t->y, norm, c->dim, next, B, t->xn, xq, &cb->ln[0], prepared);
+    return norm_xn(cb, norm, next, B, s, prepared);
 }
 
 static int sublayer_post(struct cuda_backend *cb, int B, cudaStream_t s)
@@ -660,13 +657,11 @@ static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStre
     for (int l = 0; rc == 0 && l < c->n_layers; l++) {
         const struct step_layer *L = &cb->L[l];
         bool pa, pf;    /* xn prepared for wq_a, for the gate */
-        if ((rc = sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, &L->wq_a, NULL, B, s,
-                               &pa)) < 0)
+        if ((rc = sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, &L->wq_a, B, s, &pa)) < 0)
             break;
         if ((rc = attention(cb, L, B, pa)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
             break;
-        if ((rc = sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, &L->gate,
-                               moe_quant_act(cb, L) ? t->xq : NULL, B, s, &pf)) < 0)
+        if ((rc = sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, &L->gate, B, s, &pf)) < 0)
             break;
         if ((rc = moe(cb, L, B, pf)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
             break;
@@ -681,7 +676,7 @@ static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStre
                                (float)c->rms_norm_eps, t->y, s);
     bool ph = false;
     if (rc == 0)
-        rc = norm_prep(cb, t->y, cb->norm, c->dim, &cb->head, Bh, t->xn, NULL, &cb->ln[0], &ph);
+        rc = norm_xn(cb, cb->norm, &cb->head, Bh, s, &ph);
     if (rc == 0)
         rc = lin_x(cb, &cb->head, t->xn, c->dim, Bh, t->logits, c->vocab_size, false, ph, &cb->ln[0]);
     /* the stream buffers swap per sublayer; an even count of swaps leaves them in place, but restore

@@ -322,7 +322,7 @@ static int run_rmsnorm(struct job *j, int rep, cudaStream_t s)
 
 static int run_router(struct job *j, int rep, cudaStream_t s)
 {
-    return dsv4_cuda_router(j->x, j->batch, 256, 6, j->w, NULL, NULL, 1.5f, j->idx, j->y, NULL, 0, NULL, s);
+    return dsv4_cuda_router(j->x, j->batch, 256, 6, j->w, NULL, NULL, 1.5f, j->idx, j->y, s);
 }
 
 static int run_mhc_pre(struct job *j, int rep, cudaStream_t s)

@@ -536,9 +536,7 @@ static void test_prefill_rows(void **state)
 /* dsv4_cuda_gemm_norm: the normalized rows are dsv4_cuda_rmsnorm's bit for bit, and a linear that
  * then reads them through dsv4_cuda_gemm_same_x gives what RMSNorm followed by the plain linear
  * gives, bit for bit, with the normalized rows overwritten in between (so the fused preparation is
- * what it used). The quantized copy it makes in passing (the routed experts' input) is
- * dsv4_cuda_fp8_roundtrip's bit for bit. Forms without a fused preparation (FP8 with raw x) are
- * refused. */
+ * what it used). Forms without a fused preparation (FP8 with raw x) are refused. */
 static void test_norm_prep(void **state)
 {
     static const struct { enum dsv4_wfmt fmt; bool quant; int64_t out; const char *what; } forms[] = {
@@ -567,25 +565,18 @@ static void test_norm_prep(void **state)
             float *dx = gt_dev_copy(x, sizeof(float) * B * in), *dw = gt_dev_copy(nw, sizeof(float) * in);
             float *dn_ref = gt_dev_poisoned((size_t)B * in), *dn = gt_dev_poisoned((size_t)B * in);
             float *dy_ref = gt_dev_poisoned((size_t)B * out), *dy = gt_dev_poisoned((size_t)B * out);
-            float *dq_ref = gt_dev_poisoned((size_t)B * in), *dq = gt_dev_poisoned((size_t)B * in);
 
             DSV4_OK(dsv4_cuda_rmsnorm(dx, dw, B, (int)in, eps, dn_ref, NULL));
-            DSV4_OK(dsv4_cuda_fp8_roundtrip(dn_ref, B, in, 128, dq_ref, NULL));
             DSV4_OK(dsv4_cuda_gemm(&W.d, dn_ref, in, B, q, &gemm_ws, dy_ref, out, NULL));
-            DSV4_OK(dsv4_cuda_gemm_norm(&W.d, q, dx, dw, B, eps, &gemm_ws, dn, dq, NULL));
+            DSV4_OK(dsv4_cuda_gemm_norm(&W.d, q, dx, dw, B, eps, &gemm_ws, dn, NULL));
             assert_ptr_equal(gemm_ws.prepared.x, dn);
             float *n_ref = gt_host_from(dn_ref, (size_t)B * in), *n_got = gt_host_from(dn, (size_t)B * in);
             assert_memory_equal(n_got, n_ref, sizeof(float) * B * in);
-            float *q_ref = gt_host_from(dq_ref, (size_t)B * in), *q_got = gt_host_from(dq, (size_t)B * in);
-            assert_memory_equal(q_got, q_ref, sizeof(float) * B * in);
-            free(q_ref); free(q_got);
-            cudaFree(dq_ref); cudaFree(dq);
             assert_int_equal(cudaMemset(dn, 0xff, sizeof(float) * B * in), cudaSuccess);  /* NaN: must not be read */
             DSV4_OK(dsv4_cuda_gemm_same_x(&W.d, dn, in, B, q, &gemm_ws, dy, out, NULL));
             float *y_ref = gt_host_from(dy_ref, (size_t)B * out), *y_got = gt_host_from(dy, (size_t)B * out);
             assert_memory_equal(y_got, y_ref, sizeof(float) * B * out);
-            printf("# norm + prepare, %s, %d rows: norm, quantized copy and linear bit-identical to the "
-                   "separate launches\n",
+            printf("# norm + prepare, %s, %d rows: norm and linear bit-identical to the two-step path\n",
                    forms[f].what, B);
             free(x); free(nw); free(n_ref); free(n_got); free(y_ref); free(y_got);
             cudaFree(dx); cudaFree(dw); cudaFree(dn_ref); cudaFree(dn); cudaFree(dy_ref); cudaFree(dy);
@@ -597,7 +588,7 @@ static void test_norm_prep(void **state)
         float *dx = gt_dev_poisoned((size_t)in), *dn = gt_dev_poisoned((size_t)in);
         make_linear(&W, DSV4_W_FP8, 256, in);
         assert_false(dsv4_cuda_gemm_norm_supports(&W.d, false));
-        assert_int_equal(dsv4_cuda_gemm_norm(&W.d, false, dx, NULL, 1, eps, &gemm_ws, dn, NULL, NULL), -EINVAL);
+        assert_int_equal(dsv4_cuda_gemm_norm(&W.d, false, dx, NULL, 1, eps, &gemm_ws, dn, NULL), -EINVAL);
         assert_null(gemm_ws.prepared.x);
         free_linear(&W);
         cudaFree(dx);

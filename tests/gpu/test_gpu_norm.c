@@ -90,47 +90,6 @@ static void test_rmsnorm_rope(void **state)
     check_rmsnorm_rope(5, 4, 32, 8, true);          /* tiny fixture shape */
 }
 
-/* The query heads and kv of a step in one launch: each row bit-identical to dsv4_cuda_rmsnorm_rope
- * on that buffer alone (which test_rmsnorm_rope holds to the twin). */
-static void check_qkv_norm_rope(int tokens, int heads, int n, int rd)
-{
-    const size_t NQ = (size_t)tokens * heads * n, NK = (size_t)tokens * n;
-    float *q = malloc(NQ * sizeof(float)), *kv = malloc(NK * sizeof(float)), *w = malloc((size_t)n * sizeof(float));
-    float *inv = malloc((size_t)(rd / 2) * sizeof(float));
-    int32_t *pos = malloc((size_t)tokens * sizeof(int32_t));
-
-    gt_fill_normal(q, NQ, 3.0f);
-    gt_fill_normal(kv, NK, 3.0f);
-    gt_fill_normal(w, (size_t)n, 1.0f);
-    for (int i = 0; i < rd / 2; i++)
-        inv[i] = powf(10000.0f, -2.0f * (float)i / (float)rd);
-    for (int t = 0; t < tokens; t++)
-        pos[t] = (int32_t)(gt_u64() % (1u << 17));
-    float *dq = gt_dev_copy(q, NQ * sizeof(float)), *dk = gt_dev_copy(kv, NK * sizeof(float));
-    float *dq_ref = gt_dev_copy(q, NQ * sizeof(float)), *dk_ref = gt_dev_copy(kv, NK * sizeof(float));
-    float *dw = gt_dev_copy(w, (size_t)n * sizeof(float)), *dinv = gt_dev_copy(inv, (size_t)(rd / 2) * sizeof(float));
-    int32_t *dpos = gt_dev_copy(pos, (size_t)tokens * sizeof(int32_t));
-    DSV4_OK(dsv4_cuda_rmsnorm_rope(dq_ref, NULL, tokens * heads, n, 1e-6f, heads, rd, dpos, dinv, dq_ref, NULL));
-    DSV4_OK(dsv4_cuda_rmsnorm_rope(dk_ref, dw, tokens, n, 1e-6f, 1, rd, dpos, dinv, dk_ref, NULL));
-    DSV4_OK(dsv4_cuda_qkv_norm_rope(dq, heads, dk, dw, tokens, n, 1e-6f, rd, dpos, dinv, NULL));
-    float *gq = gt_host_from(dq, NQ), *rq = gt_host_from(dq_ref, NQ), *gk = gt_host_from(dk, NK);
-    float *rk = gt_host_from(dk_ref, NK);
-    assert_memory_equal(gq, rq, NQ * sizeof(float));
-    assert_memory_equal(gk, rk, NK * sizeof(float));
-    assert_int_equal(dsv4_cuda_qkv_norm_rope(dq, heads, dk, dw, tokens, n, 1e-6f, n + 2, dpos, dinv, NULL), -EINVAL);
-    printf("# q + kv norm and rope [%d tokens x %d heads, %d], rope %d: bit-identical to two launches\n", tokens,
-           heads, n, rd);
-    cudaFree(dq); cudaFree(dk); cudaFree(dq_ref); cudaFree(dk_ref); cudaFree(dw); cudaFree(dinv); cudaFree(dpos);
-    free(q); free(kv); free(w); free(inv); free(pos); free(gq); free(rq); free(gk); free(rk);
-}
-
-static void test_qkv_norm_rope(void **state)
-{
-    check_qkv_norm_rope(1, 64, 512, 64);     /* Flash, batch 1 */
-    check_qkv_norm_rope(64, 64, 512, 64);
-    check_qkv_norm_rope(5, 4, 32, 8);        /* tiny fixture shape */
-}
-
 static void check_mhc(int batch, int hc, int dim, int iters)
 {
     const int mix = (2 + hc) * hc;
@@ -299,7 +258,6 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rmsnorm_rope),
-        cmocka_unit_test(test_qkv_norm_rope),
         cmocka_unit_test(test_mhc),
         cmocka_unit_test(test_mhc_fn_pre),
         cmocka_unit_test(test_mhc_fn),
