@@ -17,8 +17,9 @@
  * daemon calls (input upload, graph replay, sampling on the device, the sampled tokens back: the
  * serving path), median of BENCH_STEPS; then the same step with the [B, V] f32 logits copied to
  * the host instead of sampled there (what dsv4-run and host sampling do). The floor counts the
- * weights every step reads (everything but the routed experts, plus the experts the batch routes
- * to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy bandwidth.
+ * weights every step reads (everything but the routed experts and the MTP block, plus the experts the
+ * batch routes to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy
+ * bandwidth. The backend gets as many slots as the largest --batch, as a daemon serving it would.
  * A verify-shaped step follows: one slot appends 1 to 1 + DSV4_SPEC_TOKENS_MAX rows in one step with
  * every row's logits to the host, beside one row (the cost side of speculative decoding).
  * --chunk N sets the backend's prefill chunk (the longest prefill step timed); --profile brackets the
@@ -30,7 +31,9 @@
  * per layer as usual, and a layer's values do not change its time. Routed experts that do not fit the
  * GPU live in pinned host memory (expert_offload = auto, dsv4d(8)); --expert-host-share P puts at
  * least P percent of each layer's there even when they fit, to time the PCIe path on a model that
- * fits. The placement is printed after the boot line.
+ * fits. The placement is printed after the boot line, the pinned host-to-device copy bandwidth
+ * before it, and under each step the share of its bytes that comes from host memory (the host
+ * experts the batch routes to, uniform routing) beside that bandwidth.
  *
  * The peer: each BF16 shape is also run through cuBLASLt (bf16 x bf16 -> f32, f32 compute, its own
  * heuristic choice), the vendor GEMM a user would otherwise call, in the same run and graph
@@ -63,6 +66,7 @@
 #define BENCH_REPLAYS 7
 #define BENCH_MAX_BATCHES 8
 #define BENCH_COPY_BYTES (2ull << 30)       /* device-to-device copy for the bandwidth ceiling */
+#define BENCH_H2D_BYTES (256ull << 20)      /* pinned host-to-device copy: the host link's rate */
 #define BENCH_STEPS 21                      /* decode steps timed per batch size (--model) */
 #define BENCH_PROMPT 8                      /* tokens each slot holds before the timed steps */
 #define BENCH_PREFILL 1024                  /* default prompt tokens of the timed prefill (--model --prefill N) */
@@ -179,6 +183,7 @@ struct job {
 };
 
 static double copy_gbs;         /* measured device copy bandwidth, bytes read + written */
+static double h2d_gbs;          /* measured pinned host-to-device copy bandwidth (--model) */
 
 static float median(float *v, int n)
 {
@@ -545,6 +550,36 @@ static void measure_copy(void)
     cudaEventDestroy(e1);
 }
 
+/* The host link's rate, for routed experts that live in host memory: a pinned buffer copied to the
+ * device by the copy engine (what the link gives large transfers; the expert kernels read host
+ * memory in place, in smaller requests). */
+static void measure_host_link(void)
+{
+    void *h, *d;
+    cudaEvent_t e0, e1;
+    float ms[BENCH_REPLAYS];
+    TRY(cudaHostAlloc(&h, BENCH_H2D_BYTES, cudaHostAllocDefault));
+    TRY(cudaMalloc(&d, BENCH_H2D_BYTES));
+    memset(h, 0x5a, BENCH_H2D_BYTES);
+    TRY(cudaEventCreate(&e0));
+    TRY(cudaEventCreate(&e1));
+    TRY(cudaMemcpy(d, h, BENCH_H2D_BYTES, cudaMemcpyHostToDevice));
+    for (int i = 0; i < BENCH_REPLAYS; i++) {
+        TRY(cudaEventRecord(e0, 0));
+        TRY(cudaMemcpyAsync(d, h, BENCH_H2D_BYTES, cudaMemcpyHostToDevice, 0));
+        TRY(cudaEventRecord(e1, 0));
+        TRY(cudaEventSynchronize(e1));
+        TRY(cudaEventElapsedTime(&ms[i], e0, e1));
+    }
+    h2d_gbs = BENCH_H2D_BYTES / (median(ms, BENCH_REPLAYS) * 1e6);
+    printf("# host-to-device copy bandwidth: %.1f GB/s (pinned, %llu MiB, median of %d)\n", h2d_gbs,
+           BENCH_H2D_BYTES >> 20, BENCH_REPLAYS);
+    cudaFreeHost(h);
+    cudaFree(d);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+}
+
 static int parse_batches(const char *arg, int *out)
 {
     int n = 0;
@@ -649,7 +684,10 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     struct dsv4_weights *w = NULL;
     struct dsv4_layer *saved;
     struct dsv4_backend *b = NULL;
-    struct dsv4_backend_opts opts = { .max_batch = DSV4_CUDA_MAX_BATCH, .max_context = context,
+    int max_batch = 1;      /* slots as a daemon serving these batches would have: the rest of the GPU takes experts */
+    for (int i = 0; i < nb; i++)
+        max_batch = batches[i] > max_batch ? batches[i] : max_batch;
+    struct dsv4_backend_opts opts = { .max_batch = max_batch, .max_context = context,
                                       .numerics = DSV4_NUMERICS_FP8, .prefill_chunk = chunk,
                                       .expert_offload = host_share ? DSV4_EXPERT_OFFLOAD_ON : DSV4_EXPERT_OFFLOAD_AUTO,
                                       .expert_host_share = host_share };
@@ -679,7 +717,12 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
             routed_all += eb;
             expert = eb;
         }
-    const double dense = (double)w->bytes_total - routed_all - linear_bytes(&w->embed);
+    /* the MTP block is not read by a decode step (nor uploaded: this backend does not speculate) */
+    double mtp = 0.0;
+    for (int i = 0; i < w->n_mtp; i++)
+        mtp += layer_bytes(c, &w->mtp[i].layer) + linear_bytes(&w->mtp[i].e_proj) + linear_bytes(&w->mtp[i].h_proj) +
+               linear_bytes(&w->mtp[i].hc_head.fn);
+    const double dense = (double)w->bytes_total - routed_all - linear_bytes(&w->embed) - mtp;
     const int V = c->vocab_size;
     float *logits = malloc(sizeof(float) * (size_t)DSV4_CUDA_MAX_BATCH * V);
     int slots[DSV4_CUDA_MAX_BATCH], row_rc[DSV4_CUDA_MAX_BATCH];
@@ -734,7 +777,15 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         const double bytes = dense + c->n_layers * distinct * expert + (double)B * (c->dim * 2 + 4.0 * V);
         char what[64];
         snprintf(what, sizeof(what), "%d-layer step (%.0f experts/layer)", c->n_layers, distinct);
-        report(what, B, median(us, BENCH_STEPS), bytes);
+        const double step_us = median(us, BENCH_STEPS);
+        report(what, B, step_us, bytes);
+        if (st.experts_host > 0) {  /* the host experts the batch routes to, over the host link's rate */
+            double host = 0.0;
+            for (int l = 0; l < st.expert_layers; l++)
+                host += st.experts_host_by_layer[l] * (1.0 - pow(1.0 - K / E, B)) * expert;
+            printf("%-34s %5d %10s %12.3f %10.2f %7.2f %8.0f\n", "  of which from host memory", B, "", host / 1e6,
+                   host / (h2d_gbs * 1e3), step_us / (host / (h2d_gbs * 1e3)), host / (step_us * 1e3));
+        }
         for (int step = 0; step < BENCH_STEPS + 1; step++) {
             double a = now_us();
             OK(b->ops->decode(b, B, slots, toks, logits));
@@ -905,6 +956,7 @@ int main(int argc, char **argv)
                     context);
             return 2;
         }
+        measure_host_link();
         return bench_model(model, batches, nb, context, prefill, layers, chunk, host_share, profile);
     }
 
