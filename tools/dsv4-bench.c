@@ -19,7 +19,8 @@
  * the host instead of sampled there (what dsv4-run and host sampling do). The floor counts the
  * weights every step reads (everything but the routed experts and the MTP block, plus the experts the
  * batch routes to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy
- * bandwidth. The backend gets as many slots as the largest --batch, as a daemon serving it would.
+ * bandwidth. The backend gets as many slots as the largest --batch (at least the verify-shaped
+ * step's rows), as a daemon serving it would.
  * A verify-shaped step follows: one slot appends 1 to 1 + DSV4_SPEC_TOKENS_MAX rows in one step with
  * every row's logits to the host, beside one row (the cost side of speculative decoding).
  * --chunk N sets the backend's prefill chunk (the longest prefill step timed); --profile brackets the
@@ -684,7 +685,9 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     struct dsv4_weights *w = NULL;
     struct dsv4_layer *saved;
     struct dsv4_backend *b = NULL;
-    int max_batch = 1;      /* slots as a daemon serving these batches would have: the rest of the GPU takes experts */
+    /* slots as a daemon serving these batches would have (the rest of the GPU takes experts), and at
+     * least a verify's rows, which one step of one slot takes in a bucket that large */
+    int max_batch = DSV4_SPEC_TOKENS_MAX + 1;
     for (int i = 0; i < nb; i++)
         max_batch = batches[i] > max_batch ? batches[i] : max_batch;
     struct dsv4_backend_opts opts = { .max_batch = max_batch, .max_context = context,
