@@ -19,8 +19,9 @@
  * the host instead of sampled there (what dsv4-run and host sampling do). The floor counts the
  * weights every step reads (everything but the routed experts and the MTP block, plus the experts the
  * batch routes to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy
- * bandwidth. The backend gets as many slots as the largest --batch (at least the verify-shaped
- * step's rows), as a daemon serving it would.
+ * bandwidth. The backend has DSV4_CUDA_MAX_BATCH slots whatever --batch is (so every prefill step
+ * timed below has its bucket graph): with experts in host memory, a daemon with fewer slots keeps
+ * more of them on the GPU.
  * A verify-shaped step follows: one slot appends 1 to 1 + DSV4_SPEC_TOKENS_MAX rows in one step with
  * every row's logits to the host, beside one row (the cost side of speculative decoding).
  * --chunk N sets the backend's prefill chunk (the longest prefill step timed); --profile brackets the
@@ -685,12 +686,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     struct dsv4_weights *w = NULL;
     struct dsv4_layer *saved;
     struct dsv4_backend *b = NULL;
-    /* slots as a daemon serving these batches would have (the rest of the GPU takes experts), and at
-     * least a verify's rows, which one step of one slot takes in a bucket that large */
-    int max_batch = DSV4_SPEC_TOKENS_MAX + 1;
-    for (int i = 0; i < nb; i++)
-        max_batch = batches[i] > max_batch ? batches[i] : max_batch;
-    struct dsv4_backend_opts opts = { .max_batch = max_batch, .max_context = context,
+    struct dsv4_backend_opts opts = { .max_batch = DSV4_CUDA_MAX_BATCH, .max_context = context,
                                       .numerics = DSV4_NUMERICS_FP8, .prefill_chunk = chunk,
                                       .expert_offload = host_share ? DSV4_EXPERT_OFFLOAD_ON : DSV4_EXPERT_OFFLOAD_AUTO,
                                       .expert_host_share = host_share };
