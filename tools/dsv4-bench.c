@@ -4,7 +4,7 @@
  *
  *   dsv4-bench [--batch 1,64] [--reps N]
  *   dsv4-bench --model DIR [--batch 1,16,64] [--context N] [--prefill N] [--layers N] [--chunk N] [--profile]
- *              [--expert-host-share P]                          (the whole step, prefill)
+ *              [--profile-decode] [--expert-host-share P]      (the whole step, prefill)
  *
  * Each kernel is captured REPS times into one CUDA graph (launch gaps out of the numbers), reading
  * rotating copies of its weights that together exceed the L2 several times over, so the numbers
@@ -26,7 +26,9 @@
  * every row's logits to the host, beside one row (the cost side of speculative decoding).
  * --chunk N sets the backend's prefill chunk (the longest prefill step timed); --profile brackets the
  * second step of the longest prefill timing with cudaProfilerStart/Stop, for
- * `ncu --profile-from-start off` (per-kernel time of one chunk).
+ * `ncu --profile-from-start off` (per-kernel time of one chunk); --profile-decode brackets one
+ * serving-path decode step of the first --batch instead (per-kernel time of a step: their sum beside
+ * the step's time says how much of it is kernels and how much the gaps between them).
  * --layers N deepens the model to N layers by repeating the checkpoint's last two (a CSA and an HCA
  * layer with scored routing, as dsv4-mkckpt writes from layer 4 on), so that a deep model is timed
  * from a short checkpoint: the repeats alias the checkpoint's host tensors, the device holds a copy
@@ -679,9 +681,12 @@ static void restore_layers(struct dsv4_weights *w, struct dsv4_layer *saved, int
     w->bytes_total = bytes0;
 }
 
-/* profile: the profiler (ncu --profile-from-start off) sees one prefill step of the largest size */
+/* What the profiler (ncu --profile-from-start off) sees: one prefill step of the largest size, or one
+ * decode step of the first batch. */
+enum bench_profile { PROFILE_NONE, PROFILE_PREFILL, PROFILE_DECODE };
+
 static int bench_model(const char *dir, const int *batches, int nb, int context, int prefill, int layers, int chunk,
-                       int host_share, bool profile)
+                       int host_share, enum bench_profile profile)
 {
     struct dsv4_weights *w = NULL;
     struct dsv4_layer *saved;
@@ -757,9 +762,14 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         for (int s = 0; s < B; s++)
             toks[s] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
         for (int step = 0; step < BENCH_STEPS + 1; step++) {
+            const bool prof = profile == PROFILE_DECODE && i == 0 && step == BENCH_STEPS / 2;
+            if (prof)
+                TRY(cudaProfilerStart());
             double a = now_us();
             OK(b->ops->decode(b, B, slots, toks, NULL));
             OK(b->ops->sample(b, B, req, smp, row_rc, msgs));
+            if (prof)
+                TRY(cudaProfilerStop());
             if (step > 0)           /* the first step warms up */
                 us[step - 1] = (float)(now_us() - a);
             for (int s = 0; s < B; s++) {
@@ -842,8 +852,8 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
             for (int r = 0; r < 4; r++) {
                 b->ops->slot_reset(b, 0);
                 double a = now_us();
-                const bool prof = profile && r == 0 && (k + 1 == sizeof(steps) / sizeof(steps[0]) ||
-                                                        steps[k + 1] > maxstep);
+                const bool last = k + 1 == sizeof(steps) / sizeof(steps[0]) || steps[k + 1] > maxstep;
+                const bool prof = profile == PROFILE_PREFILL && r == 0 && last;
                 for (int i0 = 0; i0 < prefill; i0 += step) {
                     const int m = prefill - i0 < step ? prefill - i0 : step;
                     if (prof && i0 == step)     /* the second step: it reads a context of one step */
@@ -886,7 +896,7 @@ int main(int argc, char **argv)
 {
     int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096, prefill = BENCH_PREFILL, layers = 0;
     int chunk = 0, host_share = 0;
-    bool profile = false;
+    enum bench_profile profile = PROFILE_NONE;
     const char *model = NULL;
     const int topk = 6, E = 256, D = 4096, I = 2048;
     struct job j;
@@ -930,7 +940,9 @@ int main(int argc, char **argv)
                 return 2;
             }
         } else if (!strcmp(argv[i], "--profile")) {
-            profile = true;
+            profile = PROFILE_PREFILL;
+        } else if (!strcmp(argv[i], "--profile-decode")) {
+            profile = PROFILE_DECODE;
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
             reps = atoi(argv[++i]);
             if (reps < 1 || reps > BENCH_MAX_COPIES * 4) {
@@ -939,7 +951,7 @@ int main(int argc, char **argv)
             }
         } else {
             fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N] "
-                            "[--prefill N] [--layers N] [--chunk N] [--expert-host-share P] [--profile]\n");
+                            "[--prefill N] [--layers N] [--chunk N] [--expert-host-share P] [--profile | --profile-decode]\n");
             return 2;
         }
     }
