@@ -951,7 +951,8 @@ int main(int argc, char **argv)
             }
         } else {
             fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N] "
-                            "[--prefill N] [--layers N] [--chunk N] [--expert-host-share P] [--profile | --profile-decode]\n");
+                            "[--prefill N] [--layers N] [--chunk N] [--expert-host-share P]\n"
+                            "                  [--profile | --profile-decode]\n");
             return 2;
         }
     }
