@@ -777,7 +777,7 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
             st.kernels[st.n_kernels++] = ss.backend.variant;
         /* where the routed experts live: a total line, then DSV4_PLACEMENT_LINE_LAYERS layers a line */
         char experts[1 + DSV4_MAX_LAYERS / DSV4_PLACEMENT_LINE_LAYERS][160];
-        if (ss.backend.experts_host > 0) {
+        if (ss.backend.experts_host > 0 || ss.backend.embed_bytes_host > 0) {
             snprintf(experts[0], sizeof(experts[0]), "routed experts: %u on the GPU (%.2f GiB), %u in pinned host "
                      "memory (%.2f GiB, and the embedding's %.2f GiB), read in place over PCIe", ss.backend.experts_gpu,
                      ss.backend.expert_bytes_gpu / 1073741824.0, ss.backend.experts_host,

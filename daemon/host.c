@@ -187,7 +187,7 @@ static int boot(struct dsv4_host *h)
     dsv4_log_info("backend %s (%s), numerics %s, %d threads, %d slots x %d tokens, %.1f MiB reserved%s%s",
                   h->backend_name, h->backend_note, h->numerics, threads, cfg->max_batch, cfg->max_context,
                   (double)bs.bytes_reserved / (1 << 20), bs.variant[0] ? ", kernels: " : "", bs.variant);
-    if (bs.experts_host > 0)
+    if (bs.experts_host > 0 || bs.embed_bytes_host > 0)    /* or only the embedding moved */
         dsv4_log_info("routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory (%.2f GiB, and the "
                       "embedding's %.2f GiB), %s", bs.experts_gpu, bs.expert_bytes_gpu / 1073741824.0, bs.experts_host,
                       bs.expert_bytes_host / 1073741824.0, bs.embed_bytes_host / 1073741824.0,
