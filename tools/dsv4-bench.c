@@ -527,31 +527,37 @@ static const struct lshape lshapes[] = {
     { "fp4 expert w1 [2048,4096]", DSV4_W_FP4, 2048, 4096, 0 },
 };
 
-static void measure_copy(void)
+/* Median milliseconds of BENCH_REPLAYS copies of bytes from src to dst (after one to warm up). */
+static float time_copies(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind)
 {
-    void *a, *b;
     cudaEvent_t e0, e1;
     float ms[BENCH_REPLAYS];
-    TRY(cudaMalloc(&a, BENCH_COPY_BYTES));
-    TRY(cudaMalloc(&b, BENCH_COPY_BYTES));
-    TRY(cudaMemset(a, 0x5a, BENCH_COPY_BYTES));
     TRY(cudaEventCreate(&e0));
     TRY(cudaEventCreate(&e1));
-    TRY(cudaMemcpy(b, a, BENCH_COPY_BYTES, cudaMemcpyDeviceToDevice));
+    TRY(cudaMemcpy(dst, src, bytes, kind));
     for (int i = 0; i < BENCH_REPLAYS; i++) {
         TRY(cudaEventRecord(e0, 0));
-        TRY(cudaMemcpyAsync(b, a, BENCH_COPY_BYTES, cudaMemcpyDeviceToDevice, 0));
+        TRY(cudaMemcpyAsync(dst, src, bytes, kind, 0));
         TRY(cudaEventRecord(e1, 0));
         TRY(cudaEventSynchronize(e1));
         TRY(cudaEventElapsedTime(&ms[i], e0, e1));
     }
-    copy_gbs = 2.0 * BENCH_COPY_BYTES / (median(ms, BENCH_REPLAYS) * 1e6);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return median(ms, BENCH_REPLAYS);
+}
+
+static void measure_copy(void)
+{
+    void *a, *b;
+    TRY(cudaMalloc(&a, BENCH_COPY_BYTES));
+    TRY(cudaMalloc(&b, BENCH_COPY_BYTES));
+    TRY(cudaMemset(a, 0x5a, BENCH_COPY_BYTES));
+    copy_gbs = 2.0 * BENCH_COPY_BYTES / (time_copies(b, a, BENCH_COPY_BYTES, cudaMemcpyDeviceToDevice) * 1e6);
     printf("# device copy bandwidth: %.0f GB/s (read + write of %.1f GiB, median of %d)\n", copy_gbs,
            BENCH_COPY_BYTES / 1073741824.0, BENCH_REPLAYS);
     cudaFree(a);
     cudaFree(b);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
 }
 
 /* The host link's rate, for routed experts that live in host memory: a pinned buffer copied to the
@@ -560,28 +566,14 @@ static void measure_copy(void)
 static void measure_host_link(void)
 {
     void *h, *d;
-    cudaEvent_t e0, e1;
-    float ms[BENCH_REPLAYS];
     TRY(cudaHostAlloc(&h, BENCH_H2D_BYTES, cudaHostAllocDefault));
     TRY(cudaMalloc(&d, BENCH_H2D_BYTES));
     memset(h, 0x5a, BENCH_H2D_BYTES);
-    TRY(cudaEventCreate(&e0));
-    TRY(cudaEventCreate(&e1));
-    TRY(cudaMemcpy(d, h, BENCH_H2D_BYTES, cudaMemcpyHostToDevice));
-    for (int i = 0; i < BENCH_REPLAYS; i++) {
-        TRY(cudaEventRecord(e0, 0));
-        TRY(cudaMemcpyAsync(d, h, BENCH_H2D_BYTES, cudaMemcpyHostToDevice, 0));
-        TRY(cudaEventRecord(e1, 0));
-        TRY(cudaEventSynchronize(e1));
-        TRY(cudaEventElapsedTime(&ms[i], e0, e1));
-    }
-    h2d_gbs = BENCH_H2D_BYTES / (median(ms, BENCH_REPLAYS) * 1e6);
+    h2d_gbs = BENCH_H2D_BYTES / (time_copies(d, h, BENCH_H2D_BYTES, cudaMemcpyHostToDevice) * 1e6);
     printf("# host-to-device copy bandwidth: %.1f GB/s (pinned, %llu MiB, median of %d)\n", h2d_gbs,
            BENCH_H2D_BYTES >> 20, BENCH_REPLAYS);
     cudaFreeHost(h);
     cudaFree(d);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
 }
 
 static int parse_batches(const char *arg, int *out)
