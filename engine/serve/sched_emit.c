@@ -283,22 +283,27 @@ void sched_take_token(struct dsv4_sched *s, struct sched_req *q, const struct ds
         sched_finish(s, q, why, err, err ? msg : NULL);
 }
 
-void sched_sample_row(struct dsv4_sched *s, struct sched_req *q, const float *row)
+int sched_sample(struct dsv4_sched *s, struct sched_req *q, const float *row, struct dsv4_sample *smp)
 {
     struct dsv4_sampler_history hist = {
         .counts = s->counts + (size_t)q->slot * (size_t)s->vocab,
         .seen = s->seen + (size_t)q->slot * s->seen_stride,
     };
-    struct dsv4_sample smp;
     int r = dsv4_sampler_sample(s->samplers[0], &q->sampling, row, &hist, q->seed,
-                                (uint64_t)q->result.n_tokens, &smp);
+                                (uint64_t)q->result.n_tokens, smp);
     if (r < 0) {
         char msg[DSV4_SCHED_ERROR_MAX];
         snprintf(msg, sizeof(msg), "sampling: %s", dsv4_error_message());
         sched_finish(s, q, DSV4_FINISH_ERROR, r, msg);
-        return;
     }
-    sched_take_token(s, q, &smp);
+    return r;
+}
+
+void sched_sample_row(struct dsv4_sched *s, struct sched_req *q, const float *row)
+{
+    struct dsv4_sample smp;
+    if (sched_sample(s, q, row, &smp) == 0)
+        sched_take_token(s, q, &smp);
 }
 
 void sched_fail_request(struct dsv4_sched *s, struct sched_req *q, int r, const char *what)

@@ -180,7 +180,10 @@ void sched_finish(struct dsv4_sched *s, struct sched_req *q, enum dsv4_finish_re
                   const char *message);
 /* A token was sampled for q: record it, decide whether q stops, stream its delta. */
 void sched_take_token(struct dsv4_sched *s, struct sched_req *q, const struct dsv4_sample *smp);
-/* Sample q's next token from row (host sampling) and take it. */
+/* Sample q's next token from row (host sampling) with q's history, seed and output index into *smp;
+ * on failure q is finished with the error and the negative errno returned. */
+int sched_sample(struct dsv4_sched *s, struct sched_req *q, const float *row, struct dsv4_sample *smp);
+/* sched_sample, then take the token. */
 void sched_sample_row(struct dsv4_sched *s, struct sched_req *q, const float *row);
 /* End q with the error r of `what` (the message is dsv4_error_message()'s). */
 void sched_fail_request(struct dsv4_sched *s, struct sched_req *q, int r, const char *what);

@@ -3,10 +3,8 @@
  * rows sampled as plain decode samples them, accept. */
 #include "build-config.h"
 
-#include <stdio.h>
 #include <string.h>
 
-#include "engine/error.h"
 #include "engine/serve/sched_internal.h"
 
 /* Drafts worth asking for q at this step: what its output, its context and (while its state is being
@@ -68,21 +66,11 @@ void sched_spec_decode(struct dsv4_sched *s, int n)
             continue;
         const int32_t *draft = s->spec_rows + (size_t)k * (size_t)(S + 1) + 1;
         int rows = s->spec_k[k], made = rows - 1, keep = rows, accepted = 0;
-        struct dsv4_sampler_history hist = {
-            .counts = s->counts + (size_t)q->slot * (size_t)V,
-            .seen = s->seen + (size_t)q->slot * s->seen_stride,
-        };
         for (int j = 0; j < rows; j++) {
             const float *lg = s->logits + ((size_t)k * (size_t)(S + 1) + (size_t)j) * (size_t)V;
             struct dsv4_sample smp;
-            int rc = dsv4_sampler_sample(s->samplers[0], &q->sampling, lg, &hist, q->seed,
-                                         (uint64_t)q->result.n_tokens, &smp);
-            if (rc < 0) {
-                char msg[DSV4_SCHED_ERROR_MAX];
-                snprintf(msg, sizeof(msg), "sampling: %s", dsv4_error_message());
-                sched_finish(s, q, DSV4_FINISH_ERROR, rc, msg);
+            if (sched_sample(s, q, lg, &smp) < 0)
                 break;
-            }
             /* Row j's input is kept: its position is fed, as plain decode would have fed it. */
             if (j == rows - 1 || smp.token != draft[j]) {
                 keep = j + 1;
