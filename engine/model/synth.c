@@ -207,27 +207,17 @@ static void fill_block(const struct gen *g, const struct job *j, int64_t b)
     uint64_t s = mix64(j->key ^ mix64((uint64_t)b));
 
     switch (j->kind) {
-    case FILL_FP8: {
+    case FILL_FP8:
+    case FILL_FP4: {   /* one code byte per 32 random bits, from the format's law */
+        const struct alias *law = j->kind == FILL_FP8 ? &g->fp8 : &g->fp4;
         uint8_t *o = j->data;
 
         for (int64_t i = lo; i < hi; i += 2) {
             const uint64_t r = next64(&s);
 
-            o[i] = alias_draw(&g->fp8, (uint32_t)r);
+            o[i] = alias_draw(law, (uint32_t)r);
             if (i + 1 < hi)
-                o[i + 1] = alias_draw(&g->fp8, (uint32_t)(r >> 32));
-        }
-        break;
-    }
-    case FILL_FP4: {
-        uint8_t *o = j->data;
-
-        for (int64_t i = lo; i < hi; i += 2) {
-            const uint64_t r = next64(&s);
-
-            o[i] = alias_draw(&g->fp4, (uint32_t)r);
-            if (i + 1 < hi)
-                o[i + 1] = alias_draw(&g->fp4, (uint32_t)(r >> 32));
+                o[i + 1] = alias_draw(law, (uint32_t)(r >> 32));
         }
         break;
     }
