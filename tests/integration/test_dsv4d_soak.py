@@ -139,28 +139,19 @@ class Soak:
                         self.problem("request %d (plain): error %s" % (i, err))
                     else:
                         self.check_tokens(i, kind, res, False)
-                elif kind == "stream":
+                elif kind in ("stream", "cancel"):
+                    cancel = kind == "cancel"
                     p["stream"] = True
                     mid = c.request("generate", p)
-                    streamed, err, res = self.stream_tokens(c, mid)
+                    streamed, err, res = self.stream_tokens(c, mid, stop_after=rng.randrange(1, 4) if cancel else None,
+                                                            cancel=cancel)
                     if err:
-                        self.problem("request %d (stream): error %s" % (i, err))
+                        self.problem("request %d (%s): error %s" % (i, kind, err))
                         continue
-                    self.check_tokens(i, kind, res, False)
+                    self.check_tokens(i, kind, res, cancel)
                     if streamed != bin_tokens(res["tokens"]):
-                        self.problem("request %d (stream): streamed %s, result %s" % (i, streamed,
-                                                                                     bin_tokens(res["tokens"])))
-                elif kind == "cancel":
-                    p["stream"] = True
-                    mid = c.request("generate", p)
-                    streamed, err, res = self.stream_tokens(c, mid, stop_after=rng.randrange(1, 4), cancel=True)
-                    if err:
-                        self.problem("request %d (cancel): error %s" % (i, err))
-                        continue
-                    self.check_tokens(i, kind, res, True)
-                    if streamed != bin_tokens(res["tokens"]):
-                        self.problem("request %d (cancel): streamed %s, result %s" % (i, streamed,
-                                                                                     bin_tokens(res["tokens"])))
+                        self.problem("request %d (%s): streamed %s, result %s" % (i, kind, streamed,
+                                                                                bin_tokens(res["tokens"])))
                 elif kind == "drop":
                     p["stream"] = True
                     mid = c.request("generate", p)
