@@ -783,7 +783,8 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
                      ss.backend.expert_bytes_gpu / 1073741824.0, ss.backend.experts_host,
                      ss.backend.expert_bytes_host / 1073741824.0, ss.backend.embed_bytes_host / 1073741824.0);
             st.kernels[st.n_kernels++] = experts[0];
-            for (int l0 = 0, i = 1; l0 < ss.backend.expert_layers; l0 += DSV4_PLACEMENT_LINE_LAYERS, i++) {
+            for (int l0 = 0, i = 1; ss.backend.experts_host > 0 && l0 < ss.backend.expert_layers;
+                 l0 += DSV4_PLACEMENT_LINE_LAYERS, i++) {
                 const int n = ss.backend.expert_layers - l0 < DSV4_PLACEMENT_LINE_LAYERS
                                   ? ss.backend.expert_layers - l0 : DSV4_PLACEMENT_LINE_LAYERS;
                 int w = snprintf(experts[i], sizeof(experts[i]), "routed experts gpu/host by layer:");
