@@ -112,6 +112,7 @@ struct walker {
     size_t embed_bytes;         /* pass 1: its aligned size (not in bytes) */
     uint64_t *expert_bytes;     /* pass 1: [n_layers] aligned bytes of each layer's movable experts */
     int ex_layer, ex_expert;    /* the movable expert being walked (ex_layer -1: none) */
+    bool with_mtp;              /* the MTP block too (the backend speculates with it) */
 };
 
 static size_t align_up(size_t n)
@@ -195,8 +196,9 @@ static int walk_layer(struct walker *wk, int li, const struct dsv4_layer *L)
     WALK(wk->linear(wk, &f->gate));
     WALK(walk_vec(wk, f->gate_bias, c->n_experts, sizeof(float)));
     WALK(walk_vec(wk, f->tid2eid, (size_t)c->vocab_size * c->n_experts_per_tok, sizeof(int32_t)));
-    /* only a layer's table of experts (upload_experts) can point into host memory */
-    const bool movable = li >= 0 && experts_uniform(c, f);
+    /* only a layer's table of experts (upload_experts) can point into host memory; the MTP block's
+     * layer (li n_layers) has a table too, always on the GPU */
+    const bool movable = li >= 0 && li < c->n_layers && experts_uniform(c, f);
     for (int e = 0; f->w1 && f->w2 && f->w3 && e < c->n_experts; e++) {
         wk->ex_layer = movable ? li : -1;
         wk->ex_expert = e;
@@ -221,10 +223,22 @@ static int walk_weights(struct walker *wk, const struct dsv4_weights *w)
     WALK(wk->linear(wk, &w->hc_head.fn));
     WALK(walk_vec(wk, w->hc_head.base, c->hc_mult, sizeof(float)));
     WALK(walk_vec(wk, w->hc_head.scale, 1, sizeof(float)));
-    /* The MTP block stays on the host: this backend does not speculate (kernels/NOTES.md), and at
-     * Flash's shapes the block is 3.4 GB, about 270 routed experts' worth of GPU memory. */
     for (int i = 0; i < c->n_layers; i++)
         WALK(walk_layer(wk, i, &w->layers[i]));
+    /* The MTP block only when the backend speculates with it: at Flash's shapes it is 3.4 GB, about
+     * 270 routed experts' worth of GPU memory. Its layer's expert table goes at index n_layers. */
+    if (wk->with_mtp) {
+        const struct dsv4_mtp *m = &w->mtp[0];
+        WALK(walk_vec(wk, m->enorm, c->dim, sizeof(float)));
+        WALK(walk_vec(wk, m->hnorm, c->dim, sizeof(float)));
+        WALK(wk->linear(wk, &m->e_proj));
+        WALK(wk->linear(wk, &m->h_proj));
+        WALK(walk_layer(wk, c->n_layers, &m->layer));
+        WALK(wk->linear(wk, &m->hc_head.fn));
+        WALK(walk_vec(wk, m->hc_head.base, c->hc_mult, sizeof(float)));
+        WALK(walk_vec(wk, m->hc_head.scale, 1, sizeof(float)));
+        WALK(walk_vec(wk, m->norm, c->dim, sizeof(float)));
+    }
     return 0;
 }
 
@@ -606,6 +620,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     wk.experts = size_experts;
     wk.ex_layer = -1;
     wk.embed = &w->embed;
+    wk.with_mtp = w->n_mtp > 0 && w->mtp[0].layer.ratio == 0 && dsv4_cuda_step_spec_tokens(c, o) > 0;
     std::unique_ptr<uint64_t[]> expert_bytes(new (std::nothrow) uint64_t[c->n_layers + 1]());
     if (!expert_bytes)
         return dsv4_error_set(-ENOMEM, "cuda: expert sizes of %d layers", c->n_layers);
@@ -784,7 +799,7 @@ extern "C" const void *dsv4_cuda_dev_vector(const struct dsv4_cuda_dev *dev, con
 
 extern "C" int dsv4_cuda_dev_experts(const struct dsv4_cuda_dev *dev, int layer, struct dsv4_cuda_experts *ret)
 {
-    if (layer < 0 || layer >= dev->n_layers || !dev->experts[layer].d_table)
+    if (layer < 0 || layer > dev->n_layers || !dev->experts[layer].d_table)    /* n_layers: the MTP block's */
         return dsv4_error_set(-ENOENT, "cuda: layer %d has no routed expert table on the device", layer);
     *ret = dev->experts[layer];
     return 0;

@@ -15,6 +15,8 @@
 /* Arena sizes of the decode step (kernels/step.cu): caches of max_batch + 1 slots, and buffers. */
 size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
 size_t dsv4_cuda_step_workspace_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
+/* Drafts a step verifies with these options (0: no speculation; kernels/step.cu says when it runs). */
+int dsv4_cuda_step_spec_tokens(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
 
 /* Per-slot cache layout of one layer: byte offsets within a slot's block. */
 struct dsv4_cuda_layer_cache {
@@ -121,6 +123,34 @@ int dsv4_cuda_index_key_bytes(int dI, bool packed);
 /* kernels/mhc.cu, hc_head: d_y [B, D] = sum_j pre_j X[j], pre = sigmoid(m * rsqrt(mean(X^2)+eps) * scale + base) + hc_eps. */
 int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,
                       int hc, int dim, float hc_eps, float norm_eps, float *d_y, void *stream);
+/* kernels/spec.cu: speculative decoding with the MTP block. A slot's ring of the main model's last
+ * streams (ring entries of hc * D floats at caches + slot * slot_bytes + ring_off, position p at
+ * p % ring); the block's rows at MTP positions mpos in slots mslot (pad_slot: a row that does not
+ * run the block); the step's main rows (step_slot NULL: none, a draft). */
+struct dsv4_cuda_spec_rows {
+    uint8_t *caches;
+    int64_t slot_bytes, ring_off, hcD;
+    int ring, pad_slot;
+    const int32_t *mslot, *mpos;
+    const int32_t *step_slot, *step_pos;
+};
+int dsv4_cuda_spec_gather(const struct dsv4_cuda_spec_rows *a, int batch, const float *d_X, float *d_H, void *stream);
+int dsv4_cuda_spec_ring_save(const struct dsv4_cuda_spec_rows *a, const int32_t *d_last, int batch, const float *d_X,
+                             void *stream);
+int dsv4_cuda_spec_add(float *d_X, const float *d_e, int batch, int hc, int dim, void *stream);
+int dsv4_cuda_spec_argmax(const float *d_logits, int batch, int V, int32_t *d_out, void *stream);
+int dsv4_cuda_spec_tokens(const int32_t *d_src, int n, int32_t *d_in, void *stream);
+/* A compressor's partial state within a slot (bytes from the slot's base): kv rows [ring, width] then
+ * gate rows [ring, width]; and its save area, [DSV4_SPEC_TOKENS_MAX + 1, 2, width] floats. */
+struct dsv4_cuda_spec_comp {
+    int64_t state, save;
+    int ring, width;
+};
+/* Rows of positions P + j, j in [j0, j1), of every compressor d_comp [n_comp], into the save area
+ * (save) or back from it. */
+int dsv4_cuda_spec_comp_copy(const struct dsv4_cuda_spec_comp *d_comp, int n_comp, uint8_t *d_slot_base, int64_t P,
+                             int j0, int j1, bool save, void *stream);
+
 /* kernels/embed.cu: d_X [B, hc, D] = embed[token_b] (any linear format) copied to every stream. */
 int dsv4_cuda_embed(const struct dsv4_cuda_linear *E, const int32_t *d_tokens, int batch, int hc, float *d_X,
                     void *stream);

@@ -5,7 +5,7 @@
 
 DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/gemm.cu kernels/indexer.cu kernels/sample.cu kernels/moe.cu kernels/norm.cu kernels/attention.cu \
 	kernels/compressor.cu kernels/step.cu kernels/mhc.cu kernels/embed.cu kernels/prefix.cu kernels/fault.cu \
-	kernels/route_stats.cu
+	kernels/route_stats.cu kernels/spec.cu
 DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/cuda_fault.cuh kernels/kernels_internal.h kernels/kv_entry.cuh kernels/index_key.cuh kernels/sample.h kernels/mma.cuh kernels/norm_row.cuh \
 	kernels/prefix.h
 EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES) kernels/NOTES.md
@@ -52,7 +52,7 @@ dsv4_bench_LDADD = $(DSV4_CUDA_LDADD) libdsv4engine.la -lm
 GPU_TESTS += tests/gpu/test_gpu_linear tests/gpu/test_gpu_moe tests/gpu/test_gpu_norm tests/gpu/test_gpu_device \
 	tests/gpu/test_gpu_step tests/gpu/test_gpu_codec tests/gpu/test_gpu_serve tests/gpu/test_gpu_sample \
 	tests/gpu/test_gpu_attention tests/gpu/test_gpu_indexer tests/gpu/test_gpu_prefix tests/gpu/test_gpu_fault \
-	tests/gpu/test_gpu_offload
+	tests/gpu/test_gpu_offload tests/gpu/test_gpu_spec
 check_PROGRAMS += $(GPU_TESTS)
 GPU_TEST_CFLAGS = $(TEST_ENGINE_CFLAGS) $(CUDA_CFLAGS)
 GPU_TEST_LIBS = $(DSV4_CUDA_LDADD) $(TEST_ENGINE_LIBS) -lm
@@ -95,11 +95,15 @@ tests_gpu_test_gpu_prefix_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_fault_SOURCES = tests/gpu/test_gpu_fault.c $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_fault_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
 tests_gpu_test_gpu_fault_LDADD = $(GPU_TEST_LIBS)
+tests_gpu_test_gpu_spec_SOURCES = tests/gpu/test_gpu_spec.c tests/unit/sched_harness.h $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_spec_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
+tests_gpu_test_gpu_spec_LDADD = $(GPU_TEST_LIBS)
 else
 DSV4_CUDA_LDADD =
 DSV4_CUDA_CPPFLAGS =
 EXTRA_DIST += tools/dsv4-bench.c $(GPU_TEST_COMMON) tests/gpu/test_gpu_linear.c tests/gpu/test_gpu_moe.c \
 	tests/gpu/test_gpu_norm.c tests/gpu/test_gpu_device.c tests/gpu/test_gpu_step.c \
 	tests/gpu/test_gpu_codec.c tests/gpu/test_gpu_serve.c tests/gpu/test_gpu_sample.c \
-	tests/gpu/test_gpu_attention.c tests/gpu/test_gpu_indexer.c tests/gpu/test_gpu_prefix.c tests/gpu/test_gpu_fault.c
+	tests/gpu/test_gpu_attention.c tests/gpu/test_gpu_indexer.c tests/gpu/test_gpu_prefix.c tests/gpu/test_gpu_fault.c \
+	tests/gpu/test_gpu_spec.c
 endif

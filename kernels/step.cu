@@ -16,7 +16,19 @@
  * rows. A chunk that fits a bucket replays its graph; a longer one launches the same kernels eagerly
  * for exactly its rows (counted in stats), the head for its last row only. Attention and the
  * indexer go through a chunk in slices of up to DSV4_CUDA_MAX_BATCH rows: each slice stores its KV,
- * then reads its windows, so the window ring needs only window + slice - 1 entries. */
+ * then reads its windows, so the window ring needs only window + slice - 1 entries.
+ *
+ * Speculative decoding (opts->spec_tokens S > 0, the checkpoint's MTP block, spec_tokens_for): the
+ * block lags the main model by one position, as the CPU backend's does. Every step, after the head,
+ * each row whose slot's block stands at its position - 1 runs the block there (the catch-up) on the
+ * main model's streams of that position (the step's previous row, or the slot's ring of the last S + 1
+ * rows' streams) and the row's token; rows that do not go to the padding slot. Then every row's
+ * streams enter the ring. draft replays a graph of the block plus the head and an argmax, once per
+ * draft; verify is a step of each slot's rows with every row's logits, after a save of the ring rows
+ * its positions overwrite in every compressor's partial state; accept writes back those of rejected
+ * positions. The window rings (window + S rows or more) and the compressed entries and indexer keys
+ * need no undo: what rejected rows wrote is overwritten before anything reads it. With speculation
+ * on, sampling runs on the host (the scheduler samples a verify's rows there). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +42,8 @@
 #define STEP_MAX_BUCKETS 8      /* 1, 2, 4, ..., 64 */
 #define STEP_SLICE DSV4_CUDA_MAX_BATCH  /* rows per attention / indexer launch (their workspaces' rows) */
 #define STEP_IN_FIELDS 5        /* per row: token, slot, position, first and last position of its slot in the step */
+/* With speculation the in buffer holds a second STEP_IN_FIELDS x B block: the MTP block's rows (the
+ * row's token, its slot or the padding slot, the block's position). */
 
 /* A layer's device weights. */
 struct step_layer {
@@ -60,6 +74,10 @@ struct step_buf {
     struct dsv4_sample_row *sparams;        /* [B] */
     struct dsv4_sample_result *sres;        /* [B] */
     int32_t *sslots, *stokens;              /* [B] slots to clear, sampled tokens */
+    float *H;                   /* speculation: [B, hc, D] the MTP block's input streams */
+    float *eo;                  /* speculation: [B, D] e_proj of the block's token */
+    int32_t *dtok;              /* speculation: [max_batch] a draft's picks */
+    struct dsv4_cuda_spec_comp *comp;       /* speculation: [2 n_layers] the compressors' save table */
     float *inv_main, *inv_comp;
     int64_t mixws_floats;       /* capacity of mixws */
 };
@@ -115,6 +133,21 @@ struct cuda_backend {
     const int32_t *last_d_sl;   /* the same column on the device (b.in's) */
     bool last_prefill;
     bool hist_broken;           /* a history clear failed: sampling refuses until the next create */
+    /* speculative decoding (spec > 0) */
+    int spec;                   /* S: drafts a verify takes at most; 0 off */
+    struct step_layer mtp_L;    /* the MTP block's layer (its window at mtp_L.cache.win) */
+    struct dsv4_cuda_linear mtp_e_proj, mtp_h_proj, mtp_hch_fn;
+    const float *mtp_enorm, *mtp_hnorm, *mtp_norm, *mtp_hch_base, *mtp_hch_scale;
+    int64_t ring_off;           /* a slot's ring of the main model's streams, S + 1 entries */
+    struct dsv4_cuda_spec_comp *d_comp;     /* [n_comp] every compressor's state and save area */
+    int n_comp;
+    int64_t *mtp_pos;           /* host [slots]: the block holds positions below this */
+    int64_t *row_mtp;           /* host [rows]: the last step's rows, each one's slot's mtp_pos before it */
+    int64_t *v_pos;             /* host [slots]: a pending verify's first position, -1: none */
+    int *v_rows;                /* host [slots]: its rows */
+    int64_t *v_mtp;             /* host [slots, S + 1]: mtp_pos before each of its rows */
+    int32_t *h_draft;           /* host [S, max_batch] */
+    cudaGraphExec_t dgraphs[2][STEP_MAX_BUCKETS];   /* draft steps: the first (from the ring), later ones */
 };
 
 /* ---- sizes shared with the device boot ---- */
@@ -157,8 +190,72 @@ int dsv4_cuda_step_ring_entries(const struct dsv4_config *c, const struct dsv4_b
     return ring_entries(c, o);
 }
 
-int64_t dsv4_cuda_step_slot_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o,
-                                   struct dsv4_cuda_layer_cache *lc)
+/* The compressors' partial states keep comp_ring rows (compressor.cu): 2 ratio when overlapping
+ * (CSA's and every indexer's), else ratio. */
+static int comp_ring_rows(int ratio, bool overlap)
+{
+    return overlap ? 2 * ratio : ratio;
+}
+
+/* S drafts when speculation can run here: asked for, an MTP block in the config, every compressor's
+ * ring at least S + 1 rows (a verify's positions then land on distinct rows, which accept restores),
+ * and a bucket that takes a slot's S + 1 rows. The create also needs the block's weights (a
+ * sliding-window layer); without them the caches' share for it stays unused. */
+static int spec_tokens_for(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
+{
+    const int S = o->spec_tokens;
+    if (S < 1 || c->n_mtp_layers < 1 || o->max_batch < S + 1)
+        return 0;
+    for (int i = 0; i < c->n_layers; i++) {
+        const int r = c->compress_ratio[i];
+        if (r > 0 && comp_ring_rows(r, r == c->csa_ratio) < S + 1)
+            return 0;
+    }
+    return S;
+}
+
+int dsv4_cuda_step_spec_tokens(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
+{
+    return spec_tokens_for(c, o);
+}
+
+/* A slot's speculation share, from byte off on: the MTP block's window ring, the ring of the main
+ * model's streams, then each compressor's save area (main, then the indexer's, layer by layer).
+ * Returns the end; with comp, fills [n] descriptors against lc (n returned in *n_comp). */
+static int64_t spec_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o, int64_t off,
+                           const struct dsv4_cuda_layer_cache *lc, int64_t *mtp_win, int64_t *ring,
+                           struct dsv4_cuda_spec_comp *comp, int *n_comp)
+{
+    const int S = spec_tokens_for(c, o), eb = dsv4_cuda_kv_entry_bytes(c->head_dim, c->rope_dim, kv_format(o));
+    int n = 0;
+    if (!S)
+        return off;
+    if (mtp_win)
+        *mtp_win = off;
+    off += a256((int64_t)ring_entries(c, o) * eb);
+    if (ring)
+        *ring = off;
+    off += a256((int64_t)(S + 1) * c->hc_mult * c->dim * 4);
+    for (int i = 0; i < c->n_layers; i++) {
+        const int r = c->compress_ratio[i];
+        const bool csa = r > 0 && r == c->csa_ratio;
+        for (int k = 0; r > 0 && k < (csa ? 2 : 1); k++) {
+            const int width = k ? 2 * c->index_head_dim : (csa ? 2 : 1) * c->head_dim;
+            if (comp)
+                comp[n] = { lc ? (k ? lc[i].istate : lc[i].cstate) : 0, off, comp_ring_rows(r, k || csa), width };
+            n++;
+            off += a256((int64_t)(DSV4_SPEC_TOKENS_MAX + 1) * 2 * width * 4);
+        }
+    }
+    if (n_comp)
+        *n_comp = n;
+    return off;
+}
+
+/* The slot layout (dsv4_cuda_step_slot_layout), and with speculation its share (spec_layout). */
+static int64_t slot_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o,
+                           struct dsv4_cuda_layer_cache *lc, int64_t *mtp_win, int64_t *ring,
+                           struct dsv4_cuda_spec_comp *comp, int *n_comp)
 {
     const int eb = dsv4_cuda_kv_entry_bytes(c->head_dim, c->rope_dim, kv_format(o));
     int64_t off = 0;
@@ -184,7 +281,13 @@ int64_t dsv4_cuda_step_slot_layout(const struct dsv4_config *c, const struct dsv
         if (lc)
             lc[i] = l;
     }
-    return off;
+    return spec_layout(c, o, off, lc, mtp_win, ring, comp, n_comp);
+}
+
+int64_t dsv4_cuda_step_slot_layout(const struct dsv4_config *c, const struct dsv4_backend_opts *o,
+                                   struct dsv4_cuda_layer_cache *lc)
+{
+    return slot_layout(c, o, lc, NULL, NULL, NULL, NULL);
 }
 
 size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
@@ -225,7 +328,8 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     auto f = [&](int64_t n) { return static_cast<float *>(take(n * 4)); };
     auto i32 = [&](int64_t n) { return static_cast<int32_t *>(take(n * 4)); };
     struct step_buf t = {};
-    t.in = i32(STEP_IN_FIELDS * B);
+    const bool spec = spec_tokens_for(c, o) > 0;
+    t.in = i32(STEP_IN_FIELDS * B * (spec ? 2 : 1));
     t.X = f(B * hc * D);
     t.X2 = f(B * hc * D);
     t.mix = f(B * (2 + hc) * hc);
@@ -276,6 +380,11 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.sres = static_cast<struct dsv4_sample_result *>(take(Bd * (int64_t)sizeof(struct dsv4_sample_result)));
     t.sslots = i32(Bd);
     t.stokens = i32(Bd);
+    t.H = f(spec ? B * hc * D : 0);
+    t.eo = f(spec ? B * D : 0);
+    t.dtok = i32(spec ? Bd : 0);
+    t.comp = static_cast<struct dsv4_cuda_spec_comp *>(
+        take(spec ? 2 * (int64_t)c->n_layers * (int64_t)sizeof(struct dsv4_cuda_spec_comp) : 0));
     t.inv_main = f(c->rope_dim / 2);
     t.inv_comp = f(c->rope_dim / 2);
     if (sb)
@@ -570,7 +679,8 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool 
     STEP(lin_x(cb, &L->gate, t->xn, D, B, t->rlogits, c->n_experts, false, prepared, m));
     STEP(dsv4_cuda_router(t->rlogits, B, c->n_experts, K, L->hash ? NULL : L->gate_bias, L->hash ? L->tid2eid : NULL,
                           t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
-    STEP(dsv4_cuda_route_count(t->ridx, B, K, t->in + B, cb->slots - 1, L->route_counts, s));
+    if (L->route_counts)    /* the MTP block's routing is not counted */
+        STEP(dsv4_cuda_route_count(t->ridx, B, K, t->in + B, cb->slots - 1, L->route_counts, s));
     ex.quant_act = cb->fp8 && (ex.fmt == DSV4_W_FP8 || ex.fmt == DSV4_W_FP4);
     const float *x = t->xn;
     if (ex.quant_act) {
@@ -644,8 +754,117 @@ static int sublayer_post(struct cuda_backend *cb, int B, cudaStream_t s)
     return 0;
 }
 
+/* One layer's launches for B rows (t->in as they read it). */
+static int layer_launches(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
+{
+    bool pa, pf;    /* xn prepared for wq_a, for the gate */
+    STEP(sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, &L->wq_a, B, s, &pa));
+    STEP(attention(cb, L, B, pa));
+    STEP(sublayer_post(cb, B, s));
+    STEP(sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, &L->gate, B, s, &pf));
+    STEP(moe(cb, L, B, pf));
+    return sublayer_post(cb, B, s);
+}
+
+/* The MTP block on B rows whose streams are in t->H: min, the block's in columns (its tokens,
+ * slots, positions). X [b, j] = h_proj(hnorm(H [b, j])) + e_proj(enorm(embed(token b))), then the
+ * block's layer; its output streams are left in t->X. */
+static int mtp_block(struct cuda_backend *cb, int B, int32_t *min, cudaStream_t s)
+{
+    const struct dsv4_config *c = cb->cfg;
+    struct step_buf *t = &cb->b;
+    const int D = c->dim, hc = c->hc_mult;
+    const float eps = (float)c->rms_norm_eps;
+    STEP(dsv4_cuda_embed(&cb->embed, min, B, 1, t->y, s));
+    STEP(dsv4_cuda_rmsnorm(t->y, cb->mtp_enorm, B, D, eps, t->xn, s));
+    STEP(lin(cb, &cb->mtp_e_proj, t->xn, D, B, t->eo, D, false, &cb->ln[0]));
+    STEP(dsv4_cuda_rmsnorm(t->H, cb->mtp_hnorm, B * hc, D, eps, t->H, s));
+    /* the hc streams of every row are B hc rows of D: h_proj in pieces of a step's rows at most */
+    for (int r0 = 0; r0 < B * hc; r0 += cb->rows) {
+        const int n = B * hc - r0 < cb->rows ? B * hc - r0 : cb->rows;
+        STEP(lin(cb, &cb->mtp_h_proj, t->H + (int64_t)r0 * D, D, n, t->X + (int64_t)r0 * D, D, false, &cb->ln[0]));
+    }
+    STEP(dsv4_cuda_spec_add(t->X, t->eo, B, hc, D, s));
+    int32_t *in0 = t->in;
+    t->in = min;
+    const int rc = layer_launches(cb, &cb->mtp_L, B, s);
+    t->in = in0;
+    return rc;
+}
+
+/* The slot rows' ring and the block's rows as the speculation kernels read them. */
+static struct dsv4_cuda_spec_rows spec_rows(const struct cuda_backend *cb, const int32_t *min, const int32_t *main_in,
+                                            int B)
+{
+    struct dsv4_cuda_spec_rows a = {};
+    a.caches = cb->caches;
+    a.slot_bytes = cb->slot_bytes;
+    a.ring_off = cb->ring_off;
+    a.hcD = (int64_t)cb->cfg->hc_mult * cb->cfg->dim;
+    a.ring = cb->spec + 1;
+    a.pad_slot = cb->slots - 1;
+    a.mslot = min + B;
+    a.mpos = min + 2 * B;
+    a.step_slot = main_in ? main_in + B : NULL;
+    a.step_pos = main_in ? main_in + 2 * B : NULL;
+    return a;
+}
+
+/* After a step's head: the catch-up rows run the block (their streams from the step's previous row
+ * or the ring, gathered before the ring takes this step's rows), then every row's streams enter the
+ * ring. */
+static int mtp_catch_up(struct cuda_backend *cb, int B, cudaStream_t s)
+{
+    struct step_buf *t = &cb->b;
+    int32_t *min = t->in + STEP_IN_FIELDS * B;
+    const struct dsv4_cuda_spec_rows a = spec_rows(cb, min, t->in, B);
+    STEP(dsv4_cuda_spec_gather(&a, B, t->X, t->H, s));
+    STEP(dsv4_cuda_spec_ring_save(&a, t->in + 4 * B, B, t->X, s));
+    return mtp_block(cb, B, min, s);
+}
+
+/* One draft for B rows (t->in: the block's rows): the first from the ring's streams and the uploaded
+ * tokens, a later one from the block's own output streams and the previous draft's picks; then the
+ * block's head and the greedy pick into t->dtok. */
+static int draft_launches(struct cuda_backend *cb, int B, bool later, cudaStream_t s)
+{
+    const struct dsv4_config *c = cb->cfg;
+    struct step_buf *t = &cb->b;
+    float *X0 = t->X, *X20 = t->X2;
+    cb->ln[0].s = s;
+    cb->ln[1].s = cb->branches ? cb->side : s;
+    int rc;
+    if (later) {
+        rc = dsv4_cuda_spec_tokens(t->dtok, B, t->in, s);
+        if (rc == 0 && cudaMemcpyAsync(t->H, t->X, sizeof(float) * (size_t)B * c->hc_mult * c->dim,
+                                       cudaMemcpyDeviceToDevice, s) != cudaSuccess)
+            rc = dsv4_error_set(-EIO, "cuda draft: copying the block's streams");
+    } else {
+        const struct dsv4_cuda_spec_rows a = spec_rows(cb, t->in, NULL, B);
+        rc = dsv4_cuda_spec_gather(&a, B, t->X, t->H, s);
+    }
+    if (rc == 0)
+        rc = mtp_block(cb, B, t->in, s);
+    if (rc == 0)
+        rc = hc_fn(cb, &cb->mtp_hch_fn, t->X, B, t->hm, s);
+    if (rc == 0)
+        rc = dsv4_cuda_hc_head(t->X, t->hm, cb->mtp_hch_base, cb->mtp_hch_scale, B, c->hc_mult, c->dim,
+                               (float)c->hc_eps, (float)c->rms_norm_eps, t->y, s);
+    bool ph = false;
+    if (rc == 0)
+        rc = norm_xn(cb, cb->mtp_norm, &cb->head, B, s, &ph);
+    if (rc == 0)
+        rc = lin_x(cb, &cb->head, t->xn, c->dim, B, t->logits, c->vocab_size, false, ph, &cb->ln[0]);
+    if (rc == 0)
+        rc = dsv4_cuda_spec_argmax(t->logits, B, c->vocab_size, t->dtok, s);
+    t->X = X0;
+    t->X2 = X20;
+    return rc;
+}
+
 /* Every launch of one step for B rows (a bucket, or a prefill chunk), reading t->in; the head
- * (hc_head, final norm, logits) for rows [head_from, B) only, their logits in rows 0.. of t->logits. */
+ * (hc_head, final norm, logits) for rows [head_from, B) only, their logits in rows 0.. of t->logits;
+ * with speculation, the block's catch-up and the streams ring after it (mtp_catch_up). */
 static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStream_t s)
 {
     const struct dsv4_config *c = cb->cfg;
@@ -654,18 +873,8 @@ static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStre
     cb->ln[0].s = s;
     cb->ln[1].s = cb->branches ? cb->side : s;
     int rc = dsv4_cuda_embed(&cb->embed, t->in, B, c->hc_mult, t->X, s);
-    for (int l = 0; rc == 0 && l < c->n_layers; l++) {
-        const struct step_layer *L = &cb->L[l];
-        bool pa, pf;    /* xn prepared for wq_a, for the gate */
-        if ((rc = sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, &L->wq_a, B, s, &pa)) < 0)
-            break;
-        if ((rc = attention(cb, L, B, pa)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
-            break;
-        if ((rc = sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, &L->gate, B, s, &pf)) < 0)
-            break;
-        if ((rc = moe(cb, L, B, pf)) < 0 || (rc = sublayer_post(cb, B, s)) < 0)
-            break;
-    }
+    for (int l = 0; rc == 0 && l < c->n_layers; l++)
+        rc = layer_launches(cb, &cb->L[l], B, s);
     /* the head's rows: from head_from on (a prefill chunk's last row, or every row) */
     const int Bh = B - head_from;
     const float *Xh = t->X + (int64_t)head_from * c->hc_mult * c->dim;
@@ -679,6 +888,8 @@ static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStre
         rc = norm_xn(cb, cb->norm, &cb->head, Bh, s, &ph);
     if (rc == 0)
         rc = lin_x(cb, &cb->head, t->xn, c->dim, Bh, t->logits, c->vocab_size, false, ph, &cb->ln[0]);
+    if (rc == 0 && cb->spec)
+        rc = mtp_catch_up(cb, B, s);
     /* the stream buffers swap per sublayer; an even count of swaps leaves them in place, but restore
      * them so every bucket's launches (and graph) see the same assignment */
     t->X = X0;
@@ -699,6 +910,32 @@ static int bucket_for(const struct cuda_backend *cb, int n)
         if (cb->buckets[i] >= n)
             return i;
     return -1;
+}
+
+/* The MTP block's rows of a step of n rows (h_in's main columns filled, B the bucket): row i runs the
+ * block's catch-up at pos - 1 when its slot's block stands there (the slot's mtp_pos, advanced row
+ * by row through a run), else goes to the padding slot. row_mtp keeps each row's mtp_pos before it
+ * (what accept goes back to). */
+static void spec_catch_up_rows(struct cuda_backend *cb, int n, int B)
+{
+    const int32_t *tok = cb->h_in, *sl = tok + B, *pos = sl + B;
+    int32_t *mt = cb->h_in + STEP_IN_FIELDS * B, *ms = mt + B, *mp = ms + B, *mf = mp + B, *ml = mf + B;
+    int64_t cur = 0;
+    for (int i = 0; i < B; i++) {
+        const bool run = i > 0 && i < n && sl[i] == sl[i - 1];
+        if (i < n && !run)
+            cur = cb->mtp_pos[sl[i]];
+        const bool up = i < n && pos[i] > 0 && cur == pos[i] - 1;
+        if (i < n)
+            cb->row_mtp[i] = cur;
+        mt[i] = tok[i];
+        ms[i] = up ? sl[i] : cb->slots - 1;
+        mp[i] = up ? pos[i] - 1 : 0;
+        mf[i] = mp[i];
+        ml[i] = mp[i];
+        if (up)
+            cur = pos[i];
+    }
 }
 
 /* Rows [0, n) are the caller's: row i appends tokens[i] to slots[i]. Rows of one slot (a prefill
@@ -726,8 +963,12 @@ static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int3
     }
     for (int i = B - 1; i >= 0; i--)
         last[i] = i + 1 < n && slots[i + 1] == slots[i] ? last[i + 1] : pos[i];
-    /* the buffer a bucket's launches read: t->in holds the STEP_IN_FIELDS arrays of B rows */
-    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * STEP_IN_FIELDS * B, cudaMemcpyHostToDevice, s));
+    const int fields = STEP_IN_FIELDS * (cb->spec ? 2 : 1);
+    if (cb->spec)
+        spec_catch_up_rows(cb, n, B);
+    /* the buffer a bucket's launches read: t->in holds the STEP_IN_FIELDS arrays of B rows (twice
+     * with speculation: the MTP block's rows after them) */
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * fields * B, cudaMemcpyHostToDevice, s));
     if (cb->use_graphs && !eager) {
         DSV4_CUDA_TRY(cudaGraphLaunch(cb->graphs[bi], s));
     } else {
@@ -745,8 +986,11 @@ static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int3
                                       sizeof(float) * (last_only ? 1 : n) * cb->cfg->vocab_size,
                                       cudaMemcpyDeviceToHost, s));
     DSV4_CUDA_TRY(cudaStreamSynchronize(s));
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         cb->pos[slots[i]] = pos[i] + 1;
+        if (cb->spec && cb->h_in[STEP_IN_FIELDS * B + B + i] != cb->slots - 1)
+            cb->mtp_pos[slots[i]] = pos[i];     /* the row's catch-up ran the block at pos - 1 */
+    }
     cb->last_rows = n;
     cb->last_logit_row = last_row;
     cb->last_sl = sl;
@@ -867,6 +1111,10 @@ static void op_slot_reset(struct dsv4_backend *b, int slot)
     if (slot < 0 || slot >= b->opts.max_batch)
         return;
     cb->pos[slot] = 0;
+    if (cb->spec) {
+        cb->mtp_pos[slot] = 0;
+        cb->v_pos[slot] = -1;
+    }
     /* the penalty history starts empty; the copy reads h_sslots before it returns (pageable memory) */
     cb->h_sslots[0] = slot;
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
@@ -891,10 +1139,11 @@ static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats
     ret->bytes_reserved = st.cache_bytes + st.workspace_bytes + st.prefix_bytes;
     dsv4_cuda_dev_expert_stats(cb->dev, ret);
     snprintf(ret->variant, sizeof(ret->variant),
-             "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, %d streams, sampling on %s, prefill chunk %d",
+             "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, %d streams, sampling on %s, prefill chunk %d%s",
              st.kernel_build, st.device_name, cb->fp8 ? "fp8" : "exact",
-             cb->kvf == DSV4_KV_FP8 ? "fp8 e4m3+bf16 (584 B at 512/64)" : "f32", cb->use_graphs ? cb->n_buckets : 0,
-             cb->branches ? 2 : 1, b->ops->sample ? "device" : "host", cb->rows);
+             cb->kvf == DSV4_KV_FP8 ? "fp8 e4m3+bf16 (584 B at 512/64)" : "f32",
+             cb->use_graphs ? cb->n_buckets * (cb->spec ? 3 : 1) : 0, cb->branches ? 2 : 1,
+             b->ops->sample ? "device" : "host", cb->rows, cb->spec ? ", MTP drafts" : "");
     ret->eager_steps = cb->eager_steps;
 }
 
@@ -906,9 +1155,13 @@ static int op_routing_counts(struct dsv4_backend *b, uint64_t *counts)
 static void op_destroy(struct dsv4_backend *b)
 {
     struct cuda_backend *cb = impl(b);
-    for (int i = 0; i < cb->n_buckets; i++)
+    for (int i = 0; i < cb->n_buckets; i++) {
         if (cb->graphs[i])
             cudaGraphExecDestroy(cb->graphs[i]);
+        for (int later = 0; later < 2; later++)
+            if (cb->dgraphs[later][i])
+                cudaGraphExecDestroy(cb->dgraphs[later][i]);
+    }
     if (cb->ev_fork)
         cudaEventDestroy(cb->ev_fork);
     if (cb->ev_join)
@@ -924,6 +1177,12 @@ static void op_destroy(struct dsv4_backend *b)
     free(cb->h_sparams);
     free(cb->h_sres);
     free(cb->h_sslots);
+    free(cb->mtp_pos);
+    free(cb->row_mtp);
+    free(cb->v_pos);
+    free(cb->v_rows);
+    free(cb->v_mtp);
+    free(cb->h_draft);
     free(cb);
 }
 
@@ -932,17 +1191,166 @@ static int op_prefix_save(struct dsv4_backend *b, int slot, const int32_t *block
     return dsv4_cuda_prefix_save(impl(b)->prefix, slot, block_pages, boundary_pages);
 }
 
+/* The MTP block's state is not part of a snapshot: it resumes at the load point (engine/backend.h),
+ * its window there holding what the slot's previous sequence left (drafts may suffer, never output). */
 static int op_prefix_load(struct dsv4_backend *b, int slot, int n_blocks, const int32_t *block_pages,
                           const int32_t *boundary_pages, const int32_t *tokens)
 {
-    return dsv4_cuda_prefix_load(impl(b)->prefix, slot, n_blocks, block_pages, boundary_pages, tokens);
+    struct cuda_backend *cb = impl(b);
+    const int rc = dsv4_cuda_prefix_load(cb->prefix, slot, n_blocks, block_pages, boundary_pages, tokens);
+    if (rc == 0 && cb->spec)
+        cb->mtp_pos[slot] = cb->pos[slot];
+    return rc;
+}
+
+/* ---- speculative decoding (engine/backend.h's draft, verify, accept) ---- */
+
+static int spec_check_slots(const struct cuda_backend *cb, const char *op, int n, const int *slots)
+{
+    const int max = cb->base.opts.max_batch;
+    if (n < 1 || n > max)
+        return dsv4_error_set(-EINVAL, "cuda %s: %d slots, max_batch is %d", op, n, max);
+    for (int i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= max)
+            return dsv4_error_set(-EINVAL, "cuda %s: slot %d outside 0..%d", op, slots[i], max - 1);
+        for (int j = 0; j < i; j++)
+            if (slots[j] == slots[i])
+                return dsv4_error_set(-EINVAL, "cuda %s: slot %d appears twice", op, slots[i]);
+        if (cb->v_pos[slots[i]] >= 0)
+            return dsv4_error_set(-EBUSY, "cuda %s: slot %d has a verify awaiting accept", op, slots[i]);
+    }
+    return 0;
+}
+
+/* Draft j of every drafting slot in one replay (rows in the slots' order, the others on the padding
+ * slot); the first kept as the catch-up at P - 1, the later ones' window rows left to be overwritten. */
+static int op_draft(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, const int *k,
+                    int32_t *drafts, int *ret_k)
+{
+    struct cuda_backend *cb = impl(b);
+    const int S = cb->spec, max_ctx = b->opts.max_context;
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    STEP(spec_check_slots(cb, "draft", n, slots));
+    int kmax = 0;
+    for (int i = 0; i < n; i++) {
+        const int64_t P = cb->pos[slots[i]];
+        if (k[i] < 0 || k[i] > S)
+            return dsv4_error_set(-EINVAL, "cuda draft: %d drafts outside 0..%d", k[i], S);
+        STEP(check_token(cb, "draft", tokens[i]));
+        ret_k[i] = k[i] > 0 && P > 0 && cb->mtp_pos[slots[i]] == P - 1 && P - 1 + k[i] <= max_ctx ? k[i] : 0;
+        kmax = ret_k[i] > kmax ? ret_k[i] : kmax;
+    }
+    if (kmax == 0)
+        return 0;
+    const int bi = bucket_for(cb, n), B = cb->buckets[bi];
+    for (int j = 0; j < kmax; j++) {
+        int32_t *tok = cb->h_in, *sl = tok + B, *pos = sl + B, *first = pos + B, *last = first + B;
+        for (int i = 0; i < B; i++) {
+            const bool on = i < n && ret_k[i] > j;
+            tok[i] = on && j == 0 ? tokens[i] : 0;
+            sl[i] = on ? slots[i] : cb->slots - 1;
+            pos[i] = on ? (int32_t)(cb->pos[slots[i]] - 1 + j) : 0;
+            first[i] = last[i] = pos[i];
+        }
+        DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * STEP_IN_FIELDS * B, cudaMemcpyHostToDevice,
+                                      s));
+        if (cb->use_graphs)
+            DSV4_CUDA_TRY(cudaGraphLaunch(cb->dgraphs[j > 0][bi], s));
+        else
+            STEP(draft_launches(cb, B, j > 0, s));
+        DSV4_CUDA_TRY(cudaMemcpyAsync(cb->h_draft + (size_t)j * B, cb->b.dtok, sizeof(int32_t) * B,
+                                      cudaMemcpyDeviceToHost, s));
+    }
+    DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < ret_k[i]; j++)
+            drafts[(size_t)i * S + j] = cb->h_draft[(size_t)j * B + i];
+        if (ret_k[i] > 0)
+            cb->mtp_pos[slots[i]] = cb->pos[slots[i]];
+    }
+    cb->last_rows = 0;      /* nothing to sample: a draft's logits are not the main model's */
+    return 0;
+}
+
+/* Every slot's rows in one step while they fit the largest bucket (else in several), every row's
+ * logits to logits [n, S + 1, V]; first each slot's compressor rows that the rows will overwrite are
+ * saved, for accept. */
+static int op_verify(struct dsv4_backend *b, int n, const int *slots, const int *rows, const int32_t *tokens,
+                     float *logits)
+{
+    struct cuda_backend *cb = impl(b);
+    const int S = cb->spec, V = cb->cfg->vocab_size, max_rows = cb->buckets[cb->n_buckets - 1];
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    STEP(spec_check_slots(cb, "verify", n, slots));
+    for (int i = 0; i < n; i++) {
+        if (rows[i] < 1 || rows[i] > S + 1)
+            return dsv4_error_set(-EINVAL, "cuda verify: slot %d: %d rows outside 1..%d", slots[i], rows[i], S + 1);
+        if (cb->pos[slots[i]] + rows[i] > b->opts.max_context)
+            return dsv4_error_set(-ENOSPC, "cuda verify: slot %d: %d rows do not fit (%lld of %d used)", slots[i],
+                                  rows[i], (long long)cb->pos[slots[i]], b->opts.max_context);
+        for (int j = 0; j < rows[i]; j++)
+            STEP(check_token(cb, "verify", tokens[(size_t)i * (S + 1) + j]));
+    }
+    for (int i = 0; i < n; i++)
+        STEP(dsv4_cuda_spec_comp_copy(cb->d_comp, cb->n_comp, cb->caches + (int64_t)slots[i] * cb->slot_bytes,
+                                      cb->pos[slots[i]], 0, rows[i], true, s));
+    int32_t *vtok = cb->h_draft;    /* the step's token column: S * max_batch >= a bucket's rows */
+    for (int i0 = 0; i0 < n;) {
+        int m = 0, i1 = i0;
+        while (i1 < n && m + rows[i1] <= max_rows) {
+            for (int j = 0; j < rows[i1]; j++) {
+                cb->h_slots[m + j] = slots[i1];
+                vtok[m + j] = tokens[(size_t)i1 * (S + 1) + j];
+            }
+            m += rows[i1++];
+        }
+        for (int i = i0; i < i1; i++)
+            cb->v_pos[slots[i]] = cb->pos[slots[i]];
+        STEP(run_rows(cb, m, cb->h_slots, vtok, NULL, false));
+        for (int i = i0, r = 0; i < i1; r += rows[i++]) {
+            const int sl = slots[i];
+            cb->v_rows[sl] = rows[i];
+            for (int j = 0; j < rows[i]; j++)
+                cb->v_mtp[(size_t)sl * (S + 1) + j] = cb->row_mtp[r + j];
+            if (logits)
+                DSV4_CUDA_TRY(cudaMemcpyAsync(logits + (size_t)i * (S + 1) * V, cb->b.logits + (size_t)r * V,
+                                              sizeof(float) * (size_t)rows[i] * V, cudaMemcpyDeviceToHost, s));
+        }
+        DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+        i0 = i1;
+    }
+    cb->last_rows = 0;
+    return 0;
+}
+
+/* Keep the first keep rows of slot's verify: the compressor rows of the others back from the save
+ * area, the positions (main and the block's) back to what feeding only the kept rows leaves. */
+static int op_accept(struct dsv4_backend *b, int slot, int keep)
+{
+    struct cuda_backend *cb = impl(b);
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    if (slot < 0 || slot >= b->opts.max_batch || cb->v_pos[slot] < 0)
+        return dsv4_error_set(-EINVAL, "cuda accept: slot %d has no verify to accept", slot);
+    const int rows = cb->v_rows[slot];
+    if (keep < 1 || keep > rows)
+        return dsv4_error_set(-EINVAL, "cuda accept: keep %d of a verify of %d rows (at least its first)", keep, rows);
+    const int64_t P = cb->v_pos[slot];
+    if (keep < rows) {
+        STEP(dsv4_cuda_spec_comp_copy(cb->d_comp, cb->n_comp, cb->caches + (int64_t)slot * cb->slot_bytes, P, keep,
+                                      rows, false, s));
+        DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+        cb->mtp_pos[slot] = cb->v_mtp[(size_t)slot * (cb->spec + 1) + keep];
+    }
+    cb->pos[slot] = P + keep;
+    cb->v_pos[slot] = -1;
+    return 0;
 }
 
 static const struct dsv4_backend_ops cuda_ops = {
     .name = "cuda", .prefill = op_prefill, .decode = op_decode, .sample = op_sample, .slot_reset = op_slot_reset,
     .slot_position = op_slot_position, .get_stats = op_get_stats, .destroy = op_destroy,
     .prefix_save = op_prefix_save, .prefix_load = op_prefix_load, .routing_counts = op_routing_counts,
-    .draft = nullptr, .verify = nullptr, .accept = nullptr,     /* speculative decoding: not on CUDA yet */
+    .draft = nullptr, .verify = nullptr, .accept = nullptr,     /* set by create when it speculates */
 };
 
 /* ---- create ---- */
@@ -1035,6 +1443,24 @@ static int capture(struct cuda_backend *cb)
                                   cudaGetErrorString(e));
         cb->captures++;
     }
+    for (int i = 0; cb->spec && i < cb->n_buckets; i++)
+        for (int later = 0; later < 2; later++) {
+            cudaGraph_t g;
+            DSV4_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+            const int rc = draft_launches(cb, cb->buckets[i], later, s);
+            cudaError_t e = cudaStreamEndCapture(s, &g);
+            if (rc < 0)
+                return rc;
+            if (e != cudaSuccess)
+                return dsv4_error_set(-EIO, "cuda: capturing the bucket-%d draft: %s", cb->buckets[i],
+                                      cudaGetErrorString(e));
+            e = cudaGraphInstantiate(&cb->dgraphs[later][i], g, 0);
+            cudaGraphDestroy(g);
+            if (e != cudaSuccess)
+                return dsv4_error_set(-EIO, "cuda: instantiating the bucket-%d draft: %s", cb->buckets[i],
+                                      cudaGetErrorString(e));
+            cb->captures++;
+        }
     return 0;
 }
 
@@ -1070,6 +1496,8 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
         return dsv4_error_set(-EINVAL, "cuda: head_dim %d (max %d) with rope dims %d", c->head_dim,
                               DSV4_CUDA_MAX_HEAD_DIM, c->rope_dim);
     cb->cfg = c;
+    /* speculation needs the block's weights too, a sliding-window layer (device.cu uploads them then) */
+    cb->spec = w->n_mtp > 0 && w->mtp[0].layer.ratio == 0 ? spec_tokens_for(c, opts) : 0;
     cb->fp8 = opts->numerics == DSV4_NUMERICS_FP8;
     cb->kvf = kv_format(opts);
     cb->slots = opts->max_batch + 1;
@@ -1084,24 +1512,55 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
                               &cb->dev));
     cb->L = static_cast<struct step_layer *>(calloc(c->n_layers, sizeof(*cb->L)));
     cb->pos = static_cast<int64_t *>(calloc(cb->slots, sizeof(*cb->pos)));
-    cb->h_in = static_cast<int32_t *>(calloc(STEP_IN_FIELDS * (size_t)cb->rows, sizeof(*cb->h_in)));
+    cb->h_in = static_cast<int32_t *>(calloc(STEP_IN_FIELDS * 2 * (size_t)cb->rows, sizeof(*cb->h_in)));
     cb->h_slots = static_cast<int *>(calloc((size_t)cb->rows, sizeof(*cb->h_slots)));
     cb->h_sparams = static_cast<struct dsv4_sample_row *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_sparams)));
     cb->h_sres = static_cast<struct dsv4_sample_result *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_sres)));
     cb->h_sslots = static_cast<int32_t *>(calloc((size_t)opts->max_batch, sizeof(*cb->h_sslots)));
     if (!cb->L || !cb->pos || !cb->h_in || !cb->h_slots || !cb->h_sparams || !cb->h_sres || !cb->h_sslots)
         return dsv4_error_set(-ENOMEM, "cuda: backend tables");
+    if (cb->spec) {
+        const int S = cb->spec;
+        cb->mtp_pos = static_cast<int64_t *>(calloc(cb->slots, sizeof(*cb->mtp_pos)));
+        cb->row_mtp = static_cast<int64_t *>(calloc((size_t)cb->rows, sizeof(*cb->row_mtp)));
+        cb->v_pos = static_cast<int64_t *>(malloc(sizeof(*cb->v_pos) * cb->slots));
+        cb->v_rows = static_cast<int *>(calloc(cb->slots, sizeof(*cb->v_rows)));
+        cb->v_mtp = static_cast<int64_t *>(calloc((size_t)cb->slots * (S + 1), sizeof(*cb->v_mtp)));
+        cb->h_draft = static_cast<int32_t *>(calloc((size_t)S * opts->max_batch, sizeof(*cb->h_draft)));
+        if (!cb->mtp_pos || !cb->row_mtp || !cb->v_pos || !cb->v_rows || !cb->v_mtp || !cb->h_draft)
+            return dsv4_error_set(-ENOMEM, "cuda: speculation tables");
+        for (int i = 0; i < cb->slots; i++)
+            cb->v_pos[i] = -1;
+    }
     struct dsv4_cuda_layer_cache *lc = static_cast<struct dsv4_cuda_layer_cache *>(calloc(c->n_layers, sizeof(*lc)));
-    if (!lc)
+    struct dsv4_cuda_spec_comp *comp =
+        static_cast<struct dsv4_cuda_spec_comp *>(calloc(2 * (size_t)c->n_layers + 1, sizeof(*comp)));
+    if (!lc || !comp) {
+        free(lc);
+        free(comp);
         return dsv4_error_set(-ENOMEM, "cuda: cache layout");
-    cb->slot_bytes = dsv4_cuda_step_slot_layout(c, opts, lc);
+    }
+    int64_t mtp_win = 0;
+    cb->slot_bytes = slot_layout(c, opts, lc, &mtp_win, &cb->ring_off, comp, &cb->n_comp);
     for (int i = 0; i < c->n_layers; i++)
         cb->L[i].cache = lc[i];
+    cb->mtp_L.cache.win = mtp_win;
     free(lc);
+    const int carved = dsv4_cuda_dev_carve(cb->dev, (size_t)buffers(c, opts, NULL, NULL), &p);
+    if (carved < 0) {
+        free(comp);
+        return carved;
+    }
+    buffers(c, opts, static_cast<uint8_t *>(p), &cb->b);
+    cb->d_comp = cb->b.comp;
+    if (cb->spec && cb->n_comp > 0 &&
+        cudaMemcpy(cb->d_comp, comp, sizeof(*comp) * (size_t)cb->n_comp, cudaMemcpyHostToDevice) != cudaSuccess) {
+        free(comp);
+        return dsv4_error_set(-EIO, "cuda: uploading the compressors' save table");
+    }
+    free(comp);
     cb->caches = static_cast<uint8_t *>(dsv4_cuda_dev_caches(cb->dev));
     cb->max_entries = max_csa_entries(c, opts);
-    STEP(dsv4_cuda_dev_carve(cb->dev, (size_t)buffers(c, opts, NULL, NULL), &p));
-    buffers(c, opts, static_cast<uint8_t *>(p), &cb->b);
     cb->ln[0].gemm = &cb->b.gemm;
     cb->ln[0].xq = cb->b.xq;
     cb->ln[1].gemm = &cb->b.gemm2;
@@ -1129,6 +1588,23 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
         return dsv4_error_set(-ENOENT, "cuda: the final norm or hc_head vectors are missing on the device");
     for (int i = 0; i < c->n_layers; i++)
         STEP(map_layer(cb, i, &w->layers[i], &cb->L[i]));
+    if (cb->spec) {     /* the MTP block: its layer's tables at index n_layers, not counted */
+        const struct dsv4_mtp *m = &w->mtp[0];
+        const int64_t win = cb->mtp_L.cache.win;
+        STEP(map_layer(cb, c->n_layers, &m->layer, &cb->mtp_L));
+        cb->mtp_L.cache = {};
+        cb->mtp_L.cache.win = win;
+        STEP(dev_lin(cb, &m->e_proj, &cb->mtp_e_proj, true));
+        STEP(dev_lin(cb, &m->h_proj, &cb->mtp_h_proj, true));
+        STEP(dev_lin(cb, &m->hc_head.fn, &cb->mtp_hch_fn, true));
+        cb->mtp_enorm = dev_vec(cb, m->enorm);
+        cb->mtp_hnorm = dev_vec(cb, m->hnorm);
+        cb->mtp_norm = dev_vec(cb, m->norm);
+        cb->mtp_hch_base = dev_vec(cb, m->hc_head.base);
+        cb->mtp_hch_scale = dev_vec(cb, m->hc_head.scale);
+        if (!cb->mtp_enorm || !cb->mtp_hnorm || !cb->mtp_norm || !cb->mtp_hch_base || !cb->mtp_hch_scale)
+            return dsv4_error_set(-ENOENT, "cuda: the MTP block's norms or hc_head vectors are missing on the device");
+    }
 
     for (int bsz = 1; bsz < opts->max_batch && cb->n_buckets < STEP_MAX_BUCKETS - 1; bsz *= 2)
         cb->buckets[cb->n_buckets++] = bsz;
@@ -1137,14 +1613,27 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
      * prefill chunk, then the largest bucket; then the graphs */
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
     const int sizes[2] = { cb->rows, opts->max_batch };
+    const int fields = STEP_IN_FIELDS * (cb->spec ? 2 : 1);
     for (int k = cb->rows > opts->max_batch ? 0 : 1; k < 2; k++) {
         const int B = sizes[k];
+        memset(cb->h_in, 0, sizeof(int32_t) * fields * B);
+        for (int i = 0; i < B; i++) {
+            cb->h_in[B + i] = cb->slots - 1;
+            if (cb->spec)
+                cb->h_in[STEP_IN_FIELDS * B + B + i] = cb->slots - 1;
+        }
+        DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * fields * B, cudaMemcpyHostToDevice, s));
+        STEP(step_launches(cb, B, k == 0 ? B - 1 : 0, s));
+        DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+    }
+    for (int later = 0; cb->spec && later < 2; later++) {     /* the draft's launches, on padding rows */
+        const int B = opts->max_batch;
         memset(cb->h_in, 0, sizeof(int32_t) * STEP_IN_FIELDS * B);
         for (int i = 0; i < B; i++)
             cb->h_in[B + i] = cb->slots - 1;
         DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * STEP_IN_FIELDS * B, cudaMemcpyHostToDevice,
                                       s));
-        STEP(step_launches(cb, B, k == 0 ? B - 1 : 0, s));
+        STEP(draft_launches(cb, B, later, s));
         DSV4_CUDA_TRY(cudaStreamSynchronize(s));
     }
     if (cb->use_graphs)
@@ -1179,6 +1668,13 @@ extern "C" int dsv4_backend_cuda_create(const struct dsv4_weights *w, const stru
     if (rc < 0) {
         op_destroy(&cb->base);
         return rc;
+    }
+    if (cb->spec) {     /* the scheduler samples a verify's rows on the host, so every row */
+        cb->base.spec_tokens = cb->spec;
+        cb->ops.sample = nullptr;
+        cb->ops.draft = op_draft;
+        cb->ops.verify = op_verify;
+        cb->ops.accept = op_accept;
     }
     *ret = &cb->base;
     return 0;
