@@ -5,6 +5,7 @@
  *   dsv4-bench [--batch 1,64] [--reps N]
  *   dsv4-bench --model DIR [--batch 1,16,64] [--context N] [--prefill N] [--layers N] [--chunk N] [--profile]
  *              [--profile-decode] [--expert-host-share P]      (the whole step, prefill)
+ *   dsv4-bench --model DIR --spec S [--batch 1,16]              (speculative decoding's cycle: bench_spec)
  *
  * Each kernel is captured REPS times into one CUDA graph (launch gaps out of the numbers), reading
  * rotating copies of its weights that together exceed the L2 several times over, so the numbers
@@ -673,6 +674,92 @@ static void restore_layers(struct dsv4_weights *w, struct dsv4_layer *saved, int
     w->bytes_total = bytes0;
 }
 
+/* --spec S: the backend speculates with the checkpoint's MTP block (S drafts a step). For each batch,
+ * every slot holds a short prompt; then a plain decode step (logits to the host, as a speculating
+ * backend samples there) and a speculative cycle (draft S tokens, verify the S + 1 rows of every
+ * slot, accept them all) are timed, medians of BENCH_STEPS. A cycle that keeps a tokens of its S + 1
+ * gains a x t(decode) / t(cycle). */
+static int bench_spec(const char *dir, const int *batches, int nb, int context, int spec)
+{
+    struct dsv4_weights *w = NULL;
+    struct dsv4_backend *b = NULL;
+    int max_batch = spec + 1;
+    for (int i = 0; i < nb; i++)
+        max_batch = batches[i] > max_batch ? batches[i] : max_batch;
+    struct dsv4_backend_opts opts = { .max_batch = max_batch, .max_context = context,
+                                      .numerics = DSV4_NUMERICS_FP8, .spec_tokens = spec };
+    const double t0 = now_us();
+    OK(dsv4_weights_load(dir, &w));
+    OK(dsv4_backend_cuda_create(w, &opts, &b));
+    if (b->spec_tokens != spec) {
+        fprintf(stderr, "dsv4-bench: --spec %d: the backend does not speculate (no MTP block, or max_batch under "
+                "%d)\n", spec, spec + 1);
+        exit(1);
+    }
+    printf("# %s: %d layers, speculation with %d drafts, boot %.1f s\n", dir, w->cfg.n_layers, spec,
+           (now_us() - t0) / 1e6);
+    const int V = w->cfg.vocab_size, S = spec;
+    float *logits = malloc(sizeof(float) * (size_t)max_batch * (S + 1) * V);
+    int32_t *rows_tok = malloc(sizeof(int32_t) * (size_t)max_batch * (S + 1)), drafts[DSV4_CUDA_MAX_BATCH *
+                                                                                        DSV4_SPEC_TOKENS_MAX];
+    int slots[DSV4_CUDA_MAX_BATCH], k[DSV4_CUDA_MAX_BATCH], made[DSV4_CUDA_MAX_BATCH], rows[DSV4_CUDA_MAX_BATCH];
+    int32_t toks[DSV4_CUDA_MAX_BATCH], prompt[BENCH_PROMPT];
+    if (!logits || !rows_tok) {
+        fprintf(stderr, "dsv4-bench: out of memory\n");
+        exit(1);
+    }
+    printf("%-34s %5s %10s %10s %10s\n", "speculative cycle", "batch", "us", "x decode", "rows");
+    for (int i = 0; i < nb; i++) {
+        const int B = batches[i];
+        float dec[BENCH_STEPS], cyc[BENCH_STEPS];
+        for (int s = 0; s < B; s++) {
+            slots[s] = s;
+            k[s] = S;
+            b->ops->slot_reset(b, s);
+            for (int t = 0; t < BENCH_PROMPT; t++)
+                prompt[t] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+            OK(b->ops->prefill(b, s, prompt, BENCH_PROMPT, NULL, false));
+            toks[s] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+        }
+        for (int step = 0; step < BENCH_STEPS + 1; step++) {
+            double a = now_us();
+            OK(b->ops->decode(b, B, slots, toks, logits));
+            if (step > 0)
+                dec[step - 1] = (float)(now_us() - a);
+        }
+        int total_rows = 0;
+        for (int step = 0; step < BENCH_STEPS + 1; step++) {
+            double a = now_us();
+            OK(b->ops->draft(b, B, slots, toks, k, drafts, made));
+            for (int s = 0; s < B; s++) {
+                rows[s] = 1 + made[s];
+                rows_tok[(size_t)s * (S + 1)] = toks[s];
+                memcpy(rows_tok + (size_t)s * (S + 1) + 1, drafts + (size_t)s * S, sizeof(int32_t) * (size_t)made[s]);
+            }
+            OK(b->ops->verify(b, B, slots, rows, rows_tok, logits));
+            for (int s = 0; s < B; s++)
+                OK(b->ops->accept(b, s, rows[s]));
+            if (step > 0) {
+                cyc[step - 1] = (float)(now_us() - a);
+                for (int s = 0; s < B; s++)
+                    total_rows += rows[s];
+            }
+        }
+        const float td = median(dec, BENCH_STEPS), tc = median(cyc, BENCH_STEPS);
+        char what[64];
+        snprintf(what, sizeof(what), "decode step, logits to the host");
+        printf("%-34s %5d %10.2f %10.2f %10d\n", what, B, td, 1.0, 1);
+        snprintf(what, sizeof(what), "draft %d + verify + accept", S);
+        printf("%-34s %5d %10.2f %10.2f %10.2f\n", what, B, tc, tc / td, (double)total_rows / (BENCH_STEPS * B));
+        printf("# batch %d: at an acceptance of 2.5 tokens a cycle, speculation gains %.2fx\n", B, 2.5 * td / tc);
+    }
+    free(logits);
+    free(rows_tok);
+    dsv4_backend_destroy(b);
+    dsv4_weights_free(w);
+    return 0;
+}
+
 /* What the profiler (ncu --profile-from-start off) sees: one prefill step of the largest size, or one
  * decode step of the first batch. */
 enum bench_profile { PROFILE_NONE, PROFILE_PREFILL, PROFILE_DECODE };
@@ -887,7 +974,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
 int main(int argc, char **argv)
 {
     int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096, prefill = BENCH_PREFILL, layers = 0;
-    int chunk = 0, host_share = 0;
+    int chunk = 0, host_share = 0, spec = 0;
     enum bench_profile profile = PROFILE_NONE;
     const char *model = NULL;
     const int topk = 6, E = 256, D = 4096, I = 2048;
@@ -925,6 +1012,12 @@ int main(int argc, char **argv)
                 fprintf(stderr, "dsv4-bench: --chunk 1..%d\n", DSV4_PREFILL_CHUNK_MAX);
                 return 2;
             }
+        } else if (!strcmp(argv[i], "--spec") && i + 1 < argc) {
+            spec = atoi(argv[++i]);
+            if (spec < 1 || spec > DSV4_SPEC_TOKENS_MAX) {
+                fprintf(stderr, "dsv4-bench: --spec 1..%d\n", DSV4_SPEC_TOKENS_MAX);
+                return 2;
+            }
         } else if (!strcmp(argv[i], "--expert-host-share") && i + 1 < argc) {
             host_share = atoi(argv[++i]);
             if (host_share < 1 || host_share > 100) {
@@ -944,7 +1037,7 @@ int main(int argc, char **argv)
         } else {
             fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N] "
                             "[--prefill N] [--layers N] [--chunk N] [--expert-host-share P]\n"
-                            "                  [--profile | --profile-decode]\n");
+                            "                  [--profile | --profile-decode] [--spec S]\n");
             return 2;
         }
     }
@@ -960,6 +1053,8 @@ int main(int argc, char **argv)
                     context);
             return 2;
         }
+        if (spec)
+            return bench_spec(model, batches, nb, context, spec);
         measure_host_link();
         return bench_model(model, batches, nb, context, prefill, layers, chunk, host_share, profile);
     }
