@@ -113,6 +113,8 @@ struct walker {
     uint64_t *expert_bytes;     /* pass 1: [n_layers] aligned bytes of each layer's movable experts */
     int ex_layer, ex_expert;    /* the movable expert being walked (ex_layer -1: none) */
     bool with_mtp;              /* the MTP block too (the backend speculates with it) */
+    bool quant_act;             /* fp8 numerics: routed experts take quantized activations */
+    bool ex_tiles;              /* the walked layer's experts are tiled where they live in host memory */
 };
 
 static size_t align_up(size_t n)
@@ -199,6 +201,7 @@ static int walk_layer(struct walker *wk, int li, const struct dsv4_layer *L)
     /* only a layer's table of experts (upload_experts) can point into host memory; the MTP block's
      * layer (li n_layers) has a table too, always on the GPU */
     const bool movable = li >= 0 && li < c->n_layers && experts_uniform(c, f);
+    wk->ex_tiles = movable && dsv4_cuda_moe_tiles(f->w1[0].fmt, c->dim, (int)f->w1[0].out, wk->quant_act);
     for (int e = 0; f->w1 && f->w2 && f->w3 && e < c->n_experts; e++) {
         wk->ex_layer = movable ? li : -1;
         wk->ex_expert = e;
@@ -320,6 +323,19 @@ static int carve_host(struct dsv4_cuda_dev *dev, size_t bytes, uint8_t **ret_hos
     return 0;
 }
 
+/* An FP4 expert linear into host memory in k-tile blocks (dsv4_cuda_tile_fp4): the bytes and their
+ * places in the host allocation are those of the row-major copy; only the order differs. */
+static int put_tiled(struct dsv4_cuda_dev *dev, const struct dsv4_linear *l, size_t scale_bytes, void **ret_w,
+                     void **ret_s)
+{
+    uint8_t *hw = NULL, *hs = NULL;
+    WALK(carve_host(dev, (size_t)l->out * (size_t)(l->in / 2), &hw, ret_w));
+    WALK(carve_host(dev, scale_bytes, &hs, ret_s));
+    dsv4_cuda_tile_fp4(static_cast<const uint8_t *>(l->w), l->row_stride / 2, l->scale, l->scale_stride, l->out, l->in,
+                       hw, hs);
+    return 0;
+}
+
 /* rows x row bytes from src (rows pitch bytes apart) to the device arena, or into host memory. */
 static int put_rows(struct dsv4_cuda_dev *dev, bool host, const void *src, size_t pitch, size_t row, size_t rows,
                     void **ret_dev)
@@ -347,10 +363,14 @@ static int upload_linear(struct walker *wk, const struct dsv4_linear *l)
 
     if (!linear_present(l))
         return 0;
-    /* stacked expert views (row_stride > in) become contiguous rows */
-    WALK(put_rows(dev, host, l->w, linear_elem_bytes(l, l->row_stride), row, l->out, &w));
-    if (sb)
-        WALK(put_rows(dev, host, l->scale, sb, sb, 1, &s));
+    if (host && wk->ex_layer >= 0 && wk->ex_tiles) {
+        WALK(put_tiled(dev, l, sb, &w, &s));
+    } else {
+        /* stacked expert views (row_stride > in) become contiguous rows */
+        WALK(put_rows(dev, host, l->w, linear_elem_bytes(l, l->row_stride), row, l->out, &w));
+        if (sb)
+            WALK(put_rows(dev, host, l->scale, sb, sb, 1, &s));
+    }
     dl = &dev->linears[dev->n_linears++];
     dl->name = l->name;
     dl->host = l->w;
@@ -400,7 +420,9 @@ static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f
             free(tab);
             return dsv4_error_set(-ENOENT, "cuda: layer %d expert %d was not uploaded", layer, e);
         }
-        tab[e] = { d1->lin, d3->lin, d2->lin };
+        tab[e] = { d1->lin, d3->lin, d2->lin, 0 };
+        tab[e].tiled = wk->ex_tiles && dsv4_placement_on_host(dev->place, layer, e);
+        ex->tiled = ex->tiled || tab[e].tiled;
     }
     int rc = carve(dev, sizeof(*tab) * c->n_experts, &d_tab);
     if (rc == 0 && cudaMemcpy(d_tab, tab, sizeof(*tab) * c->n_experts, cudaMemcpyHostToDevice) != cudaSuccess)
@@ -514,9 +536,12 @@ static void log_placement(struct dsv4_cuda_dev *dev, void (*log)(void *, const c
 {
     const struct dsv4_placement *p = dev->place;
     struct dsv4_backend_stats st;
+    bool tiled = false;
+    for (int l = 0; l < dev->n_layers; l++)
+        tiled = tiled || dev->experts[l].tiled;
     vlog(dev, log, ctx, false, "cuda: routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory "
-         "(%.2f GiB, read in place over PCIe): %s", dev->stats.experts_gpu, p->gpu_bytes / DEV_GIB,
-         dev->stats.experts_host, p->host_bytes / DEV_GIB, dsv4_placement_rule(p));
+         "(%.2f GiB, read in place over PCIe%s): %s", dev->stats.experts_gpu, p->gpu_bytes / DEV_GIB,
+         dev->stats.experts_host, p->host_bytes / DEV_GIB, tiled ? " in k-tile blocks" : "", dsv4_placement_rule(p));
     if (dev->embed_on_host)
         vlog(dev, log, ctx, false, "cuda: the embedding (%.2f GiB) in pinned host memory too: a row read per token",
              dev->stats.host_embed_bytes / DEV_GIB);
@@ -621,6 +646,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     wk.ex_layer = -1;
     wk.embed = &w->embed;
     wk.with_mtp = w->n_mtp > 0 && w->mtp[0].layer.ratio == 0 && dsv4_cuda_step_spec_tokens(c, o) > 0;
+    wk.quant_act = o->numerics == DSV4_NUMERICS_FP8;
     std::unique_ptr<uint64_t[]> expert_bytes(new (std::nothrow) uint64_t[c->n_layers + 1]());
     if (!expert_bytes)
         return dsv4_error_set(-ENOMEM, "cuda: expert sizes of %d layers", c->n_layers);

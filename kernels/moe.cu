@@ -535,6 +535,9 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
     const uint8_t *wsrc[2], *ssrc = nullptr;
     int xo[4];
     float acc[NT][4];
+    /* a k-tile further: 64 bytes along a row and 4 scale bytes, or a block further when tiled */
+    const bool tiled = ex->tiled;
+    const int64_t wkt = tiled ? DSV4_CUDA_TILE_BYTES : MOE_TC_WROW, skt = tiled ? DSV4_CUDA_TILE_SCALE_BYTES : 4;
 
     /* the weight chunks tid and tid + 128 (row i / 4, 16 bytes i % 4) and row tid's scale word */
 #pragma unroll
@@ -542,12 +545,17 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
         const int i = tid + q * MOE_TC_THREADS;
         int64_t row;
         const struct dsv4_cuda_linear *W = tc_row<MODE>(ex, tile, i / 4, &row);
-        wsrc[q] = static_cast<const uint8_t *>(W->w) + row * (W->row_stride / 2) + (i % 4) * 16;
+        const int64_t at = tiled ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_BYTES +
+                                       (row % DSV4_CUDA_TILE_ROWS) * MOE_TC_WROW
+                                 : row * (W->row_stride / 2);
+        wsrc[q] = static_cast<const uint8_t *>(W->w) + at + (i % 4) * 16;
     }
     if (tid < MOE_TC_ROWS) {
         int64_t row;
         const struct dsv4_cuda_linear *W = tc_row<MODE>(ex, tile, tid, &row);
-        ssrc = W->scale + row * W->scale_stride;
+        ssrc = W->scale + (tiled ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_SCALE_BYTES +
+                                       (row % DSV4_CUDA_TILE_ROWS) * 4
+                                 : row * W->scale_stride);
     }
 #pragma unroll
     for (int i = 0; i < 4; i++)
@@ -562,10 +570,10 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
      * which only reach MMA columns that are never stored) */
     auto load = [&](int s, int kt) {
         uint8_t *st = smem + s * SB;
-        dsv4_cp_async16(st + tid * 16, wsrc[0] + (int64_t)kt * MOE_TC_WROW);
-        dsv4_cp_async16(st + (tid + MOE_TC_THREADS) * 16, wsrc[1] + (int64_t)kt * MOE_TC_WROW);
+        dsv4_cp_async16(st + tid * 16, wsrc[0] + kt * wkt);
+        dsv4_cp_async16(st + (tid + MOE_TC_THREADS) * 16, wsrc[1] + kt * wkt);
         if (tid < MOE_TC_ROWS)
-            dsv4_cp_async4(st + WB + tid * 4, ssrc + kt * 4);
+            dsv4_cp_async4(st + WB + tid * 4, ssrc + kt * skt);
 #pragma unroll
         for (int q = 0; q < NT; q++) {
             const int i = tid + q * MOE_TC_THREADS, r = i >> 4, c = i & 15;
@@ -708,6 +716,36 @@ static bool tc_supported(const struct dsv4_cuda_experts *ex)
            ex->inter % MOE_TC_KT == 0 && ex->inter <= MOE_TC_MAX_INTER;
 }
 
+extern "C" bool dsv4_cuda_moe_tiles(enum dsv4_wfmt fmt, int dim, int inter, bool quant_act)
+{
+    static int on = -1;
+    if (on < 0) {
+        struct dsv4_cuda_switches sw;
+        on = dsv4_cuda_switches_read(&sw) < 0 || sw.host_tiles;
+    }
+    struct dsv4_cuda_experts ex = {};
+    ex.fmt = fmt;
+    ex.dim = dim;
+    ex.inter = inter;
+    ex.quant_act = quant_act;
+    return on && tc_supported(&ex);     /* tc: dim and inter multiples of 128, so of the 32-row blocks */
+}
+
+extern "C" void dsv4_cuda_tile_fp4(const uint8_t *src, int64_t pitch, const uint8_t *src_scale, int64_t scale_pitch,
+                                   int64_t out, int64_t in, uint8_t *w, uint8_t *scale)
+{
+    const int64_t nk = in / MOE_TC_KT;
+    for (int64_t r = 0; r < out; r++) {
+        const int64_t blk = r / DSV4_CUDA_TILE_ROWS, rr = r % DSV4_CUDA_TILE_ROWS;
+        for (int64_t kt = 0; kt < nk; kt++) {
+            memcpy(w + (blk * nk + kt) * DSV4_CUDA_TILE_BYTES + rr * MOE_TC_WROW, src + r * pitch + kt * MOE_TC_WROW,
+                   MOE_TC_WROW);
+            memcpy(scale + (blk * nk + kt) * DSV4_CUDA_TILE_SCALE_BYTES + rr * 4, src_scale + r * scale_pitch + kt * 4,
+                   4);
+        }
+    }
+}
+
 /* d_out holds x as bf16 operands (moe_prep_kernel) until down overwrites it; h goes f32 -> bf16 in d_h. */
 static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int pairs, const struct dsv4_cuda_moe_ws *ws,
                              cudaStream_t s)
@@ -778,6 +816,9 @@ extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const fl
         return dsv4_error_set(-EINVAL, "moe_experts: %d experts (max %d), dim %d and inter %d must be multiples "
                               "of %d", ex->n_experts, MOE_MAX_EXPERTS, ex->dim, ex->inter, vals);
     const bool tc = tc_supported(ex);
+    if (ex->tiled && !tc)
+        return dsv4_error_set(-EINVAL, "moe_experts: experts stored in k-tile blocks need the tensor-core path (FP4, "
+                              "fp8 numerics, dim and inter multiples of %d, DSV4_CUDA_MOE_MMA=1)", MOE_TC_KT);
     const int64_t n8 = tc ? (int64_t)batch * ex->dim / 8 : 0;
     dsv4_launch(moe_prep_kernel, (unsigned)(1 + (n8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS), MOE_PREP_THREADS, 0, s,
                 d_idx, pairs, ex->n_experts, ws->d_groups, d_x, n8, reinterpret_cast<uint4 *>(ws->d_out));

@@ -138,6 +138,44 @@ static void fx_upload(struct fx *f)
     free(tab);
 }
 
+/* A second table of the same experts: the even ones in pinned, mapped host memory in k-tile
+ * blocks (dsv4_cuda_tile_fp4, as the boot plan stores host experts), the odd ones the device copies
+ * of fx_upload. Returns the table (device memory); *host is the pinned allocation to free. */
+static const struct dsv4_cuda_expert *fx_table_host_tiled(const struct fx *f, uint8_t **host)
+{
+    const size_t wb[3] = { (size_t)f->I * f->D / 2, (size_t)f->I * f->D / 2, (size_t)f->D * f->I / 2 };
+    const size_t sb[3] = { (size_t)f->I * (f->D / 32), (size_t)f->I * (f->D / 32), (size_t)f->D * (f->I / 32) };
+    const size_t per = 2 * (wb[0] + sb[0]) + wb[2] + sb[2];
+    struct dsv4_cuda_expert *tab = calloc(f->E, sizeof(*tab));
+    uint8_t *h = NULL, *hd = NULL;
+
+    CUDA_OK(cudaHostAlloc((void **)&h, per * (size_t)f->E, cudaHostAllocMapped | cudaHostAllocPortable));
+    CUDA_OK(cudaHostGetDevicePointer((void **)&hd, h, 0));
+    for (int e = 0; e < f->E; e++) {
+        void **d = f->dev + e * 6;
+        const struct dsv4_linear *L[3] = { &f->w1[e], &f->w3[e], &f->w2[e] };
+        struct dsv4_cuda_linear *T[3] = { &tab[e].w1, &tab[e].w3, &tab[e].w2 };
+        size_t at = per * (size_t)e;
+        for (int m = 0; m < 3; m++) {
+            *T[m] = (struct dsv4_cuda_linear){ .fmt = DSV4_W_FP4, .out = L[m]->out, .in = L[m]->in,
+                                               .row_stride = L[m]->in, .w = d[2 * m], .scale = d[2 * m + 1],
+                                               .scale_stride = L[m]->in / 32 };
+            if (e % 2)
+                continue;
+            dsv4_cuda_tile_fp4(L[m]->w, L[m]->row_stride / 2, L[m]->scale, L[m]->scale_stride, L[m]->out, L[m]->in,
+                               h + at, h + at + wb[m]);
+            T[m]->w = hd + at;
+            T[m]->scale = hd + at + wb[m];
+            at += wb[m] + sb[m];
+        }
+        tab[e].tiled = e % 2 == 0;
+    }
+    const struct dsv4_cuda_expert *dt = gt_dev_copy(tab, (size_t)f->E * sizeof(*tab));
+    free(tab);
+    *host = h;
+    return dt;
+}
+
 static void fx_free(struct fx *f)
 {
     for (int i = 0; i < f->E * 6; i++) {
@@ -368,6 +406,41 @@ static void test_experts_flash(void **state)
             runs += 2;
         }
         free(y);
+    }
+
+    /* the even experts read from host memory in k-tile blocks: the same bits as from the device */
+    {
+        uint8_t *host;
+        struct fx fh = f;
+        fh.ex.d_table = fx_table_host_tiled(&f, &host);
+        fh.ex.tiled = true;
+        for (int i = 0; i < 4; i += 3) {
+            const int n = batches[i];
+            float *yd = fx_run(&f, true, x, n, K, idx, w, NULL), *yh = fx_run(&fh, true, x, n, K, idx, w, NULL);
+            runs += 2;
+            assert_memory_equal(yh, yd, (size_t)n * D * sizeof(float));
+            printf("# experts fp8 batch %d, even experts tiled in host memory: bit-identical to the device copies\n",
+                   n);
+            free(yd);
+            free(yh);
+        }
+        for (int p = 0; p < B * K; p++)     /* one tiled expert, six passes of 64 */
+            idx2[p] = 4;
+        float *yd = fx_run(&f, true, x, B, K, idx2, w, NULL), *yh = fx_run(&fh, true, x, B, K, idx2, w, NULL);
+        runs += 2;
+        assert_memory_equal(yh, yd, (size_t)B * D * sizeof(float));
+        free(yd);
+        free(yh);
+        /* tiled experts have no FMA path: exact numerics refuse the table */
+        struct dsv4_cuda_moe_ws ws = { (int32_t *)gt_dev_poisoned(3 * K + 2), gt_dev_poisoned((size_t)K * I),
+                                       gt_dev_poisoned((size_t)K * D) };
+        float *dx = gt_dev_copy(x, (size_t)D * sizeof(float));
+        int32_t *didx = gt_dev_copy(idx, (size_t)K * sizeof(int32_t));
+        fh.ex.quant_act = false;
+        assert_int_equal(dsv4_cuda_moe_routed(&fh.ex, dx, 1, K, didx, &ws, NULL), -EINVAL);
+        cudaFree(ws.d_groups); cudaFree(ws.d_h); cudaFree(ws.d_out); cudaFree(dx); cudaFree(didx);
+        cudaFree((void *)fh.ex.d_table);
+        cudaFreeHost(host);
     }
 
     /* a prefill chunk whose 64 rows all pick experts 5, 2, 7, 4, 1, 6 (6 groups of 64 tokens) */
