@@ -114,7 +114,7 @@ struct walker {
     int ex_layer, ex_expert;    /* the movable expert being walked (ex_layer -1: none) */
     bool with_mtp;              /* the MTP block too (the backend speculates with it) */
     bool quant_act;             /* fp8 numerics: routed experts take quantized activations */
-    bool ex_tiles;              /* the walked layer's experts are tiled where they live in host memory */
+    bool ex_tiles;              /* the walked layer's experts are stored in k-tile blocks, wherever they live */
 };
 
 static size_t align_up(size_t n)
@@ -325,8 +325,8 @@ static int carve_host(struct dsv4_cuda_dev *dev, size_t bytes, uint8_t **ret_hos
 
 /* An FP4 expert linear into host memory in k-tile blocks (dsv4_cuda_tile_fp4): the bytes and their
  * places in the host allocation are those of the row-major copy; only the order differs. */
-static int put_tiled(struct dsv4_cuda_dev *dev, const struct dsv4_linear *l, size_t scale_bytes, void **ret_w,
-                     void **ret_s)
+static int put_tiled_host(struct dsv4_cuda_dev *dev, const struct dsv4_linear *l, size_t scale_bytes, void **ret_w,
+                          void **ret_s)
 {
     uint8_t *hw = NULL, *hs = NULL;
     WALK(carve_host(dev, (size_t)l->out * (size_t)(l->in / 2), &hw, ret_w));
@@ -334,6 +334,28 @@ static int put_tiled(struct dsv4_cuda_dev *dev, const struct dsv4_linear *l, siz
     dsv4_cuda_tile_fp4(static_cast<const uint8_t *>(l->w), l->row_stride / 2, l->scale, l->scale_stride, l->out, l->in,
                        hw, hs);
     return 0;
+}
+
+/* An FP4 expert linear into the arena in k-tile blocks: the row-major bytes go first to the arena's
+ * tail, which the caches and workspaces take only after every weight is placed (at least the 32 MB
+ * of cuBLASLt's workspace, against 4 MB for a V4-Flash expert matrix), and a kernel writes the blocks
+ * (dsv4_cuda_tile_fp4_dev). Copies and kernel go through the legacy stream, in order; dev_boot
+ * synchronizes before any other stream reads the weights. */
+static int put_tiled_dev(struct dsv4_cuda_dev *dev, const struct dsv4_linear *l, size_t scale_bytes, void **ret_w,
+                         void **ret_s)
+{
+    const size_t row = (size_t)(l->in / 2), wb = row * (size_t)l->out, stage = align_up(wb) + align_up(scale_bytes);
+    WALK(carve(dev, wb, ret_w));
+    WALK(carve(dev, scale_bytes, ret_s));
+    if (stage > dev->arena_size - dev->arena_used)
+        return dsv4_error_set(-ENOMEM, "cuda: expert linear %s needs %zu bytes of staging to be stored in k-tile "
+                              "blocks, %zu are left past the weights (DSV4_CUDA_MOE_TILES=0 stores it row by row)",
+                              l->name, stage, dev->arena_size - dev->arena_used);
+    uint8_t *st = dev->arena + dev->arena_size - stage, *st_scale = st + align_up(wb);
+    DSV4_CUDA_TRY(cudaMemcpy2D(st, row, l->w, l->row_stride / 2, row, l->out, cudaMemcpyHostToDevice));
+    DSV4_CUDA_TRY(cudaMemcpy(st_scale, l->scale, scale_bytes, cudaMemcpyHostToDevice));
+    return dsv4_cuda_tile_fp4_dev(st, (int64_t)row, st_scale, l->scale_stride, l->out, l->in,
+                                  static_cast<uint8_t *>(*ret_w), static_cast<uint8_t *>(*ret_s), NULL);
 }
 
 /* rows x row bytes from src (rows pitch bytes apart) to the device arena, or into host memory. */
@@ -363,8 +385,8 @@ static int upload_linear(struct walker *wk, const struct dsv4_linear *l)
 
     if (!linear_present(l))
         return 0;
-    if (host && wk->ex_layer >= 0 && wk->ex_tiles) {
-        WALK(put_tiled(dev, l, sb, &w, &s));
+    if (wk->ex_layer >= 0 && wk->ex_tiles) {
+        WALK(host ? put_tiled_host(dev, l, sb, &w, &s) : put_tiled_dev(dev, l, sb, &w, &s));
     } else {
         /* stacked expert views (row_stride > in) become contiguous rows */
         WALK(put_rows(dev, host, l->w, linear_elem_bytes(l, l->row_stride), row, l->out, &w));
@@ -421,7 +443,7 @@ static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f
             return dsv4_error_set(-ENOENT, "cuda: layer %d expert %d was not uploaded", layer, e);
         }
         tab[e] = { d1->lin, d3->lin, d2->lin, 0 };
-        tab[e].tiled = wk->ex_tiles && dsv4_placement_on_host(dev->place, layer, e);
+        tab[e].tiled = wk->ex_tiles;
         ex->tiled = ex->tiled || tab[e].tiled;
     }
     int rc = carve(dev, sizeof(*tab) * c->n_experts, &d_tab);
@@ -539,9 +561,9 @@ static void log_placement(struct dsv4_cuda_dev *dev, void (*log)(void *, const c
     bool tiled = false;
     for (int l = 0; l < dev->n_layers; l++)
         tiled = tiled || dev->experts[l].tiled;
-    vlog(dev, log, ctx, false, "cuda: routed experts: %u on the GPU (%.2f GiB), %u in pinned host memory "
-         "(%.2f GiB, read in place over PCIe%s): %s", dev->stats.experts_gpu, p->gpu_bytes / DEV_GIB,
-         dev->stats.experts_host, p->host_bytes / DEV_GIB, tiled ? " in k-tile blocks" : "", dsv4_placement_rule(p));
+    vlog(dev, log, ctx, false, "cuda: routed experts%s: %u on the GPU (%.2f GiB), %u in pinned host memory "
+         "(%.2f GiB, read in place over PCIe): %s", tiled ? " in k-tile blocks" : "", dev->stats.experts_gpu,
+         p->gpu_bytes / DEV_GIB, dev->stats.experts_host, p->host_bytes / DEV_GIB, dsv4_placement_rule(p));
     if (dev->embed_on_host)
         vlog(dev, log, ctx, false, "cuda: the embedding (%.2f GiB) in pinned host memory too: a row read per token",
              dev->stats.host_embed_bytes / DEV_GIB);
@@ -690,6 +712,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     wk.vector = upload_vector;
     wk.experts = upload_experts;
     WALK(walk_weights(&wk, w));
+    DSV4_CUDA_TRY(cudaDeviceSynchronize());     /* the legacy stream's copies and tiling kernels */
     if (dev->host_used != dev->host_size)
         return dsv4_error_set(-EIO, "cuda: %zu of %zu bytes of host expert memory written", dev->host_used,
                               dev->host_size);

@@ -56,10 +56,12 @@ static inline struct dsv4_cuda_linear dsv4_cuda_linear_rows(const struct dsv4_cu
 }
 
 /* One layer's routed experts on the device: a table of E entries of three linears, w1/w3 [I, D]
- * and w2 [D, I], all in one format (FP4 in the release; F32/BF16/FP8 in other checkpoints). */
-/* An FP4 expert linear [out, in] in host memory may be stored in k-tile blocks, the order the
- * tensor-core expert kernel reads it in, so that each of its reads over PCIe is 2 KB contiguous
- * instead of 64 bytes of each of 32 rows: with nk = in / 128, rows r..r+31 (r a multiple of 32) of
+ * and w2 [D, I], all in one format (FP4 in the release; F32/BF16/FP8 in other checkpoints).
+ *
+ * An FP4 expert linear [out, in] may be stored in k-tile blocks, the order the tensor-core expert
+ * kernel reads it in, so that each of its reads is 2 KB contiguous instead of 64 bytes of each of
+ * 32 rows (from host memory over PCIe that is most of the link's rate; from the GPU's own memory,
+ * fewer DRAM pages opened per byte read): with nk = in / 128, rows r..r+31 (r a multiple of 32) of
  * k-tile kt are the block at ((r / 32) * nk + kt) * 2048 bytes, row by row (64 bytes each), and
  * their scales (4 UE8M0 bytes a row) the block at ((r / 32) * nk + kt) * 128. */
 #define DSV4_CUDA_TILE_ROWS 32
@@ -81,12 +83,16 @@ struct dsv4_cuda_experts {
 };
 
 /* Whether experts of this format and shape, with activations quantized (fp8 numerics) or not, run on
- * the tensor-core kernel, which is the one that reads tiled experts; DSV4_CUDA_HOST_TILES=0 says no. */
+ * the tensor-core kernel, which is the one that reads tiled experts; DSV4_CUDA_MOE_TILES=0 says no. */
 bool dsv4_cuda_moe_tiles(enum dsv4_wfmt fmt, int dim, int inter, bool quant_act);
 /* Write the FP4 linear [out, in] (rows `pitch` bytes apart, scale rows `scale_pitch` apart) in k-tile
  * blocks: out * in / 2 bytes to w, out * in / 32 to scale. out a multiple of 32, in of 128. */
 void dsv4_cuda_tile_fp4(const uint8_t *src, int64_t pitch, const uint8_t *src_scale, int64_t scale_pitch, int64_t out,
                         int64_t in, uint8_t *w, uint8_t *scale);
+/* The same blocks written on the device: d_src and d_src_scale a device copy of the row-major
+ * linear, d_w and d_scale device memory that does not overlap it. */
+int dsv4_cuda_tile_fp4_dev(const uint8_t *d_src, int64_t pitch, const uint8_t *d_src_scale, int64_t scale_pitch,
+                           int64_t out, int64_t in, uint8_t *d_w, uint8_t *d_scale, void *stream);
 
 /* Scratch the expert launcher needs, carved from the arena for up to max_pairs = batch * topk. */
 struct dsv4_cuda_moe_ws {

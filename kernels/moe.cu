@@ -721,7 +721,7 @@ extern "C" bool dsv4_cuda_moe_tiles(enum dsv4_wfmt fmt, int dim, int inter, bool
     static int on = -1;
     if (on < 0) {
         struct dsv4_cuda_switches sw;
-        on = dsv4_cuda_switches_read(&sw) < 0 || sw.host_tiles;
+        on = dsv4_cuda_switches_read(&sw) < 0 || sw.moe_tiles;
     }
     struct dsv4_cuda_experts ex = {};
     ex.fmt = fmt;
@@ -744,6 +744,39 @@ extern "C" void dsv4_cuda_tile_fp4(const uint8_t *src, int64_t pitch, const uint
                    4);
         }
     }
+}
+
+/* grid ceil(out * nk * 4 / 256), 256 threads: one thread per 16 bytes of the blocks, in their order
+ * (block, k-tile, row, 16-byte chunk), which makes the writes contiguous; the chunk-0 thread of a
+ * row also moves that row's 4 scale bytes of the k-tile. */
+__global__ void tile_fp4_kernel(const uint8_t *__restrict__ src, int64_t pitch, const uint8_t *__restrict__ ssrc,
+                                int64_t spitch, int64_t out, int64_t nk, uint4 *__restrict__ w,
+                                uint32_t *__restrict__ scale)
+{
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= out * nk * 4)
+        return;
+    const int c = (int)(i % 4), rr = (int)(i / 4 % DSV4_CUDA_TILE_ROWS);
+    const int64_t bk = i / (4 * DSV4_CUDA_TILE_ROWS), kt = bk % nk, r = bk / nk * DSV4_CUDA_TILE_ROWS + rr;
+    w[i] = *reinterpret_cast<const uint4 *>(src + r * pitch + kt * MOE_TC_WROW + c * 16);
+    if (c == 0)
+        scale[bk * DSV4_CUDA_TILE_ROWS + rr] = *reinterpret_cast<const uint32_t *>(ssrc + r * spitch + kt * 4);
+}
+
+extern "C" int dsv4_cuda_tile_fp4_dev(const uint8_t *d_src, int64_t pitch, const uint8_t *d_src_scale,
+                                      int64_t scale_pitch, int64_t out, int64_t in, uint8_t *d_w, uint8_t *d_scale,
+                                      void *stream)
+{
+    if (out % DSV4_CUDA_TILE_ROWS || in % MOE_TC_KT || pitch % 16 || scale_pitch % 4)
+        return dsv4_error_set(-EINVAL, "tile_fp4: [%lld, %lld] (pitch %lld, scale pitch %lld): out must be a multiple "
+                              "of %d, in of %d, the pitches of 16 and 4 bytes", (long long)out, (long long)in,
+                              (long long)pitch, (long long)scale_pitch, DSV4_CUDA_TILE_ROWS, MOE_TC_KT);
+    const int64_t n = out * (in / MOE_TC_KT) * 4;
+    tile_fp4_kernel<<<(unsigned)((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+        d_src, pitch, d_src_scale, scale_pitch, out, in / MOE_TC_KT, reinterpret_cast<uint4 *>(d_w),
+        reinterpret_cast<uint32_t *>(d_scale));
+    const cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? 0 : dsv4_error_set(-EIO, "tile_fp4: launch: %s", cudaGetErrorString(e));
 }
 
 /* d_out holds x as bf16 operands (moe_prep_kernel) until down overwrites it; h goes f32 -> bf16 in d_h. */

@@ -31,7 +31,7 @@ static const struct sw_def table[] = {
     SW("DSV4_CUDA_SAMPLE", SW_BOOL, sample),
     SW("DSV4_CUDA_MOE_MMA", SW_BOOL, moe_mma),
     SW("DSV4_CUDA_BRANCHES", SW_BOOL, branches),
-    SW("DSV4_CUDA_HOST_TILES", SW_BOOL, host_tiles),
+    SW("DSV4_CUDA_MOE_TILES", SW_BOOL, moe_tiles),
     SW("DSV4_CUDA_LOG", SW_BOOL, log),
 };
 #undef SW
@@ -39,7 +39,7 @@ static const struct sw_def table[] = {
 
 static const struct dsv4_cuda_switches defaults = {
     .graphs = true, .gemm = true, .gemm_stages = 4, .gemm_prefetch_kb = DSV4_CUDA_PREFETCH_KB_DEFAULT,
-    .pdl = true, .sample = true, .moe_mma = true, .branches = true, .host_tiles = true, .log = false,
+    .pdl = true, .sample = true, .moe_mma = true, .branches = true, .moe_tiles = true, .log = false,
 };
 
 /* One variable's value into its field; -EINVAL naming what is allowed. */

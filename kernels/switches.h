@@ -26,7 +26,7 @@ struct dsv4_cuda_switches {
     bool sample;                /* DSV4_CUDA_SAMPLE: sample on the device (0: on the host) */
     bool moe_mma;               /* DSV4_CUDA_MOE_MMA: tensor-core routed experts (0: FMA) */
     bool branches;              /* DSV4_CUDA_BRANCHES: a layer's branches on a second stream */
-    bool host_tiles;            /* DSV4_CUDA_HOST_TILES: host-memory experts in k-tile blocks (0: row-major) */
+    bool moe_tiles;             /* DSV4_CUDA_MOE_TILES: routed experts in k-tile blocks (0: row-major) */
     bool log;                   /* DSV4_CUDA_LOG: the boot log on stderr */
 };
 

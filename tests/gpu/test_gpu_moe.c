@@ -138,10 +138,12 @@ static void fx_upload(struct fx *f)
     free(tab);
 }
 
-/* A second table of the same experts: the even ones in pinned, mapped host memory in k-tile
- * blocks (dsv4_cuda_tile_fp4, as the boot plan stores host experts), the odd ones the device copies
- * of fx_upload. Returns the table (device memory); *host is the pinned allocation to free. */
-static const struct dsv4_cuda_expert *fx_table_host_tiled(const struct fx *f, uint8_t **host)
+/* A second table of the same experts, every one in k-tile blocks as the boot plan stores them: the
+ * even ones in pinned, mapped host memory (dsv4_cuda_tile_fp4), the odd ones in device memory, tiled
+ * there from fx_upload's row-major copies (dsv4_cuda_tile_fp4_dev), whose bytes must equal the host
+ * tiling's. Returns the table (device memory); *host is the pinned allocation to free, *dev the
+ * device one. */
+static const struct dsv4_cuda_expert *fx_table_tiled(const struct fx *f, uint8_t **host, uint8_t **dev)
 {
     const size_t wb[3] = { (size_t)f->I * f->D / 2, (size_t)f->I * f->D / 2, (size_t)f->D * f->I / 2 };
     const size_t sb[3] = { (size_t)f->I * (f->D / 32), (size_t)f->I * (f->D / 32), (size_t)f->D * (f->I / 32) };
@@ -149,8 +151,10 @@ static const struct dsv4_cuda_expert *fx_table_host_tiled(const struct fx *f, ui
     struct dsv4_cuda_expert *tab = calloc(f->E, sizeof(*tab));
     uint8_t *h = NULL, *hd = NULL;
 
+    uint8_t *dd = NULL, *back = malloc(per);
     CUDA_OK(cudaHostAlloc((void **)&h, per * (size_t)f->E, cudaHostAllocMapped | cudaHostAllocPortable));
     CUDA_OK(cudaHostGetDevicePointer((void **)&hd, h, 0));
+    CUDA_OK(cudaMalloc((void **)&dd, per * (size_t)f->E));
     for (int e = 0; e < f->E; e++) {
         void **d = f->dev + e * 6;
         const struct dsv4_linear *L[3] = { &f->w1[e], &f->w3[e], &f->w2[e] };
@@ -158,21 +162,26 @@ static const struct dsv4_cuda_expert *fx_table_host_tiled(const struct fx *f, ui
         size_t at = per * (size_t)e;
         for (int m = 0; m < 3; m++) {
             *T[m] = (struct dsv4_cuda_linear){ .fmt = DSV4_W_FP4, .out = L[m]->out, .in = L[m]->in,
-                                               .row_stride = L[m]->in, .w = d[2 * m], .scale = d[2 * m + 1],
-                                               .scale_stride = L[m]->in / 32 };
-            if (e % 2)
-                continue;
+                                               .row_stride = L[m]->in, .scale_stride = L[m]->in / 32 };
             dsv4_cuda_tile_fp4(L[m]->w, L[m]->row_stride / 2, L[m]->scale, L[m]->scale_stride, L[m]->out, L[m]->in,
                                h + at, h + at + wb[m]);
-            T[m]->w = hd + at;
-            T[m]->scale = hd + at + wb[m];
+            if (e % 2) {
+                assert_int_equal(dsv4_cuda_tile_fp4_dev(d[2 * m], L[m]->in / 2, d[2 * m + 1], L[m]->in / 32,
+                                                        L[m]->out, L[m]->in, dd + at, dd + at + wb[m], NULL), 0);
+                CUDA_OK(cudaMemcpy(back, dd + at, wb[m] + sb[m], cudaMemcpyDeviceToHost));
+                assert_memory_equal(back, h + at, wb[m] + sb[m]);
+            }
+            T[m]->w = (e % 2 ? dd : hd) + at;
+            T[m]->scale = (e % 2 ? dd : hd) + at + wb[m];
             at += wb[m] + sb[m];
         }
-        tab[e].tiled = e % 2 == 0;
+        tab[e].tiled = 1;
     }
     const struct dsv4_cuda_expert *dt = gt_dev_copy(tab, (size_t)f->E * sizeof(*tab));
     free(tab);
+    free(back);
     *host = h;
+    *dev = dd;
     return dt;
 }
 
@@ -408,29 +417,31 @@ static void test_experts_flash(void **state)
         free(y);
     }
 
-    /* the even experts read from host memory in k-tile blocks: the same bits as from the device */
+    /* every expert in k-tile blocks, the even ones read from host memory: the same bits as row-major */
     {
-        uint8_t *host;
+        uint8_t *host, *tiled_dev;
         struct fx fh = f;
-        fh.ex.d_table = fx_table_host_tiled(&f, &host);
+        fh.ex.d_table = fx_table_tiled(&f, &host, &tiled_dev);
         fh.ex.tiled = true;
         for (int i = 0; i < 4; i += 3) {
             const int n = batches[i];
             float *yd = fx_run(&f, true, x, n, K, idx, w, NULL), *yh = fx_run(&fh, true, x, n, K, idx, w, NULL);
             runs += 2;
             assert_memory_equal(yh, yd, (size_t)n * D * sizeof(float));
-            printf("# experts fp8 batch %d, even experts tiled in host memory: bit-identical to the device copies\n",
-                   n);
+            printf("# experts fp8 batch %d, in k-tile blocks (even in host memory, odd tiled on the device): "
+                   "bit-identical to row-major\n", n);
             free(yd);
             free(yh);
         }
-        for (int p = 0; p < B * K; p++)     /* one tiled expert, six passes of 64 */
-            idx2[p] = 4;
-        float *yd = fx_run(&f, true, x, B, K, idx2, w, NULL), *yh = fx_run(&fh, true, x, B, K, idx2, w, NULL);
-        runs += 2;
-        assert_memory_equal(yh, yd, (size_t)B * D * sizeof(float));
-        free(yd);
-        free(yh);
+        for (int one = 4; one <= 5; one++) {    /* one expert (host, then device), six passes of 64 */
+            for (int p = 0; p < B * K; p++)
+                idx2[p] = one;
+            float *yd = fx_run(&f, true, x, B, K, idx2, w, NULL), *yh = fx_run(&fh, true, x, B, K, idx2, w, NULL);
+            runs += 2;
+            assert_memory_equal(yh, yd, (size_t)B * D * sizeof(float));
+            free(yd);
+            free(yh);
+        }
         /* tiled experts have no FMA path: exact numerics refuse the table */
         struct dsv4_cuda_moe_ws ws = { (int32_t *)gt_dev_poisoned(3 * K + 2), gt_dev_poisoned((size_t)K * I),
                                        gt_dev_poisoned((size_t)K * D) };
@@ -440,6 +451,7 @@ static void test_experts_flash(void **state)
         assert_int_equal(dsv4_cuda_moe_routed(&fh.ex, dx, 1, K, didx, &ws, NULL), -EINVAL);
         cudaFree(ws.d_groups); cudaFree(ws.d_h); cudaFree(ws.d_out); cudaFree(dx); cudaFree(didx);
         cudaFree((void *)fh.ex.d_table);
+        cudaFree(tiled_dev);
         cudaFreeHost(host);
     }
 

@@ -32,7 +32,7 @@ static void test_defaults(void **state)
     (void)state;
     clear_env();
     assert_int_equal(dsv4_cuda_switches_read(&sw), 0);
-    assert_true(sw.graphs && sw.gemm && sw.pdl && sw.sample && sw.moe_mma && sw.branches && sw.host_tiles);
+    assert_true(sw.graphs && sw.gemm && sw.pdl && sw.sample && sw.moe_mma && sw.branches && sw.moe_tiles);
     assert_false(sw.log);
     assert_int_equal(sw.gemm_stages, 4);
     assert_int_equal(sw.gemm_prefetch_kb, DSV4_CUDA_PREFETCH_KB_DEFAULT);
