@@ -800,7 +800,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
             routed_all += eb;
             expert = eb;
         }
-    /* the MTP block is not read by a decode step (nor uploaded: this backend does not speculate) */
+    /* the MTP block is not read by a decode step (nor uploaded unless the backend speculates) */
     double mtp = 0.0;
     for (int i = 0; i < w->n_mtp; i++)
         mtp += layer_bytes(c, &w->mtp[i].layer) + linear_bytes(&w->mtp[i].e_proj) + linear_bytes(&w->mtp[i].h_proj) +
