@@ -5,6 +5,11 @@ TESTS += tests/unit/test_error
 tests_unit_test_error_SOURCES = tests/unit/test_error.c
 tests_unit_test_error_CFLAGS = $(TEST_ENGINE_CFLAGS)
 tests_unit_test_error_LDADD = $(TEST_ENGINE_LIBS)
+check_PROGRAMS += tests/unit/test_workpool
+TESTS += tests/unit/test_workpool
+tests_unit_test_workpool_SOURCES = tests/unit/test_workpool.c
+tests_unit_test_workpool_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_workpool_LDADD = $(TEST_ENGINE_LIBS)
 include $(srcdir)/tests/fixtures.mk
 include $(srcdir)/tests/integration.mk
 include $(srcdir)/tests/fixtures_fp8.mk

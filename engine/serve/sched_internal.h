@@ -23,6 +23,8 @@
 
 #include "engine/serve/scheduler.h"
 
+struct dsv4_workpool;
+
 enum req_state { REQ_FREE, REQ_QUEUED, REQ_RUNNING, REQ_FINISHED };
 
 struct sched_out {                  /* one output buffer */
@@ -115,17 +117,13 @@ struct dsv4_sched {
     int *dec_slots;                 /* [max_batch] */
     int32_t *dec_tokens;            /* [max_batch] */
     int *dec_reqs;                  /* [max_batch] */
-    struct dsv4_sampler **samplers; /* [n_threads]: [0] the engine thread's, [i] worker i's */
+    struct dsv4_sampler **samplers; /* [n_threads]: [0] the engine thread's, [i] pool part i's */
     int n_threads;
-    pthread_t *workers;             /* [n_threads - 1] */
-    int n_workers;                  /* started */
-    /* The sampling pool: a decode step's rows are sampled in parallel, then taken in order. */
-    pthread_mutex_t pool_lock;
-    pthread_cond_t pool_go, pool_done;
-    uint64_t pool_gen;              /* bumped per job */
-    int pool_rows, pool_finished;
+    /* The sampling pool: a decode step's rows are claimed one at a time by every part (the engine
+     * thread is part 0), sampled, then taken in order. */
+    struct dsv4_workpool *pool;
+    int pool_rows;
     atomic_int pool_next;
-    bool pool_quit;
     struct dsv4_sample *row_sample; /* [max_batch] */
     int *row_rc;                    /* [max_batch] */
     char (*row_err)[DSV4_SCHED_ERROR_MAX];  /* [max_batch] messages of failed rows */
@@ -153,11 +151,6 @@ struct dsv4_sched {
     uint64_t drain_deadline_ns;
     struct dsv4_sched_stats st;     /* st.backend: copied on the engine thread after each step */
     uint64_t busy_ns;
-};
-
-struct pool_arg {
-    struct dsv4_sched *s;
-    int index;
 };
 
 static inline uint64_t sched_now_ns(void)
@@ -191,7 +184,6 @@ void sched_fail_request(struct dsv4_sched *s, struct sched_req *q, int r, const 
 bool sched_backend_fatal(struct dsv4_sched *s, int r, const char *what);
 
 /* sched_pool.c */
-void *sched_pool_worker(void *arg);     /* a sampling thread; arg: a malloc'd struct pool_arg */
 /* Device sampling of rows [0, n) of the call just made; true when the backend failed for good. */
 bool sched_sample_on_device(struct dsv4_sched *s, int n, const int *reqs);
 /* Host sampling of the decode step's n rows, on every pool thread. */

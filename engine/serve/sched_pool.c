@@ -1,15 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /* The sampling pool (engine/serve/sched_internal.h): a decode step's rows sampled on the host by every
- * pool thread, then taken in order; or sampled on the device by the backend. */
+ * part of the scheduler's work pool, then taken in order; or sampled on the device by the backend. */
 #include "build-config.h"
 
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
-#include <stdlib.h>
 
 #include "engine/error.h"
 #include "engine/serve/sched_internal.h"
+#include "engine/workpool.h"
 
 /* Sample row k of the decode step (request dec_reqs[k], logits row k) with the given workspace. */
 static void sample_decode_row(struct dsv4_sched *s, struct dsv4_sampler *sm, int k)
@@ -25,34 +24,15 @@ static void sample_decode_row(struct dsv4_sched *s, struct dsv4_sampler *sm, int
         snprintf(s->row_err[k], DSV4_SCHED_ERROR_MAX, "sampling: %s", dsv4_error_message());
 }
 
-static void pool_work(struct dsv4_sched *s, struct dsv4_sampler *sm)
+/* One part of the pool: rows claimed one at a time (their costs differ with truncation and
+ * penalties), each sampled with this part's own workspace. */
+static void pool_part(void *arg, int part, int parts)
 {
+    struct dsv4_sched *s = arg;
     int k;
+    (void)parts;
     while ((k = atomic_fetch_add(&s->pool_next, 1)) < s->pool_rows)
-        sample_decode_row(s, sm, k);
-}
-
-void *sched_pool_worker(void *arg)
-{
-    struct dsv4_sched *s = ((struct pool_arg *)arg)->s;
-    int index = ((struct pool_arg *)arg)->index;
-    uint64_t seen = 0;
-    free(arg);
-    pthread_mutex_lock(&s->pool_lock);
-    for (;;) {
-        while (s->pool_gen == seen && !s->pool_quit)
-            pthread_cond_wait(&s->pool_go, &s->pool_lock);
-        if (s->pool_quit)
-            break;
-        seen = s->pool_gen;
-        pthread_mutex_unlock(&s->pool_lock);
-        pool_work(s, s->samplers[index]);
-        pthread_mutex_lock(&s->pool_lock);
-        if (++s->pool_finished == s->n_workers)
-            pthread_cond_signal(&s->pool_done);
-    }
-    pthread_mutex_unlock(&s->pool_lock);
-    return NULL;
+        sample_decode_row(s, s->samplers[part], k);
 }
 
 /* Device sampling of rows [0, n): request reqs[k] (running-list indices) for row k of the call just
@@ -78,24 +58,15 @@ bool sched_sample_on_device(struct dsv4_sched *s, int n, const int *reqs)
     return false;
 }
 
-/* Sample the decode step's n rows into row_sample/row_rc, on every pool thread. */
+/* Sample the decode step's n rows into row_sample/row_rc, on every part of the pool. */
 void sched_sample_decode_rows(struct dsv4_sched *s, int n)
 {
-    if (s->n_workers == 0 || n < 2) {
+    if (n < 2) {
         for (int k = 0; k < n; k++)
             sample_decode_row(s, s->samplers[0], k);
         return;
     }
-    pthread_mutex_lock(&s->pool_lock);
     s->pool_rows = n;
     atomic_store(&s->pool_next, 0);
-    s->pool_finished = 0;
-    s->pool_gen++;
-    pthread_cond_broadcast(&s->pool_go);
-    pthread_mutex_unlock(&s->pool_lock);
-    pool_work(s, s->samplers[0]);
-    pthread_mutex_lock(&s->pool_lock);
-    while (s->pool_finished < s->n_workers)
-        pthread_cond_wait(&s->pool_done, &s->pool_lock);
-    pthread_mutex_unlock(&s->pool_lock);
+    dsv4_workpool_run(s->pool, pool_part, s);
 }

@@ -22,6 +22,7 @@
 #include "engine/error.h"
 #include "engine/serve/sched_internal.h"
 #include "engine/text/tokenizer.h"
+#include "engine/workpool.h"
 
 #define SCHED_DEFAULT_PREFILL_BUDGET 512
 #define SCHED_DEFAULT_OUTPUT_TOKENS_CAP 32768
@@ -146,9 +147,6 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->event_fd = -1;
     pthread_mutex_init(&s->lock, NULL);
     pthread_cond_init(&s->wake, NULL);
-    pthread_mutex_init(&s->pool_lock, NULL);
-    pthread_cond_init(&s->pool_go, NULL);
-    pthread_cond_init(&s->pool_done, NULL);
     s->n_threads = lim.sampler_threads < max_batch ? lim.sampler_threads : max_batch;
 
     int r = -ENOMEM;
@@ -190,7 +188,6 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->dec_reqs = sched_alloc(s, (size_t)max_batch, sizeof(*s->dec_reqs));
     s->scratch = sched_alloc(s, 4 + DSV4_SCHED_TOKEN_BYTES_MAX, 1);
     s->samplers = sched_alloc(s, (size_t)s->n_threads, sizeof(*s->samplers));
-    s->workers = sched_alloc(s, (size_t)s->n_threads, sizeof(*s->workers));
     s->row_sample = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_sample));
     s->row_rc = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_rc));
     if (s->device_sampling) {
@@ -200,7 +197,7 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->row_err = sched_alloc(s, (size_t)max_batch, sizeof(*s->row_err));
     if (!s->reqs || !s->outs || !s->slot_req || !s->running || !s->counts || !s->seen || !s->events ||
         !s->logits || !s->dec_slots || !s->dec_tokens || !s->dec_reqs || !s->scratch || !s->samplers ||
-        !s->workers || !s->row_sample || !s->row_rc || !s->row_err ||
+        !s->row_sample || !s->row_rc || !s->row_err ||
         (s->device_sampling && (!s->sreq || !s->smsg))) {
         r = dsv4_error_set(-ENOMEM, "scheduler: out of memory for %d slots x vocab %d", max_batch, vocab);
         goto fail;
@@ -249,22 +246,12 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
             goto fail;
         s->allocations++;
     }
-    for (int i = 1; i < s->n_threads; i++) {
-        struct pool_arg *a = sched_alloc(s, 1, sizeof(*a));    /* the worker frees it */
-        if (!a) {
-            r = dsv4_error_set(-ENOMEM, "scheduler: out of memory for sampler threads");
-            goto fail;
-        }
-        a->s = s;
-        a->index = i;
-        int e = pthread_create(&s->workers[i - 1], NULL, sched_pool_worker, a);
-        if (e) {
-            free(a);
-            r = dsv4_error_set(-e, "scheduler: starting sampler thread %d: %s", i, strerror(e));
-            goto fail;
-        }
-        s->n_workers++;
+    r = dsv4_workpool_create(s->n_threads, "sampler", &s->pool);
+    if (r < 0) {
+        r = dsv4_error_prefix(r, "scheduler: ");
+        goto fail;
     }
+    s->allocations += (uint64_t)dsv4_workpool_allocations(s->pool);
     /* Every token's text must fit the per-token bound the event deltas are sized for. */
     for (int32_t id = 0; id < vocab; id++) {
         int n = s->detok.token_bytes(s->detok.ctx, id, s->scratch, DSV4_SCHED_TOKEN_BYTES_MAX);
@@ -312,27 +299,16 @@ void dsv4_sched_destroy(struct dsv4_sched *s)
     free(s->scratch);
     dsv4_prefix_cache_destroy(s->prefix);
     free(s->block_tokens);
-    if (s->n_workers) {
-        pthread_mutex_lock(&s->pool_lock);
-        s->pool_quit = true;
-        pthread_cond_broadcast(&s->pool_go);
-        pthread_mutex_unlock(&s->pool_lock);
-        for (int i = 0; i < s->n_workers; i++)
-            pthread_join(s->workers[i], NULL);
-    }
+    dsv4_workpool_free(s->pool);
     if (s->samplers)
         for (int i = 0; i < s->n_threads; i++)
             dsv4_sampler_destroy(s->samplers[i]);
     free(s->samplers);
-    free(s->workers);
     free(s->row_sample);
     free(s->row_rc);
     free(s->row_err);
     free(s->sreq);
     free(s->smsg);
-    pthread_cond_destroy(&s->pool_go);
-    pthread_cond_destroy(&s->pool_done);
-    pthread_mutex_destroy(&s->pool_lock);
     if (s->event_fd >= 0)
         close(s->event_fd);
     pthread_cond_destroy(&s->wake);
