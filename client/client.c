@@ -843,6 +843,9 @@ int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret)
     ret->n_spec_hist = st.n_spec_hist < DSV4_CLIENT_MAX_SPEC_BUCKETS ? st.n_spec_hist : DSV4_CLIENT_MAX_SPEC_BUCKETS;
     for (size_t i = 0; i < ret->n_spec_hist; i++)
         ret->spec_hist[i] = st.spec_hist[i];
+    ret->engine_busy_s = st.engine_busy_s;
+    ret->engine_backend_s = st.engine_backend_s;
+    ret->engine_gap_s = st.engine_gap_s;
     dsv4_proto_stats_clear(&st);
     return 0;
 }

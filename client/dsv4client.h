@@ -259,6 +259,10 @@ struct dsv4_client_stats {
     uint64_t spec_verifies, spec_drafted, spec_accepted;
     size_t n_spec_hist;
     uint64_t spec_hist[DSV4_CLIENT_MAX_SPEC_BUCKETS];
+    /* Where the engine's time goes: seconds inside steps that did work; of those, inside the backend
+     * (the rest is the steps' host work: scheduling, host sampling, text); and between a step that
+     * left requests running and the next (the loop's own time). 0 from a server that predates them. */
+    double engine_busy_s, engine_backend_s, engine_gap_s;
 };
 
 int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret);

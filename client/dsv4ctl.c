@@ -548,6 +548,9 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         { "spec_verifies", 0, s.spec_verifies, false },
         { "spec_drafted", 0, s.spec_drafted, false },
         { "spec_accepted", 0, s.spec_accepted, false },
+        { "engine_busy_s", s.engine_busy_s, 0, true },
+        { "engine_backend_s", s.engine_backend_s, 0, true },
+        { "engine_gap_s", s.engine_gap_s, 0, true },
     };
     if (o->json) {
         json_t *j = json_object();
@@ -572,7 +575,7 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
     printf("%-28s %s\n", "backend", s.backend);
     for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
         if (rows[i].is_f)
-            printf("%-28s %.1f\n", rows[i].name, rows[i].f);
+            printf("%-28s %.6g\n", rows[i].name, rows[i].f);
         else
             printf("%-28s %llu\n", rows[i].name, (unsigned long long)rows[i].u);
     }

@@ -760,6 +760,9 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
         st.n_spec_hist = ss.spec_tokens > 0 ? (uint32_t)ss.spec_tokens + 1 : 0;
         for (uint32_t i = 0; i < st.n_spec_hist; i++)
             st.spec_hist[i] = ss.spec_accept_hist[i];
+        st.engine_busy_s = ss.busy_s;
+        st.engine_backend_s = ss.backend_s;
+        st.engine_gap_s = ss.gap_s;
         st.sched_allocations = ss.allocations;
         st.sched_allocations_after_boot = ss.allocations - d->boot_sched_allocations;
         if (ss.prefix_cache) {

@@ -867,6 +867,9 @@ static const struct stat_field stat_fields[] = {
     STAT(spec_verifies, STAT_U64),
     STAT(spec_drafted, STAT_U64),
     STAT(spec_accepted, STAT_U64),
+    STAT(engine_busy_s, STAT_F64),
+    STAT(engine_backend_s, STAT_F64),
+    STAT(engine_gap_s, STAT_F64),
 };
 
 /* An optional array of uint64 under key, at most max entries, into out[*n]. */

@@ -449,6 +449,9 @@ struct dsv4_proto_stats {
     uint64_t spec_accepted;
     uint32_t n_spec_hist;          /* wire: "spec_accept_hist", an array of uint */
     uint64_t spec_hist[DSV4_PROTO_MAX_SPEC_BUCKETS];     /* verifies that accepted 0, 1, ... drafts */
+    double engine_busy_s;          /* seconds inside engine steps that did work */
+    double engine_backend_s;       /* of those, inside backend calls (the rest: the steps' host work) */
+    double engine_gap_s;           /* between a step that left requests running and the next one */
     uint32_t n_kernels;
     char *kernels[DSV4_PROTO_MAX_KERNELS];   /* kernel variants in use */
 };

@@ -83,7 +83,9 @@ void sched_clear_slot(struct dsv4_sched *s, struct sched_req *q)
         dsv4_prefix_cache_release(s->prefix, q->cache_node);
     q->cache_node = DSV4_PREFIX_ROOT;
     q->caching = false;
+    const uint64_t t0 = sched_now_ns();
     s->backend->ops->slot_reset(s->backend, q->slot);
+    sched_backend_time(s, t0);
 }
 
 /* Under the lock: requests finished since the last call become FINISHED, free their slots and leave

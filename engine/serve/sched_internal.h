@@ -151,6 +151,10 @@ struct dsv4_sched {
     uint64_t drain_deadline_ns;
     struct dsv4_sched_stats st;     /* st.backend: copied on the engine thread after each step */
     uint64_t busy_ns;
+    uint64_t backend_ns, gap_ns;    /* stats.backend_s, stats.gap_s (under the lock) */
+    uint64_t step_backend_ns;       /* this step's backend time so far (engine thread) */
+    uint64_t last_end_ns;           /* when the last working step ended */
+    bool running_at_end;            /* requests were running when it ended */
 };
 
 static inline uint64_t sched_now_ns(void)
@@ -158,6 +162,12 @@ static inline uint64_t sched_now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Every backend call is timed (stats.backend_s): t0 = sched_now_ns() before it, then this. */
+static inline void sched_backend_time(struct dsv4_sched *s, uint64_t t0)
+{
+    s->step_backend_ns += sched_now_ns() - t0;
 }
 
 /* sched_emit.c (engine thread) */

@@ -45,7 +45,9 @@ bool sched_sample_on_device(struct dsv4_sched *s, int n, const int *reqs)
         s->sreq[k] = (struct dsv4_backend_sample_req){ .slot = q->slot, .params = &q->sampling, .seed = q->seed,
                                                        .index = (uint64_t)q->result.n_tokens };
     }
+    const uint64_t t0 = sched_now_ns();
     int r = s->backend->ops->sample(s->backend, n, s->sreq, s->row_sample, s->row_rc, s->smsg);
+    sched_backend_time(s, t0);
     if (sched_backend_fatal(s, r, "sampling"))
         return true;
     for (int k = 0; k < n; k++) {

@@ -8,14 +8,18 @@
 #include "engine/serve/sched_internal.h"
 
 struct save_ctx {
-    struct dsv4_backend *b;
+    struct dsv4_sched *s;
     int slot;
 };
 
 static int save_slot(void *ctx, const int32_t *block_pages, const int32_t *boundary_pages)
 {
     const struct save_ctx *x = ctx;
-    return x->b->ops->prefix_save(x->b, x->slot, block_pages, boundary_pages);
+    struct dsv4_backend *b = x->s->backend;
+    const uint64_t t0 = sched_now_ns();
+    const int r = b->ops->prefix_save(b, x->slot, block_pages, boundary_pages);
+    sched_backend_time(x->s, t0);
+    return r;
 }
 
 /* Before q's first prefill: restore the longest cached prefix of its prompt, all but the last token
@@ -33,7 +37,9 @@ int sched_prefix_restore(struct dsv4_sched *s, struct sched_req *q)
     if (hit.node == DSV4_PREFIX_ROOT)
         return 0;
     q->cache_node = hit.node;       /* released with the slot, also when the load fails */
+    const uint64_t t0 = sched_now_ns();
     int r = b->ops->prefix_load(b, q->slot, hit.n_blocks, hit.block_pages, hit.boundary_pages, q->prompt);
+    sched_backend_time(s, t0);
     if (r < 0) {
         sched_fail_request(s, q, r, "restoring the cached prefix");
         return r;
@@ -65,7 +71,7 @@ static const int32_t *fed_block(struct dsv4_sched *s, const struct sched_req *q)
  * and runs on. */
 void sched_prefix_snapshot(struct dsv4_sched *s, struct sched_req *q, bool hot)
 {
-    struct save_ctx ctx = { s->backend, q->slot };
+    struct save_ctx ctx = { s, q->slot };
     int32_t node;
     int r = dsv4_prefix_cache_extend(s->prefix, q->cache_node, fed_block(s, q), hot, save_slot, &ctx, &node);
     if (sched_backend_fatal(s, r, "saving a prefix"))

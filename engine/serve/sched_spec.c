@@ -42,7 +42,9 @@ void sched_spec_decode(struct dsv4_sched *s, int n)
     int S = s->spec, V = s->vocab;
     for (int k = 0; k < n; k++)
         s->spec_k[k] = spec_room(s, &s->reqs[s->dec_reqs[k]]);
+    uint64_t t0 = sched_now_ns();
     int r = b->ops->draft(b, n, s->dec_slots, s->dec_tokens, s->spec_k, s->spec_drafts, s->spec_made);
+    sched_backend_time(s, t0);
     if (sched_backend_fatal(s, r, "draft"))
         return;
     for (int k = 0; k < n; k++) {
@@ -53,7 +55,9 @@ void sched_spec_decode(struct dsv4_sched *s, int n)
         memcpy(row + 1, s->spec_drafts + (size_t)k * (size_t)S, (size_t)s->spec_made[k] * sizeof(int32_t));
         s->spec_k[k] = s->spec_made[k] + 1;     /* from here on: the rows of each verify */
     }
+    t0 = sched_now_ns();
     r = b->ops->verify(b, n, s->dec_slots, s->spec_k, s->spec_rows, s->logits);
+    sched_backend_time(s, t0);
     if (sched_backend_fatal(s, r, "verify"))
         return;
     for (int k = 0; k < n; k++) {
@@ -74,7 +78,9 @@ void sched_spec_decode(struct dsv4_sched *s, int n)
             /* Row j's input is kept: its position is fed, as plain decode would have fed it. */
             if (j == rows - 1 || smp.token != draft[j]) {
                 keep = j + 1;
+                t0 = sched_now_ns();
                 r = b->ops->accept(b, q->slot, keep);
+                sched_backend_time(s, t0);
                 if (sched_backend_fatal(s, r, "accept"))
                     return;
                 if (r < 0) {

@@ -121,6 +121,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
     }
     s->ev_staged = 0;
     s->step_generated = 0;
+    s->step_backend_ns = 0;
     memset(&s->step_spec, 0, sizeof(s->step_spec));
     admit(s, t0);
     int n_running = s->n_running;
@@ -153,6 +154,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
             float *lg = last && !s->device_sampling ? s->logits : NULL;
             const uint64_t tp = sched_now_ns();
             int r = b->ops->prefill(b, q->slot, q->prompt + q->n_prefilled, chunk, lg, false);
+            sched_backend_time(s, tp);
             if (r == 0)
                 note_prefill_rate(s, chunk, sched_now_ns() - tp);
             if (r < 0) {
@@ -208,7 +210,9 @@ int dsv4_sched_step(struct dsv4_sched *s)
     if (n > 0 && !s->fatal && s->spec) {
         sched_spec_decode(s, n);
     } else if (n > 0 && !s->fatal) {
+        const uint64_t tb = sched_now_ns();
         int r = b->ops->decode(b, n, s->dec_slots, s->dec_tokens, s->device_sampling ? NULL : s->logits);
+        sched_backend_time(s, tb);
         if (sched_backend_fatal(s, r, "decode"))
             n = 0;
         else if (r >= 0 && s->device_sampling && sched_sample_on_device(s, n, s->dec_reqs))
@@ -265,10 +269,17 @@ int dsv4_sched_step(struct dsv4_sched *s)
                 s->st.spec_accept_hist[a] += s->step_spec.hist[a];
         }
         s->busy_ns += t1 - t0;
+        s->backend_ns += s->step_backend_ns;
+        if (s->running_at_end)
+            s->gap_ns += t0 - s->last_end_ns;
         s->st.last_step_s = (double)(t1 - t0) * 1e-9;
         if (s->st.last_step_s > s->st.max_step_s)
             s->st.max_step_s = s->st.last_step_s;
     }
+    /* a step that leaves requests running is followed by another at once: the time until it starts
+     * is the loop's (counted when it starts, so a wait for the event reader counts too) */
+    s->running_at_end = worked && s->n_running > 0;
+    s->last_end_ns = t1;
     pthread_mutex_unlock(&s->lock);
     if (any_events) {
         uint64_t one = 1;

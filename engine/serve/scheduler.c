@@ -556,6 +556,8 @@ void dsv4_sched_get_stats(struct dsv4_sched *s, struct dsv4_sched_stats *ret)
     ret->events_pending = s->ev_count;
     ret->allocations = s->allocations;
     ret->busy_s = (double)s->busy_ns * 1e-9;
+    ret->backend_s = (double)s->backend_ns * 1e-9;
+    ret->gap_s = (double)s->gap_ns * 1e-9;
     ret->tokens_per_s = s->busy_ns ? (double)s->st.generated_tokens / ret->busy_s : 0.0;
     pthread_mutex_unlock(&s->lock);
 }

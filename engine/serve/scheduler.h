@@ -197,6 +197,9 @@ struct dsv4_sched_stats {
     uint64_t submitted, rejected, finished[DSV4_FINISH_ERROR + 1];
     uint64_t batch_hist[DSV4_SCHED_BATCH_BUCKETS];  /* decode batch sizes, see BATCH_BUCKETS */
     double busy_s;                  /* time spent inside steps that did work */
+    double backend_s;               /* of busy_s, inside backend calls; the rest is the step's host work */
+    double gap_s;                   /* between a working step that left requests running and the next
+                                     * step: the engine loop's own time, waits for the reader included */
     double tokens_per_s;            /* generated_tokens / busy_s */
     double last_step_s, max_step_s;
     int slots_total, slots_in_use;

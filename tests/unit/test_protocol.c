@@ -652,6 +652,9 @@ static void test_small_methods(void **state)
         st.n_spec_hist = rnd_below(DSV4_PROTO_MAX_SPEC_BUCKETS + 1);
         for (uint32_t i = 0; i < st.n_spec_hist; i++)
             st.spec_hist[i] = rnd();
+        st.engine_busy_s = rnd_float(0, 1e6f);
+        st.engine_backend_s = rnd_float(0, 1e6f);
+        st.engine_gap_s = rnd_float(0, 1e3f);
         st.n_kernels = rnd_below(DSV4_PROTO_MAX_KERNELS + 1);
         for (uint32_t i = 0; i < st.n_kernels; i++)
             st.kernels[i] = rnd_utf8(20, NULL);
@@ -703,6 +706,9 @@ static void test_small_methods(void **state)
         assert_int_equal(gs.n_spec_hist, st.n_spec_hist);
         for (uint32_t i = 0; i < st.n_spec_hist; i++)
             assert_true(gs.spec_hist[i] == st.spec_hist[i]);
+        assert_true(gs.engine_busy_s == st.engine_busy_s);
+        assert_true(gs.engine_backend_s == st.engine_backend_s);
+        assert_true(gs.engine_gap_s == st.engine_gap_s);
         assert_int_equal(gs.n_kernels, st.n_kernels);
         for (uint32_t i = 0; i < st.n_kernels; i++)
             assert_string_equal(gs.kernels[i], st.kernels[i]);

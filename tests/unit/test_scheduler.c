@@ -689,6 +689,50 @@ static void test_prefill_interleave(void **state)
     env_close(&e);
 }
 
+static void pause_ms(int ms)
+{
+    struct timespec ts = { 0, ms * 1000000L };
+    while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+        ;
+}
+
+/* Where the engine's time goes (stats backend_s, gap_s): the fake sleeps 100 us a prefilled token,
+ * so a 60-token prompt is at least 6 ms inside the backend; a pause between two steps while the
+ * request runs is the loop's gap, and a pause once nothing runs is nobody's. */
+static void test_engine_time(void **state)
+{
+    const struct fake_backend_opts fo = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 100 };
+    static int32_t prompt[60];
+    static struct outcome o[1];
+    struct dsv4_sched_stats st;
+    struct env e;
+    uint64_t seed = 5;
+    (void)state;
+    env_open(&e, &fo, 1, 256, 64, 2);
+    random_prompt(&seed, prompt, 60);
+    struct dsv4_sched_request rq = make_request(prompt, 60, 4, 0);
+    submit(&e, &rq, &o[0]);
+    step(e.s);                          /* the prompt */
+    pause_ms(20);                       /* the request is running: a gap */
+    step(e.s);
+    dsv4_sched_get_stats(e.s, &st);
+    assert_true(st.backend_s >= 0.006);
+    assert_true(st.backend_s <= st.busy_s);
+    assert_true(st.gap_s >= 0.020);
+    assert_true(st.gap_s < 1.0);
+    run_all(&e, o, 1);
+    dsv4_sched_get_stats(e.s, &st);
+    const double gap = st.gap_s, busy = st.busy_s;
+    pause_ms(20);                       /* nothing runs: not a gap */
+    submit(&e, &rq, &o[0]);
+    step(e.s);
+    dsv4_sched_get_stats(e.s, &st);
+    assert_true(st.gap_s == gap);
+    assert_true(st.busy_s > busy);
+    run_all(&e, o, 1);
+    env_close(&e);
+}
+
 /* decode_stall_ms: while streams decode, a step prefills what the measured rate fits in the bound
  * (the fake sleeps 100 us a prefilled token, so 20 ms fit at most 200 tokens, fewer when the step's
  * own overhead shows in the rate); with nothing decoding, the whole budget. */
@@ -1337,6 +1381,7 @@ int main(void)
         cmocka_unit_test(test_decode_stall),
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_run_between),
+        cmocka_unit_test(test_engine_time),
         cmocka_unit_test(test_random_workload),
         cmocka_unit_test(test_random_workload_device_sampling),
         cmocka_unit_test(test_reported_seed),
