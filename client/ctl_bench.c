@@ -133,6 +133,28 @@ static int connect_client(struct dsv4_client *c, const struct ctl_bench_opts *o)
     return rc;
 }
 
+/* The server's engine counters (stats engine_*, steps), read before and after a level: their
+ * difference over the level's steps says where a step's time went. No figure when a stats call
+ * failed (ok false) or the server predates the counters (they stay 0 while steps grow). */
+struct engine_mark {
+    bool ok;
+    uint64_t steps, decode_steps;
+    double busy_s, backend_s, gap_s;
+};
+
+static struct engine_mark engine_mark(const struct ctl_bench_opts *o)
+{
+    struct engine_mark m = { 0 };
+    struct dsv4_client *c = dsv4_client_new();
+    struct dsv4_client_stats *st = malloc(sizeof(*st));
+    if (c && st && connect_client(c, o) == 0 && dsv4_client_stats(c, st) == 0)
+        m = (struct engine_mark){ true, st->steps, st->decode_steps, st->engine_busy_s, st->engine_backend_s,
+                                  st->engine_gap_s };
+    free(st);
+    dsv4_client_close(c);
+    return m;
+}
+
 static void *worker(void *arg)
 {
     struct level *lv = arg;
@@ -275,16 +297,30 @@ struct level_report {
     uint32_t requests, failed;
     uint64_t tokens;
     double wall_s, ttft_med, ttft_p99, tpot_med, tpot_p99, out_tok_s, req_s;
+    /* the server's engine over the level (its steps, those that decoded), ms a step (NaN: no figure):
+     * in the backend (prefill included), the step's host work, and between steps while requests ran */
+    double eng_backend_ms, eng_host_ms, eng_gap_ms;
+    uint64_t eng_steps, eng_decode_steps;
     /* admit_tokens */
     double admit_ttft, gap_med, gap_p99, gap_max;
     uint32_t n_gaps;
     const char *admit_error;    /* NULL, or why there is no figure */
 };
 
-static void summarize(const struct level *lv, int concurrency, double wall_ms, struct level_report *r)
+static void summarize(const struct level *lv, int concurrency, double wall_ms, const struct engine_mark *e0,
+                      const struct engine_mark *e1, struct level_report *r)
 {
     double *v = malloc(sizeof(double) * (lv->total ? lv->total : 1));
     memset(r, 0, sizeof(*r));
+    r->eng_backend_ms = r->eng_host_ms = r->eng_gap_ms = NAN;
+    if (e0->ok && e1->ok && e1->steps > e0->steps && e1->busy_s > e0->busy_s) {
+        const double n = (double)(e1->steps - e0->steps);
+        r->eng_steps = e1->steps - e0->steps;
+        r->eng_decode_steps = e1->decode_steps - e0->decode_steps;
+        r->eng_backend_ms = (e1->backend_s - e0->backend_s) * 1e3 / n;
+        r->eng_host_ms = (e1->busy_s - e0->busy_s) * 1e3 / n - r->eng_backend_ms;
+        r->eng_gap_ms = (e1->gap_s - e0->gap_s) * 1e3 / n;
+    }
     r->concurrency = concurrency;
     r->requests = lv->total;
     r->failed = atomic_load(&lv->failed);
@@ -336,6 +372,12 @@ static void print_report(FILE *out, const struct ctl_bench_opts *o, const struct
                               num_or_null(r->ttft_p99), "tpot_ms_median", num_or_null(r->tpot_med), "tpot_ms_p99",
                               num_or_null(r->tpot_p99), "output_tokens_per_s", r->out_tok_s, "requests_per_s",
                               r->req_s);
+        if (j)
+            json_object_update_new(j, json_pack("{s:I, s:I, s:o, s:o, s:o}", "engine_steps", (json_int_t)r->eng_steps,
+                                                "engine_decode_steps", (json_int_t)r->eng_decode_steps,
+                                                "engine_backend_ms", num_or_null(r->eng_backend_ms), "engine_host_ms",
+                                                num_or_null(r->eng_host_ms), "engine_gap_ms",
+                                                num_or_null(r->eng_gap_ms)));
         if (j && o->admit_tokens)
             json_object_update_new(j, json_pack("{s:I, s:o, s:o, s:o, s:o, s:I}", "admit_tokens",
                                                 (json_int_t)o->admit_tokens, "admit_ttft_ms",
@@ -352,6 +394,10 @@ static void print_report(FILE *out, const struct ctl_bench_opts *o, const struct
     }
     fprintf(out, "%11d %8u %6u %9.1f %9.1f %9.2f %9.2f %10.1f %8.2f %7.1f\n", r->concurrency, r->requests, r->failed,
             r->ttft_med, r->ttft_p99, r->tpot_med, r->tpot_p99, r->out_tok_s, r->req_s, r->wall_s);
+    if (isfinite(r->eng_backend_ms))
+        fprintf(out, "# engine: %llu steps (%llu decoding); a step: %.3f ms in the backend (prefill included), "
+                     "%.3f ms host work, %.3f ms until the next\n", (unsigned long long)r->eng_steps,
+                (unsigned long long)r->eng_decode_steps, r->eng_backend_ms, r->eng_host_ms, r->eng_gap_ms);
     if (o->admit_tokens && r->admit_error)
         fprintf(out, "# admit: no figure: %s\n", r->admit_error);
     else if (o->admit_tokens)
@@ -389,6 +435,7 @@ static int run_level(const struct ctl_bench_opts *o, int concurrency, int32_t lo
         return -ENOMEM;
     }
     pthread_mutex_init(&lv.lock, NULL);
+    const struct engine_mark e0 = engine_mark(o);
     const double t0 = now_ms();
     int started = 0, rc = 0;
     for (; started < concurrency; started++)
@@ -417,8 +464,9 @@ static int run_level(const struct ctl_bench_opts *o, int concurrency, int32_t lo
             progress_line(progress, concurrency, &lv, t0);
             fputc('\n', progress);
         }
+        const struct engine_mark e1 = engine_mark(o);
         struct level_report r;
-        summarize(&lv, concurrency, wall, &r);
+        summarize(&lv, concurrency, wall, &e0, &e1, &r);
         print_report(out, o, &r);
         fflush(out);
         if (r.failed) {

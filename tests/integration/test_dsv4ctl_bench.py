@@ -39,6 +39,9 @@ try:
         t.ok(0 < lv["tpot_ms_median"] <= lv["tpot_ms_p99"], name + "TPOT median <= p99, both positive", lv)
         t.ok(abs(lv["output_tokens_per_s"] * lv["wall_s"] - 36) < 1e-6 * 36 + 1e-9,
              name + "output tokens/s is the tokens over the level's wall time", lv)
+        t.ok(lv["engine_steps"] >= lv["engine_decode_steps"] >= 5 and lv["engine_backend_ms"] > 0 and
+             lv["engine_host_ms"] >= 0 and lv["engine_gap_ms"] >= 0,
+             name + "the engine's steps over the level and where a step's time went", lv)
 
     r = ctl("bench", "--concurrency", "2", "--prompt-tokens", "8", "--max-tokens", "3", "--temperature", "0",
             env=sock)
@@ -46,6 +49,8 @@ try:
     t.ok(r.returncode == 0 and len(rows) == 2 and rows[0].split()[0] == "concurrency" and rows[1].split()[:3] ==
          ["2", "8", "0"], "bench table: header, then C=2 with the default 8 requests and no failure",
          (r.stdout, r.stderr))
+    t.ok(any(l.startswith("# engine: ") and "ms host work" in l for l in r.stdout.splitlines()),
+         "bench table: the engine line under the level", r.stdout)
 
     # a 150-token prompt admitted beside 2 streams that run to max_tokens (the endless model)
     r = ctl("bench", "--concurrency", "2", "--prompt-tokens", "8", "--max-tokens", "200", "--requests", "2",
