@@ -109,6 +109,12 @@ void oai_run_metrics(struct dsv4_oai_job *j)
                (double)st.graph_captures_after_boot);
         metric(&b, "dsv4d_steps_total", "counter", "engine steps that did work", (double)st.steps);
         metric(&b, "dsv4d_decode_steps_total", "counter", "steps that decoded", (double)st.decode_steps);
+        metric(&b, "dsv4d_engine_busy_seconds_total", "counter", "time inside engine steps that did work",
+               st.engine_busy_s);
+        metric(&b, "dsv4d_engine_backend_seconds_total", "counter", "of that, inside backend calls",
+               st.engine_backend_s);
+        metric(&b, "dsv4d_engine_gap_seconds_total", "counter", "between a step that left requests running and the next",
+               st.engine_gap_s);
         dsv4_buf_printf(&b, "# HELP dsv4d_decode_batch_size decode steps by batch size\n"
                         "# TYPE dsv4d_decode_batch_size histogram\n");
         uint64_t cum = 0;

@@ -180,6 +180,7 @@ try:
     text = body.decode()
     t.ok(status == 200 and hdrs["Content-Type"].startswith("text/plain") and "dsv4d_up 1" in text
          and "dsv4d_slots 8" in text and 'dsv4_openai_requests_total{endpoint="chat_completions"}' in text
+         and "dsv4d_engine_backend_seconds_total " in text
          and all(line.startswith("#") or len(line.split(" ")) >= 2 for line in text.splitlines()),
          "GET /metrics: Prometheus text with dsv4d's stats and the front's counters", text)
 
