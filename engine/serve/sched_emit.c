@@ -285,14 +285,19 @@ void sched_take_token(struct dsv4_sched *s, struct sched_req *q, const struct ds
         sched_finish(s, q, why, err, err ? msg : NULL);
 }
 
-int sched_sample(struct dsv4_sched *s, struct sched_req *q, const float *row, struct dsv4_sample *smp)
+int sched_draw(const struct dsv4_sched *s, struct dsv4_sampler *sm, const struct sched_req *q, const float *row,
+               struct dsv4_sample *smp)
 {
     struct dsv4_sampler_history hist = {
         .counts = s->counts + (size_t)q->slot * (size_t)s->vocab,
         .seen = s->seen + (size_t)q->slot * s->seen_stride,
     };
-    int r = dsv4_sampler_sample(s->samplers[0], &q->sampling, row, &hist, q->seed,
-                                (uint64_t)q->result.n_tokens, smp);
+    return dsv4_sampler_sample(sm, &q->sampling, row, &hist, q->seed, (uint64_t)q->result.n_tokens, smp);
+}
+
+int sched_sample(struct dsv4_sched *s, struct sched_req *q, const float *row, struct dsv4_sample *smp)
+{
+    int r = sched_draw(s, s->samplers[0], q, row, smp);
     if (r < 0) {
         char msg[DSV4_SCHED_ERROR_MAX];
         snprintf(msg, sizeof(msg), "sampling: %s", dsv4_error_message());

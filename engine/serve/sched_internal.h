@@ -164,10 +164,13 @@ static inline uint64_t sched_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Every backend call is timed (stats.backend_s): t0 = sched_now_ns() before it, then this. */
-static inline void sched_backend_time(struct dsv4_sched *s, uint64_t t0)
+/* Every backend call is timed (stats.backend_s): t0 = sched_now_ns() before it, then this, which
+ * returns the call's nanoseconds. */
+static inline uint64_t sched_backend_time(struct dsv4_sched *s, uint64_t t0)
 {
-    s->step_backend_ns += sched_now_ns() - t0;
+    const uint64_t ns = sched_now_ns() - t0;
+    s->step_backend_ns += ns;
+    return ns;
 }
 
 /* sched_emit.c (engine thread) */
@@ -183,8 +186,12 @@ void sched_finish(struct dsv4_sched *s, struct sched_req *q, enum dsv4_finish_re
                   const char *message);
 /* A token was sampled for q: record it, decide whether q stops, stream its delta. */
 void sched_take_token(struct dsv4_sched *s, struct sched_req *q, const struct dsv4_sample *smp);
-/* Sample q's next token from row (host sampling) with q's history, seed and output index into *smp;
- * on failure q is finished with the error and the negative errno returned. */
+/* Draw q's next token from row with workspace sm, q's history, seed and output index into *smp (0 or
+ * the sampler's error; any thread: it reads q and its slot's history, writes only sm and *smp). */
+int sched_draw(const struct dsv4_sched *s, struct dsv4_sampler *sm, const struct sched_req *q, const float *row,
+               struct dsv4_sample *smp);
+/* sched_draw with the engine thread's workspace; on failure q is finished with the error and the
+ * negative errno returned. */
 int sched_sample(struct dsv4_sched *s, struct sched_req *q, const float *row, struct dsv4_sample *smp);
 /* sched_sample, then take the token. */
 void sched_sample_row(struct dsv4_sched *s, struct sched_req *q, const float *row);

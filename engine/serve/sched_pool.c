@@ -14,12 +14,7 @@
 static void sample_decode_row(struct dsv4_sched *s, struct dsv4_sampler *sm, int k)
 {
     const struct sched_req *q = &s->reqs[s->dec_reqs[k]];
-    struct dsv4_sampler_history hist = {
-        .counts = s->counts + (size_t)q->slot * (size_t)s->vocab,
-        .seen = s->seen + (size_t)q->slot * s->seen_stride,
-    };
-    s->row_rc[k] = dsv4_sampler_sample(sm, &q->sampling, s->logits + (size_t)k * (size_t)s->vocab, &hist,
-                                       q->seed, (uint64_t)q->result.n_tokens, &s->row_sample[k]);
+    s->row_rc[k] = sched_draw(s, sm, q, s->logits + (size_t)k * (size_t)s->vocab, &s->row_sample[k]);
     if (s->row_rc[k] < 0)
         snprintf(s->row_err[k], DSV4_SCHED_ERROR_MAX, "sampling: %s", dsv4_error_message());
 }

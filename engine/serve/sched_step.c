@@ -154,9 +154,9 @@ int dsv4_sched_step(struct dsv4_sched *s)
             float *lg = last && !s->device_sampling ? s->logits : NULL;
             const uint64_t tp = sched_now_ns();
             int r = b->ops->prefill(b, q->slot, q->prompt + q->n_prefilled, chunk, lg, false);
-            sched_backend_time(s, tp);
+            const uint64_t ns = sched_backend_time(s, tp);
             if (r == 0)
-                note_prefill_rate(s, chunk, sched_now_ns() - tp);
+                note_prefill_rate(s, chunk, ns);
             if (r < 0) {
                 if (!sched_backend_fatal(s, r, "prefill"))
                     sched_fail_request(s, q, r, "prefill");
