@@ -103,6 +103,22 @@ static uint64_t next_u64(void)
     return rng * 2685821657736338717ull;
 }
 
+/* A random token id of a vocabulary of V, past the two lowest (BOS and EOS on the small models). */
+static int32_t random_token(int V)
+{
+    return (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+}
+
+/* Slot `slot` reset, then holding BENCH_PROMPT random tokens: where every timed step starts from. */
+static void fill_slot(struct dsv4_backend *b, int slot, int V)
+{
+    int32_t prompt[BENCH_PROMPT];
+    b->ops->slot_reset(b, slot);
+    for (int t = 0; t < BENCH_PROMPT; t++)
+        prompt[t] = random_token(V);
+    OK(b->ops->prefill(b, slot, prompt, BENCH_PROMPT, NULL, false));
+}
+
 enum fill { FILL_FP8, FILL_FP4, FILL_BF16, FILL_F32, FILL_SCALE, FILL_ACT };
 
 /* Device buffer of `bytes` with random contents of the given kind. */
@@ -598,6 +614,19 @@ static double now_us(void)
     return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
+/* BENCH_STEPS decode steps of B slots with their logits copied to the host, after one to warm up:
+ * the microseconds of each into us. */
+static void time_decode_to_host(struct dsv4_backend *b, int B, const int *slots, const int32_t *toks, float *logits,
+                                float *us)
+{
+    for (int step = 0; step < BENCH_STEPS + 1; step++) {
+        double a = now_us();
+        OK(b->ops->decode(b, B, slots, toks, logits));
+        if (step > 0)
+            us[step - 1] = (float)(now_us() - a);
+    }
+}
+
 static double linear_bytes(const struct dsv4_linear *l)
 {
     switch (l->fmt) {
@@ -703,7 +732,7 @@ static int bench_spec(const char *dir, const int *batches, int nb, int context, 
     int32_t *rows_tok = malloc(sizeof(int32_t) * (size_t)max_batch * (S + 1)), drafts[DSV4_CUDA_MAX_BATCH *
                                                                                         DSV4_SPEC_TOKENS_MAX];
     int slots[DSV4_CUDA_MAX_BATCH], k[DSV4_CUDA_MAX_BATCH], made[DSV4_CUDA_MAX_BATCH], rows[DSV4_CUDA_MAX_BATCH];
-    int32_t toks[DSV4_CUDA_MAX_BATCH], prompt[BENCH_PROMPT];
+    int32_t toks[DSV4_CUDA_MAX_BATCH];
     if (!logits || !rows_tok) {
         fprintf(stderr, "dsv4-bench: out of memory\n");
         exit(1);
@@ -715,18 +744,10 @@ static int bench_spec(const char *dir, const int *batches, int nb, int context, 
         for (int s = 0; s < B; s++) {
             slots[s] = s;
             k[s] = S;
-            b->ops->slot_reset(b, s);
-            for (int t = 0; t < BENCH_PROMPT; t++)
-                prompt[t] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
-            OK(b->ops->prefill(b, s, prompt, BENCH_PROMPT, NULL, false));
-            toks[s] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+            fill_slot(b, s, V);
+            toks[s] = random_token(V);
         }
-        for (int step = 0; step < BENCH_STEPS + 1; step++) {
-            double a = now_us();
-            OK(b->ops->decode(b, B, slots, toks, logits));
-            if (step > 0)
-                dec[step - 1] = (float)(now_us() - a);
-        }
+        time_decode_to_host(b, B, slots, toks, logits, dec);
         int total_rows = 0;
         for (int step = 0; step < BENCH_STEPS + 1; step++) {
             double a = now_us();
@@ -809,7 +830,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     const int V = c->vocab_size;
     float *logits = malloc(sizeof(float) * (size_t)DSV4_CUDA_MAX_BATCH * V);
     int slots[DSV4_CUDA_MAX_BATCH], row_rc[DSV4_CUDA_MAX_BATCH];
-    int32_t toks[DSV4_CUDA_MAX_BATCH], prompt[BENCH_PROMPT];
+    int32_t toks[DSV4_CUDA_MAX_BATCH];
     struct dsv4_sampling sp;
     struct dsv4_backend_sample_req req[DSV4_CUDA_MAX_BATCH];
     struct dsv4_sample smp[DSV4_CUDA_MAX_BATCH];
@@ -828,10 +849,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         float us[BENCH_STEPS];
         for (int s = 0; s < B; s++) {
             slots[s] = s;
-            b->ops->slot_reset(b, s);
-            for (int t = 0; t < BENCH_PROMPT; t++)
-                prompt[t] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
-            OK(b->ops->prefill(b, s, prompt, BENCH_PROMPT, NULL, false));
+            fill_slot(b, s, V);
         }
         for (int s = 0; s < B; s++) {
             sp.seed = (uint64_t)s + 1;
@@ -839,7 +857,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         }
         /* the serving path: each step's tokens are the ones it sampled, as in the daemon */
         for (int s = 0; s < B; s++)
-            toks[s] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+            toks[s] = random_token(V);
         for (int step = 0; step < BENCH_STEPS + 1; step++) {
             const bool prof = profile == PROFILE_DECODE && i == 0 && step == BENCH_STEPS / 2;
             if (prof)
@@ -874,12 +892,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
             printf("%-34s %5d %10s %12.3f %10.2f %7.2f %8.0f\n", "  of which from host memory", B, "", host / 1e6,
                    host / (h2d_gbs * 1e3), step_us / (host / (h2d_gbs * 1e3)), host / (step_us * 1e3));
         }
-        for (int step = 0; step < BENCH_STEPS + 1; step++) {
-            double a = now_us();
-            OK(b->ops->decode(b, B, slots, toks, logits));
-            if (step > 0)
-                us[step - 1] = (float)(now_us() - a);
-        }
+        time_decode_to_host(b, B, slots, toks, logits, us);
         snprintf(what, sizeof(what), "  the same, logits to the host");
         report(what, B, median(us, BENCH_STEPS), bytes);
     }
@@ -893,12 +906,9 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         printf("%-34s %5s %10s %12s\n", "verify-shaped step (1 slot)", "rows", "us", "x one row");
         for (int r = 1; r <= DSV4_SPEC_TOKENS_MAX + 1; r++) {
             for (int step = 0; step < BENCH_STEPS + 1; step++) {
-                b->ops->slot_reset(b, 0);
-                for (int t = 0; t < BENCH_PROMPT; t++)
-                    prompt[t] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
-                OK(b->ops->prefill(b, 0, prompt, BENCH_PROMPT, NULL, false));
+                fill_slot(b, 0, V);
                 for (int j = 0; j < r; j++)
-                    rows_tok[j] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+                    rows_tok[j] = random_token(V);
                 double a = now_us();
                 OK(b->ops->prefill(b, 0, rows_tok, r, logits, true));
                 if (step > 0)
@@ -924,7 +934,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         const int maxstep = chunk ? chunk : DSV4_PREFILL_CHUNK_DEFAULT;
         float us[3];
         for (int i = 0; i < prefill; i++)
-            p[i] = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+            p[i] = random_token(V);
         for (size_t k = 0; k < sizeof(steps) / sizeof(steps[0]) && steps[k] <= maxstep; k++) {
             const int step = steps[k], nsteps = (prefill + step - 1) / step;
             const double distinct = E * (1.0 - pow(1.0 - K / E, step));
@@ -953,7 +963,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         float ds[BENCH_STEPS];
         int slot = 0;
         for (int step = 0; step < BENCH_STEPS; step++) {
-            int32_t tok = (int32_t)(2 + next_u64() % (uint64_t)(V - 2));
+            int32_t tok = random_token(V);
             double a = now_us();
             OK(b->ops->decode(b, 1, &slot, &tok, logits));
             ds[step] = (float)(now_us() - a);
