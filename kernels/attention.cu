@@ -21,6 +21,7 @@
 #include "kernels/kernels_internal.h"
 #include "kernels/kv_entry.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/switches.h"
 
 #define ATT_MIN_RUN 64          /* keys: a split's run is at least one tensor-core tile (ATT_MMA_KEYS) */
 #define ATT_TILE 12             /* keys per shared-memory tile: 92.7 KB at hd 512, within the 99 KB of sm_86/89/120 */
@@ -204,10 +205,15 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
 
 /* ---- tensor-core attention over FP8 KV entries ----
  *
- * grid (B, DSV4_CUDA_ATT_SPLITS, ceil(H / 64)), 8 warps. A block takes row b's run of keys for up
- * to 64 heads (four m16 tiles; V4-Flash's 64 heads are one block, V4-Pro's 128 two, a head count
- * that is not a multiple of 16 gets zero queries in its last tile) and streams the run through
- * shared memory ATT_MMA_KEYS keys at a time:
+ * grid (B, DSV4_CUDA_ATT_SPLITS, ceil(H / G)), 8 warps. A block takes row b's run of keys for up
+ * to G = a.heads_per_block heads (16, 32 or 64: one to four m16 tiles; a head count that is not a
+ * multiple of 16 gets zero queries in its last tile) and streams the run through shared memory
+ * ATT_MMA_KEYS keys at a time. G = 64 makes V4-Flash's 64 heads one block, which decodes each key
+ * tile once for all of them; at small batches that leaves most SMs idle (a short row's run is one
+ * tile), so there G = 16 takes four blocks a run, each decoding the tile again and computing a
+ * quarter of the scores and P V with its warps less shared. A head's arithmetic is the same in any
+ * G (its m16 tile's warps, the same halves of head_dim in the same order), so the choice never
+ * changes a bit:
  *   1. decode: the tile's entries -> k_s [64 keys, hd] bf16, once for all the block's heads. Every
  *      value of an FP8 entry is exact in bf16 (e4m3 times a power-of-two scale >= 2^-117, or a bf16
  *      RoPE value), so the keys (= values) lose nothing.
@@ -610,8 +616,8 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
     __nv_bfloat16 *p_s = reinterpret_cast<__nv_bfloat16 *>(s_s);
     const uint8_t **e_s = reinterpret_cast<const uint8_t **>(att_sm + att_mma_kbytes(hd) + att_mma_spbytes());
     float *m_s = reinterpret_cast<float *>(e_s + ATT_MMA_KEYS), *l_s = m_s + ATT_MMA_HEADS, *al_s = l_s + ATT_MMA_HEADS;
-    const int b = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * ATT_MMA_HEADS, tid = threadIdx.x;
-    const int mts = min(ATT_MMA_MT, (a.H - h0 + 15) / 16);
+    const int b = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * a.heads_per_block, tid = threadIdx.x;
+    const int mts = min(a.heads_per_block / 16, (a.H - h0 + 15) / 16);
     const att_run r = att_key_run(a, b, split, gridDim.y);
     float o[ATT_MMA_MT][ATT_MMA_OWN][4];
 
@@ -628,7 +634,7 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
      * so pull them into L1 first: one round of L2 latency instead of one per batch of k-steps. */
     if (r.k0 < r.k1) {
         const char *qb = reinterpret_cast<const char *>(a.q + ((int64_t)b * a.H + h0) * hd);
-        const int lines = (int)(((int64_t)min(ATT_MMA_HEADS, a.H - h0) * hd * (int)sizeof(float) + 127) / 128);
+        const int lines = (int)(((int64_t)min(a.heads_per_block, a.H - h0) * hd * (int)sizeof(float) + 127) / 128);
         for (int i = tid; i < lines; i += ATT_MMA_THREADS)
             dsv4_prefetch_l1(qb + (int64_t)i * 128);
     }
@@ -797,12 +803,37 @@ static int att_check(const struct dsv4_cuda_att_args *a)
     if (hd % ATT_MMA_HD_ALIGN || rd % ATT_MMA_RD_ALIGN)
         return dsv4_error_set(-EINVAL, "attention (FP8 entries): head_dim %d must be a multiple of %d and rope "
                               "dims %d of %d", hd, ATT_MMA_HD_ALIGN, rd, ATT_MMA_RD_ALIGN);
+    if (a->heads_per_block != 0 && a->heads_per_block != 16 && a->heads_per_block != 32 &&
+        a->heads_per_block != ATT_MMA_HEADS)
+        return dsv4_error_set(-EINVAL, "attention (FP8 entries): %d heads a block; 16, 32 or %d (0: by batch)",
+                              a->heads_per_block, ATT_MMA_HEADS);
     if ((uintptr_t)a->q % sizeof(float2) || (uintptr_t)a->part % sizeof(float2) ||
         (uintptr_t)a->win % ATT_MMA_ENTRY_ALIGN || a->win_slot_stride % ATT_MMA_ENTRY_ALIGN ||
         (a->ratio && ((uintptr_t)a->comp % ATT_MMA_ENTRY_ALIGN || a->comp_slot_stride % ATT_MMA_ENTRY_ALIGN)))
         return dsv4_error_set(-EINVAL, "attention (FP8 entries): queries and partials must be 8-byte aligned, "
                               "entry caches and their slot strides multiples of %d bytes", ATT_MMA_ENTRY_ALIGN);
     return 0;
+}
+
+/* Heads a block of the FP8 kernel takes: the caller's, else DSV4_CUDA_ATT_HEADS, else by batch:
+ * the largest of 64, 32, 16 that still gives every split of every row ATT_MIN_GROUPS blocks (at
+ * V4-Flash's 64 heads: 16 at batch 1, 32 at 2-3, 64 from 4). */
+#define ATT_MIN_GROUPS 4
+static int att_heads_per_block(const struct dsv4_cuda_att_args *a, int batch)
+{
+    static int forced = -1;
+    if (a->heads_per_block)
+        return a->heads_per_block;
+    if (forced < 0) {
+        struct dsv4_cuda_switches sw;
+        forced = dsv4_cuda_switches_read(&sw) < 0 ? 0 : sw.att_heads;
+    }
+    if (forced)
+        return forced;
+    for (int g = ATT_MMA_HEADS; g > 16; g /= 2)
+        if ((int64_t)batch * ((a->H + g - 1) / g) >= ATT_MIN_GROUPS)
+            return g;
+    return 16;
 }
 
 int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const float *d_sink,
@@ -815,8 +846,11 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
     if ((rc = att_check(a)) < 0)
         return rc;
     if (a->kvf == DSV4_KV_FP8) {
-        dsv4_launch(attention_mma_kernel, dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + ATT_MMA_HEADS - 1) / ATT_MMA_HEADS),
-                    ATT_MMA_THREADS, att_mma_smem(a->hd), s, *a);
+        struct dsv4_cuda_att_args k = *a;
+        k.heads_per_block = att_heads_per_block(a, batch);
+        dsv4_launch(attention_mma_kernel, dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + k.heads_per_block - 1) /
+                                                                                k.heads_per_block),
+                    ATT_MMA_THREADS, att_mma_smem(a->hd), s, k);
         DSV4_CUDA_LAUNCHED("attention_mma");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_MMA);
     } else {

@@ -57,6 +57,9 @@ struct dsv4_cuda_att_args {
     const int32_t *nsel;        /* [B] */
     float scale;                /* head_dim^-0.5 */
     float *part;                /* [B, DSV4_CUDA_ATT_SPLITS, H, hd + 2] workspace */
+    /* FP8 kernel: heads a block takes, 16, 32 or 64 (the same bits whichever: a head's arithmetic is
+     * its own); 0: DSV4_CUDA_ATT_HEADS, or by batch (dsv4_cuda_attention) */
+    int heads_per_block;
 };
 
 size_t dsv4_cuda_attention_smem(int hd);

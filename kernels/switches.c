@@ -13,6 +13,7 @@ enum sw_kind {
     SW_BOOL,        /* "0" or "1" */
     SW_STAGES,      /* "2" or "4" */
     SW_KB,          /* 0..DSV4_CUDA_PREFETCH_KB_MAX */
+    SW_HEADS,       /* "0" (by batch), "16", "32" or "64" */
 };
 
 struct sw_def {
@@ -32,6 +33,7 @@ static const struct sw_def table[] = {
     SW("DSV4_CUDA_MOE_MMA", SW_BOOL, moe_mma),
     SW("DSV4_CUDA_BRANCHES", SW_BOOL, branches),
     SW("DSV4_CUDA_MOE_TILES", SW_BOOL, moe_tiles),
+    SW("DSV4_CUDA_ATT_HEADS", SW_HEADS, att_heads),
     SW("DSV4_CUDA_LOG", SW_BOOL, log),
 };
 #undef SW
@@ -39,7 +41,8 @@ static const struct sw_def table[] = {
 
 static const struct dsv4_cuda_switches defaults = {
     .graphs = true, .gemm = true, .gemm_stages = 4, .gemm_prefetch_kb = DSV4_CUDA_PREFETCH_KB_DEFAULT,
-    .pdl = true, .sample = true, .moe_mma = true, .branches = true, .moe_tiles = true, .log = false,
+    .pdl = true, .sample = true, .moe_mma = true, .branches = true, .moe_tiles = true, .att_heads = 0,
+    .log = false,
 };
 
 /* One variable's value into its field; -EINVAL naming what is allowed. */
@@ -68,6 +71,12 @@ static int parse(const struct sw_def *d, const char *v, struct dsv4_cuda_switche
                                   DSV4_CUDA_PREFETCH_KB_MAX);
         *(int64_t *)field = n;
         return 0;
+    case SW_HEADS:
+        if (strcmp(v, "0") != 0 && strcmp(v, "16") != 0 && strcmp(v, "32") != 0 && strcmp(v, "64") != 0)
+            return dsv4_error_set(-EINVAL, "%s=%s: the value must be 0 (chosen by batch, the default), 16, 32 or "
+                                  "64", d->name, v);
+        *(int *)field = atoi(v);
+        return 0;
     }
     return dsv4_error_set(-EINVAL, "%s: unknown switch kind", d->name);
 }
@@ -94,7 +103,8 @@ void dsv4_cuda_switches_describe(const struct dsv4_cuda_switches *sw, char *buf,
     for (int i = 0; i < N_SW && at < len; i++) {
         const char *field = (const char *)sw + table[i].off;
         long long v = table[i].kind == SW_BOOL ? *(const bool *)field
-                    : table[i].kind == SW_STAGES ? *(const int *)field : (long long)*(const int64_t *)field;
+                    : table[i].kind == SW_STAGES || table[i].kind == SW_HEADS ? *(const int *)field
+                    : (long long)*(const int64_t *)field;
         int n = snprintf(buf + at, len - at, "%s%s=%lld", i ? " " : "", table[i].name, v);
         if (n < 0)
             break;

@@ -363,7 +363,8 @@ static void check_case(const struct att_case *c)
     const enum dsv4_cuda_variant other = c->kvf == DSV4_KV_FP8 ? DSV4_CUDA_V_ATTENTION_F32 : DSV4_CUDA_V_ATTENTION_MMA;
     double *ref = malloc(sizeof(double) * row_n), worst = 0.0;
     float *d_o = gt_dev_poisoned((size_t)B * row_n), *d_o1 = gt_dev_poisoned(row_n), *out, *out1;
-    int worst_row = 0, bad_rows = 0, differ_rows = 0;
+    float *d_og = gt_dev_poisoned((size_t)B * row_n);
+    int worst_row = 0, bad_rows = 0, differ_rows = 0, differ_groups = 0;
 
     make_fixture(&f, c);
     const uint64_t n_ran = dsv4_cuda_variant_launches(ran), n_other = dsv4_cuda_variant_launches(other);
@@ -387,6 +388,18 @@ static void check_case(const struct att_case *c)
             worst_row = b;
         }
     }
+    /* FP8: every grouping of heads into blocks gives the same bits as the launcher's choice */
+    for (int g = 16; c->kvf == DSV4_KV_FP8 && g <= 64; g *= 2) {
+        struct dsv4_cuda_att_args ag = a;
+        ag.heads_per_block = g;
+        DSV4_OK(dsv4_cuda_attention_once(&ag, B, f.d_sink, f.d_inv, d_og, NULL));
+        float *outg = gt_host_from(d_og, (size_t)B * row_n);
+        if (memcmp(outg, out, (size_t)B * row_n * sizeof(float)) != 0) {
+            printf("#   %d heads a block differ from the launcher's choice\n", g);
+            differ_groups++;
+        }
+        free(outg);
+    }
     /* each row alone: bit-identical to its place in the batch */
     for (int b = 0; B > 1 && b < B; b++) {
         struct dsv4_cuda_att_args a1 = args_for(&f, b);
@@ -399,14 +412,16 @@ static void check_case(const struct att_case *c)
         free(out1);
     }
     printf("# %-46s %s: worst row %d (pos %d, %d keys) error %.3g (bound %.0e); %d/%d rows over; "
-           "%d rows differ alone\n", c->what, dsv4_cuda_variant_name(ran), worst_row, c->pos[worst_row],
-           f.nk[worst_row], worst, ATT_BOUND, bad_rows, B, differ_rows);
+           "%d rows differ alone, %d head groupings differ\n", c->what, dsv4_cuda_variant_name(ran), worst_row,
+           c->pos[worst_row], f.nk[worst_row], worst, ATT_BOUND, bad_rows, B, differ_rows, differ_groups);
     assert_int_equal(bad_rows, 0);
     assert_int_equal(differ_rows, 0);
+    assert_int_equal(differ_groups, 0);
     free(out);
     free(ref);
     cudaFree(d_o);
     cudaFree(d_o1);
+    cudaFree(d_og);
     free_fixture(&f);
 }
 
@@ -446,6 +461,13 @@ static void test_refusals(void **state)
     a.hd = 64;
     a.entry_bytes = entry_bytes(64, 16, DSV4_KV_F32);
     a.ring = 100;                                       /* ring shorter than the window */
+    assert_int_equal(dsv4_cuda_attention_once(&a, 1, d, d, d, NULL), -EINVAL);
+    a.kvf = DSV4_KV_FP8;                                /* FP8: 16, 32 or 64 heads a block */
+    a.hd = 512;
+    a.rd = 64;
+    a.ring = 135;
+    a.entry_bytes = 584;
+    a.heads_per_block = 48;
     assert_int_equal(dsv4_cuda_attention_once(&a, 1, d, d, d, NULL), -EINVAL);
     printf("# refusals: %s\n", dsv4_error_message());
     cudaFree(d);

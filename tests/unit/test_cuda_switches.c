@@ -36,6 +36,7 @@ static void test_defaults(void **state)
     assert_false(sw.log);
     assert_int_equal(sw.gemm_stages, 4);
     assert_int_equal(sw.gemm_prefetch_kb, DSV4_CUDA_PREFETCH_KB_DEFAULT);
+    assert_int_equal(sw.att_heads, 0);
     dsv4_cuda_switches_describe(&sw, line, sizeof(line));
     for (int i = 0; i < dsv4_cuda_switch_count(); i++)
         assert_non_null(strstr(line, dsv4_cuda_switch_name(i)));
@@ -53,7 +54,9 @@ static void test_values(void **state)
     setenv("DSV4_CUDA_LOG", "1", 1);
     setenv("DSV4_CUDA_GEMM_STAGES", "2", 1);
     setenv("DSV4_CUDA_GEMM_PREFETCH_KB", "0", 1);
+    setenv("DSV4_CUDA_ATT_HEADS", "16", 1);
     assert_int_equal(dsv4_cuda_switches_read(&sw), 0);
+    assert_int_equal(sw.att_heads, 16);
     assert_false(sw.graphs);
     assert_false(sw.branches);
     assert_true(sw.log && sw.gemm && sw.pdl);
@@ -73,6 +76,7 @@ static void test_refused(void **state)
         { "DSV4_CUDA_SAMPLE", "2", "0 or 1" },       { "DSV4_CUDA_GEMM_STAGES", "3", "2 or 4" },
         { "DSV4_CUDA_GEMM_PREFETCH_KB", "-1", "0 to" }, { "DSV4_CUDA_GEMM_PREFETCH_KB", "1048577", "0 to" },
         { "DSV4_CUDA_GEMM_PREFETCH_KB", "8M", "0 to" }, { "DSV4_CUDA_LOG", "yes", "0 or 1" },
+        { "DSV4_CUDA_ATT_HEADS", "8", "16, 32 or 64" }, { "DSV4_CUDA_ATT_HEADS", "128", "16, 32 or 64" },
     };
     struct dsv4_cuda_switches sw;
     (void)state;
