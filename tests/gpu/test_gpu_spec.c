@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* GPU: speculative decoding on the CUDA backend (kernels/step.cu's draft, verify, accept with the MTP
- * block), on tiny_a_mtp (exact numerics) and models/default-fp8 (fp8 numerics, a trained block):
+ * block), on tiny_a_mtp (exact numerics), models/default-fp8 (fp8 numerics, a trained block) and, for
+ * the greedy check, models/default (BF16, exact numerics, the same trained block):
  *   - rollback: one slot drafts, verifies and accepts a random share of its rows, again and again;
  *     a second slot is fed only the kept tokens, one decode at a time. Every kept row's verify
  *     logits equal the second slot's decode logits bit for bit, and both slots draft the same tokens
@@ -175,6 +176,11 @@ static void test_greedy_default_fp8(void **state)
     check_greedy("models/default-fp8", DSV4_NUMERICS_FP8, true);
 }
 
+static void test_greedy_default_bf16(void **state)
+{
+    check_greedy("models/default", DSV4_NUMERICS_EXACT, true);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -182,6 +188,7 @@ int main(void)
         cmocka_unit_test(test_rollback_default_fp8),
         cmocka_unit_test(test_greedy_tiny),
         cmocka_unit_test(test_greedy_default_fp8),
+        cmocka_unit_test(test_greedy_default_bf16),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
 }
