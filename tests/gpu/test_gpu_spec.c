@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* GPU: speculative decoding on the CUDA backend (kernels/step.cu's draft, verify, accept with the MTP
  * block), on tiny_a_mtp (exact numerics), models/default-fp8 (fp8 numerics, a trained block) and, for
- * the greedy check, models/default (BF16, exact numerics, the same trained block):
+ * the greedy check, tiny_b_mtp and models/default (BF16, exact numerics, the same trained block):
  *   - rollback: one slot drafts, verifies and accepts a random share of its rows, again and again;
  *     a second slot is fed only the kept tokens, one decode at a time. Every kept row's verify
  *     logits equal the second slot's decode logits bit for bit, and both slots draft the same tokens
@@ -169,6 +169,7 @@ static void check_greedy(const char *dir, enum dsv4_numerics num, bool trained)
 static void test_greedy_tiny(void **state)
 {
     check_greedy("tests/fixtures/tiny_a_mtp", DSV4_NUMERICS_EXACT, false);
+    check_greedy("tests/fixtures/tiny_b_mtp", DSV4_NUMERICS_EXACT, false);
 }
 
 static void test_greedy_default_fp8(void **state)
