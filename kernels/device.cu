@@ -442,10 +442,9 @@ static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f
             free(tab);
             return dsv4_error_set(-ENOENT, "cuda: layer %d expert %d was not uploaded", layer, e);
         }
-        tab[e] = { d1->lin, d3->lin, d2->lin, 0 };
-        tab[e].tiled = wk->ex_tiles;
-        ex->tiled = ex->tiled || tab[e].tiled;
+        tab[e] = { d1->lin, d3->lin, d2->lin, wk->ex_tiles };
     }
+    ex->tiled = wk->ex_tiles;
     int rc = carve(dev, sizeof(*tab) * c->n_experts, &d_tab);
     if (rc == 0 && cudaMemcpy(d_tab, tab, sizeof(*tab) * c->n_experts, cudaMemcpyHostToDevice) != cudaSuccess)
         rc = dsv4_error_set(-EIO, "cuda: uploading the expert table of layer %d", layer);

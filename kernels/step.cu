@@ -766,6 +766,21 @@ static int layer_launches(struct cuda_backend *cb, const struct step_layer *L, i
     return sublayer_post(cb, B, s);
 }
 
+/* A head on B rows of streams X [B, hc, D]: hc_head (fn, base, scale), the final norm (w), the logits
+ * [B, V] into t->logits. The main model's and the MTP block's heads differ only in those weights. */
+static int head_launches(struct cuda_backend *cb, const float *X, int B, const struct dsv4_cuda_linear *fn,
+                         const float *base, const float *scale, const float *norm, cudaStream_t s)
+{
+    const struct dsv4_config *c = cb->cfg;
+    struct step_buf *t = &cb->b;
+    bool ph = false;
+    STEP(hc_fn(cb, fn, X, B, t->hm, s));
+    STEP(dsv4_cuda_hc_head(X, t->hm, base, scale, B, c->hc_mult, c->dim, (float)c->hc_eps, (float)c->rms_norm_eps,
+                           t->y, s));
+    STEP(norm_xn(cb, norm, &cb->head, B, s, &ph));
+    return lin_x(cb, &cb->head, t->xn, c->dim, B, t->logits, c->vocab_size, false, ph, &cb->ln[0]);
+}
+
 /* The MTP block on B rows whose streams are in t->H: min, the block's in columns (its tokens,
  * slots, positions). X [b, j] = h_proj(hnorm(H [b, j])) + e_proj(enorm(embed(token b))), then the
  * block's layer; its output streams are left in t->X. */
@@ -846,15 +861,7 @@ static int draft_launches(struct cuda_backend *cb, int B, bool later, cudaStream
     if (rc == 0)
         rc = mtp_block(cb, B, t->in, s);
     if (rc == 0)
-        rc = hc_fn(cb, &cb->mtp_hch_fn, t->X, B, t->hm, s);
-    if (rc == 0)
-        rc = dsv4_cuda_hc_head(t->X, t->hm, cb->mtp_hch_base, cb->mtp_hch_scale, B, c->hc_mult, c->dim,
-                               (float)c->hc_eps, (float)c->rms_norm_eps, t->y, s);
-    bool ph = false;
-    if (rc == 0)
-        rc = norm_xn(cb, cb->mtp_norm, &cb->head, B, s, &ph);
-    if (rc == 0)
-        rc = lin_x(cb, &cb->head, t->xn, c->dim, B, t->logits, c->vocab_size, false, ph, &cb->ln[0]);
+        rc = head_launches(cb, t->X, B, &cb->mtp_hch_fn, cb->mtp_hch_base, cb->mtp_hch_scale, cb->mtp_norm, s);
     if (rc == 0)
         rc = dsv4_cuda_spec_argmax(t->logits, B, c->vocab_size, t->dtok, s);
     t->X = X0;
@@ -879,15 +886,7 @@ static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStre
     const int Bh = B - head_from;
     const float *Xh = t->X + (int64_t)head_from * c->hc_mult * c->dim;
     if (rc == 0)
-        rc = hc_fn(cb, &cb->hch_fn, Xh, Bh, t->hm, s);
-    if (rc == 0)
-        rc = dsv4_cuda_hc_head(Xh, t->hm, cb->hch_base, cb->hch_scale, Bh, c->hc_mult, c->dim, (float)c->hc_eps,
-                               (float)c->rms_norm_eps, t->y, s);
-    bool ph = false;
-    if (rc == 0)
-        rc = norm_xn(cb, cb->norm, &cb->head, Bh, s, &ph);
-    if (rc == 0)
-        rc = lin_x(cb, &cb->head, t->xn, c->dim, Bh, t->logits, c->vocab_size, false, ph, &cb->ln[0]);
+        rc = head_launches(cb, Xh, Bh, &cb->hch_fn, cb->hch_base, cb->hch_scale, cb->norm, s);
     if (rc == 0 && cb->spec)
         rc = mtp_catch_up(cb, B, s);
     /* the stream buffers swap per sublayer; an even count of swaps leaves them in place, but restore
@@ -1423,44 +1422,48 @@ static int map_layer(struct cuda_backend *cb, int i, const struct dsv4_layer *h,
     return dsv4_cuda_dev_experts(cb->dev, i, &L->ex);
 }
 
-static int capture(struct cuda_backend *cb)
+/* The boot's warm-up input: B rows in `blocks` STEP_IN_FIELDS blocks of t->in (2 with speculation: the
+ * MTP block's rows after the main ones), every row on the padding slot at position 0. */
+static int upload_padding_rows(struct cuda_backend *cb, int B, int blocks, cudaStream_t s)
+{
+    memset(cb->h_in, 0, sizeof(int32_t) * STEP_IN_FIELDS * blocks * B);
+    for (int k = 0; k < blocks; k++)
+        for (int i = 0; i < B; i++)
+            cb->h_in[STEP_IN_FIELDS * k * B + B + i] = cb->slots - 1;
+    DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * STEP_IN_FIELDS * blocks * B,
+                                  cudaMemcpyHostToDevice, s));
+    return 0;
+}
+
+/* One bucket's graph, instantiated into *ret: B rows of a step (draft < 0) or of a draft (0: the first,
+ * from the ring; 1: a later one). */
+static int capture_graph(struct cuda_backend *cb, int B, int draft, cudaGraphExec_t *ret)
 {
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
+    const char *what = draft < 0 ? "step" : "draft";
+    cudaGraph_t g;
+    DSV4_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    const int rc = draft < 0 ? step_launches(cb, B, 0, s) : draft_launches(cb, B, draft > 0, s);
+    cudaError_t e = cudaStreamEndCapture(s, &g);
+    if (rc < 0)
+        return rc;
+    if (e != cudaSuccess)
+        return dsv4_error_set(-EIO, "cuda: capturing the bucket-%d %s: %s", B, what, cudaGetErrorString(e));
+    e = cudaGraphInstantiate(ret, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess)
+        return dsv4_error_set(-EIO, "cuda: instantiating the bucket-%d %s: %s", B, what, cudaGetErrorString(e));
+    cb->captures++;
+    return 0;
+}
+
+static int capture(struct cuda_backend *cb)
+{
     for (int i = 0; i < cb->n_buckets; i++) {
-        cudaGraph_t g;
-        int rc;
-        DSV4_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        rc = step_launches(cb, cb->buckets[i], 0, s);
-        cudaError_t e = cudaStreamEndCapture(s, &g);
-        if (rc < 0)
-            return rc;
-        if (e != cudaSuccess)
-            return dsv4_error_set(-EIO, "cuda: capturing the bucket-%d step: %s", cb->buckets[i], cudaGetErrorString(e));
-        e = cudaGraphInstantiate(&cb->graphs[i], g, 0);
-        cudaGraphDestroy(g);
-        if (e != cudaSuccess)
-            return dsv4_error_set(-EIO, "cuda: instantiating the bucket-%d step: %s", cb->buckets[i],
-                                  cudaGetErrorString(e));
-        cb->captures++;
+        STEP(capture_graph(cb, cb->buckets[i], -1, &cb->graphs[i]));
+        for (int later = 0; cb->spec && later < 2; later++)
+            STEP(capture_graph(cb, cb->buckets[i], later, &cb->dgraphs[later][i]));
     }
-    for (int i = 0; cb->spec && i < cb->n_buckets; i++)
-        for (int later = 0; later < 2; later++) {
-            cudaGraph_t g;
-            DSV4_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-            const int rc = draft_launches(cb, cb->buckets[i], later, s);
-            cudaError_t e = cudaStreamEndCapture(s, &g);
-            if (rc < 0)
-                return rc;
-            if (e != cudaSuccess)
-                return dsv4_error_set(-EIO, "cuda: capturing the bucket-%d draft: %s", cb->buckets[i],
-                                      cudaGetErrorString(e));
-            e = cudaGraphInstantiate(&cb->dgraphs[later][i], g, 0);
-            cudaGraphDestroy(g);
-            if (e != cudaSuccess)
-                return dsv4_error_set(-EIO, "cuda: instantiating the bucket-%d draft: %s", cb->buckets[i],
-                                      cudaGetErrorString(e));
-            cb->captures++;
-        }
     return 0;
 }
 
@@ -1613,27 +1616,15 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
      * prefill chunk, then the largest bucket; then the graphs */
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
     const int sizes[2] = { cb->rows, opts->max_batch };
-    const int fields = STEP_IN_FIELDS * (cb->spec ? 2 : 1);
     for (int k = cb->rows > opts->max_batch ? 0 : 1; k < 2; k++) {
         const int B = sizes[k];
-        memset(cb->h_in, 0, sizeof(int32_t) * fields * B);
-        for (int i = 0; i < B; i++) {
-            cb->h_in[B + i] = cb->slots - 1;
-            if (cb->spec)
-                cb->h_in[STEP_IN_FIELDS * B + B + i] = cb->slots - 1;
-        }
-        DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * fields * B, cudaMemcpyHostToDevice, s));
+        STEP(upload_padding_rows(cb, B, cb->spec ? 2 : 1, s));
         STEP(step_launches(cb, B, k == 0 ? B - 1 : 0, s));
         DSV4_CUDA_TRY(cudaStreamSynchronize(s));
     }
     for (int later = 0; cb->spec && later < 2; later++) {     /* the draft's launches, on padding rows */
-        const int B = opts->max_batch;
-        memset(cb->h_in, 0, sizeof(int32_t) * STEP_IN_FIELDS * B);
-        for (int i = 0; i < B; i++)
-            cb->h_in[B + i] = cb->slots - 1;
-        DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * STEP_IN_FIELDS * B, cudaMemcpyHostToDevice,
-                                      s));
-        STEP(draft_launches(cb, B, later, s));
+        STEP(upload_padding_rows(cb, opts->max_batch, 1, s));
+        STEP(draft_launches(cb, opts->max_batch, later, s));
         DSV4_CUDA_TRY(cudaStreamSynchronize(s));
     }
     if (cb->use_graphs)
