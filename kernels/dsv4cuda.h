@@ -311,21 +311,38 @@ int dsv4_cuda_mhc_pre(const float *d_X, const float *d_m, const float *d_base, c
                       float *d_y, float *d_post, float *d_comb, void *stream);
 /* The mHC fn GEMV (hc_attn/hc_ffn/hc_head fn, F32 [out <= DSV4_CUDA_MHC_FN_MAX_OUT, hc * D]) split
  * along K over the chip: d_y[b, r] = sum_k W[r, k] d_x[b, k], partial sums of fixed chunks of
- * DSV4_CUDA_MHC_FN_CHUNK values in d_ws, added in a fixed order (deterministic, batch-invariant).
- * d_ws holds at least dsv4_cuda_mhc_fn_ws_floats(batch, out, in) floats. */
+ * DSV4_CUDA_MHC_FN_CHUNK values in d_ws (with each chunk's sum of squares of x beside them, for the
+ * RMS that mHC pre and hc_head take), added in a fixed order (deterministic, batch-invariant).
+ * d_ws holds at least dsv4_cuda_mhc_fn_ws_floats(batch, out, in) floats: [batch, chunks, out + 1]. */
 #define DSV4_CUDA_MHC_FN_CHUNK 256
 #define DSV4_CUDA_MHC_FN_MAX_OUT ((2 + DSV4_MAX_HC) * DSV4_MAX_HC)
 static inline int64_t dsv4_cuda_mhc_fn_ws_floats(int batch, int64_t out, int64_t in)
 {
-    return (int64_t)batch * out * ((in + DSV4_CUDA_MHC_FN_CHUNK - 1) / DSV4_CUDA_MHC_FN_CHUNK);
+    return (int64_t)batch * (out + 1) * ((in + DSV4_CUDA_MHC_FN_CHUNK - 1) / DSV4_CUDA_MHC_FN_CHUNK);
 }
 int dsv4_cuda_mhc_fn(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int batch,
                      float *d_ws, int64_t ws_floats, float *d_y, int64_t ldy, void *stream);
-/* dsv4_cuda_mhc_fn on d_X [batch, hc * dim] followed by dsv4_cuda_mhc_pre, with the fn's sums made
- * inside mHC pre (one launch fewer; the same sums in the same order, so the same results). */
+/* dsv4_cuda_mhc_fn on d_X [batch, hc * dim] followed by dsv4_cuda_mhc_pre, with the fn's sums and
+ * the streams' sum of squares made inside mHC pre from the fn's partials (one launch fewer, and no
+ * block of pre reads all of a token's streams; the same sums in the same order, so the same results).
+ * With d_post and d_comb NULL it makes d_y alone, and dsv4_cuda_mhc_comb makes them from the
+ * partials left in d_ws, on another stream if the caller likes (the bits of the one-launch form). */
 int dsv4_cuda_mhc_fn_pre(const struct dsv4_cuda_linear *W, const float *d_X, int batch, float *d_ws,
                          int64_t ws_floats, const float *d_base, const float *d_scale, int hc, int dim, int iters,
                          float hc_eps, float norm_eps, float *d_y, float *d_post, float *d_comb, void *stream);
+/* post [batch, hc] and comb [batch, hc, hc] of mHC pre from the partials dsv4_cuda_mhc_fn_pre left
+ * in d_ws (which must stay untouched until this has run). */
+int dsv4_cuda_mhc_comb(const float *d_ws, int batch, const float *d_base, const float *d_scale, int hc, int dim,
+                       int iters, float hc_eps, float norm_eps, float *d_post, float *d_comb, void *stream);
+/* hc_head before the final norm: d_y [batch, D] = sum_j pre_j X[j] with pre = sigmoid(m rsqrt(mean(X^2)
+ * + norm_eps) scale[0] + base) + hc_eps, d_m [batch, hc] the fn GEMV output. */
+int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,
+                      int hc, int dim, float hc_eps, float norm_eps, float *d_y, void *stream);
+/* The split-K fn GEMV (F32 [hc, hc * dim], as dsv4_cuda_mhc_fn) and hc_head from its partials, as
+ * dsv4_cuda_mhc_fn_pre does for mHC pre: the bits of dsv4_cuda_mhc_fn then dsv4_cuda_hc_head. */
+int dsv4_cuda_mhc_fn_head(const struct dsv4_cuda_linear *W, const float *d_X, int batch, float *d_ws,
+                          int64_t ws_floats, const float *d_base, const float *d_scale, int hc, int dim,
+                          float hc_eps, float norm_eps, float *d_y, void *stream);
 /* mHC post: d_Xo[b, k] = post_k * f_b + sum_j comb[j, k] X[b, j]; d_Xo must not alias d_X. */
 int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const float *d_post, const float *d_comb,
                        int batch, int hc, int dim, float *d_Xo, void *stream);

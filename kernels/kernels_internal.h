@@ -123,9 +123,6 @@ int dsv4_cuda_indexer(const struct dsv4_cuda_index_args *a, int batch, void *str
  * dI f32 values. */
 int dsv4_cuda_index_key_bytes(int dI, bool packed);
 
-/* kernels/mhc.cu, hc_head: d_y [B, D] = sum_j pre_j X[j], pre = sigmoid(m * rsqrt(mean(X^2)+eps) * scale + base) + hc_eps. */
-int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,
-                      int hc, int dim, float hc_eps, float norm_eps, float *d_y, void *stream);
 /* kernels/spec.cu: speculative decoding with the MTP block. A slot's ring of the main model's last
  * streams (ring entries of hc * D floats at caches + slot * slot_bytes + ring_off, position p at
  * p % ring); the block's rows at MTP positions mpos in slots mslot (pad_slot: a row that does not

@@ -13,13 +13,59 @@ static __device__ __forceinline__ float sigmoidf_(float v)
     return 1.0f / (1.0f + expf(-v));
 }
 
-/* mHC pre, split over the chip: grid (ceil(dim / MHC_COLS), batch). Every block of a token computes
- * the same RMS of its hc * dim stream values (same threads, same order: identical r in every block)
- * and the pre gates, then collapses its MHC_COLS columns, y = sum_j pre_j X[j]; warp 0 of block 0 of
- * the token also writes the post gates and the combine matrix (softmax + Sinkhorn) after its own
- * columns. A token's arithmetic never depends on the batch. HC is the stream count (a template so
- * that the matrix lives in registers). */
-#define MHC_COLS 1024
+/* mHC pre, split over the chip: grid (ceil(dim / MHC_COLS), batch), one column per thread. Every
+ * block of a token first gathers the token's mix values m [(2 + HC) * HC] (or [HC] for the head) and
+ * the sum of squares of its hc * dim stream values (for the RMS), each as a sum of the fn GEMV's
+ * chunk partials in one fixed order, so every block of the token gets the same r and pre gates;
+ * then it collapses its columns, y = sum_j pre_j X[j]; warp 0 of block 0 of the token also writes
+ * the post gates and the combine matrix (softmax + Sinkhorn) after its own column. A token's
+ * arithmetic never depends on the batch. HC is the stream count (a template so that the matrix
+ * lives in registers). The sum of squares comes with the fn's partials (mhc_fn_part_kernel reads
+ * the same values), so no block reads all of a token's streams: at batch 1, four blocks reading
+ * 64 KB each had cost ~8.5 us a sublayer. */
+#define MHC_COLS NORM_THREADS
+
+/* The fn GEMV's chunking (grid (chunks, ceil(batch / MHC_FN_NB)), one warp per weight row, each
+ * lane holding MHC_FN_PER_LANE float4 of x per batch row): see mhc_fn_part_kernel. */
+#define MHC_FN_NB 8
+#define MHC_FN_PER_LANE (DSV4_CUDA_MHC_FN_CHUNK / (DSV4_CUDA_WARP * 4))
+
+static_assert(DSV4_CUDA_MHC_FN_CHUNK % (DSV4_CUDA_WARP * 4) == 0, "a chunk is whole float4 per lane");
+static_assert(MHC_FN_NB == NORM_THREADS / DSV4_CUDA_WARP, "one warp per batch row for the sums of squares");
+
+static __device__ __forceinline__ float sq4(float acc, float4 v)
+{
+    acc = __fmaf_rn(v.x, v.x, acc);
+    acc = __fmaf_rn(v.y, v.y, acc);
+    acc = __fmaf_rn(v.z, v.z, acc);
+    return __fmaf_rn(v.w, v.w, acc);
+}
+
+/* The sum of squares of one fn chunk (x[k0 .. k0 + DSV4_CUDA_MHC_FN_CHUNK) of a row of n values):
+ * the lanes' float4 in the fn kernel's order, then the butterfly. Every lane gets it. */
+static __device__ __forceinline__ float chunk_ss(const float *__restrict__ x, int64_t k0, int64_t n)
+{
+    const int lane = threadIdx.x % DSV4_CUDA_WARP;
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MHC_FN_PER_LANE; i++) {
+        const int64_t k = k0 + (int64_t)(i * DSV4_CUDA_WARP + lane) * 4;
+        const float4 v = make_float4(k < n ? x[k] : 0.0f, k + 1 < n ? x[k + 1] : 0.0f, k + 2 < n ? x[k + 2] : 0.0f,
+                                     k + 3 < n ? x[k + 3] : 0.0f);
+        acc = sq4(acc, v);
+    }
+    return dsv4_warp_sum(acc);
+}
+
+/* sum over c < chunks of p[c * stride]: lane l adds chunks l, l + 32, ... in order, then the
+ * butterfly. Every lane gets it. */
+static __device__ __forceinline__ float chunk_total(const float *p, int chunks, int64_t stride)
+{
+    float acc = 0.0f;
+    for (int c = threadIdx.x % DSV4_CUDA_WARP; c < chunks; c += DSV4_CUDA_WARP)
+        acc += p[(int64_t)c * stride];
+    return dsv4_warp_sum(acc);
+}
 
 /* The combine matrix [HC, HC] of one token, one lane per element (e = j * HC + k) while HC * HC fits
  * a warp: softmax along each row, then iters Sinkhorn rounds (rows from the second round on, then
@@ -117,97 +163,128 @@ static __device__ __forceinline__ void mhc_comb_serial(const float *__restrict__
         comb[i] = C[i];
 }
 
-template <int HC>
+/* What a launch of mhc_pre_kernel makes: everything (y, post, comb), y only, post and comb only
+ * (one block a token: the Sinkhorn's ~40 dependent normalizations are the longest part, so the
+ * step runs them on its side lane while the main lane goes on with y), or hc_head's y (m has HC
+ * values, pre gates only). */
+enum { PRE_ALL = 0, PRE_Y = 1, PRE_COMB = 2, PRE_HEAD = 3 };
+
+/* m, or (m NULL) mparts: the fn's partials [batch, chunks, MIX + 1] whose last column is the
+ * chunk's sum of squares; with m, the sums of squares are made here from X in the same chunks
+ * (dynamic shared memory of chunks floats). */
+template <int HC, int MODE>
 __global__ void __launch_bounds__(NORM_THREADS)
 mhc_pre_kernel(const float *__restrict__ X, const float *__restrict__ m, const float *__restrict__ mparts, int chunks,
                const float *__restrict__ base, const float *__restrict__ scale, int dim, int iters, float hc_eps,
-               float norm_eps, bool vec4, float *__restrict__ y, float *__restrict__ post, float *__restrict__ comb)
+               float norm_eps, float *__restrict__ y, float *__restrict__ post, float *__restrict__ comb)
 {
     dsv4_pdl_enter();
-    constexpr int MIX = (2 + HC) * HC;
-    __shared__ float pre[HC], m_s[MIX];
-    const int b = blockIdx.y;
+    constexpr int MIX = MODE == PRE_HEAD ? HC : (2 + HC) * HC, WARPS = NORM_THREADS / DSV4_CUDA_WARP;
+    __shared__ float pre[HC], m_s[MIX + 1];         /* m_s[MIX]: the token's sum of squares */
+    extern __shared__ float ss_s[];                 /* without partials: [chunks] */
+    const int b = blockIdx.y, lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
     const int64_t n = (int64_t)HC * dim;
-    const float *Xb = X + (int64_t)b * n, *mb = mparts ? m_s : m + (int64_t)b * MIX;
-    float ss = 0.0f;
+    const float *Xb = X + (int64_t)b * n;
 
-    if (mparts) {   /* the fn's split-K partials: mhc_fn_sum_kernel's sums, same lanes, same order */
-        const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
-        const float *wb = mparts + (int64_t)b * chunks * MIX;
-        for (int r = warp; r < MIX; r += NORM_THREADS / DSV4_CUDA_WARP) {
-            float acc = 0.0f;
-            for (int c = lane; c < chunks; c += DSV4_CUDA_WARP)
-                acc += wb[(int64_t)c * MIX + r];
-            acc = dsv4_warp_sum(acc);
+    if (mparts) {
+        const float *wb = mparts + (int64_t)b * chunks * (MIX + 1);
+        for (int r = warp; r <= MIX; r += WARPS) {
+            const float acc = chunk_total(wb + r, chunks, MIX + 1);
             if (lane == 0)
-                m_s[r] = acc;       /* read after block_sum's barriers */
-        }
-    }
-
-    if (vec4) {
-        const float4 *X4 = reinterpret_cast<const float4 *>(Xb);
-#pragma unroll 4
-        for (int64_t i = threadIdx.x; i < n / 4; i += NORM_THREADS) {
-            const float4 v = X4[i];
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                m_s[r] = acc;
         }
     } else {
-#pragma unroll 4
-        for (int64_t i = threadIdx.x; i < n; i += NORM_THREADS)
-            ss += Xb[i] * Xb[i];
+        for (int r = threadIdx.x; r < MIX; r += NORM_THREADS)
+            m_s[r] = m[(int64_t)b * MIX + r];
+        for (int c = warp; c < chunks; c += WARPS) {
+            const float acc = chunk_ss(Xb, (int64_t)c * DSV4_CUDA_MHC_FN_CHUNK, n);
+            if (lane == 0)
+                ss_s[c] = acc;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            const float acc = chunk_total(ss_s, chunks, 1);
+            if (lane == 0)
+                m_s[MIX] = acc;
+        }
     }
-    const float r = 1.0f / sqrtf(block_sum(ss) / n + norm_eps);
-    if (threadIdx.x < HC)
-        pre[threadIdx.x] = sigmoidf_(mb[threadIdx.x] * r * scale[0] + base[threadIdx.x]) + hc_eps;
     __syncthreads();
-    const int d_end = min(dim, (int)(blockIdx.x + 1) * MHC_COLS);
-    for (int d = blockIdx.x * MHC_COLS + threadIdx.x; d < d_end; d += NORM_THREADS) {
-        float acc = 0.0f;
+    const float r = 1.0f / sqrtf(m_s[MIX] / n + norm_eps);
+    if (MODE != PRE_COMB) {
+        if (threadIdx.x < HC)
+            pre[threadIdx.x] = sigmoidf_(m_s[threadIdx.x] * r * scale[0] + base[threadIdx.x]) + hc_eps;
+        __syncthreads();
+        const int d = blockIdx.x * MHC_COLS + threadIdx.x;
+        if (d < dim) {
+            float acc = 0.0f;
 #pragma unroll
-        for (int j = 0; j < HC; j++)
-            acc += pre[j] * Xb[(int64_t)j * dim + d];
-        y[(int64_t)b * dim + d] = acc;
+            for (int j = 0; j < HC; j++)
+                acc += pre[j] * Xb[(int64_t)j * dim + d];
+            y[(int64_t)b * dim + d] = acc;
+        }
     }
-    if (blockIdx.x != 0 || threadIdx.x >= DSV4_CUDA_WARP)
+    if (MODE == PRE_Y || MODE == PRE_HEAD || blockIdx.x != 0 || threadIdx.x >= DSV4_CUDA_WARP)
         return;
     if (threadIdx.x < HC)
-        post[b * HC + threadIdx.x] = 2.0f * sigmoidf_(mb[HC + threadIdx.x] * r * scale[1] + base[HC + threadIdx.x]);
+        post[b * HC + threadIdx.x] = 2.0f * sigmoidf_(m_s[HC + threadIdx.x] * r * scale[1] + base[HC + threadIdx.x]);
     if constexpr (HC * HC <= DSV4_CUDA_WARP)
-        mhc_comb_warp<HC>(mb, r, scale, base, iters, hc_eps, comb + (int64_t)b * HC * HC);
+        mhc_comb_warp<HC>(m_s, r, scale, base, iters, hc_eps, comb + (int64_t)b * HC * HC);
     else if (threadIdx.x == 0)
-        mhc_comb_serial<HC>(mb, r, scale, base, iters, hc_eps, comb + (int64_t)b * HC * HC);
+        mhc_comb_serial<HC>(m_s, r, scale, base, iters, hc_eps, comb + (int64_t)b * HC * HC);
 }
 
-template <int HC>
+template <int HC, int MODE>
 static void launch_mhc_pre(const float *d_X, const float *d_m, const float *d_mparts, int chunks, const float *d_base,
                            const float *d_scale, int batch, int dim, int iters, float hc_eps, float norm_eps,
                            float *d_y, float *d_post, float *d_comb, cudaStream_t s)
 {
-    const bool vec4 = ((int64_t)HC * dim) % 4 == 0 && (uintptr_t)d_X % 16 == 0;
-    dim3 grid((unsigned)((dim + MHC_COLS - 1) / MHC_COLS), (unsigned)batch);
-    dsv4_launch(mhc_pre_kernel<HC>, grid, NORM_THREADS, 0, s, d_X, d_m, d_mparts, chunks, d_base, d_scale, dim, iters,
-                hc_eps, norm_eps, vec4, d_y, d_post, d_comb);
+    const size_t smem = d_mparts ? 0 : (size_t)chunks * sizeof(float);
+    dim3 grid(MODE == PRE_COMB ? 1u : (unsigned)((dim + MHC_COLS - 1) / MHC_COLS), (unsigned)batch);
+    dsv4_launch(mhc_pre_kernel<HC, MODE>, grid, NORM_THREADS, smem, s, d_X, d_m, d_mparts, chunks, d_base, d_scale,
+                dim, iters, hc_eps, norm_eps, d_y, d_post, d_comb);
 }
 
-/* d_m the fn output, or (d_m NULL) d_mparts its split-K partials [batch, chunks, (2+hc)*hc] */
+/* Chunk count of the fn GEMV over rows of `in` values: the partials' middle dimension. */
+static int fn_chunks(int64_t in)
+{
+    return (int)((in + DSV4_CUDA_MHC_FN_CHUNK - 1) / DSV4_CUDA_MHC_FN_CHUNK);
+}
+
+/* Without partials the sums of squares of a token's chunks sit in shared memory: at most this many. */
+#define MHC_MAX_SS_CHUNKS (48 * 1024 / (int)sizeof(float))
+
+#define MHC_LAUNCHERS(MODE)                                                                                  \
+    {                                                                                                         \
+        launch_mhc_pre<1, MODE>, launch_mhc_pre<2, MODE>, launch_mhc_pre<3, MODE>, launch_mhc_pre<4, MODE>,   \
+            launch_mhc_pre<5, MODE>, launch_mhc_pre<6, MODE>, launch_mhc_pre<7, MODE>, launch_mhc_pre<8, MODE>, \
+    }
+
+/* d_m the fn output, or (d_m NULL) d_mparts its split-K partials [batch, chunks, mix + 1]; `mode`
+ * one of PRE_*, the outputs it does not make unused. */
 static int mhc_pre(const float *d_X, const float *d_m, const float *d_mparts, int chunks, const float *d_base,
                    const float *d_scale, int batch, int hc, int dim, int iters, float hc_eps, float norm_eps,
-                   float *d_y, float *d_post, float *d_comb, cudaStream_t s)
+                   float *d_y, float *d_post, float *d_comb, int mode, cudaStream_t s)
 {
-    static void (*const launchers[])(const float *, const float *, const float *, int, const float *, const float *,
-                                     int, int, int, float, float, float *, float *, float *, cudaStream_t) = {
-        launch_mhc_pre<1>, launch_mhc_pre<2>, launch_mhc_pre<3>, launch_mhc_pre<4>,
-        launch_mhc_pre<5>, launch_mhc_pre<6>, launch_mhc_pre<7>, launch_mhc_pre<8>,
-    };
-    static_assert(sizeof(launchers) / sizeof(launchers[0]) == DSV4_MAX_HC, "one launcher per hc 1..DSV4_MAX_HC");
+    typedef void (*launcher)(const float *, const float *, const float *, int, const float *, const float *, int, int,
+                             int, float, float, float *, float *, float *, cudaStream_t);
+    static const launcher launchers[4][8] = { MHC_LAUNCHERS(PRE_ALL), MHC_LAUNCHERS(PRE_Y), MHC_LAUNCHERS(PRE_COMB),
+                                              MHC_LAUNCHERS(PRE_HEAD) };
+    static_assert(sizeof(launchers[0]) / sizeof(launchers[0][0]) == DSV4_MAX_HC, "one launcher per hc 1..DSV4_MAX_HC");
+    const char *what = mode == PRE_HEAD ? "hc_head" : mode == PRE_COMB ? "mhc_comb" : "mhc_pre";
     if (hc < 1 || hc > DSV4_MAX_HC)
-        return dsv4_error_set(-EINVAL, "mhc_pre: hc_mult %d outside 1..%d", hc, DSV4_MAX_HC);
+        return dsv4_error_set(-EINVAL, "%s: hc_mult %d outside 1..%d", what, hc, DSV4_MAX_HC);
     if (batch < 1 || dim < 1)
         return 0;
+    if (!d_mparts) {
+        chunks = fn_chunks((int64_t)hc * dim);
+        if (chunks > MHC_MAX_SS_CHUNKS)
+            return dsv4_error_set(-EINVAL, "%s: %d streams of %d values exceed the %d chunks of %d values one block "
+                                  "sums", what, hc, dim, MHC_MAX_SS_CHUNKS, DSV4_CUDA_MHC_FN_CHUNK);
+    }
     dsv4_cuda_count_launch(DSV4_CUDA_V_MHC_PRE);
-    launchers[hc - 1](d_X, d_m, d_mparts, chunks, d_base, d_scale, batch, dim, iters, hc_eps, norm_eps, d_y, d_post,
-                      d_comb, s);
-    DSV4_CUDA_LAUNCHED("mhc_pre");
+    launchers[mode][hc - 1](d_X, d_m, d_mparts, chunks, d_base, d_scale, batch, dim, iters, hc_eps, norm_eps, d_y,
+                            d_post, d_comb, s);
+    DSV4_CUDA_LAUNCHED(what);
     return 0;
 }
 
@@ -216,18 +293,15 @@ extern "C" int dsv4_cuda_mhc_pre(const float *d_X, const float *d_m, const float
                                  float *d_y, float *d_post, float *d_comb, void *stream)
 {
     return mhc_pre(d_X, d_m, nullptr, 0, d_base, d_scale, batch, hc, dim, iters, hc_eps, norm_eps, d_y, d_post,
-                   d_comb, static_cast<cudaStream_t>(stream));
+                   d_comb, PRE_ALL, static_cast<cudaStream_t>(stream));
 }
 
 /* The mHC fn GEMV, split along K: d_ws[b, c, r] = W[r, chunk c] . x_b[chunk c] for fixed chunks of
- * DSV4_CUDA_MHC_FN_CHUNK values, then d_y[b, r] = sum over c (lane c % 32 sums its chunks in order,
- * then a fixed butterfly). Both steps depend on row b alone: batch-invariant and deterministic.
- * grid (chunks, ceil(batch / MHC_FN_NB)), one warp per weight row (rows strided over the warps);
- * each lane holds MHC_FN_PER_LANE float4 of x per batch row. */
-#define MHC_FN_NB 8
-#define MHC_FN_PER_LANE (DSV4_CUDA_MHC_FN_CHUNK / (DSV4_CUDA_WARP * 4))
-
-static_assert(DSV4_CUDA_MHC_FN_CHUNK % (DSV4_CUDA_WARP * 4) == 0, "a chunk is whole float4 per lane");
+ * DSV4_CUDA_MHC_FN_CHUNK values, and d_ws[b, c, out] = the chunk's sum of squares of x_b (mHC pre's
+ * and hc_head's RMS); then d_y[b, r] = sum over c (chunk_total). Both steps depend on row b alone:
+ * batch-invariant and deterministic. grid (chunks, ceil(batch / MHC_FN_NB)), one warp per weight
+ * row (rows strided over the warps), warp j also summing the squares of batch row j; each lane
+ * holds MHC_FN_PER_LANE float4 of x per batch row. */
 
 __global__ void __launch_bounds__(NORM_THREADS)
 mhc_fn_part_kernel(const float *__restrict__ W, int64_t ldw, int out, int64_t in, const float *__restrict__ x,
@@ -255,6 +329,18 @@ mhc_fn_part_kernel(const float *__restrict__ W, int64_t ldw, int out, int64_t in
             const int64_t k = k0 + (int64_t)(i * DSV4_CUDA_WARP + lane) * 4;
             xv[b][i] = b < nb && k < in ? *reinterpret_cast<const float4 *>(x + (int64_t)(b0 + b) * ldx + k) : zero;
         }
+#pragma unroll
+    for (int b = 0; b < MHC_FN_NB; b++) {       /* chunk_ss's arithmetic on the values in registers */
+        if (warp == b && b < nb) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < MHC_FN_PER_LANE; i++)
+                acc = sq4(acc, xv[b][i]);
+            acc = dsv4_warp_sum(acc);
+            if (lane == 0)
+                ws[((int64_t)(b0 + b) * chunks + c) * (out + 1) + out] = acc;
+        }
+    }
     for (int r = warp; r < out; r += NORM_THREADS / DSV4_CUDA_WARP) {
         float4 wv[MHC_FN_PER_LANE];
 #pragma unroll
@@ -270,7 +356,7 @@ mhc_fn_part_kernel(const float *__restrict__ W, int64_t ldw, int out, int64_t in
                 acc += wv[i].x * xv[b][i].x + wv[i].y * xv[b][i].y + wv[i].z * xv[b][i].z + wv[i].w * xv[b][i].w;
             acc = dsv4_warp_sum(acc);
             if (lane == 0 && b < nb)
-                ws[((int64_t)(b0 + b) * chunks + c) * out + r] = acc;
+                ws[((int64_t)(b0 + b) * chunks + c) * (out + 1) + r] = acc;
         }
     }
 }
@@ -281,12 +367,9 @@ mhc_fn_sum_kernel(const float *__restrict__ ws, int out, int chunks, float *__re
 {
     dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP, b = blockIdx.x;
-    const float *wb = ws + (int64_t)b * chunks * out;
+    const float *wb = ws + (int64_t)b * chunks * (out + 1);
     for (int r = warp; r < out; r += NORM_THREADS / DSV4_CUDA_WARP) {
-        float acc = 0.0f;
-        for (int c = lane; c < chunks; c += DSV4_CUDA_WARP)
-            acc += wb[(int64_t)c * out + r];
-        acc = dsv4_warp_sum(acc);
+        const float acc = chunk_total(wb + r, chunks, out + 1);
         if (lane == 0)
             y[(int64_t)b * ldy + r] = acc;
     }
@@ -311,7 +394,7 @@ static int mhc_fn_parts(const struct dsv4_cuda_linear *W, const float *d_x, int6
                               "[%lld, %lld] fn needs", (long long)ws_floats,
                               (long long)dsv4_cuda_mhc_fn_ws_floats(batch, W->out, W->in), batch,
                               (long long)W->out, (long long)W->in);
-    const int chunks = (int)((W->in + DSV4_CUDA_MHC_FN_CHUNK - 1) / DSV4_CUDA_MHC_FN_CHUNK);
+    const int chunks = fn_chunks(W->in);
     dsv4_cuda_count_launch(DSV4_CUDA_V_MHC_FN_SPLITK);
     dim3 grid((unsigned)chunks, (unsigned)((batch + MHC_FN_NB - 1) / MHC_FN_NB));
     dsv4_launch(mhc_fn_part_kernel, grid, NORM_THREADS, 0, s, static_cast<const float *>(W->w), W->row_stride,
@@ -345,7 +428,32 @@ extern "C" int dsv4_cuda_mhc_fn_pre(const struct dsv4_cuda_linear *W, const floa
     if (chunks < 0)
         return chunks;
     return mhc_pre(d_X, nullptr, d_ws, chunks, d_base, d_scale, batch, hc, dim, iters, hc_eps, norm_eps, d_y, d_post,
-                   d_comb, s);
+                   d_comb, d_post || d_comb ? PRE_ALL : PRE_Y, s);
+}
+
+extern "C" int dsv4_cuda_mhc_comb(const float *d_ws, int batch, const float *d_base, const float *d_scale, int hc,
+                                  int dim, int iters, float hc_eps, float norm_eps, float *d_post, float *d_comb,
+                                  void *stream)
+{
+    if (hc < 1 || hc > DSV4_MAX_HC)
+        return dsv4_error_set(-EINVAL, "mhc_comb: hc_mult %d outside 1..%d", hc, DSV4_MAX_HC);
+    return mhc_pre(nullptr, nullptr, d_ws, fn_chunks((int64_t)hc * dim), d_base, d_scale, batch, hc, dim, iters,
+                   hc_eps, norm_eps, nullptr, d_post, d_comb, PRE_COMB, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int dsv4_cuda_mhc_fn_head(const struct dsv4_cuda_linear *W, const float *d_X, int batch, float *d_ws,
+                                     int64_t ws_floats, const float *d_base, const float *d_scale, int hc, int dim,
+                                     float hc_eps, float norm_eps, float *d_y, void *stream)
+{
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (hc < 1 || hc > DSV4_MAX_HC || W->out != hc || W->in != (int64_t)hc * dim)
+        return dsv4_error_set(-EINVAL, "mhc_fn_head: fn [%lld, %lld] for hc_mult %d (1..%d) and dim %d must be "
+                              "[hc, hc dim]", (long long)W->out, (long long)W->in, hc, DSV4_MAX_HC, dim);
+    const int chunks = mhc_fn_parts(W, d_X, (int64_t)hc * dim, batch, d_ws, ws_floats, s);
+    if (chunks < 0)
+        return chunks;
+    return mhc_pre(d_X, nullptr, d_ws, chunks, d_base, d_scale, batch, hc, dim, 0, hc_eps, norm_eps, d_y, nullptr,
+                   nullptr, PRE_HEAD, s);
 }
 
 /* One thread per (b, d): the hc stream values X[b, :, d] read once into registers, then every
@@ -391,39 +499,9 @@ extern "C" int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const floa
     return 0;
 }
 
-/* hc_head: one block per row collapses the hc streams with sigmoid gates (no Sinkhorn). */
-__global__ void __launch_bounds__(NORM_THREADS)
-hc_head_kernel(const float *X, const float *m, const float *base, const float *scale, int hc, int dim,
-               float hc_eps, float norm_eps, float *y)
-{
-    dsv4_pdl_enter();
-    __shared__ float pre[DSV4_MAX_HC];
-    const int b = blockIdx.x;
-    const float *Xb = X + (int64_t)b * hc * dim;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < hc * dim; i += blockDim.x)
-        ss += Xb[i] * Xb[i];
-    const float r = 1.0f / sqrtf(block_sum(ss) / (hc * dim) + norm_eps);
-    if (threadIdx.x < hc)
-        pre[threadIdx.x] = 1.0f / (1.0f + expf(-(m[b * hc + threadIdx.x] * r * scale[0] + base[threadIdx.x]))) + hc_eps;
-    __syncthreads();
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < hc; j++)
-            acc += pre[j] * Xb[(int64_t)j * dim + d];
-        y[(int64_t)b * dim + d] = acc;
-    }
-}
-
-int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,
+extern "C" int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, const float *d_scale, int batch,
                       int hc, int dim, float hc_eps, float norm_eps, float *d_y, void *stream)
 {
-    if (hc > DSV4_MAX_HC)
-        return dsv4_error_set(-EINVAL, "hc_head: hc_mult %d over %d", hc, DSV4_MAX_HC);
-    if (batch < 1)
-        return 0;
-    dsv4_launch(hc_head_kernel, batch, NORM_THREADS, 0, static_cast<cudaStream_t>(stream), d_X, d_m, d_base, d_scale,
-                hc, dim, hc_eps, norm_eps, d_y);
-    DSV4_CUDA_LAUNCHED("hc_head");
-    return 0;
+    return mhc_pre(d_X, d_m, nullptr, 0, d_base, d_scale, batch, hc, dim, 0, hc_eps, norm_eps, d_y, nullptr, nullptr,
+                   PRE_HEAD, static_cast<cudaStream_t>(stream));
 }

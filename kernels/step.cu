@@ -733,10 +733,15 @@ static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
     const int hc = c->hc_mult, D = c->dim, iters = c->hc_sinkhorn_iters > 0 ? c->hc_sinkhorn_iters : 1;
-    if (fn_split_k(fn))             /* the split-K fn, its sums made inside mHC pre */
+    if (fn_split_k(fn)) {           /* the split-K fn, its sums made inside mHC pre */
+        /* y on the main lane; post and comb (the Sinkhorn, ~4 us of dependent steps at batch 1) on
+         * the side lane from the fn's partials, joined in sublayer_post, the first to read them */
         STEP(dsv4_cuda_mhc_fn_pre(fn, t->X, B, t->mixws, t->mixws_floats, base, scale, hc, D, iters,
-                                  (float)c->hc_eps, (float)c->rms_norm_eps, t->y, t->post, t->comb, s));
-    else {
+                                  (float)c->hc_eps, (float)c->rms_norm_eps, t->y, NULL, NULL, s));
+        STEP(lane_wait(cb, &cb->ln[1], &cb->ln[0], cb->ev_fork));
+        STEP(dsv4_cuda_mhc_comb(t->mixws, B, base, scale, hc, D, iters, (float)c->hc_eps, (float)c->rms_norm_eps,
+                                t->post, t->comb, cb->ln[1].s));
+    } else {
         STEP(hc_fn(cb, fn, t->X, B, t->mix, s));
         STEP(dsv4_cuda_mhc_pre(t->X, t->mix, base, scale, B, hc, D, iters, (float)c->hc_eps, (float)c->rms_norm_eps,
                                t->y, t->post, t->comb, s));
@@ -747,6 +752,7 @@ static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *
 static int sublayer_post(struct cuda_backend *cb, int B, cudaStream_t s)
 {
     struct step_buf *t = &cb->b;
+    STEP(lane_wait(cb, &cb->ln[0], &cb->ln[1], cb->ev_join));      /* post and comb (sublayer_pre) */
     STEP(dsv4_cuda_mhc_post(t->X, t->sub, t->post, t->comb, B, cb->cfg->hc_mult, cb->cfg->dim, t->X2, s));
     float *tmp = t->X;
     t->X = t->X2;
@@ -774,9 +780,14 @@ static int head_launches(struct cuda_backend *cb, const float *X, int B, const s
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
     bool ph = false;
-    STEP(hc_fn(cb, fn, X, B, t->hm, s));
-    STEP(dsv4_cuda_hc_head(X, t->hm, base, scale, B, c->hc_mult, c->dim, (float)c->hc_eps, (float)c->rms_norm_eps,
-                           t->y, s));
+    if (fn_split_k(fn))             /* the split-K fn, its sums made inside hc_head */
+        STEP(dsv4_cuda_mhc_fn_head(fn, X, B, t->mixws, t->mixws_floats, base, scale, c->hc_mult, c->dim,
+                                   (float)c->hc_eps, (float)c->rms_norm_eps, t->y, s));
+    else {
+        STEP(hc_fn(cb, fn, X, B, t->hm, s));
+        STEP(dsv4_cuda_hc_head(X, t->hm, base, scale, B, c->hc_mult, c->dim, (float)c->hc_eps,
+                               (float)c->rms_norm_eps, t->y, s));
+    }
     STEP(norm_xn(cb, norm, &cb->head, B, s, &ph));
     return lin_x(cb, &cb->head, t->xn, c->dim, B, t->logits, c->vocab_size, false, ph, &cb->ln[0]);
 }

@@ -203,7 +203,7 @@ static void check_mhc_fn_pre(int batch, int hc, int dim, int iters)
     const int64_t out = (int64_t)(2 + hc) * hc, in = (int64_t)hc * dim;
     const size_t NW = (size_t)(out * in), NX = (size_t)batch * in, NY = (size_t)batch * dim;
     float *w = malloc(NW * sizeof(float)), *X = malloc(NX * sizeof(float)), *base = malloc((size_t)out * sizeof(float));
-    float scale[3], *dw, *dX, *dbase, *dscale, *dws, *dm, *y[2], *post[2], *comb[2], *hy[2], *hp[2], *hc_[2];
+    float scale[3], *dw, *dX, *dbase, *dscale, *dws, *dm, *y[3], *post[3], *comb[3], *hy[3], *hp[3], *hc_[3];
     const int64_t wsf = dsv4_cuda_mhc_fn_ws_floats(batch, out, in);
 
     gt_fill_normal(w, NW, 4.0f / sqrtf((float)in));
@@ -216,7 +216,7 @@ static void check_mhc_fn_pre(int batch, int hc, int dim, int iters)
     dscale = gt_dev_copy(scale, sizeof(scale));
     dws = gt_dev_poisoned((size_t)wsf);
     dm = gt_dev_poisoned((size_t)batch * out);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         y[i] = gt_dev_poisoned(NY);
         post[i] = gt_dev_poisoned((size_t)batch * hc);
         comb[i] = gt_dev_poisoned((size_t)batch * hc * hc);
@@ -226,19 +226,30 @@ static void check_mhc_fn_pre(int batch, int hc, int dim, int iters)
     DSV4_OK(dsv4_cuda_mhc_pre(dX, dm, dbase, dscale, batch, hc, dim, iters, 1e-6f, 1e-6f, y[0], post[0], comb[0], NULL));
     DSV4_OK(dsv4_cuda_mhc_fn_pre(&d, dX, batch, dws, wsf, dbase, dscale, hc, dim, iters, 1e-6f, 1e-6f, y[1], post[1],
                                  comb[1], NULL));
-    for (int i = 0; i < 2; i++) {
+    /* the step's form: y alone, then post and comb from the partials on a second stream */
+    cudaStream_t side;
+    CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    DSV4_OK(dsv4_cuda_mhc_fn_pre(&d, dX, batch, dws, wsf, dbase, dscale, hc, dim, iters, 1e-6f, 1e-6f, y[2], NULL,
+                                 NULL, NULL));
+    CUDA_OK(cudaDeviceSynchronize());
+    DSV4_OK(dsv4_cuda_mhc_comb(dws, batch, dbase, dscale, hc, dim, iters, 1e-6f, 1e-6f, post[2], comb[2], side));
+    CUDA_OK(cudaStreamSynchronize(side));
+    CUDA_OK(cudaStreamDestroy(side));
+    for (int i = 0; i < 3; i++) {
         hy[i] = gt_host_from(y[i], NY);
         hp[i] = gt_host_from(post[i], (size_t)batch * hc);
         hc_[i] = gt_host_from(comb[i], (size_t)batch * hc * hc);
     }
-    assert_memory_equal(hy[0], hy[1], NY * sizeof(float));
-    assert_memory_equal(hp[0], hp[1], (size_t)batch * hc * sizeof(float));
-    assert_memory_equal(hc_[0], hc_[1], (size_t)batch * hc * hc * sizeof(float));
-    printf("# mhc fn + pre fused, hc %d [%d,%d] iters %d: y, post, comb bit-identical to fn then pre\n", hc, batch,
-           dim, iters);
+    for (int i = 1; i < 3; i++) {
+        assert_memory_equal(hy[0], hy[i], NY * sizeof(float));
+        assert_memory_equal(hp[0], hp[i], (size_t)batch * hc * sizeof(float));
+        assert_memory_equal(hc_[0], hc_[i], (size_t)batch * hc * hc * sizeof(float));
+    }
+    printf("# mhc fn + pre fused, hc %d [%d,%d] iters %d: y, post, comb bit-identical to fn then pre, in one launch "
+           "and with post and comb apart\n", hc, batch, dim, iters);
     assert_int_equal(dsv4_cuda_mhc_fn_pre(&d, dX, batch, dws, wsf, dbase, dscale, hc + 1, dim, iters, 1e-6f, 1e-6f,
                                           y[1], post[1], comb[1], NULL), -EINVAL);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         cudaFree(y[i]); cudaFree(post[i]); cudaFree(comb[i]);
         free(hy[i]); free(hp[i]); free(hc_[i]);
     }
@@ -253,6 +264,74 @@ static void test_mhc_fn_pre(void **state)
     check_mhc_fn_pre(3, 2, 68, 3);          /* one partial chunk */
 }
 
+/* hc_head (the streams collapsed by sigmoid gates, no Sinkhorn) against a double-precision
+ * reference, and dsv4_cuda_mhc_fn_head (fn partials and hc_head in two launches) bit for bit
+ * against dsv4_cuda_mhc_fn then dsv4_cuda_hc_head. */
+static void check_hc_head(int batch, int hc, int dim)
+{
+    const int64_t in = (int64_t)hc * dim;
+    const size_t NW = (size_t)(hc * in), NX = (size_t)batch * in, NY = (size_t)batch * dim;
+    float *w = malloc(NW * sizeof(float)), *X = malloc(NX * sizeof(float)), *base = malloc((size_t)hc * sizeof(float));
+    float *ref = malloc(NY * sizeof(float)), *m = malloc((size_t)batch * hc * sizeof(float)), scale[1];
+    float *dw, *dX, *dbase, *dscale, *dws, *dm, *y[2], *hy[2];
+    const int64_t wsf = dsv4_cuda_mhc_fn_ws_floats(batch, hc, in);
+    char what[96];
+
+    gt_fill_normal(w, NW, 4.0f / sqrtf((float)in));
+    gt_fill_normal(X, NX, 1.0f);
+    gt_fill_normal(base, (size_t)hc, 1.0f);
+    gt_fill_normal(scale, 1, 1.0f);
+    dw = gt_dev_copy(w, NW * sizeof(float));
+    dX = gt_dev_copy(X, NX * sizeof(float));
+    dbase = gt_dev_copy(base, (size_t)hc * sizeof(float));
+    dscale = gt_dev_copy(scale, sizeof(scale));
+    dws = gt_dev_poisoned((size_t)wsf);
+    dm = gt_dev_poisoned((size_t)batch * hc);
+    for (int i = 0; i < 2; i++)
+        y[i] = gt_dev_poisoned(NY);
+    const struct dsv4_cuda_linear d = { .fmt = DSV4_W_F32, .out = hc, .in = in, .row_stride = in, .w = dw };
+    DSV4_OK(dsv4_cuda_mhc_fn(&d, dX, in, batch, dws, wsf, dm, hc, NULL));
+    DSV4_OK(dsv4_cuda_hc_head(dX, dm, dbase, dscale, batch, hc, dim, 1e-6f, 1e-6f, y[0], NULL));
+    DSV4_OK(dsv4_cuda_mhc_fn_head(&d, dX, batch, dws, wsf, dbase, dscale, hc, dim, 1e-6f, 1e-6f, y[1], NULL));
+    for (int i = 0; i < 2; i++)
+        hy[i] = gt_host_from(y[i], NY);
+    CUDA_OK(cudaMemcpy(m, dm, (size_t)batch * hc * sizeof(float), cudaMemcpyDeviceToHost));
+    for (int b = 0; b < batch; b++) {
+        const float *Xb = X + (size_t)b * in;
+        double ss = 0.0, pre[DSV4_MAX_HC];
+        for (int64_t i = 0; i < in; i++)
+            ss += (double)Xb[i] * Xb[i];
+        const double r = 1.0 / sqrt(ss / (double)in + 1e-6);
+        for (int j = 0; j < hc; j++)    /* the device's fn sums (checked in test_mhc_fn), exact gates */
+            pre[j] = 1.0 / (1.0 + exp(-((double)m[b * hc + j] * r * scale[0] + base[j]))) + 1e-6;
+        for (int k = 0; k < dim; k++) {
+            double acc = 0.0;
+            for (int j = 0; j < hc; j++)
+                acc += pre[j] * Xb[(size_t)j * dim + k];
+            ref[(size_t)b * dim + k] = (float)acc;
+        }
+    }
+    snprintf(what, sizeof(what), "hc_head hc=%d [%d,%d]", hc, batch, dim);
+    ASSERT_REL(what, hy[0], ref, NY, FP32_BOUND);
+    assert_memory_equal(hy[0], hy[1], NY * sizeof(float));
+    printf("# hc_head fused with the fn, hc %d [%d,%d]: y bit-identical to fn then hc_head\n", hc, batch, dim);
+    assert_int_equal(dsv4_cuda_mhc_fn_head(&d, dX, batch, dws, wsf, dbase, dscale, hc + 1, dim, 1e-6f, 1e-6f, y[1],
+                                           NULL), -EINVAL);
+    for (int i = 0; i < 2; i++) {
+        cudaFree(y[i]);
+        free(hy[i]);
+    }
+    cudaFree(dw); cudaFree(dX); cudaFree(dbase); cudaFree(dscale); cudaFree(dws); cudaFree(dm);
+    free(w); free(X); free(base); free(ref); free(m);
+}
+
+static void test_hc_head(void **state)
+{
+    check_hc_head(1, 4, 4096);      /* V4-Flash */
+    check_hc_head(64, 4, 4096);
+    check_hc_head(3, 2, 68);        /* one partial chunk */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -260,6 +339,7 @@ int main(void)
         cmocka_unit_test(test_rmsnorm_rope),
         cmocka_unit_test(test_mhc),
         cmocka_unit_test(test_mhc_fn_pre),
+        cmocka_unit_test(test_hc_head),
         cmocka_unit_test(test_mhc_fn),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
