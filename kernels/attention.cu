@@ -23,7 +23,7 @@
 #include "kernels/mma.cuh"
 #include "kernels/switches.h"
 
-#define ATT_MIN_RUN 16          /* keys: a split's shortest run (a quarter of a tensor-core tile) */
+#define ATT_MIN_RUN 64          /* keys: a split's run is at least one tensor-core tile (ATT_MMA_KEYS) */
 #define ATT_TILE 12             /* keys per shared-memory tile: 92.7 KB at hd 512, within the 99 KB of sm_86/89/120 */
 #define ATT_HB 32               /* heads per block: their queries stay in shared memory */
 #define ATT_THREADS 256
@@ -71,12 +71,8 @@ int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, int kvf, con
  * the row's slot) then the compressed entries (the indexer's picks, or every complete one). Split
  * `split` of `splits` takes the run [k0, k1) of length max(ATT_MIN_RUN, ceil(nk / splits)): a row
  * with few keys fills a few whole runs and leaves the other splits empty (they exit at once, and
- * the combine skips them), rather than giving every split a sliver. A block's time is mostly a
- * chain of dependent steps whose length follows its run, so at batch 1 short runs spread a row
- * over more SMs: with runs of at least 16 keys (not one 64-key tile) the FP8 kernel's time at
- * V4-Flash's shapes fell 14% (ncu, 4-layer step, batch 1) and the batch-1 step 1-4% (more at
- * context 1024), batch 16 the same, batch 64 within +1%. A run depends on the row alone, so a
- * row's result never depends on the batch. */
+ * the combine skips them), rather than giving every split a sliver. A run depends on the row alone,
+ * so a row's result never depends on the batch. */
 struct att_run {
     int nw, first, k0, k1;
     int64_t slot;
@@ -213,8 +209,8 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
  * to G = a.heads_per_block heads (16, 32 or 64: one to four m16 tiles; a head count that is not a
  * multiple of 16 gets zero queries in its last tile) and streams the run through shared memory
  * ATT_MMA_KEYS keys at a time. G = 64 makes V4-Flash's 64 heads one block, which decodes each key
- * tile once for all of them; at small batches that leaves most SMs idle (a short row has a few
- * runs of at most one tile), so there G = 16 takes four blocks a run, each decoding the tile again and computing a
+ * tile once for all of them; at small batches that leaves most SMs idle (a short row's run is one
+ * tile), so there G = 16 takes four blocks a run, each decoding the tile again and computing a
  * quarter of the scores and P V with its warps less shared. A head's arithmetic is the same in any
  * G (its m16 tile's warps, the same halves of head_dim in the same order), so the choice never
  * changes a bit:
@@ -256,7 +252,7 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
 #define ATT_MMA_HEADS 64            /* heads per block: four m16 tiles */
 #define ATT_MMA_MT (ATT_MMA_HEADS / 16)
 #define ATT_MMA_KEYS 64             /* keys per shared tile */
-static_assert(ATT_MIN_RUN <= ATT_MMA_KEYS, "a short row's run fits one tile");
+static_assert(ATT_MIN_RUN == ATT_MMA_KEYS, "a short row's run fills one tile");
 #define ATT_MMA_WARPS 8
 #define ATT_MMA_THREADS (ATT_MMA_WARPS * DSV4_CUDA_WARP)
 #define ATT_MMA_HD_ALIGN 16         /* head_dim: whole MMA k-steps */
