@@ -628,8 +628,11 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
         }
 }
 
-/* grid (I / 32 or D / 64, min(pairs, E)), MOE_TC_THREADS threads. */
-template <int MODE>
+/* grid (I / 32 or D / 64, min(pairs, E)), MOE_TC_THREADS threads. MAXNT 1: every group has at most 8
+ * tokens (the launch has at most 8 pairs, as at batch 1), so only the one-tile pass is compiled: the
+ * batch-1 kernel was issue-bound with a fifth of its stalls waiting for instructions, its code
+ * spanning all four pass shapes. The pass is the same code either way: the same bits. */
+template <int MODE, int MAXNT>
 __global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_kernel(const moe_tc_args a)
 {
     dsv4_pdl_enter();
@@ -653,7 +656,7 @@ __global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_ker
             rowoff[threadIdx.x] = (int64_t)(MODE == MOE_UP ? p / a.topk : p) * a.lda;
         }
         __syncthreads();
-        if (n <= 8)
+        if (MAXNT == 1 || n <= 8)
             tc_pass<MODE, 1>(a, ex, n, smem, rowoff, pid);
         else if (n <= 16)
             tc_pass<MODE, 2>(a, ex, n, smem, rowoff, pid);
@@ -796,7 +799,9 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->dim / MOE_TC_KT;
     a.y = ws->d_h;
     a.ldy = ex->inter;
-    dsv4_launch(moe_tc_kernel<MOE_UP>, dim3(ex->inter / MOE_TC_UP_ROWS, slots), MOE_TC_THREADS, 0, s, a);
+    const bool one = pairs <= 8;      /* no group can pass 8 tokens: the one-tile kernels */
+    dsv4_launch(one ? moe_tc_kernel<MOE_UP, 1> : moe_tc_kernel<MOE_UP, 8>, dim3(ex->inter / MOE_TC_UP_ROWS, slots),
+                MOE_TC_THREADS, 0, s, a);
     DSV4_CUDA_LAUNCHED("moe_gate_up_mma");
     dsv4_launch(moe_quant_kernel, pairs, (ex->inter / 8 + DSV4_CUDA_WARP - 1) / DSV4_CUDA_WARP * DSV4_CUDA_WARP, 0, s,
                 ws->d_h, ex->inter);
@@ -806,7 +811,8 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->inter / MOE_TC_KT;
     a.y = ws->d_out;
     a.ldy = ex->dim;
-    dsv4_launch(moe_tc_kernel<MOE_DOWN>, dim3(ex->dim / MOE_TC_ROWS, slots), MOE_TC_THREADS, 0, s, a);
+    dsv4_launch(one ? moe_tc_kernel<MOE_DOWN, 1> : moe_tc_kernel<MOE_DOWN, 8>, dim3(ex->dim / MOE_TC_ROWS, slots),
+                MOE_TC_THREADS, 0, s, a);
     DSV4_CUDA_LAUNCHED("moe_down_mma");
     return 0;
 }
