@@ -187,8 +187,12 @@ mhc_pre_kernel(const float *__restrict__ X, const float *__restrict__ m, const f
     const float *Xb = X + (int64_t)b * n;
 
     if (mparts) {
+        /* the rows this launch reads: the pre gates' HC and the sum of squares for y alone, all for
+         * post and comb (each row's sum is the same whichever launch makes it) */
         const float *wb = mparts + (int64_t)b * chunks * (MIX + 1);
-        for (int r = warp; r <= MIX; r += WARPS) {
+        constexpr int ROWS = MODE == PRE_Y ? HC + 1 : MIX + 1;
+        for (int i = warp; i < ROWS; i += WARPS) {
+            const int r = MODE == PRE_Y && i == HC ? MIX : i;
             const float acc = chunk_total(wb + r, chunks, MIX + 1);
             if (lane == 0)
                 m_s[r] = acc;
