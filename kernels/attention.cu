@@ -218,7 +218,7 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
  *      value of an FP8 entry is exact in bf16 (e4m3 times a power-of-two scale >= 2^-117, or a bf16
  *      RoPE value), so the keys (= values) lose nothing.
  *   2. scores: S [heads, keys] = scale * Q K^T with m16n8k16 bf16 MMAs, f32 accumulation (M = heads,
- *      N = keys, K = hd); warp w: heads of m16 tile w % 4 x every key of the tile x half w / 4 of
+ *      N = keys, K = hd); warp w: an m16 tile x a share of the tile's key pairs x half w / 4 of
  *      head_dim, the two halves added in a fixed order.
  *   3. online softmax per head in f32 (4 threads a head); P = e^(s - m) goes to shared memory as
  *      bf16 terms (over S, once every score is in registers).
@@ -392,8 +392,9 @@ static __device__ __forceinline__ void att_decode_tile(const struct dsv4_cuda_at
     }
 }
 
-/* Phase 2: s_s [16 mts, ntp] = scale * Q K^T. Warp w: heads [16 mt, +16) (mt = w % 4), every key
- * pair (two n8 tiles) below ntp, over half kh = w / 4 of head_dim's k-steps: a split's run is
+/* Phase 2: s_s [16 mts, ntp] = scale * Q K^T. Warp w: heads [16 mt, +16) (mt = (w % 4) % mts), the
+ * key pairs (two n8 tiles) below ntp of its group (w % 4) / mts, over half kh = w / 4 of head_dim's
+ * k-steps (at 64 heads a block one group takes every pair; at 16, four share them): a split's run is
  * mostly a few dozen keys, so halving the keys would idle half the warps, while halving head_dim
  * halves every warp's query loads and splits (measured ~10% faster at V4-Flash shapes). Half kh = 0 is stored first and
  * half kh = 1 added to it after a barrier: a fixed order. Query fragments come from global memory
@@ -403,10 +404,14 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
                                                   int ntp, const __nv_bfloat16 *k_s, int kstr, float *s_s)
 {
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP;
-    const int g = lane / 4, t = lane % 4, mt = warp % ATT_MMA_MT, kh = warp / ATT_MMA_MT;
+    /* with fewer m16 tiles than ATT_MMA_MT (16 or 32 heads a block) the warps a half has to spare
+     * share the key pairs: G groups, group pg taking pairs pg, pg + G, ... (a pair's arithmetic is
+     * the same whichever warp does it) */
+    const int wq = warp % ATT_MMA_MT, kh = warp / ATT_MMA_MT, G = ATT_MMA_MT / mts;
+    const int g = lane / 4, t = lane % 4, mt = wq % mts, pg = wq / mts;
     const int hd = a.hd, nks = hd / 16, half = (nks + 1) / 2;
     const int k_lo = 16 * kh * half, k_hi = 16 * min(nks, (kh + 1) * half), pairs = ntp / 16;
-    const bool act = mt < mts;
+    const bool act = pg < G;
     const int ha = h0 + 16 * mt + g, hb = ha + 8;
     const bool va = act && ha < a.H, vb = act && hb < a.H;
     /* A fragment: rows g and g + 8 of the m16 tile, dims 2t, 2t+1 and 2t+8, 2t+9 of each k-step */
@@ -444,7 +449,7 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
             att_split<ATT_MMA_QTERMS>(xq[u][3].x, xq[u][3].y, t3);
 #pragma unroll
             for (int pr = 0; pr < ATT_MMA_PAIRS; pr++) {
-                if (pr < pairs) {
+                if (pr < pairs && pr % G == pg) {
                     uint32_t kf[4];
                     float part[2][4] = {};
                     att_ldsm_x4(kf, kl + pr * 16 * kstr + k);
@@ -468,7 +473,7 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
         if (act && kh == h) {
 #pragma unroll
             for (int n = 0; n < 2 * ATT_MMA_PAIRS; n++) {
-                if (n / 2 < pairs) {
+                if (n / 2 < pairs && (n / 2) % G == pg) {
                     float2 *s0 = reinterpret_cast<float2 *>(s_s + (16 * mt + g) * ATT_MMA_SSTR + 8 * n + 2 * t);
                     float2 *s1 = reinterpret_cast<float2 *>(reinterpret_cast<float *>(s0) + 8 * ATT_MMA_SSTR);
                     if (h == 0) {
