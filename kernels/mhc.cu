@@ -28,6 +28,7 @@ static __device__ __forceinline__ float sigmoidf_(float v)
 /* The fn GEMV's chunking (grid (chunks, ceil(batch / MHC_FN_NB)), one warp per weight row, each
  * lane holding MHC_FN_PER_LANE float4 of x per batch row): see mhc_fn_part_kernel. */
 #define MHC_FN_NB 8
+#define MHC_FN_ROWS 4           /* weight rows a warp loads at once */
 #define MHC_FN_PER_LANE (DSV4_CUDA_MHC_FN_CHUNK / (DSV4_CUDA_WARP * 4))
 
 static_assert(DSV4_CUDA_MHC_FN_CHUNK % (DSV4_CUDA_WARP * 4) == 0, "a chunk is whole float4 per lane");
@@ -345,22 +346,38 @@ mhc_fn_part_kernel(const float *__restrict__ W, int64_t ldw, int out, int64_t in
                 ws[((int64_t)(b0 + b) * chunks + c) * (out + 1) + out] = acc;
         }
     }
-    for (int r = warp; r < out; r += NORM_THREADS / DSV4_CUDA_WARP) {
-        float4 wv[MHC_FN_PER_LANE];
+    /* a warp's rows MHC_FN_ROWS at a time, their weight loads issued together (one round of load
+     * latency a batch, not one a row); batch rows past nb are skipped, not summed as zeros (at
+     * batch 1 that had been seven idle butterflies a row). Each (row, token) sum as before. */
+    constexpr int WARPS = NORM_THREADS / DSV4_CUDA_WARP;
+    for (int r0 = warp; r0 < out; r0 += MHC_FN_ROWS * WARPS) {
+        float4 wv[MHC_FN_ROWS][MHC_FN_PER_LANE];
 #pragma unroll
-        for (int i = 0; i < MHC_FN_PER_LANE; i++) {
-            const int64_t k = k0 + (int64_t)(i * DSV4_CUDA_WARP + lane) * 4;
-            wv[i] = k < in ? __ldg(reinterpret_cast<const float4 *>(W + (int64_t)r * ldw + k)) : zero;
-        }
+        for (int j = 0; j < MHC_FN_ROWS; j++)
 #pragma unroll
-        for (int b = 0; b < MHC_FN_NB; b++) {
-            float acc = 0.0f;
+            for (int i = 0; i < MHC_FN_PER_LANE; i++) {
+                const int r = r0 + j * WARPS;
+                const int64_t k = k0 + (int64_t)(i * DSV4_CUDA_WARP + lane) * 4;
+                wv[j][i] = r < out && k < in ? __ldg(reinterpret_cast<const float4 *>(W + (int64_t)r * ldw + k)) : zero;
+            }
 #pragma unroll
-            for (int i = 0; i < MHC_FN_PER_LANE; i++)
-                acc += wv[i].x * xv[b][i].x + wv[i].y * xv[b][i].y + wv[i].z * xv[b][i].z + wv[i].w * xv[b][i].w;
-            acc = dsv4_warp_sum(acc);
-            if (lane == 0 && b < nb)
-                ws[((int64_t)(b0 + b) * chunks + c) * (out + 1) + r] = acc;
+        for (int j = 0; j < MHC_FN_ROWS; j++) {
+            const int r = r0 + j * WARPS;
+            if (r >= out)
+                break;
+#pragma unroll
+            for (int b = 0; b < MHC_FN_NB; b++) {
+                if (b >= nb)
+                    break;
+                float acc = 0.0f;
+#pragma unroll
+                for (int i = 0; i < MHC_FN_PER_LANE; i++)
+                    acc += wv[j][i].x * xv[b][i].x + wv[j][i].y * xv[b][i].y + wv[j][i].z * xv[b][i].z +
+                           wv[j][i].w * xv[b][i].w;
+                acc = dsv4_warp_sum(acc);
+                if (lane == 0)
+                    ws[((int64_t)(b0 + b) * chunks + c) * (out + 1) + r] = acc;
+            }
         }
     }
 }
