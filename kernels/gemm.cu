@@ -424,50 +424,71 @@ __global__ void gemm_split_kernel(const float *__restrict__ x, int64_t ldx, int 
     xa[(int64_t)rows * k + i] = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
-/* One block per row: y = RMSNorm(x) [rows, k] as rmsnorm_kernel writes it, then y prepared for a
- * linear of MODE in the same launch: fp8, the 1x128 quantizer with gemm_quant_kernel's arithmetic
- * (warp w takes blocks w, w + 8, ..., each lane the values i * 32 + lane, as prep_block reads them);
- * bf16, hi and lo planes as gemm_split_kernel writes them. y is read back after the barrier: every
- * thread's normalized values are visible to the block by then. */
+/* grid (ceil(k / GEMM_NORM_PART), rows): y = RMSNorm(x) [rows, k] as rmsnorm_kernel writes it, then
+ * y prepared for a linear of MODE in the same launch: fp8, the 1x128 quantizer with
+ * gemm_quant_kernel's arithmetic (each warp a 128-block, each lane the values i * 32 + lane, as
+ * prep_block reads them); bf16, hi and lo planes as gemm_split_kernel writes them. Every block of a
+ * row stages the row in shared memory and sums its squares exactly as rmsnorm_row does (thread t
+ * the values t + 256 j in order, then block_sum), so each gets the same r; then it normalizes and
+ * prepares its part of GEMM_NORM_PART columns from shared memory (at batch 1 one block had made
+ * the whole row, reading its normalized values back from memory). */
+#define GEMM_NORM_PART 1024                         /* columns a block prepares: a 128-block a warp */
+#define GEMM_NORM_MAX_K (48 * 1024 / (int)sizeof(float))    /* the row in the default shared memory */
+static_assert(GEMM_NORM_PART == 128 * (NORM_THREADS / DSV4_CUDA_WARP), "one 128-block a warp");
+
 template <int MODE>
 __global__ void __launch_bounds__(NORM_THREADS)
 gemm_norm_prep_kernel(const float *__restrict__ x, const float *__restrict__ w, int rows, int k, float eps, float *y,
                       void *__restrict__ xa, float *__restrict__ sa)
 {
     dsv4_pdl_enter();
-    const int64_t n = blockIdx.x;
+    extern __shared__ float xs[];       /* [k]: the row */
+    const int64_t n = blockIdx.y;
+    const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
+    const float *xr = x + n * k;
     float *yr = y + n * k;
-    rmsnorm_row(x + n * k, w, k, eps, yr);
+
+    for (int i = threadIdx.x; i < k; i += NORM_THREADS)
+        xs[i] = xr[i];
     __syncthreads();
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < k; i += NORM_THREADS)
+        ss += xs[i] * xs[i];
+    const float r = 1.0f / sqrtf(block_sum(ss) / k + eps);
+
+    /* warp: the 128-block kb of this block's part, lane: values kb * 128 + i * 32 + lane */
+    const int kb = blockIdx.x * (GEMM_NORM_PART / 128) + warp;
+    if (kb >= k / 128)
+        return;
+    float v[4], m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int e = kb * 128 + i * DSV4_CUDA_WARP + lane;
+        v[i] = (w ? w[e] : 1.0f) * (xs[e] * r);
+        yr[e] = v[i];
+        m = fmaxf(m, fabsf(v[i]));
+    }
     if (MODE == GEMM_BF16) {
         __nv_bfloat16 *hi = static_cast<__nv_bfloat16 *>(xa) + n * k, *lo = hi + (int64_t)rows * k;
-        for (int i = threadIdx.x; i < k; i += NORM_THREADS) {
-            const float v = yr[i];
-            const __nv_bfloat16 h = __float2bfloat16_rn(v);
-            hi[i] = h;
-            lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int e = kb * 128 + i * DSV4_CUDA_WARP + lane;
+            const __nv_bfloat16 h = __float2bfloat16_rn(v[i]);
+            hi[e] = h;
+            lo[e] = __float2bfloat16_rn(v[i] - __bfloat162float(h));
         }
         return;
     }
-    const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
     __half *q = static_cast<__half *>(xa) + n * k;
-    for (int kb = warp; kb < k / 128; kb += NORM_THREADS / DSV4_CUDA_WARP) {
-        float v[4], m = 0.0f;
+    const float s = dsv4_act_scale(dsv4_warp_max(m)), inv = 1.0f / s;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = yr[kb * 128 + i * DSV4_CUDA_WARP + lane];
-            m = fmaxf(m, fabsf(v[i]));
-        }
-        const float s = dsv4_act_scale(dsv4_warp_max(m)), inv = 1.0f / s;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
-            __half_raw h = __nv_cvt_fp8_to_halfraw(e, __NV_E4M3);
-            q[kb * 128 + i * DSV4_CUDA_WARP + lane] = *reinterpret_cast<__half *>(&h);
-        }
-        if (lane == 0)
-            sa[n * (k / 128) + kb] = s;
+    for (int i = 0; i < 4; i++) {
+        __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
+        __half_raw h = __nv_cvt_fp8_to_halfraw(e, __NV_E4M3);
+        q[kb * 128 + i * DSV4_CUDA_WARP + lane] = *reinterpret_cast<__half *>(&h);
     }
+    if (lane == 0)
+        sa[n * (k / 128) + kb] = s;
 }
 
 extern "C" size_t dsv4_cuda_gemm_ws_bytes(int rows, int64_t max_k)
@@ -730,7 +751,8 @@ extern "C" int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const flo
 extern "C" bool dsv4_cuda_gemm_norm_supports(const struct dsv4_cuda_linear *W, bool quant_act)
 {
     const int mode = gemm_mode(W, quant_act);
-    return (mode == GEMM_FP8 || mode == GEMM_BF16) && dsv4_cuda_gemm_supports(W, quant_act) && W->in % 128 == 0;
+    return (mode == GEMM_FP8 || mode == GEMM_BF16) && dsv4_cuda_gemm_supports(W, quant_act) && W->in % 128 == 0 &&
+           W->in <= GEMM_NORM_MAX_K;
 }
 
 extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_act, const float *d_x,
@@ -744,17 +766,20 @@ extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_
     ws->prepared.x = nullptr;
     if (!dsv4_cuda_gemm_norm_supports(W, quant_act))
         return dsv4_error_set(-EINVAL, "gemm_norm: a linear [%lld, %lld] of format %d with %s activations has no "
-                              "fused preparation (FP8 quantized or BF16, K a multiple of 128)", (long long)W->out,
-                              (long long)W->in, (int)W->fmt, quant_act ? "quantized" : "raw");
+                              "fused preparation (FP8 quantized or BF16, K a multiple of 128 up to %d)",
+                              (long long)W->out, (long long)W->in, (int)W->fmt, quant_act ? "quantized" : "raw",
+                              GEMM_NORM_MAX_K);
     if (rows < 1 || rows > ws->rows || k > ws->max_k)
         return dsv4_error_set(-EINVAL, "gemm_norm: %d rows of width %d exceed the workspace (%d rows, width %lld)",
                               rows, k, ws->rows, (long long)ws->max_k);
+    const dim3 grid((unsigned)((k + GEMM_NORM_PART - 1) / GEMM_NORM_PART), (unsigned)rows);
+    const size_t smem = (size_t)k * sizeof(float);
     if (mode == GEMM_FP8)
-        dsv4_launch(gemm_norm_prep_kernel<GEMM_FP8>, rows, NORM_THREADS, 0, s, d_x, d_w, rows, k, eps, d_y, ws->xa,
+        dsv4_launch(gemm_norm_prep_kernel<GEMM_FP8>, grid, NORM_THREADS, smem, s, d_x, d_w, rows, k, eps, d_y, ws->xa,
                     ws->sa);
     else
-        dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, rows, NORM_THREADS, 0, s, d_x, d_w, rows, k, eps, d_y, ws->xa,
-                    ws->sa);
+        dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, grid, NORM_THREADS, smem, s, d_x, d_w, rows, k, eps, d_y,
+                    ws->xa, ws->sa);
     DSV4_CUDA_LAUNCHED("gemm_norm_prep");
     ws->prepared.x = d_y;
     ws->prepared.ldx = k;
