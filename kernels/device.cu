@@ -57,6 +57,7 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_INDEXER_MMA: return "indexer_scores_fp4keys_bf16mma_entries1024";
     case DSV4_CUDA_V_INDEXER_FMA: return "indexer_scores_fma_thread_per_entry";
     case DSV4_CUDA_V_EXPERTS_FP4_FMA: return "experts_fp4_grouped_swiglu_fma_warprow";
+    case DSV4_CUDA_V_GEMM_FP8_WGMMA: return "gemm_fp8_f16wgmma_rows128x64_prefill";
     case DSV4_CUDA_V_COUNT: break;
     }
     return "?";

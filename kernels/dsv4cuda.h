@@ -121,6 +121,7 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_INDEXER_MMA,        /* indexer scores over FP4 keys on tensor cores */
     DSV4_CUDA_V_INDEXER_FMA,        /* indexer scores, thread per entry (f32 keys, other FP4 widths) */
     DSV4_CUDA_V_EXPERTS_FP4_FMA,    /* FP4 experts without activation quantization (exact numerics), FMA */
+    DSV4_CUDA_V_GEMM_FP8_WGMMA,     /* FP8 linears of prefill chunks on warpgroup MMAs (sm_90a; same bits) */
     DSV4_CUDA_V_COUNT,
 };
 const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v);
@@ -229,6 +230,7 @@ struct dsv4_cuda_gemm_ws {
         const float *x;
         int64_t ldx, k;
         int rows, mode;
+        bool wg_order;          /* 1x128 blocks in the wgmma kernel's order (kernels/gemm_wgmma.cu) */
     } prepared;
 };
 size_t dsv4_cuda_gemm_ws_bytes(int rows, int64_t max_k);

@@ -43,79 +43,25 @@
 #include <cuda_fp16.h>
 
 #include "kernels/cuda_util.cuh"
+#include "kernels/gemm_tile.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/norm_row.cuh"
 #include "kernels/switches.h"
 
-#define GEMM_ROWS 128               /* output rows per CTA: one FP8 scale block */
-#define GEMM_WARPS 8                /* one m16 tile of rows each */
-#define GEMM_THREADS (GEMM_WARPS * DSV4_CUDA_WARP)
-#define GEMM_TILE_BYTES 128         /* weight bytes per row per k-tile: 128 e4m3 or 64 bf16 values */
 #define GEMM_STAGES_MAX 4           /* 192 KB at fp8raw x 64 rows: sm_90 / sm_100 (227 KB a block) */
 #define GEMM_STAGES_MIN 2           /* 96 KB: every device with 99 KB or more */
 #define GEMM_TARGET_CTAS 256        /* split K until tiles x splits reaches this */
 #define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
-#define GEMM_PREFETCH_TILES 8       /* most k-tiles a CTA prefetches before its inputs are ready (128 KB) */
 #define GEMM_MAX_NT (DSV4_CUDA_MAX_BATCH / 8)
 #define GEMM_BLOCK_ROWS (GEMM_MAX_NT * 8)  /* batch rows of one CTA above DSV4_CUDA_MAX_BATCH rows */
-
-enum { GEMM_FP8 = 0, GEMM_BF16 = 1, GEMM_FP8RAW = 2 };
-
-/* Activation tile bytes per batch row and plane: 128 f16 (fp8: one plane; fp8raw: hi and lo
- * planes) or 64 bf16 hi + 64 bf16 lo (bf16: one plane holding both halves). */
-#define GEMM_XROW_BYTES 256
-
-static __host__ __device__ constexpr int kvals(int mode)
-{
-    return mode == GEMM_BF16 ? 64 : 128;
-}
-
-static __host__ __device__ constexpr int xplanes(int mode)
-{
-    return mode == GEMM_FP8RAW ? 2 : 1;
-}
 
 static __host__ __device__ constexpr size_t stage_bytes(int mode, int nt)
 {
     return (size_t)GEMM_ROWS * GEMM_TILE_BYTES + (size_t)xplanes(mode) * nt * 8 * GEMM_XROW_BYTES;
 }
 
-struct gemm_args {
-    const uint8_t *w;           /* [out, row_bytes] */
-    int64_t row_bytes;
-    const uint8_t *wscale;      /* fp8: [ceil(out/128), scale_stride] UE8M0 */
-    int64_t scale_stride;
-    int64_t out;
-    int nkt;                    /* k-tiles of K */
-    int per;                    /* k-tiles per split */
-    int rows;
-    const uint8_t *xa;          /* fp8: [rows, k] f16; fp8raw: hi [rows, k] then lo [rows, k] f16;
-                                 * bf16: hi [rows, k] then lo [rows, k] bf16 */
-    int64_t k;                  /* width of x: K, or groups x K (grouped) */
-    int64_t grp_rows;           /* output rows per group (multiple of GEMM_ROWS); out when ungrouped */
-    const float *sa;            /* fp8, fp8raw: [rows, k / 128] activation scales */
-    float *y;                   /* splits == 1: y[n * ldy + o] */
-    int64_t ldy;
-    float *part;                /* splits > 1: [splits, rows, out] */
-    int splits;
-    int pf_ctas, pf_tiles;      /* CTAs below pf_ctas prefetch their first pf_tiles k-tiles before waiting */
-};
-
-/* two e4m3 bytes (low first) -> f16x2, exact */
-static __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t v)
-{
-    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
-    return (uint32_t)h.x | ((uint32_t)h.y << 16);
-}
-
-/* Swizzles (16-byte chunk index within a smem row): weight rows and bf16 activation rows are
- * 128 bytes, f16 activation rows 256; a quarter warp reads rows g and g+1 at chunks t (+4h), so
- * odd rows move their chunks to the other half of the bank window. */
-static __device__ __forceinline__ int sw128(int row, int c)
-{
-    return c ^ ((row & 1) << 2);
-}
-
+/* f16 activation rows are 256 bytes; a quarter warp reads rows g and g+1 at chunks 2c, 2c+1, so odd
+ * rows swap the two (sw128 in gemm_tile.cuh does the same for 128-byte rows) */
 static __device__ __forceinline__ int sw256(int row, int c)
 {
     return c ^ (row & 1);
@@ -146,16 +92,6 @@ static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws
             dsv4_cp_async16(xs + p * (NT * 8 * 128) + n * 128 + sw128(n, c) * 16, src);
         }
     }
-}
-
-/* Chunk c of weight rows r0 and r1 (128-byte rows) of a stage, as words. */
-static __device__ __forceinline__ void load_wrows(const uint8_t *ws, int r0, int r1, int c, uint32_t (&w0v)[4],
-                                                  uint32_t (&w1v)[4])
-{
-    const uint4 w0 = dsv4_lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
-    const uint4 w1 = dsv4_lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
-    w0v[0] = w0.x; w0v[1] = w0.y; w0v[2] = w0.z; w0v[3] = w0.w;
-    w1v[0] = w1.x; w1v[1] = w1.y; w1v[2] = w1.z; w1v[3] = w1.w;
 }
 
 /* SEQ: grid (row block, tile), every k-tile, splits folded in order (see the top of the file);
@@ -238,9 +174,8 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
                     }
 #pragma unroll
                     for (int q = 0; q < 4; q++) {
-                        /* bytes 4q..4q+3 of each row: (4q, 4q+1) as k (2t, 2t+1), (4q+2, 4q+3) as (2t+8, 2t+9) */
-                        const uint32_t af[4] = { e4m3x2_f16x2(w0v[q]), e4m3x2_f16x2(w1v[q]), e4m3x2_f16x2(w0v[q] >> 16),
-                                                 e4m3x2_f16x2(w1v[q] >> 16) };
+                        uint32_t af[4];
+                        fp8_afrag(w0v, w1v, q, af);
                         dsv4_mma_f16(blk[j], af, bv[2 * q], bv[2 * q + 1]);
                         if (MODE == GEMM_FP8RAW)
                             dsv4_mma_f16(blk[j], af, lv[2 * q], lv[2 * q + 1]);
@@ -362,10 +297,16 @@ static __device__ __forceinline__ bool prep_block(const float *__restrict__ x, i
     return true;
 }
 
+/* Where value v (0..127) of a 1x128 block goes in xa: in place, or in the wgmma kernel's order */
+static __device__ __forceinline__ int xa_pos(int v, bool wg)
+{
+    return wg ? gemm_wg_pos(v) : v;
+}
+
 /* One warp per (row, 128-block): the official quantizer (as fp8_roundtrip_kernel), written as the
- * e4m3 values in f16 [rows, K] and the scale [rows, K/128]. */
-__global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k, __half *__restrict__ xa,
-                                  float *__restrict__ sa)
+ * e4m3 values in f16 [rows, K] (each block in place, or in wgmma order) and the scale [rows, K/128]. */
+__global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k, bool wg,
+                                  __half *__restrict__ xa, float *__restrict__ sa)
 {
     dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
@@ -378,7 +319,7 @@ __global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int 
     for (int i = 0; i < 4; i++) {
         __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
         __half_raw h = __nv_cvt_fp8_to_halfraw(q, __NV_E4M3);
-        xa[n * k + kb * 128 + i * DSV4_CUDA_WARP + lane] = *reinterpret_cast<__half *>(&h);
+        xa[n * k + kb * 128 + xa_pos(i * DSV4_CUDA_WARP + lane, wg)] = *reinterpret_cast<__half *>(&h);
     }
     if (lane == 0)
         sa[n * (k / 128) + kb] = s;
@@ -386,8 +327,9 @@ __global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int 
 
 /* One warp per (row, 128-block) of x f32 [rows, ldx] (k columns): the block divided by s, the power
  * of two at or below its amax (1 for a zero, subnormal or non-finite amax), as f16 hi [rows, k]
- * then lo [rows, k] with hi + lo = x / s to 2^-22; s -> sa [rows, k / 128]. */
-__global__ void gemm_split16_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k,
+ * then lo [rows, k] with hi + lo = x / s to 2^-22 (each block in place, or in wgmma order); s -> sa
+ * [rows, k / 128]. */
+__global__ void gemm_split16_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k, bool wg,
                                     __half *__restrict__ xa, float *__restrict__ sa)
 {
     dsv4_pdl_enter();
@@ -402,7 +344,7 @@ __global__ void gemm_split16_kernel(const float *__restrict__ x, int64_t ldx, in
     for (int i = 0; i < 4; i++) {
         const float u = v[i] * inv;
         const __half hi = __float2half_rn(u);
-        const int64_t o = n * k + kb * 128 + i * DSV4_CUDA_WARP + lane;
+        const int64_t o = n * k + kb * 128 + xa_pos(i * DSV4_CUDA_WARP + lane, wg);
         xa[o] = hi;
         xa[(int64_t)rows * k + o] = __float2half_rn(u - __half2float(hi));
     }
@@ -439,7 +381,7 @@ static_assert(GEMM_NORM_PART == 128 * (NORM_THREADS / DSV4_CUDA_WARP), "one 128-
 template <int MODE>
 __global__ void __launch_bounds__(NORM_THREADS)
 gemm_norm_prep_kernel(const float *__restrict__ x, const float *__restrict__ w, int rows, int k, float eps, float *y,
-                      void *__restrict__ xa, float *__restrict__ sa)
+                      bool wg, void *__restrict__ xa, float *__restrict__ sa)
 {
     dsv4_pdl_enter();
     extern __shared__ float xs[];       /* [k]: the row */
@@ -485,7 +427,7 @@ gemm_norm_prep_kernel(const float *__restrict__ x, const float *__restrict__ w, 
     for (int i = 0; i < 4; i++) {
         __nv_fp8_storage_t e = __nv_cvt_float_to_fp8(v[i] * inv, __NV_SATFINITE, __NV_E4M3);
         __half_raw h = __nv_cvt_fp8_to_halfraw(e, __NV_E4M3);
-        q[kb * 128 + i * DSV4_CUDA_WARP + lane] = *reinterpret_cast<__half *>(&h);
+        q[kb * 128 + xa_pos(i * DSV4_CUDA_WARP + lane, wg)] = *reinterpret_cast<__half *>(&h);
     }
     if (lane == 0)
         sa[n * (k / 128) + kb] = s;
@@ -544,6 +486,13 @@ static void gemm_splits(int64_t out, int nkt, int *per, int *splits)
 }
 
 static int gemm_stages = GEMM_STAGES_MAX;     /* chosen by dsv4_cuda_gemm_prepare */
+static bool gemm_wg = false;                    /* prefill chunks' FP8 linears on wgmma (gemm_wgmma.cu) */
+
+/* A prefill chunk's FP8 linear, where the image has the wgmma kernels (x then prepared in their order) */
+static bool use_wgmma(int mode, int rows)
+{
+    return gemm_wg && mode != GEMM_BF16 && rows > DSV4_CUDA_MAX_BATCH;
+}
 static int gemm_sms = 1;                        /* the device's SMs: CTAs of a launch's first wave, at least */
 static int64_t gemm_prefetch = (int64_t)DSV4_CUDA_PREFETCH_KB_DEFAULT << 10;   /* bytes; well inside L2 */
 
@@ -597,6 +546,10 @@ extern "C" int dsv4_cuda_gemm_prepare(void)
                               "linears need %zu", dev, optin, GEMM_STAGES_MIN * big);
     gemm_stages = (size_t)optin >= GEMM_STAGES_MAX * big && sw.gemm_stages != GEMM_STAGES_MIN ? GEMM_STAGES_MAX
                                                                                               : GEMM_STAGES_MIN;
+    bool wg = false;
+    if (sw.gemm_wgmma && (rc = gemm_wgmma_prepare(optin, &wg)) < 0)
+        return rc;
+    gemm_wg = wg;
     return gemm_stages == GEMM_STAGES_MAX ? prepare_stages<GEMM_STAGES_MAX>() : prepare_stages<GEMM_STAGES_MIN>();
 }
 
@@ -630,8 +583,12 @@ static int launch(gemm_args a, cudaStream_t s, const char *name)
 }
 
 template <int MODE>
-static int launch_nt(const gemm_args &a, cudaStream_t s)
+static int launch_nt(const gemm_args &a, bool wg, cudaStream_t s)
 {
+    if (wg) {
+        dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8_WGMMA);
+        return gemm_wgmma_launch(MODE, a, gemm_sms, gemm_prefetch, s);
+    }
     const char *name = MODE == GEMM_FP8 ? "gemm_fp8_mma" : MODE == GEMM_FP8RAW ? "gemm_fp8raw_mma" : "gemm_bf16x2_mma";
     if (a.rows <= 8)
         return launch<MODE, 1>(a, s, name);
@@ -650,8 +607,9 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
 {
     const int mode = gemm_mode(W, quant_act);
     const int64_t k = W->in * groups;
+    const bool wg = use_wgmma(mode, rows);
     const bool prepared = same_x && ws->prepared.x == d_x && ws->prepared.ldx == ldx && ws->prepared.k == k &&
-                          ws->prepared.rows == rows && ws->prepared.mode == mode;
+                          ws->prepared.rows == rows && ws->prepared.mode == mode && ws->prepared.wg_order == wg;
     gemm_args a = {};
 
     if (!prepared)
@@ -684,27 +642,27 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
             DSV4_CUDA_LAUNCHED("gemm_split");
         }
         dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_BF16_MMA);
-        rc = launch_nt<GEMM_BF16>(a, s);
+        rc = launch_nt<GEMM_BF16>(a, false, s);
     } else {
         const int warps = 8;
         const int64_t nblk = (int64_t)rows * (k / 128);
         const unsigned grid = (unsigned)((nblk + warps - 1) / warps);
         if (mode == GEMM_FP8) {
             if (!prepared) {
-                dsv4_launch(gemm_quant_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k,
+                dsv4_launch(gemm_quant_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k, wg,
                             static_cast<__half *>(ws->xa), ws->sa);
                 DSV4_CUDA_LAUNCHED("gemm_quant");
             }
             dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8_MMA);
-            rc = launch_nt<GEMM_FP8>(a, s);
+            rc = launch_nt<GEMM_FP8>(a, wg, s);
         } else {
             if (!prepared) {
-                dsv4_launch(gemm_split16_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k,
+                dsv4_launch(gemm_split16_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k, wg,
                             static_cast<__half *>(ws->xa), ws->sa);
                 DSV4_CUDA_LAUNCHED("gemm_split16");
             }
             dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8RAW_MMA);
-            rc = launch_nt<GEMM_FP8RAW>(a, s);
+            rc = launch_nt<GEMM_FP8RAW>(a, wg, s);
         }
     }
     if (rc < 0)
@@ -714,6 +672,7 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
     ws->prepared.k = k;
     ws->prepared.rows = rows;
     ws->prepared.mode = mode;
+    ws->prepared.wg_order = wg;
     if (a.splits > 1 && rows <= DSV4_CUDA_MAX_BATCH) {  /* above it the CTAs fold the splits themselves */
         const int64_t n = (int64_t)rows * W->out;
         dsv4_launch(gemm_reduce_kernel, (unsigned)((n + 255) / 256), 256, 0, s, ws->part, a.splits, rows, W->out, d_y,
@@ -772,13 +731,14 @@ extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_
     if (rows < 1 || rows > ws->rows || k > ws->max_k)
         return dsv4_error_set(-EINVAL, "gemm_norm: %d rows of width %d exceed the workspace (%d rows, width %lld)",
                               rows, k, ws->rows, (long long)ws->max_k);
+    const bool wg = use_wgmma(mode, rows);
     const dim3 grid((unsigned)((k + GEMM_NORM_PART - 1) / GEMM_NORM_PART), (unsigned)rows);
     const size_t smem = (size_t)k * sizeof(float);
     if (mode == GEMM_FP8)
-        dsv4_launch(gemm_norm_prep_kernel<GEMM_FP8>, grid, NORM_THREADS, smem, s, d_x, d_w, rows, k, eps, d_y, ws->xa,
+        dsv4_launch(gemm_norm_prep_kernel<GEMM_FP8>, grid, NORM_THREADS, smem, s, d_x, d_w, rows, k, eps, d_y, wg, ws->xa,
                     ws->sa);
     else
-        dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, grid, NORM_THREADS, smem, s, d_x, d_w, rows, k, eps, d_y,
+        dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, grid, NORM_THREADS, smem, s, d_x, d_w, rows, k, eps, d_y, false,
                     ws->xa, ws->sa);
     DSV4_CUDA_LAUNCHED("gemm_norm_prep");
     ws->prepared.x = d_y;
@@ -786,6 +746,7 @@ extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_
     ws->prepared.k = k;
     ws->prepared.rows = rows;
     ws->prepared.mode = mode;
+    ws->prepared.wg_order = wg;
     return 0;
 }
 

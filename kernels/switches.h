@@ -21,6 +21,7 @@ struct dsv4_cuda_switches {
     bool graphs;                /* DSV4_CUDA_GRAPHS: replay captured graphs (0: eager launches) */
     bool gemm;                  /* DSV4_CUDA_GEMM: tensor-core linears (0: GEMV only) */
     int gemm_stages;            /* DSV4_CUDA_GEMM_STAGES: 4 (the most that fit, else 2) or 2 */
+    bool gemm_wgmma;            /* DSV4_CUDA_GEMM_WGMMA: prefill chunks' FP8 linears on wgmma (sm_90a; 0: mma.sync) */
     int64_t gemm_prefetch_kb;   /* DSV4_CUDA_GEMM_PREFETCH_KB: a GEMM's first-wave weight prefetch, 0 off */
     bool pdl;                   /* DSV4_CUDA_PDL: programmatic dependent launch where the image has it */
     bool sample;                /* DSV4_CUDA_SAMPLE: sample on the device (0: on the host) */
@@ -37,7 +38,7 @@ int dsv4_cuda_switches_read(struct dsv4_cuda_switches *ret);
 
 /* "DSV4_CUDA_GRAPHS=1 DSV4_CUDA_GEMM=1 ..." for the boot log; truncated to len (a buffer of
  * DSV4_CUDA_SWITCH_LINE holds it whole). */
-#define DSV4_CUDA_SWITCH_LINE 256
+#define DSV4_CUDA_SWITCH_LINE 384
 void dsv4_cuda_switches_describe(const struct dsv4_cuda_switches *sw, char *buf, size_t len);
 
 /* The table's variable names, for the documentation check: i in [0, dsv4_cuda_switch_count()). */

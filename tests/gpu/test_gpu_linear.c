@@ -448,8 +448,10 @@ static void test_same_x(void **state)
  * and folding the shape's splits in order): every row bit-identical to that row computed alone (the
  * decode path, whose split-K reduction it reproduces), in each activation form, on shapes whose K is
  * split (wq_a's [1024, 4096] in 16 splits, a BF16 [256, 4096] in 32) and a grouped wo_a, at row
- * counts that leave a partial last block; and within LINEAR_BOUND of the CPU twin on sampled rows. */
-static void test_prefill_rows(void **state)
+ * counts that leave a partial last block; and within LINEAR_BOUND of the CPU twin on sampled rows.
+ * Both prefill kernels: the FP8 forms on wgmma (the default where the sm_90a image runs: it must
+ * have run on an sm_90 device) and everything on mma.sync (DSV4_CUDA_GEMM_WGMMA=0). */
+static void check_prefill_rows(bool wgmma)
 {
     static const struct { enum dsv4_wfmt fmt; bool quant; int64_t out, in; int groups; const char *what; } forms[] = {
         { DSV4_W_FP8, true, 1024, 4096, 0, "fp8 [1024,4096], quantized x" },
@@ -463,8 +465,11 @@ static void test_prefill_rows(void **state)
     struct dsv4_cuda_gemm_ws ws;
     void *mem;
 
-    (void)state;
+    struct cudaDeviceProp prop;
+    assert_int_equal(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+    setenv("DSV4_CUDA_GEMM_WGMMA", wgmma ? "1" : "0", 1);
     DSV4_OK(dsv4_cuda_gemm_prepare());
+    const uint64_t wg0 = dsv4_cuda_variant_launches(DSV4_CUDA_V_GEMM_FP8_WGMMA);
     assert_int_equal(cudaMalloc(&mem, dsv4_cuda_gemm_ws_bytes(RMAX, KMAX)), cudaSuccess);
     dsv4_cuda_gemm_ws_init(&ws, mem, RMAX, KMAX);
     for (size_t f = 0; f < sizeof(forms) / sizeof(forms[0]); f++) {
@@ -514,7 +519,7 @@ static void test_prefill_rows(void **state)
                 memcpy(gsel + (size_t)k * out, got + (size_t)probe[k] * out, sizeof(float) * out);
             }
             char what[128];
-            snprintf(what, sizeof(what), "%s, %d rows", forms[f].what, B);
+            snprintf(what, sizeof(what), "%s, %d rows, %s", forms[f].what, B, wgmma ? "wgmma default" : "mma.sync");
             ASSERT_REL(what, gsel, rsel, (size_t)3 * out, LINEAR_BOUND);
             printf("# prefill rows, %s: %zu of %d rows differ from the row computed alone\n", what, differ, B);
             assert_int_equal(differ, 0);
@@ -531,6 +536,21 @@ static void test_prefill_rows(void **state)
         free_linear(&W);
     }
     cudaFree(mem);
+    const uint64_t wg = dsv4_cuda_variant_launches(DSV4_CUDA_V_GEMM_FP8_WGMMA) - wg0;
+    printf("# prefill rows, DSV4_CUDA_GEMM_WGMMA=%d: %llu wgmma launches\n", wgmma, (unsigned long long)wg);
+    if (!wgmma)
+        assert_int_equal(wg, 0);
+    else if (prop.major == 9 && prop.minor == 0)
+        assert_true(wg > 0);
+    unsetenv("DSV4_CUDA_GEMM_WGMMA");
+    DSV4_OK(dsv4_cuda_gemm_prepare());
+}
+
+static void test_prefill_rows(void **state)
+{
+    (void)state;
+    check_prefill_rows(true);
+    check_prefill_rows(false);
 }
 
 /* dsv4_cuda_gemm_norm: the normalized rows are dsv4_cuda_rmsnorm's bit for bit, and a linear that
@@ -543,12 +563,16 @@ static void test_norm_prep(void **state)
         { DSV4_W_FP8, true, 1024, "fp8 wq_a [1024,4096], quantized x" },
         { DSV4_W_BF16, false, 256, "bf16 gate [256,4096]" },
     };
-    static const int rows[] = { 1, 17, 64 };
+    static const int rows[] = { 1, 17, 64, 200 };
     const int64_t in = 4096;
     const float eps = 1e-6f;
+    struct dsv4_cuda_gemm_ws nws;       /* room for the 200-row prefill chunk */
+    void *nmem;
 
     (void)state;
-    ws_open();
+    DSV4_OK(dsv4_cuda_gemm_prepare());
+    assert_int_equal(cudaMalloc(&nmem, dsv4_cuda_gemm_ws_bytes(200, in)), cudaSuccess);
+    dsv4_cuda_gemm_ws_init(&nws, nmem, 200, in);
     for (size_t f = 0; f < sizeof(forms) / sizeof(forms[0]); f++) {
         const int64_t out = forms[f].out;
         const bool q = forms[f].quant;
@@ -567,13 +591,13 @@ static void test_norm_prep(void **state)
             float *dy_ref = gt_dev_poisoned((size_t)B * out), *dy = gt_dev_poisoned((size_t)B * out);
 
             DSV4_OK(dsv4_cuda_rmsnorm(dx, dw, B, (int)in, eps, dn_ref, NULL));
-            DSV4_OK(dsv4_cuda_gemm(&W.d, dn_ref, in, B, q, &gemm_ws, dy_ref, out, NULL));
-            DSV4_OK(dsv4_cuda_gemm_norm(&W.d, q, dx, dw, B, eps, &gemm_ws, dn, NULL));
-            assert_ptr_equal(gemm_ws.prepared.x, dn);
+            DSV4_OK(dsv4_cuda_gemm(&W.d, dn_ref, in, B, q, &nws, dy_ref, out, NULL));
+            DSV4_OK(dsv4_cuda_gemm_norm(&W.d, q, dx, dw, B, eps, &nws, dn, NULL));
+            assert_ptr_equal(nws.prepared.x, dn);
             float *n_ref = gt_host_from(dn_ref, (size_t)B * in), *n_got = gt_host_from(dn, (size_t)B * in);
             assert_memory_equal(n_got, n_ref, sizeof(float) * B * in);
             assert_int_equal(cudaMemset(dn, 0xff, sizeof(float) * B * in), cudaSuccess);  /* NaN: must not be read */
-            DSV4_OK(dsv4_cuda_gemm_same_x(&W.d, dn, in, B, q, &gemm_ws, dy, out, NULL));
+            DSV4_OK(dsv4_cuda_gemm_same_x(&W.d, dn, in, B, q, &nws, dy, out, NULL));
             float *y_ref = gt_host_from(dy_ref, (size_t)B * out), *y_got = gt_host_from(dy, (size_t)B * out);
             assert_memory_equal(y_got, y_ref, sizeof(float) * B * out);
             printf("# norm + prepare, %s, %d rows: norm and linear bit-identical to the two-step path\n",
@@ -588,13 +612,13 @@ static void test_norm_prep(void **state)
         float *dx = gt_dev_poisoned((size_t)in), *dn = gt_dev_poisoned((size_t)in);
         make_linear(&W, DSV4_W_FP8, 256, in);
         assert_false(dsv4_cuda_gemm_norm_supports(&W.d, false));
-        assert_int_equal(dsv4_cuda_gemm_norm(&W.d, false, dx, NULL, 1, eps, &gemm_ws, dn, NULL), -EINVAL);
-        assert_null(gemm_ws.prepared.x);
+        assert_int_equal(dsv4_cuda_gemm_norm(&W.d, false, dx, NULL, 1, eps, &nws, dn, NULL), -EINVAL);
+        assert_null(nws.prepared.x);
         free_linear(&W);
         cudaFree(dx);
         cudaFree(dn);
     }
-    ws_close();
+    cudaFree(nmem);
 }
 
 /* A strided view (a stacked transformers expert) is refused when misaligned, never misread. */

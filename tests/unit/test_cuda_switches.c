@@ -32,7 +32,7 @@ static void test_defaults(void **state)
     (void)state;
     clear_env();
     assert_int_equal(dsv4_cuda_switches_read(&sw), 0);
-    assert_true(sw.graphs && sw.gemm && sw.pdl && sw.sample && sw.moe_mma && sw.branches && sw.moe_tiles);
+    assert_true(sw.graphs && sw.gemm && sw.gemm_wgmma && sw.pdl && sw.sample && sw.moe_mma && sw.branches && sw.moe_tiles);
     assert_false(sw.log);
     assert_int_equal(sw.gemm_stages, 4);
     assert_int_equal(sw.gemm_prefetch_kb, DSV4_CUDA_PREFETCH_KB_DEFAULT);
@@ -55,7 +55,9 @@ static void test_values(void **state)
     setenv("DSV4_CUDA_GEMM_STAGES", "2", 1);
     setenv("DSV4_CUDA_GEMM_PREFETCH_KB", "0", 1);
     setenv("DSV4_CUDA_ATT_HEADS", "16", 1);
+    setenv("DSV4_CUDA_GEMM_WGMMA", "0", 1);
     assert_int_equal(dsv4_cuda_switches_read(&sw), 0);
+    assert_false(sw.gemm_wgmma);
     assert_int_equal(sw.att_heads, 16);
     assert_false(sw.graphs);
     assert_false(sw.branches);
@@ -76,6 +78,7 @@ static void test_refused(void **state)
         { "DSV4_CUDA_SAMPLE", "2", "0 or 1" },       { "DSV4_CUDA_GEMM_STAGES", "3", "2 or 4" },
         { "DSV4_CUDA_GEMM_PREFETCH_KB", "-1", "0 to" }, { "DSV4_CUDA_GEMM_PREFETCH_KB", "1048577", "0 to" },
         { "DSV4_CUDA_GEMM_PREFETCH_KB", "8M", "0 to" }, { "DSV4_CUDA_LOG", "yes", "0 or 1" },
+        { "DSV4_CUDA_GEMM_WGMMA", "on", "0 or 1" },
         { "DSV4_CUDA_ATT_HEADS", "8", "16, 32 or 64" }, { "DSV4_CUDA_ATT_HEADS", "128", "16, 32 or 64" },
     };
     struct dsv4_cuda_switches sw;

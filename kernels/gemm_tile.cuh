@@ -1,0 +1,108 @@
+/* SPDX-License-Identifier: MIT */
+/* What the two tensor-core linear kernels share (gemm.cu: mma.sync for every image, any row count;
+ * gemm_wgmma.cu: wgmma for prefill chunks on sm_90a): the launch arguments, the weight tile in shared
+ * memory and the A fragments made from it. Both kernels build each MMA's A operand from a weight
+ * tile the same way, so a row gets the same bits from either (see gemm_wgmma.cu). */
+#ifndef DSV4_KERNELS_GEMM_TILE_CUH
+#define DSV4_KERNELS_GEMM_TILE_CUH
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#include "kernels/mma.cuh"
+
+#define GEMM_ROWS 128               /* output rows per CTA: one FP8 scale block */
+#define GEMM_WARPS 8                /* one m16 tile of rows each */
+#define GEMM_THREADS (GEMM_WARPS * DSV4_CUDA_WARP)
+#define GEMM_TILE_BYTES 128         /* weight bytes per row per k-tile: 128 e4m3 or 64 bf16 values */
+#define GEMM_PREFETCH_TILES 8       /* most k-tiles a CTA prefetches before its inputs are ready (128 KB) */
+
+enum { GEMM_FP8 = 0, GEMM_BF16 = 1, GEMM_FP8RAW = 2 };
+
+/* Activation tile bytes per batch row and plane: 128 f16 (fp8: one plane; fp8raw: hi and lo
+ * planes) or 64 bf16 hi + 64 bf16 lo (bf16: one plane holding both halves). */
+#define GEMM_XROW_BYTES 256
+
+static __host__ __device__ constexpr int kvals(int mode)
+{
+    return mode == GEMM_BF16 ? 64 : 128;
+}
+
+static __host__ __device__ constexpr int xplanes(int mode)
+{
+    return mode == GEMM_FP8RAW ? 2 : 1;
+}
+
+struct gemm_args {
+    const uint8_t *w;           /* [out, row_bytes] */
+    int64_t row_bytes;
+    const uint8_t *wscale;      /* fp8: [ceil(out/128), scale_stride] UE8M0 */
+    int64_t scale_stride;
+    int64_t out;
+    int nkt;                    /* k-tiles of K */
+    int per;                    /* k-tiles per split */
+    int rows;
+    const uint8_t *xa;          /* fp8: [rows, k] f16; fp8raw: hi [rows, k] then lo [rows, k] f16;
+                                 * bf16: hi [rows, k] then lo [rows, k] bf16 */
+    int64_t k;                  /* width of x: K, or groups x K (grouped) */
+    int64_t grp_rows;           /* output rows per group (multiple of GEMM_ROWS); out when ungrouped */
+    const float *sa;            /* fp8, fp8raw: [rows, k / 128] activation scales */
+    float *y;                   /* splits == 1: y[n * ldy + o] */
+    int64_t ldy;
+    float *part;                /* splits > 1: [splits, rows, out] */
+    int splits;
+    int pf_ctas, pf_tiles;      /* CTAs below pf_ctas prefetch their first pf_tiles k-tiles before waiting */
+};
+
+/* two e4m3 bytes (low first) -> f16x2, exact */
+static __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t v)
+{
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
+    return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+/* 16-byte chunk c of a 128-byte weight (or bf16 activation) row in shared memory: a quarter warp
+ * reads rows g and g+1 at chunks t (+4h), so odd rows move their chunks to the other half of the
+ * bank window. */
+static __device__ __forceinline__ int sw128(int row, int c)
+{
+    return c ^ ((row & 1) << 2);
+}
+
+/* Chunk c of weight rows r0 and r1 (128-byte rows) of a stage, as words. */
+static __device__ __forceinline__ void load_wrows(const uint8_t *ws, int r0, int r1, int c, uint32_t (&w0v)[4],
+                                                  uint32_t (&w1v)[4])
+{
+    const uint4 w0 = dsv4_lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
+    const uint4 w1 = dsv4_lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
+    w0v[0] = w0.x; w0v[1] = w0.y; w0v[2] = w0.z; w0v[3] = w0.w;
+    w1v[0] = w1.x; w1v[1] = w1.y; w1v[2] = w1.z; w1v[3] = w1.w;
+}
+
+/* The A fragment of MMA q (0..3) of a weight chunk: rows r0 and r1 (words w0v, w1v), bytes 4q, 4q+1 as
+ * k (2t, 2t+1) and 4q+2, 4q+3 as (2t+8, 2t+9) (the fragment trick: gemm.cu's header). */
+static __device__ __forceinline__ void fp8_afrag(const uint32_t (&w0v)[4], const uint32_t (&w1v)[4], int q,
+                                                 uint32_t (&af)[4])
+{
+    af[0] = e4m3x2_f16x2(w0v[q]);
+    af[1] = e4m3x2_f16x2(w1v[q]);
+    af[2] = e4m3x2_f16x2(w0v[q] >> 16);
+    af[3] = e4m3x2_f16x2(w1v[q] >> 16);
+}
+
+/* Where the wgmma path stores value k (0..127) of each 1x128 activation block (gemm_wgmma.cu): MMA
+ * q of weight chunk c = t + 4h feeds k-slot 2t+e the value 16c + 4q + e and slot 8+2t+e the value
+ * 16c + 4q + 2 + e; the wgmma kernel reads a k16 step's B operand as two 16-byte core-matrix rows
+ * per activation row (slots 0-7, then 8-15), so value k goes to step 4h+q, half j, place 2t+e. */
+static __host__ __device__ constexpr int gemm_wg_pos(int k)
+{
+    return ((4 * ((k >> 4) >> 2) + ((k & 15) >> 2)) * 2 + ((k >> 1) & 1)) * 8 + 2 * ((k >> 4) & 3) + (k & 1);
+}
+
+/* gemm_wgmma.cu: whether the running image has the wgmma kernels and the device the shared memory
+ * they take (then their limits are set), and a launch for a.rows > DSV4_CUDA_MAX_BATCH with x prepared in gemm_wg_pos order. */
+int gemm_wgmma_prepare(int smem_optin, bool *available);
+int gemm_wgmma_launch(int mode, gemm_args a, int sms, int64_t prefetch, cudaStream_t s);
+
+#endif
