@@ -43,34 +43,113 @@ static __host__ __device__ constexpr size_t wg_stage_bytes(int mode)
     return (size_t)GEMM_ROWS * GEMM_TILE_BYTES + (size_t)xplanes(mode) * WG_XPLANE + WG_TOKENS * sizeof(float);
 }
 
-/* cp.async of k-tile kt into a stage: the weight tile (gemm.cu's layout), the activation planes in
- * core-matrix order, the rows' activation scales. Rows past a.rows load the last row (not stored). */
-template <int MODE>
-static __device__ __forceinline__ void wg_load_tile(const gemm_args &a, uint8_t *st, int kt, int64_t row0,
-                                                    int64_t xk0, int nb)
-{
-    const int tid = threadIdx.x;
-    uint8_t *xs = st + GEMM_ROWS * GEMM_TILE_BYTES;
-    float *ss = reinterpret_cast<float *>(xs + xplanes(MODE) * WG_XPLANE);
+/* One thread's share of a k-tile's cp.async loads, addressed once per CTA: per tile the sources
+ * advance by the tile's bytes and the destinations by the stage. Weight chunk m of the thread: row
+ * tid / 8 + 32 m, 16-byte chunk tid % 8 (gemm.cu's sw128 layout); activation chunk m of plane p: row
+ * group tid / 128 + 2 m, row tid % 8 in it, 16-byte chunk (tid / 8) % 16 of the row's 256 bytes, in
+ * core-matrix order (8 rows of one chunk land in 128 contiguous bytes). Rows past a.out or a.rows
+ * load the last one (not stored). */
+#define WG_WCHUNKS (GEMM_ROWS * 8 / WG_THREADS)         /* 4 */
+#define WG_XCHUNKS (WG_TOKENS * 16 / WG_THREADS)        /* 4 a plane */
+static_assert(WG_TOKENS / 8 == 2 * WG_XCHUNKS && WG_THREADS == 256, "row groups tid / 128 + 2 m cover the tile");
 
-    for (int i = tid; i < GEMM_ROWS * 8; i += WG_THREADS) {
-        const int r = i >> 3, c = i & 7;
-        const int64_t gr = min(row0 + r, a.out - 1);
-        dsv4_cp_async16(st + r * GEMM_TILE_BYTES + sw128(r, c) * 16, a.w + gr * a.row_bytes + (int64_t)kt * GEMM_TILE_BYTES + c * 16);
+template <int MODE>
+struct wg_loader {
+    const uint8_t *w[WG_WCHUNKS];
+    const uint8_t *x[xplanes(MODE) * WG_XCHUNKS];
+    const float *s;                 /* the activation scale of row tid (tid < WG_TOKENS) */
+    uint32_t wdst, xdst, sdst;      /* offsets in a stage of chunk 0 */
+
+    __device__ __forceinline__ wg_loader(const gemm_args &a, int64_t row0, int64_t xk0, int nb)
+    {
+        const int tid = threadIdx.x, c = (tid >> 3) & 15, r8 = tid & 7;
+#pragma unroll
+        for (int m = 0; m < WG_WCHUNKS; m++) {
+            const int64_t gr = min(row0 + (tid >> 3) + 32 * m, a.out - 1);
+            w[m] = a.w + gr * a.row_bytes + (tid & 7) * 16;
+        }
+        wdst = (uint32_t)((tid >> 3) * GEMM_TILE_BYTES + sw128(tid >> 3, tid & 7) * 16);
+#pragma unroll
+        for (int p = 0; p < xplanes(MODE); p++)
+#pragma unroll
+            for (int m = 0; m < WG_XCHUNKS; m++) {
+                const int gn = min(nb + ((tid >> 7) + 2 * m) * 8 + r8, a.rows - 1);
+                x[p * WG_XCHUNKS + m] = a.xa + (((int64_t)p * a.rows + gn) * a.k + xk0) * 2 + c * 16;
+            }
+        xdst = (uint32_t)(GEMM_ROWS * GEMM_TILE_BYTES + ((c >> 1) * (WG_TOKENS / 8) + (tid >> 7)) * 256 +
+                          (c & 1) * 128 + r8 * 16);
+        s = a.sa + (int64_t)min(nb + tid, a.rows - 1) * (a.k / 128) + xk0 / 128;
+        sdst = (uint32_t)(GEMM_ROWS * GEMM_TILE_BYTES + xplanes(MODE) * WG_XPLANE + tid * 4);
     }
-    /* i: 8 rows fastest (their chunks land in 128 contiguous bytes), then the 16 chunks of a row's
-     * 256 bytes, then row groups, then planes */
-    for (int i = tid; i < xplanes(MODE) * WG_TOKENS * 16; i += WG_THREADS) {
-        const int r8 = i & 7, c = (i >> 3) & 15, grp = (i >> 7) % (WG_TOKENS / 8), p = i / (WG_TOKENS * 16);
-        const int n = grp * 8 + r8, gn = min(nb + n, a.rows - 1);
-        const uint8_t *src = a.xa + (((int64_t)p * a.rows + gn) * a.k + xk0 + (int64_t)kt * 128) * 2 + c * 16;
-        dsv4_cp_async16(xs + p * WG_XPLANE + ((c >> 1) * (WG_TOKENS / 8) + grp) * 256 + (c & 1) * 128 + r8 * 16, src);
+
+    __device__ __forceinline__ void load(uint8_t *st, int kt) const
+    {
+#pragma unroll
+        for (int m = 0; m < WG_WCHUNKS; m++)
+            dsv4_cp_async16(st + wdst + m * 32 * GEMM_TILE_BYTES, w[m] + (int64_t)kt * GEMM_TILE_BYTES);
+#pragma unroll
+        for (int p = 0; p < xplanes(MODE); p++)
+#pragma unroll
+            for (int m = 0; m < WG_XCHUNKS; m++)
+                dsv4_cp_async16(st + xdst + p * WG_XPLANE + m * 2 * 256, x[p * WG_XCHUNKS + m] + (int64_t)kt * 256);
+        if (threadIdx.x < WG_TOKENS)
+            dsv4_cp_async4(st + sdst, s + kt);
     }
-    if (tid < WG_TOKENS) {
-        const int gn = min(nb + tid, a.rows - 1);
-        dsv4_cp_async4(ss + tid, a.sa + (int64_t)gn * (a.k / 128) + xk0 / 128 + kt);
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* The A fragments of a k-tile's 8 steps from the stage's weight tile (gemm.cu's construction), then
+ * the 8 (raw x: 16) wgmmas into blk from zero, committed as one group. */
+template <int MODE>
+static __device__ __forceinline__ void wg_issue(const uint8_t *st, int r0, int r1, int t, float (&blk)[WG_ACC])
+{
+    const uint8_t *xs = st + GEMM_ROWS * GEMM_TILE_BYTES;
+    uint32_t af[WG_STEPS][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        uint32_t w0v[4], w1v[4];
+        load_wrows(st, r0, r1, t + 4 * h, w0v, w1v);
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            fp8_afrag(w0v, w1v, q, af[4 * h + q]);
     }
+#pragma unroll
+    for (int j = 0; j < WG_ACC; j++) {
+        blk[j] = 0.0f;
+        dsv4_wgmma_pin(blk[j]);
+    }
+    dsv4_wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < WG_STEPS; s++) {
+        dsv4_wgmma_f16_n64(blk, af[s], dsv4_wgmma_desc(xs + s * (WG_TOKENS / 8) * 256, 128, 256));
+        if (MODE == GEMM_FP8RAW)
+            dsv4_wgmma_f16_n64(blk, af[s], dsv4_wgmma_desc(xs + WG_XPLANE + s * (WG_TOKENS / 8) * 256, 128, 256));
+    }
+    dsv4_wgmma_commit();
 }
+
+/* acc += blk x (weight scale x row scale) for k-tile kt (gemm.cu's arithmetic); at a split's end,
+ * tot += acc and acc = 0 */
+static __device__ __forceinline__ void wg_fold(const float (&blk)[WG_ACC], const float *ss, float sw, int t,
+                                               bool split_end, float (&acc)[WG_ACC], float (&tot)[WG_ACC])
+{
+#pragma unroll
+    for (int j = 0; j < WG_TOKENS / 8; j++) {
+        const float2 sr = *reinterpret_cast<const float2 *>(ss + j * 8 + 2 * t);
+        const float s0 = sw * sr.x, s1 = sw * sr.y;
+        acc[4 * j + 0] += blk[4 * j + 0] * s0;
+        acc[4 * j + 1] += blk[4 * j + 1] * s1;
+        acc[4 * j + 2] += blk[4 * j + 2] * s0;
+        acc[4 * j + 3] += blk[4 * j + 3] * s1;
+    }
+    if (split_end)
+#pragma unroll
+        for (int j = 0; j < WG_ACC; j++) {
+            tot[j] += acc[j];
+            acc[j] = 0.0f;
+        }
+}
+#endif
 
 template <int MODE>
 __global__ void __launch_bounds__(WG_THREADS, 1) gemm_wgmma_kernel(const gemm_args a)
@@ -88,9 +167,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1) gemm_wgmma_kernel(const gemm_ar
             dsv4_prefetch_l2(a.w + gr * a.row_bytes + (int64_t)(i / GEMM_ROWS) * GEMM_TILE_BYTES);
         }
     dsv4_pdl_enter();
-    constexpr size_t sbytes = wg_stage_bytes(MODE);
+    constexpr uint32_t sbytes = (uint32_t)wg_stage_bytes(MODE);
     const int64_t xk0 = (row0 / a.grp_rows) * a.nkt * 128;
+    const wg_loader<MODE> ld(a, row0, xk0, nb);
     const int r0 = warp * 16 + g, r1 = r0 + 8;
+    const uint8_t *wscale = a.wscale + (row0 / GEMM_ROWS) * a.scale_stride;
     float blk[WG_ACC], acc[WG_ACC], tot[WG_ACC];
 
 #pragma unroll
@@ -101,63 +182,32 @@ __global__ void __launch_bounds__(WG_THREADS, 1) gemm_wgmma_kernel(const gemm_ar
 #pragma unroll
     for (int s = 0; s < WG_STAGES - 1; s++) {
         if (s < nk)
-            wg_load_tile<MODE>(a, smem + s * sbytes, s, row0, xk0, nb);
+            ld.load(smem + s * sbytes, s);
         dsv4_cp_async_commit();
     }
+    int left = a.per;                   /* k-tiles to the end of the split */
     for (int i = 0; i < nk; i++) {
+        const float sw = dsv4_ue8m0(__ldg(wscale + i));
         dsv4_cp_async_wait<WG_STAGES - 2>();
         dsv4_fence_proxy_async();       /* this thread's copies, visible to the wgmma reads below */
         __syncthreads();
         {
             const int nx = i + WG_STAGES - 1;
             if (nx < nk)
-                wg_load_tile<MODE>(a, smem + (nx % WG_STAGES) * sbytes, nx, row0, xk0, nb);
+                ld.load(smem + (nx % WG_STAGES) * sbytes, nx);
             dsv4_cp_async_commit();
         }
-        const uint8_t *ws = smem + (i % WG_STAGES) * sbytes, *xs = ws + GEMM_ROWS * GEMM_TILE_BYTES;
-        const float *ss = reinterpret_cast<const float *>(xs + xplanes(MODE) * WG_XPLANE);
-        uint32_t af[WG_STEPS][4];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            uint32_t w0v[4], w1v[4];
-            load_wrows(ws, r0, r1, t + 4 * h, w0v, w1v);
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-                fp8_afrag(w0v, w1v, q, af[4 * h + q]);
-        }
-#pragma unroll
-        for (int j = 0; j < WG_ACC; j++) {
-            blk[j] = 0.0f;
-            dsv4_wgmma_pin(blk[j]);
-        }
-        dsv4_wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < WG_STEPS; s++) {
-            dsv4_wgmma_f16_n64(blk, af[s], dsv4_wgmma_desc(xs + s * (WG_TOKENS / 8) * 256, 128, 256));
-            if (MODE == GEMM_FP8RAW)
-                dsv4_wgmma_f16_n64(blk, af[s], dsv4_wgmma_desc(xs + WG_XPLANE + s * (WG_TOKENS / 8) * 256, 128, 256));
-        }
-        dsv4_wgmma_commit_wait();
+        const uint8_t *st = smem + (i % WG_STAGES) * sbytes;
+        wg_issue<MODE>(st, r0, r1, t, blk);
+        dsv4_wgmma_wait<0>();
 #pragma unroll
         for (int j = 0; j < WG_ACC; j++)
             dsv4_wgmma_pin(blk[j]);
-
-        const float sw = dsv4_ue8m0(__ldg(a.wscale + (row0 / GEMM_ROWS) * a.scale_stride + i));
-#pragma unroll
-        for (int j = 0; j < WG_TOKENS / 8; j++) {
-            const float s0 = sw * ss[j * 8 + 2 * t], s1 = sw * ss[j * 8 + 2 * t + 1];
-            acc[4 * j + 0] += blk[4 * j + 0] * s0;
-            acc[4 * j + 1] += blk[4 * j + 1] * s1;
-            acc[4 * j + 2] += blk[4 * j + 2] * s0;
-            acc[4 * j + 3] += blk[4 * j + 3] * s1;
-        }
-        if ((i + 1) % a.per == 0 || i + 1 == nk) {     /* the end of a split: fold it in */
-#pragma unroll
-            for (int j = 0; j < WG_ACC; j++) {
-                tot[j] += acc[j];
-                acc[j] = 0.0f;
-            }
-        }
+        const bool split_end = --left == 0 || i + 1 == nk;
+        if (split_end)
+            left = a.per;
+        wg_fold(blk, reinterpret_cast<const float *>(st + GEMM_ROWS * GEMM_TILE_BYTES + xplanes(MODE) * WG_XPLANE), sw, t,
+                split_end, acc, tot);
     }
     dsv4_cp_async_wait<0>();
 

@@ -29,10 +29,17 @@ static __device__ __forceinline__ void dsv4_wgmma_fence(void)
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 
-/* Close the wgmmas issued so far into a group and wait until none is in flight */
-static __device__ __forceinline__ void dsv4_wgmma_commit_wait(void)
+/* Close the wgmmas issued since the last commit into a group */
+static __device__ __forceinline__ void dsv4_wgmma_commit(void)
 {
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+/* Wait until at most N committed groups are in flight */
+template <int N>
+static __device__ __forceinline__ void dsv4_wgmma_wait(void)
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
 /* Pins an accumulator register in program order: the compiler sees wgmma's outputs as written when
