@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* Attention for the decode step: interleaved RoPE, the KV entry codec of doc/MODEL.md §5.2, the window-ring
- * store, and sparse MQA over window + compressed entries with per-head sinks, split over keys with a
- * log-sum-exp combine that also undoes RoPE on the output. The CPU twin is dsv4_cpu_attention
+ * store, and sparse MQA over window + compressed entries with per-head sinks, split over keys with an
+ * online combine (in split order) that also undoes RoPE on the output. The CPU twin is dsv4_cpu_attention
  * (engine/cpu/cpu_attention.c), checked through the whole decode step (tests/gpu/test_gpu_step.c); the
  * attention itself against a double-precision reference in tests/gpu/test_gpu_attention.c.
  *
@@ -14,7 +14,10 @@
  *     (up to 64 per block) sharing one decode of each entry; see the comment above it.
  *   attention_f32_kernel (f32 entries, DSV4_CUDA_V_ATTENTION_F32): FMA dot products, 32 heads per
  *     block. Exact numerics keep it: their keys are f32 and would need bf16 terms of their own (several
- *     times the MMAs and the key tile), for the numerics of the test fixtures. */
+ *     times the MMAs and the key tile), for the numerics of the test fixtures.
+ * The slices of a prefill chunk (FP8 entries) skip the partials: attention_mma_whole_kernel
+ * (DSV4_CUDA_V_ATTENTION_WHOLE) computes a row's runs one after another as the split blocks do and
+ * folds them as the combine does, the same bits. */
 #include <cuda_bf16.h>
 
 #include "kernels/cuda_util.cuh"
@@ -101,6 +104,42 @@ static __device__ __forceinline__ const uint8_t *att_entry(const struct dsv4_cud
         return a.win + r.slot * a.win_slot_stride + (int64_t)((r.first + kidx) % a.ring) * a.entry_bytes;
     const int c = kidx - r.nw;
     return a.comp + r.slot * a.comp_slot_stride + (int64_t)(a.sel ? a.sel[(int64_t)b * a.sel_stride + c] : c) * a.entry_bytes;
+}
+
+/* The combine of a row's runs, per head, online: (M, L, acc) start from the sink (M = sink, L =
+ * e^0 = 1, acc = 0; a sink is a learned, finite logit) and each non-empty run (m, l, o) folds in, in
+ * split order, as
+ *   M' = max(M, m), ca = e^(M - M'), cr = e^(m - M'), L' = L ca + l cr, acc' = acc ca + o cr;
+ * the output is acc / L' after the last run. attention_combine_kernel folds a row's partials with
+ * these helpers and attention_mma_whole_kernel folds its runs as it computes them: every product and
+ * sum is an explicit round-to-nearest operation (nothing left to the compiler's contraction), so the
+ * two give the same bits. */
+static __device__ __forceinline__ void att_fold_scales(float &M, float &L, float m, float l, float &ca, float &cr)
+{
+    const float Mn = fmaxf(M, m);
+    ca = expf(__fsub_rn(M, Mn));
+    cr = expf(__fsub_rn(m, Mn));
+    L = __fmaf_rn(l, cr, __fmul_rn(L, ca));
+    M = Mn;
+}
+
+static __device__ __forceinline__ float att_fold_value(float acc, float o, float ca, float cr)
+{
+    return __fmaf_rn(o, cr, __fmul_rn(acc, ca));
+}
+
+/* Output dims (d, d + 1) of a head, d even: acc / L, then, for a RoPE pair (d >= hd - rd), RoPE^-1
+ * at the row's position (the rotation of dsv4_rope_pair, its products rounded explicitly). */
+static __device__ __forceinline__ float2 att_out_pair(float x, float y, float L, int d, int hd, int rd,
+                                                      const float *__restrict__ inv_freq, int pos)
+{
+    x = __fdiv_rn(x, L);
+    y = __fdiv_rn(y, L);
+    if (d < hd - rd)
+        return make_float2(x, y);
+    const float angle = __fmul_rn(inv_freq[(d - (hd - rd)) / 2], (float)pos);
+    const float cs = cosf(angle), sn = sinf(angle);
+    return make_float2(__fmaf_rn(y, sn, __fmul_rn(x, cs)), __fmaf_rn(-x, sn, __fmul_rn(y, cs)));
 }
 
 /* grid (B, DSV4_CUDA_ATT_SPLITS, ceil(H / ATT_HB)): the keys of row b split in equal runs; each
@@ -553,14 +592,15 @@ static __device__ __forceinline__ void att_softmax(int nt, int ntp, int mts, flo
 /* Phase 4: o = alpha o + P V for the warp's output dims 8 (w + 8 i), i < nown, every m16 tile.
  * Value fragments by ldmatrix.trans from the key tile (keys [keys, dims] row-major is the
  * column-major B the MMA wants for V); probability fragments by ldmatrix from P's terms. */
-static __device__ __forceinline__ void att_pv(float (&o)[ATT_MMA_MT][ATT_MMA_OWN][4], int hd, int ntp, int mts,
+template <int MT>
+static __device__ __forceinline__ void att_pv(float (&o)[MT][ATT_MMA_OWN][4], int hd, int ntp, int mts,
                                               const __nv_bfloat16 *k_s, int kstr, const __nv_bfloat16 *p_s,
                                               const float *al_s)
 {
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP, g = lane / 4;
     const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
 #pragma unroll
-    for (int mt = 0; mt < ATT_MMA_MT; mt++) {
+    for (int mt = 0; mt < MT; mt++) {
         if (mt < mts) {
             const float aa = al_s[16 * mt + g], ab = al_s[16 * mt + g + 8];
 #pragma unroll
@@ -593,7 +633,7 @@ static __device__ __forceinline__ void att_pv(float (&o)[ATT_MMA_MT][ATT_MMA_OWN
             }
         }
 #pragma unroll
-        for (int mt = 0; mt < ATT_MMA_MT; mt++) {
+        for (int mt = 0; mt < MT; mt++) {
             if (mt < mts) {
                 uint32_t pf[ATT_MMA_PTERMS][4];
 #pragma unroll
@@ -610,52 +650,85 @@ static __device__ __forceinline__ void att_pv(float (&o)[ATT_MMA_MT][ATT_MMA_OWN
     }
 }
 
+/* The shared-memory carve of attention_mma_smem. */
+struct att_mma_smem_ptrs {
+    __nv_bfloat16 *k_s, *p_s;
+    float *s_s, *m_s, *l_s, *al_s;
+    const uint8_t **e_s;
+};
+
+static __device__ __forceinline__ att_mma_smem_ptrs att_mma_carve(uint8_t *sm, int hd)
+{
+    att_mma_smem_ptrs p;
+    p.k_s = reinterpret_cast<__nv_bfloat16 *>(sm);
+    p.s_s = reinterpret_cast<float *>(sm + att_mma_kbytes(hd));
+    p.p_s = reinterpret_cast<__nv_bfloat16 *>(p.s_s);
+    p.e_s = reinterpret_cast<const uint8_t **>(sm + att_mma_kbytes(hd) + att_mma_spbytes());
+    p.m_s = reinterpret_cast<float *>(p.e_s + ATT_MMA_KEYS);
+    p.l_s = p.m_s + ATT_MMA_HEADS;
+    p.al_s = p.l_s + ATT_MMA_HEADS;
+    return p;
+}
+
+/* The block's queries [heads, hd] are contiguous; att_scores reads them a few k-steps at a time, so
+ * pull them into L1 first: one round of L2 latency instead of one per batch of k-steps. */
+static __device__ __forceinline__ void att_prefetch_q(const struct dsv4_cuda_att_args &a, int b, int h0)
+{
+    const char *qb = reinterpret_cast<const char *>(a.q + ((int64_t)b * a.H + h0) * a.hd);
+    const int lines = (int)(((int64_t)min(a.heads_per_block, a.H - h0) * a.hd * (int)sizeof(float) + 127) / 128);
+    for (int i = threadIdx.x; i < lines; i += ATT_MMA_THREADS)
+        dsv4_prefetch_l1(qb + (int64_t)i * 128);
+}
+
+/* One run [r.k0, r.k1) of row b for the block's heads, from scratch: o, m and l reset, then the run's
+ * tiles through phases 1-4. Leaves o (C fragments: heads g, g + 8 of each m16 tile, dims 2t, 2t+1
+ * of each n8 tile) and each head's m, l in m_s, l_s (valid to every thread on return). A split's
+ * block runs it once, a whole-row block once per run, so a run's (m, l, o) is the same bits in
+ * both. The caller makes sure no thread still reads m_s, l_s from a previous run. Every thread must
+ * call it. */
+template <int MT>
+static __device__ __forceinline__ void att_mma_run(const struct dsv4_cuda_att_args &a, int b, int h0, int mts,
+                                                   const att_run &r, const att_mma_smem_ptrs &p,
+                                                   float (&o)[MT][ATT_MMA_OWN][4])
+{
+    const int kstr = a.hd + ATT_MMA_KPAD, tid = threadIdx.x;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < ATT_MMA_OWN; i++)
+            o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+    if (tid < ATT_MMA_HEADS) {
+        p.m_s[tid] = -INFINITY;
+        p.l_s[tid] = 0.0f;
+    }
+    for (int t0 = r.k0; t0 < r.k1; t0 += ATT_MMA_KEYS) {
+        const int nt = min(ATT_MMA_KEYS, r.k1 - t0), ntp = (nt + 15) / 16 * 16;
+        if (tid < nt)
+            p.e_s[tid] = att_entry(a, r, b, t0 + tid);
+        __syncthreads();                /* also: the last tile's P V is done with k_s and P */
+        att_decode_tile(a, p.e_s, nt, ntp, p.k_s, kstr);
+        __syncthreads();
+        att_scores(a, b, h0, mts, ntp, p.k_s, kstr, p.s_s);
+        __syncthreads();
+        att_softmax(nt, ntp, mts, p.s_s, p.p_s, p.m_s, p.l_s, p.al_s);
+        att_pv(o, a.hd, ntp, mts, p.k_s, kstr, p.p_s, p.al_s);
+    }
+}
+
 __global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
 attention_mma_kernel(const struct dsv4_cuda_att_args a)
 {
     dsv4_pdl_enter();
     extern __shared__ __align__(16) uint8_t att_sm[];
-    const int hd = a.hd, kstr = hd + ATT_MMA_KPAD;
-    __nv_bfloat16 *k_s = reinterpret_cast<__nv_bfloat16 *>(att_sm);
-    float *s_s = reinterpret_cast<float *>(att_sm + att_mma_kbytes(hd));
-    __nv_bfloat16 *p_s = reinterpret_cast<__nv_bfloat16 *>(s_s);
-    const uint8_t **e_s = reinterpret_cast<const uint8_t **>(att_sm + att_mma_kbytes(hd) + att_mma_spbytes());
-    float *m_s = reinterpret_cast<float *>(e_s + ATT_MMA_KEYS), *l_s = m_s + ATT_MMA_HEADS, *al_s = l_s + ATT_MMA_HEADS;
-    const int b = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * a.heads_per_block, tid = threadIdx.x;
+    const att_mma_smem_ptrs p = att_mma_carve(att_sm, a.hd);
+    const int hd = a.hd, b = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * a.heads_per_block, tid = threadIdx.x;
     const int mts = min(a.heads_per_block / 16, (a.H - h0 + 15) / 16);
     const att_run r = att_key_run(a, b, split, gridDim.y);
     float o[ATT_MMA_MT][ATT_MMA_OWN][4];
 
-#pragma unroll
-    for (int mt = 0; mt < ATT_MMA_MT; mt++)
-#pragma unroll
-        for (int i = 0; i < ATT_MMA_OWN; i++)
-            o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
-    if (tid < ATT_MMA_HEADS) {
-        m_s[tid] = -INFINITY;
-        l_s[tid] = 0.0f;
-    }
-    /* The block's queries [heads, hd] are contiguous; att_scores reads them a few k-steps at a time,
-     * so pull them into L1 first: one round of L2 latency instead of one per batch of k-steps. */
-    if (r.k0 < r.k1) {
-        const char *qb = reinterpret_cast<const char *>(a.q + ((int64_t)b * a.H + h0) * hd);
-        const int lines = (int)(((int64_t)min(a.heads_per_block, a.H - h0) * hd * (int)sizeof(float) + 127) / 128);
-        for (int i = tid; i < lines; i += ATT_MMA_THREADS)
-            dsv4_prefetch_l1(qb + (int64_t)i * 128);
-    }
-
-    for (int t0 = r.k0; t0 < r.k1; t0 += ATT_MMA_KEYS) {
-        const int nt = min(ATT_MMA_KEYS, r.k1 - t0), ntp = (nt + 15) / 16 * 16;
-        if (tid < nt)
-            e_s[tid] = att_entry(a, r, b, t0 + tid);
-        __syncthreads();                /* also: the last tile's P V is done with k_s and P */
-        att_decode_tile(a, e_s, nt, ntp, k_s, kstr);
-        __syncthreads();
-        att_scores(a, b, h0, mts, ntp, k_s, kstr, s_s);
-        __syncthreads();
-        att_softmax(nt, ntp, mts, s_s, p_s, m_s, l_s, al_s);
-        att_pv(o, hd, ntp, mts, k_s, kstr, p_s, al_s);
-    }
+    if (r.k0 < r.k1)
+        att_prefetch_q(a, b, h0);
+    att_mma_run(a, b, h0, mts, r, p, o);
     __syncthreads();
 
     /* partials: o (C fragments: heads g, g + 8 of each m16 tile, dims 2t, 2t+1 of each n8 tile), m, l */
@@ -677,83 +750,113 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
         }
     }
     if (tid < 16 * mts && h0 + tid < a.H) {
-        part[(int64_t)(h0 + tid) * (hd + 2) + hd] = m_s[tid];
-        part[(int64_t)(h0 + tid) * (hd + 2) + hd + 1] = l_s[tid];
+        part[(int64_t)(h0 + tid) * (hd + 2) + hd] = p.m_s[tid];
+        part[(int64_t)(h0 + tid) * (hd + 2) + hd + 1] = p.l_s[tid];
     }
 }
 
-/* grid (B, H), ATT_COMB_THREADS threads: o_h = sum_s acc_s e^(m_s - M) / (e^(sink - M) + sum_s l_s
- * e^(m_s - M)), then RoPE^-1 on its last rd values at the row's position. Bound by load latency at
- * small batches (one block per head), so every load a thread needs is issued before any result is
- * waited on: each warp reads the splits' (m, l) (lane s) and the sink and makes the weights itself,
- * while each thread's value loads for all its dims and splits (an empty split writes only its
- * m = -inf: its values are loaded stale with the rest and skipped in the sum) and the RoPE inputs are in flight. Sums run in split order. */
+/* grid (B, 1, ceil(H / 16)), for the rows of a prefill chunk: a block takes 16 heads of row b and
+ * every one of the row's DSV4_CUDA_ATT_SPLITS runs in split order (att_key_run, the partition of
+ * the split launch), computes each exactly as a split's block does (att_mma_run at one m16 tile,
+ * whose arithmetic per head is that of any grouping), folds it into (M, L, acc) as the combine
+ * folds the partials (att_fold_scales, att_fold_value: thread-private, each thread holding the
+ * running max and sum of its fragments' two heads) and writes the output as the combine does
+ * (att_out_pair): the split launch's bits with no partials and no combine launch. A prefill row
+ * has at most ~10 runs (CSA: 128 window + 512 picks), and 64 rows a slice make 256 blocks. o and acc
+ * are 32 floats a thread each at one m16 tile. */
+#define ATT_WHOLE_HEADS 16
+__global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
+attention_mma_whole_kernel(const struct dsv4_cuda_att_args a, const float *__restrict__ sink,
+                           const float *__restrict__ inv_freq, float *__restrict__ out)
+{
+    dsv4_pdl_enter();
+    extern __shared__ __align__(16) uint8_t att_sm[];
+    const att_mma_smem_ptrs p = att_mma_carve(att_sm, a.hd);
+    const int hd = a.hd, b = blockIdx.x, h0 = blockIdx.z * ATT_WHOLE_HEADS;
+    const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP, g = lane / 4, t = lane % 4;
+    const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
+    const int ha = h0 + g, hb = ha + 8;
+    float o[1][ATT_MMA_OWN][4], acc[ATT_MMA_OWN][4];
+    /* the fold's state of heads ha and hb; heads past H (a last tile's zero queries) fold a 0 sink */
+    float Ma = ha < a.H ? sink[ha] : 0.0f, Mb = hb < a.H ? sink[hb] : 0.0f, La = 1.0f, Lb = 1.0f;
+
+#pragma unroll
+    for (int i = 0; i < ATT_MMA_OWN; i++)
+        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    att_prefetch_q(a, b, h0);
+#pragma unroll 1
+    for (int split = 0; split < DSV4_CUDA_ATT_SPLITS; split++) {
+        const att_run r = att_key_run(a, b, split, DSV4_CUDA_ATT_SPLITS);
+        if (r.k0 >= r.k1)               /* an empty run: the combine skips its m = -inf */
+            continue;
+        att_mma_run(a, b, h0, 1, r, p, o);
+        float ca_a, cr_a, ca_b, cr_b;
+        att_fold_scales(Ma, La, p.m_s[g], p.l_s[g], ca_a, cr_a);
+        att_fold_scales(Mb, Lb, p.m_s[g + 8], p.l_s[g + 8], ca_b, cr_b);
+#pragma unroll
+        for (int i = 0; i < ATT_MMA_OWN; i++) {
+            acc[i][0] = att_fold_value(acc[i][0], o[0][i][0], ca_a, cr_a);
+            acc[i][1] = att_fold_value(acc[i][1], o[0][i][1], ca_a, cr_a);
+            acc[i][2] = att_fold_value(acc[i][2], o[0][i][2], ca_b, cr_b);
+            acc[i][3] = att_fold_value(acc[i][3], o[0][i][3], ca_b, cr_b);
+        }
+        __syncthreads();                /* m_s, l_s read: the next run may reset them */
+    }
+
+    const int ps = a.pos[b];
+#pragma unroll
+    for (int i = 0; i < ATT_MMA_OWN; i++) {
+        if (i < nown) {
+            const int d = 8 * (warp + ATT_MMA_WARPS * i) + 2 * t;
+            if (ha < a.H)
+                *reinterpret_cast<float2 *>(out + ((int64_t)b * a.H + ha) * hd + d) =
+                    att_out_pair(acc[i][0], acc[i][1], La, d, hd, a.rd, inv_freq, ps);
+            if (hb < a.H)
+                *reinterpret_cast<float2 *>(out + ((int64_t)b * a.H + hb) * hd + d) =
+                    att_out_pair(acc[i][2], acc[i][3], Lb, d, hd, a.rd, inv_freq, ps);
+        }
+    }
+}
+
+/* grid (B, H), ATT_COMB_THREADS threads, thread i the output dims (2i, 2i + 1) (a RoPE pair when
+ * 2i >= hd - rd): the splits' partials folded in split order from the sink (att_fold_scales), then
+ * acc / L and RoPE^-1 at the row's position (att_out_pair). Bound by load latency at small batches
+ * (one block per head), so every load a thread needs is issued before any result is waited on: lane
+ * s of each warp reads split s's (m, l), and each thread its two values of every split (an empty
+ * split writes only its m = -inf: its values are loaded stale with the rest and skipped). */
 static_assert(DSV4_CUDA_ATT_SPLITS <= DSV4_CUDA_WARP, "one lane per split");
-static_assert(DSV4_CUDA_MAX_HEAD_DIM % ATT_COMB_THREADS == 0, "whole dims per thread");
-static_assert(DSV4_CUDA_MAX_HEAD_DIM / 2 <= ATT_COMB_THREADS, "one thread per RoPE pair");
+static_assert(DSV4_CUDA_MAX_HEAD_DIM / 2 <= ATT_COMB_THREADS, "one thread per pair of dims");
 __global__ void __launch_bounds__(ATT_COMB_THREADS)
 attention_combine_kernel(const float *__restrict__ part, int H, int hd, int rd, const float *__restrict__ sink,
                          const int32_t *__restrict__ pos, const float *__restrict__ inv_freq, float *__restrict__ o)
 {
     dsv4_pdl_enter();
-    extern __shared__ float o_s[];
-    constexpr int S = DSV4_CUDA_ATT_SPLITS, PER = DSV4_CUDA_MAX_HEAD_DIM / ATT_COMB_THREADS;
-    const int b = blockIdx.x, h = blockIdx.y, lane = threadIdx.x % DSV4_CUDA_WARP;
+    constexpr int S = DSV4_CUDA_ATT_SPLITS;
+    const int b = blockIdx.x, h = blockIdx.y, lane = threadIdx.x % DSV4_CUDA_WARP, d = 2 * threadIdx.x;
     const float *p0 = part + ((int64_t)b * S * H + h) * (hd + 2);
     const int64_t sstride = (int64_t)H * (hd + 2);
-    float pv[PER][S];
+    float2 pv[S];
 
     const float ms = lane < S ? p0[lane * sstride + hd] : -INFINITY;
     const float ls = lane < S ? p0[lane * sstride + hd + 1] : 0.0f;
-    const float sk = sink[h];
 #pragma unroll
-    for (int i = 0; i < PER; i++) {
-        const int d = threadIdx.x + ATT_COMB_THREADS * i;
-#pragma unroll
-        for (int k = 0; k < S; k++)
-            pv[i][k] = d < hd ? p0[k * sstride + d] : 0.0f;
-    }
-    const int ri = threadIdx.x;           /* RoPE pair of this thread, when below rd / 2 */
-    const float fr = ri < rd / 2 ? inv_freq[ri] : 0.0f;
+    for (int k = 0; k < S; k++)
+        pv[k] = d < hd ? *reinterpret_cast<const float2 *>(p0 + k * sstride + d) : make_float2(0.0f, 0.0f);
     const int ps = pos[b];
 
-    const float M = fmaxf(sk, dsv4_warp_max(ms));
-    const bool live = ms != -INFINITY;
-    const float e = live ? expf(ms - M) : 0.0f;
-    float L = expf(sk - M);
-    for (int k = 0; k < S; k++) {        /* in split order, as the partials were made */
-        const float ek = __shfl_sync(0xffffffffu, e, k), lk = __shfl_sync(0xffffffffu, ls, k);
-        if (__shfl_sync(0xffffffffu, live, k))
-            L += lk * ek;
-    }
-    float ek[S];
-    bool lk[S];
+    float M = sink[h], L = 1.0f, x = 0.0f, y = 0.0f;
 #pragma unroll
-    for (int k = 0; k < S; k++) {
-        ek[k] = __shfl_sync(0xffffffffu, e, k);
-        lk[k] = __shfl_sync(0xffffffffu, live, k);
+    for (int k = 0; k < S; k++) {        /* in split order, as the whole kernel folds its runs */
+        const float mk = __shfl_sync(0xffffffffu, ms, k), lk = __shfl_sync(0xffffffffu, ls, k);
+        if (mk != -INFINITY) {
+            float ca, cr;
+            att_fold_scales(M, L, mk, lk, ca, cr);
+            x = att_fold_value(x, pv[k].x, ca, cr);
+            y = att_fold_value(y, pv[k].y, ca, cr);
+        }
     }
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-        const int d = threadIdx.x + ATT_COMB_THREADS * i;
-        float v = 0.0f;
-#pragma unroll
-        for (int k = 0; k < S; k++)
-            if (lk[k])
-                v += pv[i][k] * ek[k];
-        if (d < hd - rd)
-            o[((int64_t)b * H + h) * hd + d] = v / L;
-        else if (d < hd)
-            o_s[d] = v / L;
-    }
-    __syncthreads();
-    if (ri < rd / 2) {
-        const int d = hd - rd + 2 * ri;
-        float x = o_s[d], y = o_s[d + 1];
-        dsv4_rope_pair(&x, &y, fr, ps, true);
-        o[((int64_t)b * H + h) * hd + d] = x;
-        o[((int64_t)b * H + h) * hd + d + 1] = y;
-    }
+    if (d < hd)
+        *reinterpret_cast<float2 *>(o + ((int64_t)b * H + h) * hd + d) = att_out_pair(x, y, L, d, hd, rd, inv_freq, ps);
 }
 
 static size_t att_f32_smem(int hd)
@@ -781,6 +884,8 @@ int dsv4_cuda_attention_prepare(int hd)
     DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_f32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)att_f32_smem(hd)));
     DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)att_mma_smem(hd)));
+    DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)att_mma_smem(hd)));
     return 0;
 }
@@ -841,6 +946,18 @@ static int att_heads_per_block(const struct dsv4_cuda_att_args *a, int batch)
     return 16;
 }
 
+/* Whether a launch asking for whole rows (a->whole) gets them: DSV4_CUDA_ATT_WHOLE=0 keeps the
+ * splits and their combine for every launch, to compare the two. */
+static bool att_whole_allowed(void)
+{
+    static int allowed = -1;
+    if (allowed < 0) {
+        struct dsv4_cuda_switches sw;
+        allowed = dsv4_cuda_switches_read(&sw) < 0 ? 1 : sw.att_whole;
+    }
+    return allowed;
+}
+
 int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const float *d_sink,
                         const float *d_inv_freq, float *d_o, void *stream)
 {
@@ -850,6 +967,17 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
         return 0;
     if ((rc = att_check(a)) < 0)
         return rc;
+    if ((uintptr_t)a->part % sizeof(float2) || (uintptr_t)d_o % sizeof(float2))
+        return dsv4_error_set(-EINVAL, "attention: the partials and the output must be 8-byte aligned");
+    if (a->kvf == DSV4_KV_FP8 && a->whole && att_whole_allowed()) {
+        struct dsv4_cuda_att_args k = *a;
+        k.heads_per_block = ATT_WHOLE_HEADS;
+        dsv4_launch(attention_mma_whole_kernel, dim3(batch, 1, (a->H + ATT_WHOLE_HEADS - 1) / ATT_WHOLE_HEADS),
+                    ATT_MMA_THREADS, att_mma_smem(a->hd), s, k, d_sink, d_inv_freq, d_o);
+        DSV4_CUDA_LAUNCHED("attention_mma_whole");
+        dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_WHOLE);
+        return 0;
+    }
     if (a->kvf == DSV4_KV_FP8) {
         struct dsv4_cuda_att_args k = *a;
         k.heads_per_block = att_heads_per_block(a, batch);
@@ -864,8 +992,8 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
         DSV4_CUDA_LAUNCHED("attention_f32");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_F32);
     }
-    dsv4_launch(attention_combine_kernel, dim3(batch, a->H), ATT_COMB_THREADS, a->hd * sizeof(float), s, a->part, a->H,
-                a->hd, a->rd, d_sink, a->pos, d_inv_freq, d_o);
+    dsv4_launch(attention_combine_kernel, dim3(batch, a->H), ATT_COMB_THREADS, 0, s, a->part, a->H, a->hd, a->rd,
+                d_sink, a->pos, d_inv_freq, d_o);
     DSV4_CUDA_LAUNCHED("attention_combine");
     return 0;
 }

@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #define DSV4_CUDA_MAX_HEAD_DIM 512  /* widest head the attention kernels and KV codec take */
-#define DSV4_CUDA_ATT_SPLITS 16     /* key runs per row, combined by log-sum-exp */
+#define DSV4_CUDA_ATT_SPLITS 16     /* key runs per row, combined online in split order */
 #define DSV4_CUDA_TOPK_THREADS 1024
 
 /* Arena sizes of the decode step (kernels/step.cu): caches of max_batch + 1 slots, and buffers. */
@@ -60,6 +60,11 @@ struct dsv4_cuda_att_args {
     /* FP8 kernel: heads a block takes, 16, 32 or 64 (the same bits whichever: a head's arithmetic is
      * its own); 0: DSV4_CUDA_ATT_HEADS, or by batch (dsv4_cuda_attention) */
     int heads_per_block;
+    /* FP8 kernel: each block takes every key run of its row in turn and writes the output, no
+     * partials and no combine (attention_mma_whole_kernel, 16 heads a block whatever
+     * heads_per_block says; the same bits as the splits). For the slices of a prefill chunk, whose
+     * rows fill the chip without splitting them; DSV4_CUDA_ATT_WHOLE=0 turns it off. */
+    bool whole;
 };
 
 size_t dsv4_cuda_attention_smem(int hd);

@@ -617,6 +617,9 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     a.ring = ring_entries(c, &cb->base.opts);
     a.scale = 1.0f / sqrtf((float)hd);
     a.part = t->part;
+    /* a prefill chunk's slices: 64 rows fill the chip without splitting each row's keys, so a block
+     * takes all of a row's runs (no partials, no combine; the same bits as the decode launches) */
+    a.whole = B > DSV4_CUDA_MAX_BATCH;
     if (L->ratio) {
         a.comp = cb->caches + L->cache.comp;
         a.comp_slot_stride = cb->slot_bytes;

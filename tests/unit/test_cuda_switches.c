@@ -32,7 +32,8 @@ static void test_defaults(void **state)
     (void)state;
     clear_env();
     assert_int_equal(dsv4_cuda_switches_read(&sw), 0);
-    assert_true(sw.graphs && sw.gemm && sw.gemm_wgmma && sw.pdl && sw.sample && sw.moe_mma && sw.branches && sw.moe_tiles);
+    assert_true(sw.graphs && sw.gemm && sw.gemm_wgmma && sw.pdl && sw.sample && sw.moe_mma && sw.branches && sw.moe_tiles &&
+                sw.att_whole);
     assert_false(sw.log);
     assert_int_equal(sw.gemm_stages, 4);
     assert_int_equal(sw.gemm_prefetch_kb, DSV4_CUDA_PREFETCH_KB_DEFAULT);
@@ -56,8 +57,10 @@ static void test_values(void **state)
     setenv("DSV4_CUDA_GEMM_PREFETCH_KB", "0", 1);
     setenv("DSV4_CUDA_ATT_HEADS", "16", 1);
     setenv("DSV4_CUDA_GEMM_WGMMA", "0", 1);
+    setenv("DSV4_CUDA_ATT_WHOLE", "0", 1);
     assert_int_equal(dsv4_cuda_switches_read(&sw), 0);
     assert_false(sw.gemm_wgmma);
+    assert_false(sw.att_whole);
     assert_int_equal(sw.att_heads, 16);
     assert_false(sw.graphs);
     assert_false(sw.branches);
