@@ -11,7 +11,13 @@
  *     match f32 math: keys are exact in bf16, queries enter as three bf16 terms (2^-24), probabilities
  *     as two (2^-16); measured on an H200 over several seeds: <= 1.4e-6, the f32 kernel <= 2.6e-6.
  *   - every row of a batch bit-identical to the same row run alone (batch invariance).
- *   - the launch counted under the variant that ran (FP8 entries: DSV4_CUDA_V_ATTENTION_MMA).
+ *   - whole rows (a.whole, the prefill chunks' path: one block takes all of a row's runs and folds
+ *     them as the combine does) bit-identical to the split launch and its combine on the same rows,
+ *     for every case above (FP8 entries: sliding, HCA with up to 16 runs of two tiles, CSA, 4 to
+ *     128 heads, head_dim 32 to 512); hence within the bound too, and equal to every grouping of
+ *     heads of the split launch and to each row alone. f32 entries ignore a.whole (the same bits).
+ *   - the launch counted under the variant that ran (FP8 entries: DSV4_CUDA_V_ATTENTION_MMA, whole
+ *     rows DSV4_CUDA_V_ATTENTION_WHOLE).
  *   - shapes the kernels cannot take refused with -EINVAL.
  * Entries are written with the CPU reference's quantizers (engine/model/quant.c) in the layout of doc/MODEL.md §5.2,
  * which tests/gpu/test_gpu_codec.c checks against the GPU's own store. */
@@ -363,8 +369,8 @@ static void check_case(const struct att_case *c)
     const enum dsv4_cuda_variant other = c->kvf == DSV4_KV_FP8 ? DSV4_CUDA_V_ATTENTION_F32 : DSV4_CUDA_V_ATTENTION_MMA;
     double *ref = malloc(sizeof(double) * row_n), worst = 0.0;
     float *d_o = gt_dev_poisoned((size_t)B * row_n), *d_o1 = gt_dev_poisoned(row_n), *out, *out1;
-    float *d_og = gt_dev_poisoned((size_t)B * row_n);
-    int worst_row = 0, bad_rows = 0, differ_rows = 0, differ_groups = 0;
+    float *d_og = gt_dev_poisoned((size_t)B * row_n), *d_ow = gt_dev_poisoned((size_t)B * row_n), *outw;
+    int worst_row = 0, bad_rows = 0, differ_rows = 0, differ_groups = 0, differ_whole = 0;
 
     make_fixture(&f, c);
     const uint64_t n_ran = dsv4_cuda_variant_launches(ran), n_other = dsv4_cuda_variant_launches(other);
@@ -400,6 +406,26 @@ static void check_case(const struct att_case *c)
         }
         free(outg);
     }
+    /* whole rows: the split launch's bits (f32 entries: the whole flag changes nothing) */
+    const enum dsv4_cuda_variant whole = c->kvf == DSV4_KV_FP8 ? DSV4_CUDA_V_ATTENTION_WHOLE : DSV4_CUDA_V_ATTENTION_F32;
+    const uint64_t n_whole = dsv4_cuda_variant_launches(whole);
+    struct dsv4_cuda_att_args aw = a;
+    aw.whole = true;
+    DSV4_OK(dsv4_cuda_attention_once(&aw, B, f.d_sink, f.d_inv, d_ow, NULL));
+    assert_int_equal(dsv4_cuda_variant_launches(whole), n_whole + 1);
+    outw = gt_host_from(d_ow, (size_t)B * row_n);
+    for (int b = 0; b < B; b++) {
+        if (memcmp(outw + (size_t)b * row_n, out + (size_t)b * row_n, row_n * sizeof(float)) != 0) {
+            size_t at = 0;
+            while (memcmp(outw + (size_t)b * row_n + at, out + (size_t)b * row_n + at, sizeof(float)) == 0)
+                at++;
+            printf("#   row %d (pos %d, %d keys) whole differs from the splits: head %zu dim %zu: %.9g against "
+                   "%.9g\n", b, c->pos[b], f.nk[b], at / hd, at % hd, outw[(size_t)b * row_n + at],
+                   out[(size_t)b * row_n + at]);
+            differ_whole++;
+        }
+    }
+    free(outw);
     /* each row alone: bit-identical to its place in the batch */
     for (int b = 0; B > 1 && b < B; b++) {
         struct dsv4_cuda_att_args a1 = args_for(&f, b);
@@ -412,16 +438,19 @@ static void check_case(const struct att_case *c)
         free(out1);
     }
     printf("# %-46s %s: worst row %d (pos %d, %d keys) error %.3g (bound %.0e); %d/%d rows over; "
-           "%d rows differ alone, %d head groupings differ\n", c->what, dsv4_cuda_variant_name(ran), worst_row,
-           c->pos[worst_row], f.nk[worst_row], worst, ATT_BOUND, bad_rows, B, differ_rows, differ_groups);
+           "%d rows differ alone, %d head groupings differ, %d rows differ whole\n", c->what,
+           dsv4_cuda_variant_name(ran), worst_row, c->pos[worst_row], f.nk[worst_row], worst, ATT_BOUND, bad_rows,
+           B, differ_rows, differ_groups, differ_whole);
     assert_int_equal(bad_rows, 0);
     assert_int_equal(differ_rows, 0);
     assert_int_equal(differ_groups, 0);
+    assert_int_equal(differ_whole, 0);
     free(out);
     free(ref);
     cudaFree(d_o);
     cudaFree(d_o1);
     cudaFree(d_og);
+    cudaFree(d_ow);
     free_fixture(&f);
 }
 
@@ -476,6 +505,7 @@ static void test_refusals(void **state)
 
 int main(void)
 {
+    setenv("DSV4_CUDA_ATT_WHOLE", "1", 1);     /* a.whole is honoured, whatever the environment says */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_refusals),
