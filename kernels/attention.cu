@@ -682,7 +682,8 @@ static __device__ __forceinline__ void att_prefetch_q(const struct dsv4_cuda_att
 
 /* One run [r.k0, r.k1) of row b for the block's heads, from scratch: o, m and l reset, then the run's
  * tiles through phases 1-4. Leaves o (C fragments: heads g, g + 8 of each m16 tile, dims 2t, 2t+1
- * of each n8 tile) and each head's m, l in m_s, l_s (valid to every thread on return). A split's
+ * of each n8 tile) and each head's m, l in m_s, l_s (a non-empty run's: valid to every thread on
+ * return, att_softmax's last barrier having passed). A split's
  * block runs it once, a whole-row block once per run, so a run's (m, l, o) is the same bits in
  * both. The caller makes sure no thread still reads m_s, l_s from a previous run. Every thread must
  * call it. */
@@ -761,9 +762,10 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
  * whose arithmetic per head is that of any grouping), folds it into (M, L, acc) as the combine
  * folds the partials (att_fold_scales, att_fold_value: thread-private, each thread holding the
  * running max and sum of its fragments' two heads) and writes the output as the combine does
- * (att_out_pair): the split launch's bits with no partials and no combine launch. A prefill row
- * has at most ~10 runs (CSA: 128 window + 512 picks), and 64 rows a slice make 256 blocks. o and acc
- * are 32 floats a thread each at one m16 tile. */
+ * (att_out_pair): the split launch's bits with no partials and no combine launch. A row has 2
+ * runs (sliding), 10 (CSA: 128 window + 512 picks) or 2 plus one per 8k tokens, up to 16 (HCA); the 64
+ * rows of a slice make 256 blocks at 64 heads. o and acc are 32 floats a thread each at one m16
+ * tile (220 registers on sm_90a, one block an SM; two blocks an SM spilled at 128). */
 #define ATT_WHOLE_HEADS 16
 __global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
 attention_mma_whole_kernel(const struct dsv4_cuda_att_args a, const float *__restrict__ sink,
