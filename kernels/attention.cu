@@ -762,9 +762,9 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
  * whose arithmetic per head is that of any grouping), folds it into (M, L, acc) as the combine
  * folds the partials (att_fold_scales, att_fold_value: thread-private, each thread holding the
  * running max and sum of its fragments' two heads) and writes the output as the combine does
- * (att_out_pair): the split launch's bits with no partials and no combine launch. A row has 2
- * runs (sliding), 10 (CSA: 128 window + 512 picks) or 2 plus one per 8k tokens, up to 16 (HCA); the 64
- * rows of a slice make 256 blocks at 64 heads. o and acc are 32 floats a thread each at one m16
+ * (att_out_pair): the split launch's bits with no partials and no combine launch. A row has at
+ * most 2 runs (sliding), 10 (CSA: 128 window + 512 picks) or 2 plus one per 8k tokens up to 16
+ * (HCA); the 64 rows of a slice make 256 blocks at 64 heads. o and acc are 32 floats a thread each at one m16
  * tile (220 registers on sm_90a, one block an SM; two blocks an SM spilled at 128). */
 #define ATT_WHOLE_HEADS 16
 __global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
