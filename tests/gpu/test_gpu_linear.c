@@ -447,8 +447,8 @@ static void test_same_x(void **state)
 /* Prefill chunks (more than DSV4_CUDA_MAX_BATCH rows: a CTA per 64-row block, each walking all of K
  * and folding the shape's splits in order): every row bit-identical to that row computed alone (the
  * decode path, whose split-K reduction it reproduces), in each activation form, on shapes whose K is
- * split (wq_a's [1024, 4096] in 16 splits, a BF16 [256, 4096] in 32) and a grouped wo_a, at row
- * counts that leave a partial last block; and within LINEAR_BOUND of the CPU twin on sampled rows.
+ * split (wq_a's [1024, 4096] in 16 splits, a BF16 [256, 4096] in 32), a grouped wo_a, and K of 5 and 1
+ * k-tiles, at row counts that leave a partial last block; and within LINEAR_BOUND of the CPU twin on sampled rows.
  * Both prefill kernels: the FP8 forms on wgmma (the default where the sm_90a image runs: it must
  * have run on an sm_90 device) and everything on mma.sync (DSV4_CUDA_GEMM_WGMMA=0). */
 static void check_prefill_rows(bool wgmma)
@@ -458,6 +458,8 @@ static void check_prefill_rows(bool wgmma)
         { DSV4_W_FP8, false, 1024, 4096, 0, "fp8 [1024,4096], raw x" },
         { DSV4_W_BF16, false, 256, 4096, 0, "bf16 [256,4096]" },
         { DSV4_W_FP8, false, 2048, 1024, 4, "fp8 grouped [2048,1024] x 4 groups" },
+        { DSV4_W_FP8, true, 384, 640, 0, "fp8 [384,640], quantized x (an odd count of k-tiles)" },
+        { DSV4_W_FP8, false, 256, 128, 0, "fp8 [256,128], raw x (one k-tile)" },
     };
     static const int rows[] = { 65, 200, 1000 };
     const int RMAX = 1000;
