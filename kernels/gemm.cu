@@ -107,13 +107,7 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
     const int split = SEQ ? 0 : blockIdx.y, kt0 = split * a.per;
     const int nk = SEQ ? a.nkt : min(a.nkt, kt0 + a.per) - kt0;
 
-    /* Weights are constant after boot: the CTAs that start while the previous kernel drains pull their
-     * first k-tiles (one 128-byte line per row each) toward L2 before waiting for x. */
-    if ((int)(blockIdx.y * gridDim.x + blockIdx.x) < a.pf_ctas)
-        for (int i = threadIdx.x; i < min(nk, a.pf_tiles) * GEMM_ROWS; i += GEMM_THREADS) {
-            const int64_t gr = min(row0 + i % GEMM_ROWS, a.out - 1);
-            dsv4_prefetch_l2(a.w + gr * a.row_bytes + (int64_t)(kt0 + i / GEMM_ROWS) * GEMM_TILE_BYTES);
-        }
+    gemm_prefetch_weights(a, row0, kt0, nk, (int)(blockIdx.y * gridDim.x + blockIdx.x));
     dsv4_pdl_enter();
     constexpr size_t sbytes = stage_bytes(MODE, NT);
     const int64_t xk0 = (row0 / a.grp_rows) * a.nkt * 128;     /* grouped: this tile's slice of x */
@@ -493,6 +487,7 @@ static bool use_wgmma(int mode, int rows)
 {
     return gemm_wg && mode != GEMM_BF16 && rows > DSV4_CUDA_MAX_BATCH;
 }
+
 static int gemm_sms = 1;                        /* the device's SMs: CTAs of a launch's first wave, at least */
 static int64_t gemm_prefetch = (int64_t)DSV4_CUDA_PREFETCH_KB_DEFAULT << 10;   /* bytes; well inside L2 */
 
@@ -569,9 +564,7 @@ static int launch(gemm_args a, cudaStream_t s, const char *name)
     const unsigned tiles = (unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS);
     const dim3 grid = SEQ ? dim3((unsigned)((a.rows + GEMM_BLOCK_ROWS - 1) / GEMM_BLOCK_ROWS), tiles)
                           : dim3(tiles, (unsigned)a.splits);
-    a.pf_ctas = (int)min((int64_t)grid.x * grid.y, (int64_t)gemm_sms);
-    a.pf_tiles = (int)min(min((int64_t)(SEQ ? a.nkt : a.per), (int64_t)GEMM_PREFETCH_TILES),
-                          gemm_prefetch / ((int64_t)a.pf_ctas * GEMM_ROWS * GEMM_TILE_BYTES));
+    gemm_set_prefetch(&a, (int64_t)grid.x * grid.y, gemm_sms, SEQ ? a.nkt : a.per, gemm_prefetch);
     if (gemm_stages == GEMM_STAGES_MAX)
         dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_MAX, SEQ>, grid, GEMM_THREADS,
                     GEMM_STAGES_MAX * stage_bytes(MODE, NT), s, a);

@@ -10,6 +10,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "kernels/cuda_util.cuh"
 #include "kernels/mma.cuh"
 
 #define GEMM_ROWS 128               /* output rows per CTA: one FP8 scale block */
@@ -98,6 +99,27 @@ static __device__ __forceinline__ void fp8_afrag(const uint32_t (&w0v)[4], const
 static __host__ __device__ constexpr int gemm_wg_pos(int k)
 {
     return ((4 * ((k >> 4) >> 2) + ((k & 15) >> 2)) * 2 + ((k >> 1) & 1)) * 8 + 2 * ((k >> 4) & 3) + (k & 1);
+}
+
+/* Weights are constant after boot: the first a.pf_ctas CTAs of a launch, which start while the
+ * previous kernel drains, pull their first k-tiles from kt0 (one 128-byte line per weight row each) of
+ * output rows [row0, row0 + GEMM_ROWS) toward L2 before waiting for x. Both kernels run GEMM_THREADS. */
+static __device__ __forceinline__ void gemm_prefetch_weights(const gemm_args &a, int64_t row0, int kt0, int nk, int cta)
+{
+    if (cta < a.pf_ctas)
+        for (int i = threadIdx.x; i < min(nk, a.pf_tiles) * GEMM_ROWS; i += GEMM_THREADS) {
+            const int64_t gr = min(row0 + i % GEMM_ROWS, a.out - 1);
+            dsv4_prefetch_l2(a.w + gr * a.row_bytes + (int64_t)(kt0 + i / GEMM_ROWS) * GEMM_TILE_BYTES);
+        }
+}
+
+/* The prefetching CTAs of a launch of ctas CTAs (its first wave: at most sms) and the k-tiles each
+ * takes: at most its run of kts and GEMM_PREFETCH_TILES, and `prefetch` bytes in all. */
+static inline void gemm_set_prefetch(gemm_args *a, int64_t ctas, int sms, int kts, int64_t prefetch)
+{
+    a->pf_ctas = (int)min(ctas, (int64_t)sms);
+    a->pf_tiles = (int)min(min((int64_t)kts, (int64_t)GEMM_PREFETCH_TILES),
+                           prefetch / ((int64_t)a->pf_ctas * GEMM_ROWS * GEMM_TILE_BYTES));
 }
 
 /* gemm_wgmma.cu: whether the running image has the wgmma kernels and the device the shared memory

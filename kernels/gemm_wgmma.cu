@@ -161,11 +161,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) gemm_wgmma_kernel(const gemm_ar
     const int64_t row0 = (int64_t)blockIdx.y * GEMM_ROWS;
     const int nb = (int)blockIdx.x * WG_TOKENS, nk = a.nkt;
 
-    if ((int)(blockIdx.y * gridDim.x + blockIdx.x) < a.pf_ctas)      /* as gemm.cu: weights toward L2 */
-        for (int i = threadIdx.x; i < min(nk, a.pf_tiles) * GEMM_ROWS; i += WG_THREADS) {
-            const int64_t gr = min(row0 + i % GEMM_ROWS, a.out - 1);
-            dsv4_prefetch_l2(a.w + gr * a.row_bytes + (int64_t)(i / GEMM_ROWS) * GEMM_TILE_BYTES);
-        }
+    gemm_prefetch_weights(a, row0, 0, nk, (int)(blockIdx.y * gridDim.x + blockIdx.x));
     dsv4_pdl_enter();
     constexpr uint32_t sbytes = (uint32_t)wg_stage_bytes(MODE);
     const int64_t xk0 = (row0 / a.grp_rows) * a.nkt * 128;
@@ -243,9 +239,7 @@ int gemm_wgmma_prepare(int smem_optin, bool *available)
 int gemm_wgmma_launch(int mode, gemm_args a, int sms, int64_t prefetch, cudaStream_t s)
 {
     const dim3 grid((unsigned)((a.rows + WG_TOKENS - 1) / WG_TOKENS), (unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS));
-    a.pf_ctas = (int)min((int64_t)grid.x * grid.y, (int64_t)sms);
-    a.pf_tiles = (int)min(min((int64_t)a.nkt, (int64_t)GEMM_PREFETCH_TILES),
-                          prefetch / ((int64_t)a.pf_ctas * GEMM_ROWS * GEMM_TILE_BYTES));
+    gemm_set_prefetch(&a, (int64_t)grid.x * grid.y, sms, a.nkt, prefetch);
     if (mode == GEMM_FP8)
         dsv4_launch(gemm_wgmma_kernel<GEMM_FP8>, grid, WG_THREADS, WG_STAGES * wg_stage_bytes(GEMM_FP8), s, a);
     else
