@@ -59,6 +59,7 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_EXPERTS_FP4_FMA: return "experts_fp4_grouped_swiglu_fma_warprow";
     case DSV4_CUDA_V_GEMM_FP8_WGMMA: return "gemm_fp8_f16wgmma_rows128x64_prefill";
     case DSV4_CUDA_V_ATTENTION_WHOLE: return "attention_mma_bf16_hilo_heads16_keys64_whole_row";
+    case DSV4_CUDA_V_GEMM_DIRECT: return "gemm_mma_rows128_batch8_weights_in_registers";
     case DSV4_CUDA_V_COUNT: break;
     }
     return "?";

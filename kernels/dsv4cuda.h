@@ -123,6 +123,7 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_EXPERTS_FP4_FMA,    /* FP4 experts without activation quantization (exact numerics), FMA */
     DSV4_CUDA_V_GEMM_FP8_WGMMA,     /* FP8 linears of prefill chunks on warpgroup MMAs (sm_90a; same bits) */
     DSV4_CUDA_V_ATTENTION_WHOLE,    /* prefill attention over FP8 KV entries, a block per row's runs (same bits) */
+    DSV4_CUDA_V_GEMM_DIRECT,        /* linears of <= 8 rows, weights streamed into registers (same bits) */
     DSV4_CUDA_V_COUNT,
 };
 const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v);

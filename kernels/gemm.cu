@@ -481,6 +481,7 @@ static void gemm_splits(int64_t out, int nkt, int *per, int *splits)
 
 static int gemm_stages = GEMM_STAGES_MAX;     /* chosen by dsv4_cuda_gemm_prepare */
 static bool gemm_wg = false;                    /* prefill chunks' FP8 linears on wgmma (gemm_wgmma.cu) */
+static bool gemm_direct = true;                 /* launches of <= 8 rows with weights in registers (gemm_direct.cu) */
 
 /* A prefill chunk's FP8 linear, where the image has the wgmma kernels (x then prepared in their order) */
 static bool use_wgmma(int mode, int rows)
@@ -545,6 +546,9 @@ extern "C" int dsv4_cuda_gemm_prepare(void)
     if (sw.gemm_wgmma && (rc = gemm_wgmma_prepare(optin, &wg)) < 0)
         return rc;
     gemm_wg = wg;
+    gemm_direct = sw.gemm_direct;
+    if ((rc = gemm_direct_prepare()) < 0)
+        return rc;
     return gemm_stages == GEMM_STAGES_MAX ? prepare_stages<GEMM_STAGES_MAX>() : prepare_stages<GEMM_STAGES_MIN>();
 }
 
@@ -581,6 +585,10 @@ static int launch_nt(const gemm_args &a, bool wg, cudaStream_t s)
     if (wg) {
         dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8_WGMMA);
         return gemm_wgmma_launch(MODE, a, gemm_sms, gemm_prefetch, s);
+    }
+    if (gemm_direct && gemm_direct_fits(MODE, a)) {
+        dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_DIRECT);
+        return gemm_direct_launch(MODE, a, gemm_sms, gemm_prefetch, s);
     }
     const char *name = MODE == GEMM_FP8 ? "gemm_fp8_mma" : MODE == GEMM_FP8RAW ? "gemm_fp8raw_mma" : "gemm_bf16x2_mma";
     if (a.rows <= 8)

@@ -347,6 +347,91 @@ static void test_short_ring(void **state)
     printf("# the device's own ring: %d stages\n", dsv4_cuda_gemm_stages());
 }
 
+/* Linears of 1 to 8 rows run gemm_direct.cu's kernel (weights streamed into registers): every row of
+ * it bit-identical to the same rows through the shared-memory ring kernel (DSV4_CUDA_GEMM_DIRECT=0),
+ * in every mode, at Flash's shapes, one with rows past the last full tile and the grouped wo_a, and
+ * the direct kernel counted as the variant that ran. */
+static void direct_against_ring(const struct dsv4_cuda_linear *W, int groups, bool quant, const float *d_x, int64_t ldx,
+                                const char *what, int *differ)
+{
+    static const int rows[] = { 1, 2, 5, 8 };
+    const size_t out_n = (size_t)W->out;
+    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+        const int B = rows[i];
+        float *got[2];
+        for (int ring = 0; ring < 2; ring++) {
+            if (ring)
+                setenv("DSV4_CUDA_GEMM_DIRECT", "0", 1);
+            DSV4_OK(dsv4_cuda_gemm_prepare());
+            unsetenv("DSV4_CUDA_GEMM_DIRECT");
+            const uint64_t n_direct = dsv4_cuda_variant_launches(DSV4_CUDA_V_GEMM_DIRECT);
+            float *dy = gt_dev_poisoned((size_t)B * out_n);
+            if (groups)
+                DSV4_OK(dsv4_cuda_gemm_grouped(W, groups, d_x, ldx, B, &gemm_ws, dy, W->out, NULL));
+            else
+                DSV4_OK(dsv4_cuda_gemm(W, d_x, ldx, B, quant, &gemm_ws, dy, W->out, NULL));
+            assert_int_equal(dsv4_cuda_variant_launches(DSV4_CUDA_V_GEMM_DIRECT), n_direct + (ring ? 0 : 1));
+            got[ring] = gt_host_from(dy, (size_t)B * out_n);
+            cudaFree(dy);
+        }
+        for (int b = 0; b < B; b++)
+            if (memcmp(got[0] + (size_t)b * out_n, got[1] + (size_t)b * out_n, out_n * sizeof(float)) != 0) {
+                printf("#   %s, %d rows: row %d differs from the ring kernel's\n", what, B, b);
+                (*differ)++;
+            }
+        free(got[0]);
+        free(got[1]);
+    }
+    printf("# %s: rows 1-8 direct, bit-identical to the ring kernel\n", what);
+}
+
+static void test_direct_rows(void **state)
+{
+    static const struct shape few[] = {
+        { "fp8 wq_a [1024,4096]", DSV4_W_FP8, 1024, 4096, 8 },
+        { "fp8 wq_b [32768,1024]", DSV4_W_FP8, 32768, 1024, 8 },
+        { "fp8 wo_b [4096,8192]", DSV4_W_FP8, 4096, 8192, 8 },
+        { "fp8 tiny [130,256]", DSV4_W_FP8, 130, 256, 8 },
+        { "bf16 gate [256,4096]", DSV4_W_BF16, 256, 4096, 8 },
+        { "bf16 comp wkv [1024,4096]", DSV4_W_BF16, 1024, 4096, 8 },
+    };
+    const int G = 8, K = 4096, B = 8;
+    int differ = 0;
+    float *dx;
+    ws_open();
+    for (size_t i = 0; i < sizeof(few) / sizeof(few[0]); i++) {
+        struct pair p;
+        float *x = malloc((size_t)B * few[i].in * sizeof(float));
+        make_linear(&p, few[i].fmt, few[i].out, few[i].in);
+        fill_activations(x, (size_t)B * few[i].in);
+        dx = gt_dev_copy(x, (size_t)B * few[i].in * sizeof(float));
+        if (few[i].fmt == DSV4_W_FP8) {
+            char what[96];
+            snprintf(what, sizeof(what), "%s quantized x", few[i].what);
+            direct_against_ring(&p.d, 0, true, dx, few[i].in, what, &differ);
+            snprintf(what, sizeof(what), "%s raw x", few[i].what);
+            direct_against_ring(&p.d, 0, false, dx, few[i].in, what, &differ);
+        } else {
+            direct_against_ring(&p.d, 0, false, dx, few[i].in, few[i].what, &differ);
+        }
+        cudaFree(dx);
+        free_linear(&p);
+        free(x);
+    }
+    struct pair p;
+    float *x = malloc((size_t)B * G * K * sizeof(float));
+    make_linear(&p, DSV4_W_FP8, G * 1024, K);
+    fill_activations(x, (size_t)B * G * K);
+    dx = gt_dev_copy(x, (size_t)B * G * K * sizeof(float));
+    direct_against_ring(&p.d, G, false, dx, (int64_t)G * K, "fp8 wo_a [8192,4096] in 8 groups", &differ);
+    cudaFree(dx);
+    free_linear(&p);
+    free(x);
+    ws_close();
+    DSV4_OK(dsv4_cuda_gemm_prepare());
+    assert_int_equal(differ, 0);
+}
+
 /* A view of rows [64, 128) of an FP8 linear (one wo_a group of 64 rows: it starts mid scale block)
  * gives bit for bit those rows of the whole linear's result. */
 static void test_fp8_view_mid_block(void **state)
@@ -644,6 +729,7 @@ int main(void)
         cmocka_unit_test(test_linears),
         cmocka_unit_test(test_wo_a_grouped),
         cmocka_unit_test(test_short_ring),
+        cmocka_unit_test(test_direct_rows),
         cmocka_unit_test(test_fp8_view_mid_block),
         cmocka_unit_test(test_same_x),
         cmocka_unit_test(test_prefill_rows),
