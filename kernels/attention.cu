@@ -129,17 +129,16 @@ static __device__ __forceinline__ float att_fold_value(float acc, float o, float
 }
 
 /* Output dims (d, d + 1) of a head, d even: acc / L, then, for a RoPE pair (d >= hd - rd), RoPE^-1
- * at the row's position (the rotation of dsv4_rope_pair, its products rounded explicitly). */
+ * at the row's position (dsv4_rope_pair, inverse: x' = fma(y, sin, x cos), y' = fma(-x, sin, y cos),
+ * every operation rounded explicitly, so the combine and the whole-row kernel round alike). */
 static __device__ __forceinline__ float2 att_out_pair(float x, float y, float L, int d, int hd, int rd,
                                                       const float *__restrict__ inv_freq, int pos)
 {
     x = __fdiv_rn(x, L);
     y = __fdiv_rn(y, L);
-    if (d < hd - rd)
-        return make_float2(x, y);
-    const float angle = __fmul_rn(inv_freq[(d - (hd - rd)) / 2], (float)pos);
-    const float cs = cosf(angle), sn = sinf(angle);
-    return make_float2(__fmaf_rn(y, sn, __fmul_rn(x, cs)), __fmaf_rn(-x, sn, __fmul_rn(y, cs)));
+    if (d >= hd - rd)
+        dsv4_rope_pair(&x, &y, inv_freq[(d - (hd - rd)) / 2], pos, true);
+    return make_float2(x, y);
 }
 
 /* grid (B, DSV4_CUDA_ATT_SPLITS, ceil(H / ATT_HB)): the keys of row b split in equal runs; each

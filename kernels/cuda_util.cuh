@@ -131,16 +131,20 @@ static __device__ __forceinline__ float dsv4_act_scale(float amax)
 }
 
 /* One interleaved RoPE pair (a, b) rotated by pos * inv_freq (inverse: by its negative), as
- * engine/cpu/cpu_rope.c does it. */
+ * engine/cpu/cpu_rope.c does it: a' = a cos - b sin, b' = b cos + a sin. Every product is an
+ * explicit round-to-nearest operation, a' = fma(-b, sin, a cos) and b' = fma(a, sin, b cos), so
+ * each kernel that rotates (norm, compressor, indexer queries, attention output) gets the same
+ * bits from the same inputs, whatever the compiler would contract in each. The inverse only
+ * negates sin, so its a' = fma(b, sin, a cos) and b' = fma(-a, sin, b cos) exactly. */
 static __device__ __forceinline__ void dsv4_rope_pair(float *a, float *b, float inv_freq, int pos, bool inverse)
 {
-    const float angle = inv_freq * (float)pos;
+    const float angle = __fmul_rn(inv_freq, (float)pos);
     float cs = cosf(angle), sn = sinf(angle);
     if (inverse)
         sn = -sn;
     const float x = *a, y = *b;
-    *a = x * cs - y * sn;
-    *b = y * cs + x * sn;
+    *a = __fmaf_rn(-y, sn, __fmul_rn(x, cs));
+    *b = __fmaf_rn(x, sn, __fmul_rn(y, cs));
 }
 
 /* Two e4m3 bytes (low byte first) to floats, exactly. */
