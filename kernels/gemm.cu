@@ -364,8 +364,8 @@ __global__ void gemm_split_kernel(const float *__restrict__ x, int64_t ldx, int 
  * y prepared for a linear of MODE in the same launch: fp8, the 1x128 quantizer with
  * gemm_quant_kernel's arithmetic (each warp a 128-block, each lane the values i * 32 + lane, as
  * prep_block reads them); bf16, hi and lo planes as gemm_split_kernel writes them. Every block of a
- * row stages the row in shared memory and sums its squares exactly as rmsnorm_row does (thread t
- * the values t + 256 j in order, then block_sum), so each gets the same r; then it normalizes and
+ * row stages the row in shared memory and takes r from it with rmsnorm_row_scale (norm_row.cuh,
+ * the sum of squares rmsnorm_row uses), so each gets rmsnorm_kernel's r; then it normalizes and
  * prepares its part of GEMM_NORM_PART columns from shared memory (at batch 1 one block had made
  * the whole row, reading its normalized values back from memory). */
 #define GEMM_NORM_PART 1024                         /* columns a block prepares: a 128-block a warp */
@@ -387,10 +387,7 @@ gemm_norm_prep_kernel(const float *__restrict__ x, const float *__restrict__ w, 
     for (int i = threadIdx.x; i < k; i += NORM_THREADS)
         xs[i] = xr[i];
     __syncthreads();
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < k; i += NORM_THREADS)
-        ss += xs[i] * xs[i];
-    const float r = 1.0f / sqrtf(block_sum(ss) / k + eps);
+    const float r = rmsnorm_row_scale(xs, k, eps);
 
     /* warp: the 128-block kb of this block's part, lane: values kb * 128 + i * 32 + lane */
     const int kb = blockIdx.x * (GEMM_NORM_PART / 128) + warp;

@@ -23,13 +23,21 @@ static __device__ float block_sum(float v)
     return dsv4_warp_sum(v);
 }
 
-/* yr = w * xr / sqrt(mean(xr^2) + eps) over n values, by the whole block (w NULL: no weight). */
-static __device__ __forceinline__ void rmsnorm_row(const float *xr, const float *w, int n, float eps, float *yr)
+/* r = 1 / sqrt(mean(xr^2) + eps) over n values (global or shared memory), by the whole block: thread
+ * t sums the squares of values t + NORM_THREADS j in order of j, then block_sum; every thread gets
+ * r. rmsnorm_row and gemm.cu's norm + preparation both take r from here, so they get the same bits. */
+static __device__ __forceinline__ float rmsnorm_row_scale(const float *xr, int n, float eps)
 {
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += NORM_THREADS)
         ss += xr[i] * xr[i];
-    const float r = 1.0f / sqrtf(block_sum(ss) / n + eps);
+    return 1.0f / sqrtf(block_sum(ss) / n + eps);
+}
+
+/* yr = w * xr / sqrt(mean(xr^2) + eps) over n values, by the whole block (w NULL: no weight). */
+static __device__ __forceinline__ void rmsnorm_row(const float *xr, const float *w, int n, float eps, float *yr)
+{
+    const float r = rmsnorm_row_scale(xr, n, eps);
     for (int i = threadIdx.x; i < n; i += NORM_THREADS)
         yr[i] = (w ? w[i] : 1.0f) * (xr[i] * r);
 }
