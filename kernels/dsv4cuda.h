@@ -244,6 +244,10 @@ void dsv4_cuda_gemm_ws_init(struct dsv4_cuda_gemm_ws *ws, void *base, int rows, 
 int dsv4_cuda_gemm_prepare(void);
 int dsv4_cuda_gemm_stages(void);
 int64_t dsv4_cuda_gemm_prefetch_bytes(void);
+/* Whether dsv4_cuda_gemm_prepare put the FP8 linears of prefill chunks (more than DSV4_CUDA_MAX_BATCH
+ * rows, quantized or raw x) on the wgmma kernel (kernels/gemm_wgmma.cu: the sm_90a image, enough
+ * shared memory, DSV4_CUDA_GEMM_WGMMA not 0); false: on the mma.sync kernel. */
+bool dsv4_cuda_gemm_wgmma(void);
 bool dsv4_cuda_gemm_supports(const struct dsv4_cuda_linear *W, bool quant_act);
 int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
                    struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);

@@ -559,6 +559,11 @@ extern "C" int64_t dsv4_cuda_gemm_prefetch_bytes(void)
     return gemm_prefetch;
 }
 
+extern "C" bool dsv4_cuda_gemm_wgmma(void)
+{
+    return gemm_wg;
+}
+
 template <int MODE, int NT, bool SEQ = false>
 static int launch(gemm_args a, cudaStream_t s, const char *name)
 {
