@@ -739,13 +739,15 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3); "
          "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s; "
          "prefill chunks (more than %d rows, either activation form): %s; "
-         "tensor-core linears with a %d-stage ring, the first wave prefetching up to %lld KB of weights",
+         "tensor-core linears with a %d-stage ring, the first wave prefetching up to %lld KB of weights; "
+         "steps of up to 8 rows whose K is split (every linear, BF16 too): %s",
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8RAW_MMA),
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8), DSV4_CUDA_MAX_BATCH,
          dsv4_cuda_gemm_wgmma() ? dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_WGMMA)
                                 : "mma.sync, the kernels above (no wgmma: not the sm_90a image, too little "
                                   "shared memory, or DSV4_CUDA_GEMM_WGMMA=0)",
-         dsv4_cuda_gemm_stages(), (long long)(dsv4_cuda_gemm_prefetch_bytes() >> 10));
+         dsv4_cuda_gemm_stages(), (long long)(dsv4_cuda_gemm_prefetch_bytes() >> 10),
+         dsv4_cuda_gemm_direct() ? dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_DIRECT) : "the ring (DSV4_CUDA_GEMM_DIRECT=0)");
     vlog(dev, log, log_ctx, true, "op linear.bf16: %s (K a multiple of 64; else %s)",
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_BF16_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_BF16));
     vlog(dev, log, log_ctx, true, "op linear.f32: %s", dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_F32));

@@ -248,6 +248,9 @@ int64_t dsv4_cuda_gemm_prefetch_bytes(void);
  * rows, quantized or raw x) on the wgmma kernel (kernels/gemm_wgmma.cu: the sm_90a image, enough
  * shared memory, DSV4_CUDA_GEMM_WGMMA not 0); false: on the mma.sync kernel. */
 bool dsv4_cuda_gemm_wgmma(void);
+/* Whether steps of up to 8 rows whose K is split stream their weights into registers
+ * (kernels/gemm_direct.cu; DSV4_CUDA_GEMM_DIRECT not 0) */
+bool dsv4_cuda_gemm_direct(void);
 bool dsv4_cuda_gemm_supports(const struct dsv4_cuda_linear *W, bool quant_act);
 int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
                    struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);

@@ -16,6 +16,12 @@
  * and the same partial/output stores; the reduction is gemm.cu's. test_gpu_linear checks rows of this
  * kernel (batch 1 to 8) bit for bit against the same rows in batches of 16 to 64 (the ring kernel).
  *
+ * Where (measured on the H200, dsv4-bench --batch 1, us a launch, ring kernel -> this one): every
+ * V4-Flash linear whose K is split, wo_b 15.9 -> 14.0, wo_a (8 groups, raw x) 15.7 -> 15.2, shared
+ * w2 6.5 -> 6.2, wq_a 5.4 -> 5.2, wkv 4.9 -> 4.6, the BF16 compressor wkv 7.0 -> 6.7 and gate 4.8 ->
+ * 4.6. Where one CTA walks all of K it lost (wq_b 12.2 -> 12.6, the head 273 -> 281), so launches of
+ * one split keep the ring.
+ *
  * x: the CTA's k-range of the R = min(rows, 8) distinct activation rows moves to shared memory once
  * (cp.async, one barrier), [k-tile][plane][R rows][256 bytes] with gemm.cu's swizzles; fragment row
  * g reads row min(g, R - 1), as the ring kernel loads row min(g, rows - 1): columns past the batch
@@ -238,7 +244,7 @@ int gemm_direct_prepare(void)
 
 bool gemm_direct_fits(int mode, const gemm_args &a)
 {
-    return a.rows <= DIRECT_ROWS && direct_smem(mode, a) <= DIRECT_MAX_SMEM;
+    return a.rows <= DIRECT_ROWS && a.splits > 1 && direct_smem(mode, a) <= DIRECT_MAX_SMEM;
 }
 
 int gemm_direct_launch(int mode, gemm_args a, int sms, int64_t prefetch, cudaStream_t s)

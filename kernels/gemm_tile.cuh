@@ -127,8 +127,9 @@ static inline void gemm_set_prefetch(gemm_args *a, int64_t ctas, int sms, int kt
 int gemm_wgmma_prepare(int smem_optin, bool *available);
 int gemm_wgmma_launch(int mode, gemm_args a, int sms, int64_t prefetch, cudaStream_t s);
 
-/* gemm_direct.cu: launches of at most 8 rows with the weights streamed into registers (the same bits
- * as gemm.cu's kernel); fits says whether x of a CTA's k-range fits its shared memory. */
+/* gemm_direct.cu: launches of at most 8 rows whose K is split, with the weights streamed into
+ * registers (the same bits as gemm.cu's kernel); fits says whether a launch is one (and x of a CTA's
+ * k-range fits its shared memory). */
 int gemm_direct_prepare(void);
 bool gemm_direct_fits(int mode, const gemm_args &a);
 int gemm_direct_launch(int mode, gemm_args a, int sms, int64_t prefetch, cudaStream_t s);

@@ -347,12 +347,13 @@ static void test_short_ring(void **state)
     printf("# the device's own ring: %d stages\n", dsv4_cuda_gemm_stages());
 }
 
-/* Linears of 1 to 8 rows run gemm_direct.cu's kernel (weights streamed into registers): every row of
- * it bit-identical to the same rows through the shared-memory ring kernel (DSV4_CUDA_GEMM_DIRECT=0),
- * in every mode, at Flash's shapes, one with rows past the last full tile and the grouped wo_a, and
- * the direct kernel counted as the variant that ran. */
+/* Linears of 1 to 8 rows whose K is split run gemm_direct.cu's kernel (weights streamed into
+ * registers): every row of it bit-identical to the same rows through the shared-memory ring kernel
+ * (DSV4_CUDA_GEMM_DIRECT=0), in every mode, at Flash's shapes, one with rows past the last full tile
+ * and the grouped wo_a, and the direct kernel counted as the variant that ran; unsplit shapes (wq_b)
+ * keep the ring either way. */
 static void direct_against_ring(const struct dsv4_cuda_linear *W, int groups, bool quant, const float *d_x, int64_t ldx,
-                                const char *what, int *differ)
+                                bool direct, const char *what, int *differ)
 {
     static const int rows[] = { 1, 2, 5, 8 };
     const size_t out_n = (size_t)W->out;
@@ -370,7 +371,7 @@ static void direct_against_ring(const struct dsv4_cuda_linear *W, int groups, bo
                 DSV4_OK(dsv4_cuda_gemm_grouped(W, groups, d_x, ldx, B, &gemm_ws, dy, W->out, NULL));
             else
                 DSV4_OK(dsv4_cuda_gemm(W, d_x, ldx, B, quant, &gemm_ws, dy, W->out, NULL));
-            assert_int_equal(dsv4_cuda_variant_launches(DSV4_CUDA_V_GEMM_DIRECT), n_direct + (ring ? 0 : 1));
+            assert_int_equal(dsv4_cuda_variant_launches(DSV4_CUDA_V_GEMM_DIRECT), n_direct + (!ring && direct ? 1 : 0));
             got[ring] = gt_host_from(dy, (size_t)B * out_n);
             cudaFree(dy);
         }
@@ -382,18 +383,22 @@ static void direct_against_ring(const struct dsv4_cuda_linear *W, int groups, bo
         free(got[0]);
         free(got[1]);
     }
-    printf("# %s: rows 1-8 direct, bit-identical to the ring kernel\n", what);
+    printf("# %s: rows 1-8 %s, bit-identical to the ring kernel\n", what, direct ? "direct" : "on the ring (one split)");
 }
 
 static void test_direct_rows(void **state)
 {
-    static const struct shape few[] = {
-        { "fp8 wq_a [1024,4096]", DSV4_W_FP8, 1024, 4096, 8 },
-        { "fp8 wq_b [32768,1024]", DSV4_W_FP8, 32768, 1024, 8 },
-        { "fp8 wo_b [4096,8192]", DSV4_W_FP8, 4096, 8192, 8 },
-        { "fp8 tiny [130,256]", DSV4_W_FP8, 130, 256, 8 },
-        { "bf16 gate [256,4096]", DSV4_W_BF16, 256, 4096, 8 },
-        { "bf16 comp wkv [1024,4096]", DSV4_W_BF16, 1024, 4096, 8 },
+    static const struct {
+        struct shape s;
+        bool direct;            /* K split: the direct kernel runs */
+    } few[] = {
+        { { "fp8 wq_a [1024,4096]", DSV4_W_FP8, 1024, 4096, 8 }, true },
+        { { "fp8 wq_b [32768,1024]", DSV4_W_FP8, 32768, 1024, 8 }, false },
+        { { "fp8 wo_b [4096,8192]", DSV4_W_FP8, 4096, 8192, 8 }, true },
+        { { "fp8 shared w2 [4096,2048]", DSV4_W_FP8, 4096, 2048, 8 }, true },
+        { { "fp8 [130,4096]", DSV4_W_FP8, 130, 4096, 8 }, true },
+        { { "bf16 gate [256,4096]", DSV4_W_BF16, 256, 4096, 8 }, true },
+        { { "bf16 comp wkv [1024,4096]", DSV4_W_BF16, 1024, 4096, 8 }, true },
     };
     const int G = 8, K = 4096, B = 8;
     int differ = 0;
@@ -401,18 +406,18 @@ static void test_direct_rows(void **state)
     ws_open();
     for (size_t i = 0; i < sizeof(few) / sizeof(few[0]); i++) {
         struct pair p;
-        float *x = malloc((size_t)B * few[i].in * sizeof(float));
-        make_linear(&p, few[i].fmt, few[i].out, few[i].in);
-        fill_activations(x, (size_t)B * few[i].in);
-        dx = gt_dev_copy(x, (size_t)B * few[i].in * sizeof(float));
-        if (few[i].fmt == DSV4_W_FP8) {
+        float *x = malloc((size_t)B * few[i].s.in * sizeof(float));
+        make_linear(&p, few[i].s.fmt, few[i].s.out, few[i].s.in);
+        fill_activations(x, (size_t)B * few[i].s.in);
+        dx = gt_dev_copy(x, (size_t)B * few[i].s.in * sizeof(float));
+        if (few[i].s.fmt == DSV4_W_FP8) {
             char what[96];
-            snprintf(what, sizeof(what), "%s quantized x", few[i].what);
-            direct_against_ring(&p.d, 0, true, dx, few[i].in, what, &differ);
-            snprintf(what, sizeof(what), "%s raw x", few[i].what);
-            direct_against_ring(&p.d, 0, false, dx, few[i].in, what, &differ);
+            snprintf(what, sizeof(what), "%s quantized x", few[i].s.what);
+            direct_against_ring(&p.d, 0, true, dx, few[i].s.in, few[i].direct, what, &differ);
+            snprintf(what, sizeof(what), "%s raw x", few[i].s.what);
+            direct_against_ring(&p.d, 0, false, dx, few[i].s.in, few[i].direct, what, &differ);
         } else {
-            direct_against_ring(&p.d, 0, false, dx, few[i].in, few[i].what, &differ);
+            direct_against_ring(&p.d, 0, false, dx, few[i].s.in, few[i].direct, few[i].s.what, &differ);
         }
         cudaFree(dx);
         free_linear(&p);
@@ -423,7 +428,7 @@ static void test_direct_rows(void **state)
     make_linear(&p, DSV4_W_FP8, G * 1024, K);
     fill_activations(x, (size_t)B * G * K);
     dx = gt_dev_copy(x, (size_t)B * G * K * sizeof(float));
-    direct_against_ring(&p.d, G, false, dx, (int64_t)G * K, "fp8 wo_a [8192,4096] in 8 groups", &differ);
+    direct_against_ring(&p.d, G, false, dx, (int64_t)G * K, true, "fp8 wo_a [8192,4096] in 8 groups", &differ);
     cudaFree(dx);
     free_linear(&p);
     free(x);
