@@ -607,6 +607,9 @@ static int launch_nt(const gemm_args &a, bool wg, cudaStream_t s)
         dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_DIRECT);
         return gemm_direct_launch(MODE, a, gemm_sms, gemm_prefetch, s);
     }
+    /* one variant a launch: the wgmma and direct kernels above count as themselves only */
+    dsv4_cuda_count_launch(MODE == GEMM_FP8 ? DSV4_CUDA_V_GEMM_FP8_MMA : MODE == GEMM_FP8RAW ? DSV4_CUDA_V_GEMM_FP8RAW_MMA
+                                                                                         : DSV4_CUDA_V_GEMM_BF16_MMA);
     const char *name = MODE == GEMM_FP8 ? "gemm_fp8_mma" : MODE == GEMM_FP8RAW ? "gemm_fp8raw_mma" : "gemm_bf16x2_mma";
     if (a.rows <= 8)
         return launch<MODE, 1>(a, s, name);
@@ -659,7 +662,6 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
                         static_cast<__nv_bfloat16 *>(ws->xa));
             DSV4_CUDA_LAUNCHED("gemm_split");
         }
-        dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_BF16_MMA);
         rc = launch_nt<GEMM_BF16>(a, false, s);
     } else {
         const int warps = 8;
@@ -671,7 +673,6 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
                             static_cast<__half *>(ws->xa), ws->sa);
                 DSV4_CUDA_LAUNCHED("gemm_quant");
             }
-            dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8_MMA);
             rc = launch_nt<GEMM_FP8>(a, wg, s);
         } else {
             if (!prepared) {
@@ -679,7 +680,6 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
                             static_cast<__half *>(ws->xa), ws->sa);
                 DSV4_CUDA_LAUNCHED("gemm_split16");
             }
-            dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8RAW_MMA);
             rc = launch_nt<GEMM_FP8RAW>(a, wg, s);
         }
     }
