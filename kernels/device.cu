@@ -23,7 +23,8 @@
 #include "kernels/prefix.h"
 #include "kernels/switches.h"
 
-#define DEV_VARIANTS_MAX 2048           /* bytes of the variant report */
+#define DEV_VARIANTS_MAX 4096           /* bytes of the variant report */
+#define DEV_LOG_LINE 512                /* bytes of one boot-log line (the longest names three kernels) */
 #define DEV_GIB 1073741824.0
 
 static std::atomic<uint64_t> launch_counts[DSV4_CUDA_V_COUNT];
@@ -471,7 +472,7 @@ static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), v
 static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), void *ctx, bool variant,
                  const char *fmt, ...)
 {
-    char line[256];
+    char line[DEV_LOG_LINE];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(line, sizeof(line), fmt, ap);
@@ -737,15 +738,15 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          ws / 1073741824.0);
     log_placement(dev, log, log_ctx);
     vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3); "
-         "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s; "
-         "prefill chunks (more than %d rows, either activation form): %s; "
-         "tensor-core linears with a %d-stage ring, the first wave prefetching up to %lld KB of weights; "
-         "steps of up to 8 rows whose K is split (every linear, BF16 too): %s",
+         "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s",
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8RAW_MMA),
-         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8), DSV4_CUDA_MAX_BATCH,
-         dsv4_cuda_gemm_wgmma() ? dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_WGMMA)
-                                : "mma.sync, the kernels above (no wgmma: not the sm_90a image, too little "
-                                  "shared memory, or DSV4_CUDA_GEMM_WGMMA=0)",
+         dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8));
+    vlog(dev, log, log_ctx, true, "op linear.fp8 prefill chunks (more than %d rows, either activation form): %s",
+         DSV4_CUDA_MAX_BATCH, dsv4_cuda_gemm_wgmma() ? dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_WGMMA)
+                                                     : "mma.sync, the kernels above (no wgmma: not the sm_90a image, "
+                                                       "too little shared memory, or DSV4_CUDA_GEMM_WGMMA=0)");
+    vlog(dev, log, log_ctx, true, "op linear rings: tensor-core linears with a %d-stage ring, the first wave "
+         "prefetching up to %lld KB of weights; steps of up to 8 rows whose K is split (FP8 and BF16): %s",
          dsv4_cuda_gemm_stages(), (long long)(dsv4_cuda_gemm_prefetch_bytes() >> 10),
          dsv4_cuda_gemm_direct() ? dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_DIRECT) : "the ring (DSV4_CUDA_GEMM_DIRECT=0)");
     vlog(dev, log, log_ctx, true, "op linear.bf16: %s (K a multiple of 64; else %s)",

@@ -170,6 +170,10 @@ static void test_boot_and_experts(void **state)
     if (st.cc_major == 9)
         assert_string_equal(st.kernel_build, "sm_90a cubin");
     assert_non_null(strstr(dsv4_cuda_dev_variants(dev), "op experts: experts_fp4_grouped_swiglu"));
+    /* each line whole: the ends of the longest ones name their last kernel in full */
+    assert_non_null(strstr(dsv4_cuda_dev_variants(dev), "K not a multiple of 128: gemv_fp8_b128_warprow\n"));
+    assert_non_null(strstr(dsv4_cuda_dev_variants(dev), "whose K is split (FP8 and BF16): "
+                                                        "gemm_mma_rows128_batch8_weights_in_registers\n"));
 
     /* FP8 stays FP8: the device holds the checkpoint bytes and scales */
     dl = dsv4_cuda_dev_linear(dev, "layers.1.attn.wq_a.weight");
