@@ -62,13 +62,6 @@ static __host__ __device__ constexpr size_t stage_bytes(int mode, int nt)
     return (size_t)GEMM_ROWS * GEMM_TILE_BYTES + (size_t)xplanes(mode) * nt * 8 * GEMM_XROW_BYTES;
 }
 
-/* f16 activation rows are 256 bytes; a quarter warp reads rows g and g+1 at chunks 2c, 2c+1, so odd
- * rows swap the two (sw128 in gemm_tile.cuh does the same for 128-byte rows) */
-static __device__ __forceinline__ int sw256(int row, int c)
-{
-    return c ^ (row & 1);
-}
-
 /* Issue the cp.async loads of k-tile kt into stage s; xk0 is the group's first column of x, nb the
  * CTA's first batch row. */
 template <int MODE, int NT>
@@ -142,42 +135,23 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
             dsv4_cp_async_commit();
         }
         const uint8_t *ws = smem + (i % STAGES) * sbytes, *xs = ws + GEMM_ROWS * GEMM_TILE_BYTES;
+        const uint8_t *xl = xs + NT * 8 * (MODE == GEMM_BF16 ? 128 : GEMM_XROW_BYTES);  /* lo plane: fp8raw, bf16 */
         const int kt = kt0 + i;
-        if (MODE != GEMM_BF16) {
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                blk[j][q] = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int c = t + 4 * h;
+            uint32_t w0v[4], w1v[4];
+            load_wrows(ws, r0, r1, c, w0v, w1v);
 #pragma unroll
             for (int j = 0; j < NT; j++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    blk[j][q] = 0.0f;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int c = t + 4 * h;
-                uint32_t w0v[4], w1v[4];
-                load_wrows(ws, r0, r1, c, w0v, w1v);
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    const int n = j * 8 + g;
-                    const uint4 b0 = dsv4_lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c) * 16);
-                    const uint4 b1 = dsv4_lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c + 1) * 16);
-                    const uint32_t bv[8] = { b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w };
-                    uint32_t lv[8] = {};
-                    if (MODE == GEMM_FP8RAW) {      /* the lo plane */
-                        const uint8_t *xl = xs + NT * 8 * GEMM_XROW_BYTES;
-                        const uint4 l0 = dsv4_lds128(xl + n * GEMM_XROW_BYTES + sw256(n, 2 * c) * 16);
-                        const uint4 l1 = dsv4_lds128(xl + n * GEMM_XROW_BYTES + sw256(n, 2 * c + 1) * 16);
-                        lv[0] = l0.x; lv[1] = l0.y; lv[2] = l0.z; lv[3] = l0.w;
-                        lv[4] = l1.x; lv[5] = l1.y; lv[6] = l1.z; lv[7] = l1.w;
-                    }
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        uint32_t af[4];
-                        fp8_afrag(w0v, w1v, q, af);
-                        dsv4_mma_f16(blk[j], af, bv[2 * q], bv[2 * q + 1]);
-                        if (MODE == GEMM_FP8RAW)
-                            dsv4_mma_f16(blk[j], af, lv[2 * q], lv[2 * q + 1]);
-                    }
-                }
-            }
+                gemm_chunk_mma<MODE>(w0v, w1v, xs, xl, j * 8 + g, c, blk[j]);
+        }
+        if (MODE != GEMM_BF16) {
             const float sw = dsv4_ue8m0(__ldg(a.wscale + (row0 / GEMM_ROWS) * a.scale_stride + kt));
             const int64_t sab = a.k / 128, sk = xk0 / 128 + kt;
 #pragma unroll
@@ -193,32 +167,6 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
             /* Each 64-wide k-tile is summed from zero and added on the CUDA cores (round to nearest):
              * the MMA accumulator does not round to nearest, and across all 64 k-tiles of the head
              * (K 4096, one split) its error reached 1.9e-5 of f32 math. */
-            const uint8_t *xl = xs + NT * 8 * 128;
-#pragma unroll
-            for (int j = 0; j < NT; j++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    blk[j][q] = 0.0f;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int c = t + 4 * h;
-                uint32_t w0v[4], w1v[4];
-                load_wrows(ws, r0, r1, c, w0v, w1v);
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    const int n = j * 8 + g;
-                    const uint4 bh = dsv4_lds128(xs + n * 128 + sw128(n, c) * 16);
-                    const uint4 bl = dsv4_lds128(xl + n * 128 + sw128(n, c) * 16);
-                    const uint32_t hv[4] = { bh.x, bh.y, bh.z, bh.w }, lv[4] = { bl.x, bl.y, bl.z, bl.w };
-#pragma unroll
-                    for (int q = 0; q < 2; q++) {
-                        /* values 4q..4q+3 of each row's 8: (4q, 4q+1) as k (2t, 2t+1), (4q+2, 4q+3) as (2t+8, 2t+9) */
-                        const uint32_t af[4] = { w0v[2 * q], w1v[2 * q], w0v[2 * q + 1], w1v[2 * q + 1] };
-                        dsv4_mma_bf16(blk[j], af, hv[2 * q], hv[2 * q + 1]);
-                        dsv4_mma_bf16(blk[j], af, lv[2 * q], lv[2 * q + 1]);
-                    }
-                }
-            }
 #pragma unroll
             for (int j = 0; j < NT; j++)
 #pragma unroll

@@ -10,11 +10,12 @@
  * kernel waits for its inputs (weights are constant after boot), and no barrier follows the one that
  * publishes x.
  *
- * Same bits as gemm.cu, by construction: the same fragments (load_wrows' bytes, fp8_afrag), the same
- * MMA order within a k-tile (chunk h, then q; hi then lo), each k-tile summed from zero and folded as
- * acc += blk * (weight scale x activation scale) (fp8, fp8raw) or acc += blk (bf16), the same K splits
- * and the same partial/output stores; the reduction is gemm.cu's. test_gpu_linear checks rows of this
- * kernel (batch 1 to 8) bit for bit against the same rows in batches of 16 to 64 (the ring kernel).
+ * Same bits as gemm.cu, by construction: the same fragments and MMAs (load_wrows' bytes,
+ * gemm_chunk_mma in gemm_tile.cuh), the same MMA order within a k-tile (chunk h, then q; hi then lo),
+ * each k-tile summed from zero and folded as acc += blk * (weight scale x activation scale) (fp8,
+ * fp8raw) or acc += blk (bf16), the same K splits and the same partial/output stores; the reduction is
+ * gemm.cu's. test_gpu_linear checks rows of this kernel (batch 1 to 8) bit for bit against the same
+ * rows in batches of 16 to 64 (the ring kernel).
  *
  * Where (measured on the H200, dsv4-bench --batch 1, us a launch, ring kernel -> this one): every
  * V4-Flash linear whose K is split, wo_b 15.9 -> 14.0, wo_a (8 groups, raw x) 15.7 -> 15.2, shared
@@ -23,10 +24,10 @@
  * one split keep the ring.
  *
  * x: the CTA's k-range of the R = min(rows, 8) distinct activation rows moves to shared memory once
- * (cp.async, one barrier), [k-tile][plane][R rows][256 bytes] with gemm.cu's swizzles; fragment row
- * g reads row min(g, R - 1), as the ring kernel loads row min(g, rows - 1): columns past the batch
- * are computed on a copy of the last row and never stored. The activation scales of the range sit
- * beside it. */
+ * (cp.async, one barrier), [k-tile][plane][R rows][256 bytes] with gemm.cu's swizzles (sw256, sw128
+ * in gemm_tile.cuh); fragment row g reads row min(g, R - 1), as the ring kernel loads row
+ * min(g, rows - 1): columns past the batch are computed on a copy of the last row and never stored.
+ * The activation scales of the range sit beside it. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -80,55 +81,19 @@ static __device__ __forceinline__ void direct_load(direct_wtile &d, const uint8_
         d.sw = __ldg(ws + kt);
 }
 
-/* f16 rows (256 bytes) swizzle as gemm.cu's sw256; bf16 hi/lo halves (128 bytes) as sw128 */
-static __device__ __forceinline__ int direct_sw256(int row, int c)
-{
-    return c ^ (row & 1);
-}
-
 /* One k-tile of warp rows r0/r1 against x tile xs (this CTA's local k-tile), folded into acc. */
 template <int MODE>
 static __device__ __forceinline__ void direct_tile(const direct_wtile &d, const uint8_t *xs, int r, int n,
                                                    float s0, float s1, float (&acc)[4])
 {
+    const uint8_t *xl = xs + r * direct_xrow(MODE);    /* lo plane: fp8raw, bf16 */
     float blk[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int c = (threadIdx.x & 3) + 4 * h;
         const uint32_t w0v[4] = { d.c[h].x, d.c[h].y, d.c[h].z, d.c[h].w };
         const uint32_t w1v[4] = { d.c[2 + h].x, d.c[2 + h].y, d.c[2 + h].z, d.c[2 + h].w };
-        if (MODE != GEMM_BF16) {
-            const uint4 b0 = dsv4_lds128(xs + n * GEMM_XROW_BYTES + direct_sw256(n, 2 * c) * 16);
-            const uint4 b1 = dsv4_lds128(xs + n * GEMM_XROW_BYTES + direct_sw256(n, 2 * c + 1) * 16);
-            const uint32_t bv[8] = { b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w };
-            uint32_t lv[8] = {};
-            if (MODE == GEMM_FP8RAW) {      /* the lo plane */
-                const uint8_t *xl = xs + r * GEMM_XROW_BYTES;
-                const uint4 l0 = dsv4_lds128(xl + n * GEMM_XROW_BYTES + direct_sw256(n, 2 * c) * 16);
-                const uint4 l1 = dsv4_lds128(xl + n * GEMM_XROW_BYTES + direct_sw256(n, 2 * c + 1) * 16);
-                lv[0] = l0.x; lv[1] = l0.y; lv[2] = l0.z; lv[3] = l0.w;
-                lv[4] = l1.x; lv[5] = l1.y; lv[6] = l1.z; lv[7] = l1.w;
-            }
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                uint32_t af[4];
-                fp8_afrag(w0v, w1v, q, af);
-                dsv4_mma_f16(blk, af, bv[2 * q], bv[2 * q + 1]);
-                if (MODE == GEMM_FP8RAW)
-                    dsv4_mma_f16(blk, af, lv[2 * q], lv[2 * q + 1]);
-            }
-        } else {
-            const uint8_t *xl = xs + r * direct_xrow(GEMM_BF16);
-            const uint4 bh = dsv4_lds128(xs + n * direct_xrow(GEMM_BF16) + sw128(n, c) * 16);
-            const uint4 bl = dsv4_lds128(xl + n * direct_xrow(GEMM_BF16) + sw128(n, c) * 16);
-            const uint32_t hv[4] = { bh.x, bh.y, bh.z, bh.w }, lv[4] = { bl.x, bl.y, bl.z, bl.w };
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                const uint32_t af[4] = { w0v[2 * q], w1v[2 * q], w0v[2 * q + 1], w1v[2 * q + 1] };
-                dsv4_mma_bf16(blk, af, hv[2 * q], hv[2 * q + 1]);
-                dsv4_mma_bf16(blk, af, lv[2 * q], lv[2 * q + 1]);
-            }
-        }
+        gemm_chunk_mma<MODE>(w0v, w1v, xs, xl, n, c, blk);
     }
     if (MODE != GEMM_BF16) {
         acc[0] += blk[0] * s0;
@@ -173,7 +138,7 @@ __global__ void __launch_bounds__(GEMM_THREADS, 2) gemm_direct_kernel(const gemm
     if (MODE != GEMM_BF16) {
         for (int i = threadIdx.x; i < nk * xplanes(MODE) * R * 16; i += GEMM_THREADS) {
             const int c = i & 15, n = (i >> 4) % R, p = (i / (16 * R)) % xplanes(MODE), kt = i / (16 * R * xplanes(MODE));
-            dsv4_cp_async16(smem + kt * xtile + (p * R + n) * GEMM_XROW_BYTES + direct_sw256(n, c) * 16,
+            dsv4_cp_async16(smem + kt * xtile + (p * R + n) * GEMM_XROW_BYTES + sw256(n, c) * 16,
                             a.xa + (((int64_t)p * a.rows + n) * a.k + xk0 + (int64_t)(kt0 + kt) * 128) * 2 + c * 16);
         }
         const int64_t sab = a.k / 128, sk = xk0 / 128 + kt0;

@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: MIT */
-/* What the two tensor-core linear kernels share (gemm.cu: mma.sync for every image, any row count;
- * gemm_wgmma.cu: wgmma for prefill chunks on sm_90a): the launch arguments, the weight tile in shared
- * memory and the A fragments made from it. Both kernels build each MMA's A operand from a weight
- * tile the same way, so a row gets the same bits from either (see gemm_wgmma.cu). */
+/* What the tensor-core linear kernels share (gemm.cu: mma.sync for every image, any row count;
+ * gemm_direct.cu: mma.sync with the weights in registers, up to 8 rows; gemm_wgmma.cu: wgmma for
+ * prefill chunks on sm_90a): the launch arguments, the weight tile in shared memory, the A fragments
+ * made from it and the mma.sync kernels' MMAs of a weight chunk. Every kernel builds each MMA's A
+ * operand from a weight tile the same way, so a row gets the same bits from any of them (see
+ * gemm_direct.cu, gemm_wgmma.cu). */
 #ifndef DSV4_KERNELS_GEMM_TILE_CUH
 #define DSV4_KERNELS_GEMM_TILE_CUH
 
@@ -71,6 +73,13 @@ static __device__ __forceinline__ int sw128(int row, int c)
     return c ^ ((row & 1) << 2);
 }
 
+/* f16 activation rows are 256 bytes; a quarter warp reads rows g and g+1 at chunks 2c, 2c+1, so odd
+ * rows swap the two (sw128 above does the same for 128-byte rows) */
+static __device__ __forceinline__ int sw256(int row, int c)
+{
+    return c ^ (row & 1);
+}
+
 /* Chunk c of weight rows r0 and r1 (128-byte rows) of a stage, as words. */
 static __device__ __forceinline__ void load_wrows(const uint8_t *ws, int r0, int r1, int c, uint32_t (&w0v)[4],
                                                   uint32_t (&w1v)[4])
@@ -90,6 +99,54 @@ static __device__ __forceinline__ void fp8_afrag(const uint32_t (&w0v)[4], const
     af[1] = e4m3x2_f16x2(w1v[q]);
     af[2] = e4m3x2_f16x2(w0v[q] >> 16);
     af[3] = e4m3x2_f16x2(w1v[q] >> 16);
+}
+
+/* The MMAs of weight chunk c (words w0v, w1v of rows r0 and r1, as load_wrows gives them) against
+ * batch row n of a k-tile's x, added into the m16n8 accumulator blk in a fixed order (q, then hi
+ * before lo): gemm.cu's ring kernel and gemm_direct.cu's register kernel both run these, so they give
+ * the same bits. x is one or two planes, xs then xl, each [rows][row bytes] swizzled:
+ *   fp8, fp8raw: 256-byte rows of f16 (sw256), the chunk's 16 values at chunks 2c and 2c+1; MMA q
+ *   takes weight bytes 4q..4q+3 (fp8_afrag) and f16 values 4q..4q+3 of them, hi (xs), then for
+ *   fp8raw lo (xl; fp8 never reads xl);
+ *   bf16: 128-byte rows of bf16 (sw128), hi in xs and lo in xl, the chunk's 8 values at chunk c; the
+ *   weight words are the A fragments as they are.
+ * Which k each register stands for is the fragment trick (gemm.cu's header). */
+template <int MODE>
+static __device__ __forceinline__ void gemm_chunk_mma(const uint32_t (&w0v)[4], const uint32_t (&w1v)[4],
+                                                      const uint8_t *xs, const uint8_t *xl, int n, int c,
+                                                      float (&blk)[4])
+{
+    if (MODE != GEMM_BF16) {
+        const uint4 b0 = dsv4_lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c) * 16);
+        const uint4 b1 = dsv4_lds128(xs + n * GEMM_XROW_BYTES + sw256(n, 2 * c + 1) * 16);
+        const uint32_t bv[8] = { b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w };
+        uint32_t lv[8] = {};
+        if (MODE == GEMM_FP8RAW) {      /* the lo plane */
+            const uint4 l0 = dsv4_lds128(xl + n * GEMM_XROW_BYTES + sw256(n, 2 * c) * 16);
+            const uint4 l1 = dsv4_lds128(xl + n * GEMM_XROW_BYTES + sw256(n, 2 * c + 1) * 16);
+            lv[0] = l0.x; lv[1] = l0.y; lv[2] = l0.z; lv[3] = l0.w;
+            lv[4] = l1.x; lv[5] = l1.y; lv[6] = l1.z; lv[7] = l1.w;
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            uint32_t af[4];
+            fp8_afrag(w0v, w1v, q, af);
+            dsv4_mma_f16(blk, af, bv[2 * q], bv[2 * q + 1]);
+            if (MODE == GEMM_FP8RAW)
+                dsv4_mma_f16(blk, af, lv[2 * q], lv[2 * q + 1]);
+        }
+    } else {
+        const uint4 bh = dsv4_lds128(xs + n * 128 + sw128(n, c) * 16);
+        const uint4 bl = dsv4_lds128(xl + n * 128 + sw128(n, c) * 16);
+        const uint32_t hv[4] = { bh.x, bh.y, bh.z, bh.w }, lv[4] = { bl.x, bl.y, bl.z, bl.w };
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            /* values 4q..4q+3 of each row's 8: (4q, 4q+1) as k (2t, 2t+1), (4q+2, 4q+3) as (2t+8, 2t+9) */
+            const uint32_t af[4] = { w0v[2 * q], w1v[2 * q], w0v[2 * q + 1], w1v[2 * q + 1] };
+            dsv4_mma_bf16(blk, af, hv[2 * q], hv[2 * q + 1]);
+            dsv4_mma_bf16(blk, af, lv[2 * q], lv[2 * q + 1]);
+        }
+    }
 }
 
 /* Where the wgmma path stores value k (0..127) of each 1x128 activation block (gemm_wgmma.cu): MMA
