@@ -773,13 +773,8 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     vlog(dev, log, log_ctx, true, "op indexer: keys %s; scores %s (FP4 keys of width 32/64/128, else %s), "
          "bitwise radix top-k per row", o->numerics == DSV4_NUMERICS_FP8 ? "FP4 68 B at 128 (official)" : "f32",
          dsv4_cuda_variant_name(DSV4_CUDA_V_INDEXER_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_INDEXER_FMA));
-    {   /* the chunk as step.cu sizes it: prefill_chunk (or the default), within a slot, at least a batch */
-        int chunk = o->prefill_chunk > 0 ? o->prefill_chunk : DSV4_PREFILL_CHUNK_DEFAULT;
-        chunk = chunk < o->max_context ? chunk : o->max_context;
-        chunk = chunk > o->max_batch ? chunk : o->max_batch;
-        vlog(dev, log, log_ctx, true, "op prefill: chunks of up to %d positions of one slot; up to %d replay the "
-             "bucket graphs, longer ones launch the same kernels eagerly", chunk, o->max_batch);
-    }
+    vlog(dev, log, log_ctx, true, "op prefill: chunks of up to %d positions of one slot; up to %d replay the "
+         "bucket graphs, longer ones launch the same kernels eagerly", dsv4_cuda_step_rows(o), o->max_batch);
     vlog(dev, log, log_ctx, true, "launch: %s", dsv4_cuda_pdl() ? "programmatic dependent launch (each kernel "
          "scheduled while the previous one drains; DSV4_CUDA_PDL=0 turns it off)" : "stream order (no programmatic "
          "dependent launch: image before sm_90, or DSV4_CUDA_PDL=0)");

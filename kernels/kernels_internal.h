@@ -15,6 +15,10 @@
 /* Arena sizes of the decode step (kernels/step.cu): caches of max_batch + 1 slots, and buffers. */
 size_t dsv4_cuda_step_cache_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
 size_t dsv4_cuda_step_workspace_bytes(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
+/* Rows of one step (a decode batch or a prefill chunk) with these options: prefill_chunk (0:
+ * DSV4_PREFILL_CHUNK_DEFAULT) cut to max_context, at least max_batch; the step's buffers and the boot
+ * log both take it from here. */
+int dsv4_cuda_step_rows(const struct dsv4_backend_opts *o);
 /* Drafts a step verifies with these options (0: no speculation; kernels/step.cu says when it runs). */
 int dsv4_cuda_step_spec_tokens(const struct dsv4_config *c, const struct dsv4_backend_opts *o);
 

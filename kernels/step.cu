@@ -59,7 +59,7 @@ struct step_layer {
     struct dsv4_cuda_layer_cache cache;
 };
 
-/* Step buffers, each [rows of a step (step_rows), ...] unless it says otherwise. */
+/* Step buffers, each [rows of a step (dsv4_cuda_step_rows), ...] unless it says otherwise. */
 struct step_buf {
     int32_t *in;                /* tokens [B], slots [B], pos [B], first [B], last [B] */
     float *X, *X2, *mix, *mixws, *post, *comb, *y, *xn, *xq, *xq2, *sub;
@@ -164,7 +164,7 @@ static int kv_format(const struct dsv4_backend_opts *o)
 
 /* Rows of one step: a decode batch (max_batch) or a prefill chunk (opts->prefill_chunk, default
  * DSV4_PREFILL_CHUNK_DEFAULT), no longer than a slot. dsv4_cuda_dev_create checks the range. */
-static int step_rows(const struct dsv4_backend_opts *o)
+int dsv4_cuda_step_rows(const struct dsv4_backend_opts *o)
 {
     int chunk = o->prefill_chunk > 0 ? o->prefill_chunk : DSV4_PREFILL_CHUNK_DEFAULT;
     chunk = chunk < o->max_context ? chunk : o->max_context;
@@ -174,7 +174,7 @@ static int step_rows(const struct dsv4_backend_opts *o)
 /* Rows of one attention slice: a whole decode batch, or STEP_SLICE rows of a longer chunk. */
 static int slice_rows(const struct dsv4_backend_opts *o)
 {
-    const int r = step_rows(o);
+    const int r = dsv4_cuda_step_rows(o);
     return r < STEP_SLICE ? r : STEP_SLICE;
 }
 
@@ -314,7 +314,7 @@ static int64_t max_csa_entries(const struct dsv4_config *c, const struct dsv4_ba
 /* Carve (or, with base NULL, size) the step buffers: B rows of a step, Bd decode rows, Bs slice rows. */
 static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_opts *o, uint8_t *base, struct step_buf *sb)
 {
-    const int64_t B = step_rows(o), Bd = o->max_batch, Bs = slice_rows(o);
+    const int64_t B = dsv4_cuda_step_rows(o), Bd = o->max_batch, Bs = slice_rows(o);
     const int64_t D = c->dim, hc = c->hc_mult, H = c->n_heads, hd = c->head_dim;
     const int64_t E = c->n_experts, K = c->n_experts_per_tok, I = c->moe_inter;
     const int64_t Is = (int64_t)c->moe_inter * (c->n_shared_experts ? c->n_shared_experts : 1);
@@ -1518,7 +1518,7 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->fp8 = opts->numerics == DSV4_NUMERICS_FP8;
     cb->kvf = kv_format(opts);
     cb->slots = opts->max_batch + 1;
-    cb->rows = step_rows(opts);
+    cb->rows = dsv4_cuda_step_rows(opts);
     cb->use_graphs = sw->graphs;
     cb->use_gemm = sw->gemm;
     cb->branches = sw->branches;
