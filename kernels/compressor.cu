@@ -9,7 +9,7 @@
 #include "kernels/kv_entry.cuh"
 #include "kernels/norm_row.cuh"
 
-#define COMP_THREADS NORM_THREADS     /* block_sum's block */
+#define COMP_THREADS NORM_THREADS     /* rmsnorm_row_scale's block */
 
 /* Tokens a slot's state keeps: the block being filled and, for overlapping compressors, the one
  * before it (its first d channels pool into the next entry). */
@@ -82,10 +82,7 @@ __global__ void __launch_bounds__(COMP_THREADS) compressor_emit_kernel(const str
         v_s[ch] = num / den;
     }
     __syncthreads();
-    float ss = 0.0f;
-    for (int ch = threadIdx.x; ch < d; ch += blockDim.x)
-        ss += v_s[ch] * v_s[ch];
-    const float rs = 1.0f / sqrtf(block_sum(ss) / d + a.eps);
+    const float rs = rmsnorm_row_scale(v_s, d, a.eps);
     for (int ch = threadIdx.x; ch < d; ch += blockDim.x)
         v_s[ch] = a.norm[ch] * (v_s[ch] * rs);
     __syncthreads();

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* The RMSNorm of one row by a whole block, shared by the norm kernels (norm.cu) and the linears
- * that normalize their input in the launch that prepares it (gemm.cu): one definition, so both give
- * the same bits. */
+/* The RMSNorm of one row by a whole block, shared by the norm kernels (norm.cu), the linears that
+ * normalize their input in the launch that prepares it (gemm.cu) and the compressors' emission
+ * (compressor.cu): one definition, so all give the same bits. */
 #ifndef DSV4_KERNELS_NORM_ROW_CUH
 #define DSV4_KERNELS_NORM_ROW_CUH
 
@@ -25,7 +25,8 @@ static __device__ float block_sum(float v)
 
 /* r = 1 / sqrt(mean(xr^2) + eps) over n values (global or shared memory), by the whole block: thread
  * t sums the squares of values t + NORM_THREADS j in order of j, then block_sum; every thread gets
- * r. rmsnorm_row and gemm.cu's norm + preparation both take r from here, so they get the same bits. */
+ * r. rmsnorm_row, gemm.cu's norm + preparation and the compressors' emission take r from here, so
+ * they get the same bits. */
 static __device__ __forceinline__ float rmsnorm_row_scale(const float *xr, int n, float eps)
 {
     float ss = 0.0f;
