@@ -14,13 +14,73 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-/* B operand without swizzle: core matrices of 8 rows x 16 bytes (128 contiguous bytes); lbo = bytes
- * from one core matrix to the next along K, sbo = along N. */
-static __device__ __forceinline__ uint64_t dsv4_wgmma_desc(const void *smem, uint32_t lbo, uint32_t sbo)
+/* B operand, K-major, in the 128-byte swizzle a TMA load with CU_TENSOR_MAP_SWIZZLE_128B writes: rows
+ * of 128 bytes (64 f16 along K), 8-row groups 1024 bytes apart (sbo), the 16-byte chunk c of row r at
+ * chunk c ^ (r % 8) (the tile starts on 1024 bytes). A k16 step further along K starts 32 bytes further
+ * in; the hardware applies the swizzle to the address it forms. Layout type 1 (bits 62-63) = 128B. */
+static __device__ __forceinline__ uint64_t dsv4_wgmma_desc_sw128(const void *smem)
 {
     const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-    return (uint64_t)((a >> 4) & 0x3fff) | ((uint64_t)((lbo >> 4) & 0x3fff) << 16) |
-           ((uint64_t)((sbo >> 4) & 0x3fff) << 32);
+    return (uint64_t)((a >> 4) & 0x3fff) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+/* ---- mbarriers and TMA loads (the pipeline between a producer warp and the MMA warps) ---- */
+
+static __device__ __forceinline__ uint32_t dsv4_smem_addr(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void dsv4_mbar_init(uint64_t *bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(dsv4_smem_addr(bar)), "r"(count) : "memory");
+}
+
+/* the inits above, visible to the async proxy (TMA) before any copy signals them */
+static __device__ __forceinline__ void dsv4_mbar_init_fence(void)
+{
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void dsv4_mbar_arrive(uint64_t *bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(dsv4_smem_addr(bar)) : "memory");
+}
+
+/* one arrival that also expects `bytes` more of TMA traffic before the phase completes */
+static __device__ __forceinline__ void dsv4_mbar_expect_tx(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(dsv4_smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
+/* until the phase of the given parity has completed */
+static __device__ __forceinline__ void dsv4_mbar_wait(uint64_t *bar, uint32_t parity)
+{
+    const uint32_t a = dsv4_smem_addr(bar);
+    uint32_t done;
+    do {
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}\n"
+                     : "=r"(done)
+                     : "r"(a), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+/* TMA: the box of `map` at coordinates (c0 along the contiguous dimension, c1) into dst, counted on bar */
+static __device__ __forceinline__ void dsv4_tma_load_2d(void *dst, const void *map, uint64_t *bar, int c0, int c1)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+                 ::"r"(dsv4_smem_addr(dst)), "l"(map), "r"(dsv4_smem_addr(bar)), "r"(c0), "r"(c1)
+                 : "memory");
+}
+
+/* one arrival on bar once every cp.async this thread has issued so far has landed (.noinc: the
+ * barrier's expected count includes these arrivals) */
+static __device__ __forceinline__ void dsv4_cp_async_arrive(uint64_t *bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(dsv4_smem_addr(bar)) : "memory");
 }
 
 /* Before the first wgmma that reads registers written since the last one (accumulators, A) */
@@ -47,12 +107,6 @@ static __device__ __forceinline__ void dsv4_wgmma_wait(void)
 static __device__ __forceinline__ void dsv4_wgmma_pin(float &r)
 {
     asm volatile("" : "+f"(r)::"memory");
-}
-
-/* Shared memory written by ordinary stores or cp.async, made visible to wgmma's reads */
-static __device__ __forceinline__ void dsv4_fence_proxy_async(void)
-{
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 /* d[32] += A (64x16 f16, this warp's 16 rows in a[4]) B (16x64 f16 at desc, K-major); the accumulator
