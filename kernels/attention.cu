@@ -307,6 +307,7 @@ static_assert(ATT_MIN_RUN == ATT_MMA_KEYS, "a short row's run fills one tile");
 #define ATT_MMA_ENTRY_ALIGN 8       /* bytes: entries and slot strides, for 8-byte loads */
 #define ATT_MMA_DEC_BATCH 8         /* entry chunks a thread has in flight while decoding a tile */
 #define ATT_COMB_THREADS 256        /* combine: dims a thread <= MAX_HEAD_DIM / this; rope pairs <= this */
+#define ATT_WHOLE_HEADS 16          /* heads a whole-row block: one m16 tile */
 
 static_assert(ATT_MMA_OWN % 2 == 0, "value fragments are loaded for pairs of n8 tiles");
 static_assert(ATT_MMA_THREADS == 4 * ATT_MMA_HEADS, "softmax: four threads a head");
@@ -327,10 +328,17 @@ static __host__ __device__ constexpr size_t att_mma_spbytes()
 
 /* keys [64, hd + 8] bf16 | S [64, SSTR] f32, later P [PTERMS, 64, PSTR] bf16 | entry pointers [64] |
  * m, l, alpha [64] f32 */
-static size_t att_mma_smem(int hd)
+static __host__ __device__ size_t att_mma_smem(int hd)
 {
     return att_mma_kbytes(hd) + att_mma_spbytes() + ATT_MMA_KEYS * sizeof(void *) +
            3 * ATT_MMA_HEADS * sizeof(float);
+}
+
+/* The whole-row kernel's: attention_mma_smem's, then its queries' bf16 terms q_s [QTERMS, 16, hd + 8]
+ * (+50 KB at hd 512: 136 KB, past the 99 KB of sm_86/89/120, where rows take the split launch). */
+static __host__ __device__ size_t att_whole_smem(int hd)
+{
+    return att_mma_smem(hd) + (size_t)ATT_MMA_QTERMS * ATT_WHOLE_HEADS * (hd + ATT_MMA_KPAD) * sizeof(__nv_bfloat16);
 }
 
 static __device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v)
@@ -436,10 +444,14 @@ static __device__ __forceinline__ void att_decode_tile(const struct dsv4_cuda_at
  * mostly a few dozen keys, so halving the keys would idle half the warps, while halving head_dim
  * halves every warp's query loads and splits (measured ~10% faster at V4-Flash shapes). Half kh = 0 is stored first and
  * half kh = 1 added to it after a barrier: a fixed order. Query fragments come from global memory
- * ATT_MMA_QPF k-steps ahead, split into ATT_MMA_QTERMS bf16 terms; each k-step's MMAs accumulate
- * from zero and are added to the score with a rounded f32 add. Every thread must call it. */
+ * ATT_MMA_QPF k-steps ahead, split into ATT_MMA_QTERMS bf16 terms, or with QS (one m16 tile: the
+ * whole-row kernel) by ldmatrix from those terms staged once in q_s [QTERMS, 16, kstr] by
+ * att_stage_q, the same values; each k-step's MMAs accumulate from zero and are added to the score
+ * with a rounded f32 add. Every thread must call it. */
+template <bool QS>
 static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_args &a, int b, int h0, int mts,
-                                                  int ntp, const __nv_bfloat16 *k_s, int kstr, float *s_s)
+                                                  int ntp, const __nv_bfloat16 *k_s, int kstr,
+                                                  const __nv_bfloat16 *q_s, float *s_s)
 {
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP;
     /* with fewer m16 tiles than ATT_MMA_MT (16 or 32 heads a block) the warps a half has to spare
@@ -458,6 +470,9 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
     /* B fragments by ldmatrix: matrices (keys +0..7, dims +0..7), (+0..7, +8..15), (+8..15, +0..7),
      * (+8..15, +8..15) of a pair; lane l addresses row l % 8 of matrix l / 8 */
     const __nv_bfloat16 *kl = k_s + ((lane & 7) + ((lane >> 4) << 3)) * kstr + ((lane >> 3) & 1) * 8;
+    /* QS: A fragments by ldmatrix from the staged terms: matrices (heads +0..7, dims +0..7), (+8..15,
+     * +0..7), (+0..7, +8..15), (+8..15, +8..15), the register path's t0, t1, t2, t3 */
+    const __nv_bfloat16 *ql = q_s + (16 * mt + (lane & 15)) * kstr + (lane >> 4) * 8;
     const float2 zero = make_float2(0.0f, 0.0f);
     float acc[2 * ATT_MMA_PAIRS][4];
 #pragma unroll
@@ -467,7 +482,7 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
     for (int k0 = act ? k_lo : k_hi; k0 < k_hi; k0 += 16 * ATT_MMA_QPF) {
         float2 xq[ATT_MMA_QPF][4];
 #pragma unroll
-        for (int u = 0; u < ATT_MMA_QPF; u++) {
+        for (int u = 0; u < ATT_MMA_QPF && !QS; u++) {
             const int k = k0 + 16 * u;
             const bool in = k < k_hi;
             xq[u][0] = in && va ? __ldg(reinterpret_cast<const float2 *>(qa + k)) : zero;
@@ -480,11 +495,25 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
             const int k = k0 + 16 * u;
             if (k >= k_hi)
                 break;
-            uint32_t t0[ATT_MMA_QTERMS], t1[ATT_MMA_QTERMS], t2[ATT_MMA_QTERMS], t3[ATT_MMA_QTERMS];
-            att_split<ATT_MMA_QTERMS>(xq[u][0].x, xq[u][0].y, t0);
-            att_split<ATT_MMA_QTERMS>(xq[u][1].x, xq[u][1].y, t1);
-            att_split<ATT_MMA_QTERMS>(xq[u][2].x, xq[u][2].y, t2);
-            att_split<ATT_MMA_QTERMS>(xq[u][3].x, xq[u][3].y, t3);
+            uint32_t qf[ATT_MMA_QTERMS][4];
+            if (QS) {
+#pragma unroll
+                for (int i = 0; i < ATT_MMA_QTERMS; i++)
+                    att_ldsm_x4(qf[i], ql + i * ATT_WHOLE_HEADS * kstr + k);
+            } else {
+                uint32_t t0[ATT_MMA_QTERMS], t1[ATT_MMA_QTERMS], t2[ATT_MMA_QTERMS], t3[ATT_MMA_QTERMS];
+                att_split<ATT_MMA_QTERMS>(xq[u][0].x, xq[u][0].y, t0);
+                att_split<ATT_MMA_QTERMS>(xq[u][1].x, xq[u][1].y, t1);
+                att_split<ATT_MMA_QTERMS>(xq[u][2].x, xq[u][2].y, t2);
+                att_split<ATT_MMA_QTERMS>(xq[u][3].x, xq[u][3].y, t3);
+#pragma unroll
+                for (int i = 0; i < ATT_MMA_QTERMS; i++) {
+                    qf[i][0] = t0[i];
+                    qf[i][1] = t1[i];
+                    qf[i][2] = t2[i];
+                    qf[i][3] = t3[i];
+                }
+            }
 #pragma unroll
             for (int pr = 0; pr < ATT_MMA_PAIRS; pr++) {
                 if (pr < pairs && pr % G == pg) {
@@ -493,9 +522,8 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
                     att_ldsm_x4(kf, kl + pr * 16 * kstr + k);
 #pragma unroll
                     for (int i = 0; i < ATT_MMA_QTERMS; i++) {
-                        const uint32_t qf[4] = { t0[i], t1[i], t2[i], t3[i] };
-                        dsv4_mma_bf16(part[0], qf, kf[0], kf[1]);
-                        dsv4_mma_bf16(part[1], qf, kf[2], kf[3]);
+                        dsv4_mma_bf16(part[0], qf[i], kf[0], kf[1]);
+                        dsv4_mma_bf16(part[1], qf[i], kf[2], kf[3]);
                     }
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
@@ -649,9 +677,9 @@ static __device__ __forceinline__ void att_pv(float (&o)[MT][ATT_MMA_OWN][4], in
     }
 }
 
-/* The shared-memory carve of attention_mma_smem. */
+/* The shared-memory carve of attention_mma_smem (and of att_whole_smem: q_s past it). */
 struct att_mma_smem_ptrs {
-    __nv_bfloat16 *k_s, *p_s;
+    __nv_bfloat16 *k_s, *p_s, *q_s;
     float *s_s, *m_s, *l_s, *al_s;
     const uint8_t **e_s;
 };
@@ -666,6 +694,7 @@ static __device__ __forceinline__ att_mma_smem_ptrs att_mma_carve(uint8_t *sm, i
     p.m_s = reinterpret_cast<float *>(p.e_s + ATT_MMA_KEYS);
     p.l_s = p.m_s + ATT_MMA_HEADS;
     p.al_s = p.l_s + ATT_MMA_HEADS;
+    p.q_s = reinterpret_cast<__nv_bfloat16 *>(sm + att_mma_smem(hd));
     return p;
 }
 
@@ -679,6 +708,24 @@ static __device__ __forceinline__ void att_prefetch_q(const struct dsv4_cuda_att
         dsv4_prefetch_l1(qb + (int64_t)i * 128);
 }
 
+/* The whole-row kernel's queries, split once for all of the row's runs: head h0 + h's values (d, d + 1)
+ * as att_scores splits them, term i at q_s[(i * 16 + h) * kstr + d]; heads past H zero (a last
+ * tile's zero queries). The first barrier of att_mma_run orders these stores before any read. */
+static __device__ __forceinline__ void att_stage_q(const struct dsv4_cuda_att_args &a, int b, int h0, __nv_bfloat16 *q_s)
+{
+    const int hd = a.hd, kstr = hd + ATT_MMA_KPAD, n = ATT_WHOLE_HEADS * hd / 2;
+    for (int i = threadIdx.x; i < n; i += ATT_MMA_THREADS) {
+        const int h = i / (hd / 2), d = 2 * (i % (hd / 2));
+        const float2 x = h0 + h < a.H ? __ldg(reinterpret_cast<const float2 *>(a.q + ((int64_t)b * a.H + h0 + h) * hd + d))
+                                      : make_float2(0.0f, 0.0f);
+        uint32_t t[ATT_MMA_QTERMS];
+        att_split<ATT_MMA_QTERMS>(x.x, x.y, t);
+#pragma unroll
+        for (int j = 0; j < ATT_MMA_QTERMS; j++)
+            *reinterpret_cast<uint32_t *>(q_s + (j * ATT_WHOLE_HEADS + h) * kstr + d) = t[j];
+    }
+}
+
 /* One run [r.k0, r.k1) of row b for the block's heads, from scratch: o, m and l reset, then the run's
  * tiles through phases 1-4. Leaves o (C fragments: heads g, g + 8 of each m16 tile, dims 2t, 2t+1
  * of each n8 tile) and each head's m, l in m_s, l_s (a non-empty run's: valid to every thread on
@@ -686,7 +733,7 @@ static __device__ __forceinline__ void att_prefetch_q(const struct dsv4_cuda_att
  * block runs it once, a whole-row block once per run, so a run's (m, l, o) is the same bits in
  * both. The caller makes sure no thread still reads m_s, l_s from a previous run. Every thread must
  * call it. */
-template <int MT>
+template <int MT, bool QS>
 static __device__ __forceinline__ void att_mma_run(const struct dsv4_cuda_att_args &a, int b, int h0, int mts,
                                                    const att_run &r, const att_mma_smem_ptrs &p,
                                                    float (&o)[MT][ATT_MMA_OWN][4])
@@ -708,7 +755,7 @@ static __device__ __forceinline__ void att_mma_run(const struct dsv4_cuda_att_ar
         __syncthreads();                /* also: the last tile's P V is done with k_s and P */
         att_decode_tile(a, p.e_s, nt, ntp, p.k_s, kstr);
         __syncthreads();
-        att_scores(a, b, h0, mts, ntp, p.k_s, kstr, p.s_s);
+        att_scores<QS>(a, b, h0, mts, ntp, p.k_s, kstr, p.q_s, p.s_s);
         __syncthreads();
         att_softmax(nt, ntp, mts, p.s_s, p.p_s, p.m_s, p.l_s, p.al_s);
         att_pv(o, a.hd, ntp, mts, p.k_s, kstr, p.p_s, p.al_s);
@@ -728,7 +775,7 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
 
     if (r.k0 < r.k1)
         att_prefetch_q(a, b, h0);
-    att_mma_run(a, b, h0, mts, r, p, o);
+    att_mma_run<ATT_MMA_MT, false>(a, b, h0, mts, r, p, o);
     __syncthreads();
 
     /* partials: o (C fragments: heads g, g + 8 of each m16 tile, dims 2t, 2t+1 of each n8 tile), m, l */
@@ -763,9 +810,11 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
  * running max and sum of its fragments' two heads) and writes the output as the combine does
  * (att_out_pair): the split launch's bits with no partials and no combine launch. A row has at
  * most 2 runs (sliding), 10 (CSA: 128 window + 512 picks) or 2 plus one per 8k tokens up to 16
- * (HCA); the 64 rows of a slice make 256 blocks at 64 heads. o and acc are 32 floats a thread each at one m16
- * tile (220 registers on sm_90a, one block an SM; two blocks an SM spilled at 128). */
-#define ATT_WHOLE_HEADS 16
+ * (HCA); the 64 rows of a slice make 256 blocks at 64 heads. The block's queries are split into
+ * their bf16 terms once (att_stage_q) and read by ldmatrix in every run, where a split block loads
+ * and splits them per k-step (each of the four key-pair groups again, each tile again). o and acc
+ * are 32 floats a thread each at one m16 tile (one block an SM; two blocks an SM spilled at 128).
+ * Shared memory att_whole_smem. */
 __global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
 attention_mma_whole_kernel(const struct dsv4_cuda_att_args a, const float *__restrict__ sink,
                            const float *__restrict__ inv_freq, float *__restrict__ out)
@@ -784,13 +833,13 @@ attention_mma_whole_kernel(const struct dsv4_cuda_att_args a, const float *__res
 #pragma unroll
     for (int i = 0; i < ATT_MMA_OWN; i++)
         acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-    att_prefetch_q(a, b, h0);
+    att_stage_q(a, b, h0, p.q_s);
 #pragma unroll 1
     for (int split = 0; split < DSV4_CUDA_ATT_SPLITS; split++) {
         const att_run r = att_key_run(a, b, split, DSV4_CUDA_ATT_SPLITS);
         if (r.k0 >= r.k1)               /* an empty run: the combine skips its m = -inf */
             continue;
-        att_mma_run(a, b, h0, 1, r, p, o);
+        att_mma_run<1, true>(a, b, h0, 1, r, p, o);
         float ca_a, cr_a, ca_b, cr_b;
         att_fold_scales(Ma, La, p.m_s[g], p.l_s[g], ca_a, cr_a);
         att_fold_scales(Mb, Lb, p.m_s[g + 8], p.l_s[g + 8], ca_b, cr_b);
@@ -871,6 +920,9 @@ size_t dsv4_cuda_attention_smem(int hd)
     return f > m ? f : m;
 }
 
+/* The device's opt-in shared memory per block (dsv4_cuda_attention_prepare): whether whole rows fit. */
+static int att_optin;
+
 int dsv4_cuda_attention_prepare(int hd)
 {
     int dev, optin;
@@ -886,8 +938,10 @@ int dsv4_cuda_attention_prepare(int hd)
                                        (int)att_f32_smem(hd)));
     DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)att_mma_smem(hd)));
-    DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)att_mma_smem(hd)));
+    if (att_whole_smem(hd) <= (size_t)optin)
+        DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)att_whole_smem(hd)));
+    att_optin = optin;
     return 0;
 }
 
@@ -948,15 +1002,16 @@ static int att_heads_per_block(const struct dsv4_cuda_att_args *a, int batch)
 }
 
 /* Whether a launch asking for whole rows (a->whole) gets them: DSV4_CUDA_ATT_WHOLE=0 keeps the
- * splits and their combine for every launch, to compare the two. */
-static bool att_whole_allowed(void)
+ * splits and their combine for every launch, to compare the two; a device whose blocks cannot hold
+ * att_whole_smem keeps them too (the same bits either way). */
+static bool att_whole_allowed(int hd)
 {
     static int allowed = -1;
     if (allowed < 0) {
         struct dsv4_cuda_switches sw;
         allowed = dsv4_cuda_switches_read(&sw) < 0 ? 1 : sw.att_whole;
     }
-    return allowed;
+    return allowed && att_whole_smem(hd) <= (size_t)att_optin;
 }
 
 int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const float *d_sink,
@@ -970,11 +1025,11 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
         return rc;
     if ((uintptr_t)a->part % sizeof(float2) || (uintptr_t)d_o % sizeof(float2))
         return dsv4_error_set(-EINVAL, "attention: the partials and the output must be 8-byte aligned");
-    if (a->kvf == DSV4_KV_FP8 && a->whole && att_whole_allowed()) {
+    if (a->kvf == DSV4_KV_FP8 && a->whole && att_whole_allowed(a->hd)) {
         struct dsv4_cuda_att_args k = *a;
         k.heads_per_block = ATT_WHOLE_HEADS;
         dsv4_launch(attention_mma_whole_kernel, dim3(batch, 1, (a->H + ATT_WHOLE_HEADS - 1) / ATT_WHOLE_HEADS),
-                    ATT_MMA_THREADS, att_mma_smem(a->hd), s, k, d_sink, d_inv_freq, d_o);
+                    ATT_MMA_THREADS, att_whole_smem(a->hd), s, k, d_sink, d_inv_freq, d_o);
         DSV4_CUDA_LAUNCHED("attention_mma_whole");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_WHOLE);
         return 0;
