@@ -446,7 +446,7 @@ static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f
             free(tab);
             return dsv4_error_set(-ENOENT, "cuda: layer %d expert %d was not uploaded", layer, e);
         }
-        tab[e] = { d1->lin, d3->lin, d2->lin, wk->ex_tiles };
+        tab[e] = { d1->lin, d3->lin, d2->lin };
     }
     ex->tiled = wk->ex_tiles;
     int rc = carve(dev, sizeof(*tab) * c->n_experts, &d_tab);

@@ -63,14 +63,15 @@ static inline struct dsv4_cuda_linear dsv4_cuda_linear_rows(const struct dsv4_cu
  * 32 rows (from host memory over PCIe that is most of the link's rate; from the GPU's own memory,
  * fewer DRAM pages opened per byte read): with nk = in / 128, rows r..r+31 (r a multiple of 32) of
  * k-tile kt are the block at ((r / 32) * nk + kt) * 2048 bytes, row by row (64 bytes each), and
- * their scales (4 UE8M0 bytes a row) the block at ((r / 32) * nk + kt) * 128. */
+ * their scales (4 UE8M0 bytes a row) the block at ((r / 32) * nk + kt) * 128. Each 32-bit word of a
+ * row's bytes holds its 8 values with their bits in the order the kernel decodes fastest
+ * (fp4_tile_word in moe.cu), not the checkpoint's nibbles. */
 #define DSV4_CUDA_TILE_ROWS 32
 #define DSV4_CUDA_TILE_BYTES (DSV4_CUDA_TILE_ROWS * 64)
 #define DSV4_CUDA_TILE_SCALE_BYTES (DSV4_CUDA_TILE_ROWS * 4)
 
 struct dsv4_cuda_expert {
     struct dsv4_cuda_linear w1, w3, w2;
-    int32_t tiled;              /* all three stored in k-tile blocks (above) */
 };
 
 struct dsv4_cuda_experts {
@@ -78,7 +79,8 @@ struct dsv4_cuda_experts {
     float swiglu_limit;         /* 0 = no clamp */
     enum dsv4_wfmt fmt;         /* of every expert linear */
     bool quant_act;             /* round the SwiGLU output through e4m3 1x128 before w2 (fp8 numerics, quantized fmt) */
-    bool tiled;                 /* some expert of the table is tiled: only the tensor-core path may run it */
+    bool tiled;                 /* every expert of the table in k-tile blocks, none otherwise: only the
+                                 * tensor-core path may run them */
     const struct dsv4_cuda_expert *d_table;     /* [E], in device memory */
 };
 

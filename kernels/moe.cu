@@ -363,7 +363,9 @@ static int launch_experts_fma(const struct dsv4_cuda_experts *ex, const float *d
  * so one bf16x2 multiply by 2^126 x scale = 2^(s - 1) decodes two values and applies their scale
  * exactly, for UE8M0 s <= 128 (scale <= 2); larger scales take a second multiply by 2^(s - 128).
  * The decoder pairs nibbles (3, 7), (2, 6), (1, 5), (0, 4) of each 32-bit word; the activations are
- * stored in that order (bf16x8_operand), so MMA fragments come straight from 16-byte loads.
+ * stored in that order (bf16x8_operand), so MMA fragments come straight from 16-byte loads. Row-major
+ * weights (the checkpoint's nibbles) take 15 integer operations a word before the 4 multiplies (sm_90a
+ * SASS); tiled weights have each word's bits moved at boot (fp4_tile_word) so that they take 9.
  *
  * Fragment trick (as kernels/gemm.cu): a dot product does not care in which order k runs, so each
  * thread takes 16 contiguous weight bytes of its row (32 values, one scale block) per k-tile and
@@ -456,15 +458,40 @@ static __device__ __forceinline__ uint32_t bf16x2_pow2(uint32_t e)
     return (e << 7) | (e << 23);
 }
 
-/* 8 e2m1 values (one 32-bit word, low nibble first) x 2^(s-127) as bf16 pairs (3, 7), (2, 6), (1, 5),
- * (0, 4); exact for s <= 128 (the caller finishes larger s). */
+/* A word of tiled weights: the checkpoint's word of 8 e2m1 values (nibble k = value k, bits m, e0, e1,
+ * s from the lowest) with its bits moved so that the decoder's pair (3, 7) already sits at its bf16x2
+ * bits (E2M1X2_BITS: m, e0, e1 at 6-8, s at 15, and 16 higher), (2, 6) 3 bits below them, (1, 5) 6
+ * below, and (0, 4) in the 8 bits left (E2M1X2_REST: e0, e1 at 10-11, s at 13, m at 14), which three
+ * shifts by -3, -8 and +2 put in place. Nine groups of bits that move together. */
+#define E2M1X2_BITS 0x81c081c0u
+#define E2M1X2_REST 0x6c006c00u
+static __host__ __device__ __forceinline__ uint32_t fp4_tile_word(uint32_t w)
+{
+    return (w & 0x80008000u) | ((w & 0x70007000u) >> 6) | ((w & 0x07000700u) >> 5) | ((w & 0x08000800u) << 1) |
+           ((w & 0x00700070u) >> 4) | ((w & 0x00800080u) << 2) | ((w & 0x00010001u) << 14) |
+           ((w & 0x00060006u) << 9) | ((w & 0x00080008u) << 10);
+}
+
+/* 8 e2m1 values (one 32-bit word, low nibble first; TILED: fp4_tile_word's order) x 2^(s-127) as bf16
+ * pairs (3, 7), (2, 6), (1, 5), (0, 4); exact for s <= 128 (the caller finishes larger s). The last
+ * tiled pair: the three shifted copies of its 8 bits land on disjoint bits (0, 5 and 10 up), so one
+ * 64-bit multiply by 2^0 + 2^5 + 2^10 forms them without carries, 8 bits down from where they go. */
+template <bool TILED>
 static __device__ __forceinline__ void fp4x8_bf16(uint32_t w, uint32_t s, uint32_t (&p)[4])
 {
     const uint32_t f = bf16x2_pow2(min(s, 128u) + 126u);
-    p[0] = bf16x2_mul(e2m1x2_raw(w), f);
-    p[1] = bf16x2_mul(e2m1x2_raw(w << 4), f);
-    p[2] = bf16x2_mul(e2m1x2_raw(w << 8), f);
-    p[3] = bf16x2_mul(e2m1x2_raw(w << 12), f);
+    if (TILED) {
+        const uint64_t rest = (uint64_t)(w & E2M1X2_REST) * 0x421u;
+        p[0] = bf16x2_mul(w & E2M1X2_BITS, f);
+        p[1] = bf16x2_mul((w << 3) & E2M1X2_BITS, f);
+        p[2] = bf16x2_mul((w << 6) & E2M1X2_BITS, f);
+        p[3] = bf16x2_mul((uint32_t)(rest >> 8) & E2M1X2_BITS, f);
+    } else {
+        p[0] = bf16x2_mul(e2m1x2_raw(w), f);
+        p[1] = bf16x2_mul(e2m1x2_raw(w << 4), f);
+        p[2] = bf16x2_mul(e2m1x2_raw(w << 8), f);
+        p[3] = bf16x2_mul(e2m1x2_raw(w << 12), f);
+    }
 }
 
 /* Activation tiles: 16 chunks of 16 bytes per token row; thread (g, t) reads chunk 4t + i of rows
@@ -491,7 +518,7 @@ static __device__ __forceinline__ const struct dsv4_cuda_linear *tc_row(const st
 
 /* One k-tile of a warp's m16 tile against NT n8 tiles: st is the stage, xo[i] this thread's
  * activation offsets (word i of its 32 values, n8 tile 0). BIG: a scale of the tile exceeds 2. */
-template <int NT, bool BIG>
+template <int NT, bool BIG, bool TILED>
 static __device__ __forceinline__ void tc_tile(const uint8_t *st, int wo0, int wo1, int so0, int so1, const int (&xo)[4],
                                                float (&acc)[NT][4])
 {
@@ -501,8 +528,8 @@ static __device__ __forceinline__ void tc_tile(const uint8_t *st, int wo0, int w
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         uint32_t p0[4], p1[4];
-        fp4x8_bf16(w0v[i], s0, p0);
-        fp4x8_bf16(w1v[i], s1, p1);
+        fp4x8_bf16<TILED>(w0v[i], s0, p0);
+        fp4x8_bf16<TILED>(w1v[i], s1, p1);
         if (BIG) {      /* the rest of 2^(s-1) */
             const uint32_t f0 = bf16x2_pow2(s0 > 128u ? s0 - 1u : 127u), f1 = bf16x2_pow2(s1 > 128u ? s1 - 1u : 127u);
 #pragma unroll
@@ -522,8 +549,9 @@ static __device__ __forceinline__ void tc_tile(const uint8_t *st, int wo0, int w
     }
 }
 
-/* One pass: n (<= 8 NT) tokens of the group, rows rowoff[] of the activations, outputs to pairs pid[]. */
-template <int MODE, int NT>
+/* One pass: n (<= 8 NT) tokens of the group, rows rowoff[] of the activations, outputs to pairs pid[];
+ * TILED: the table's experts are in k-tile blocks (dsv4_cuda_experts.tiled), else row-major. */
+template <int MODE, int NT, bool TILED>
 static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struct dsv4_cuda_expert *ex, int n,
                                                uint8_t *smem, const int64_t *rowoff, const int32_t *pid)
 {
@@ -536,8 +564,7 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
     int xo[4];
     float acc[NT][4];
     /* a k-tile further: 64 bytes along a row and 4 scale bytes, or a block further when tiled */
-    const bool tiled = ex->tiled;
-    const int64_t wkt = tiled ? DSV4_CUDA_TILE_BYTES : MOE_TC_WROW, skt = tiled ? DSV4_CUDA_TILE_SCALE_BYTES : 4;
+    const int64_t wkt = TILED ? DSV4_CUDA_TILE_BYTES : MOE_TC_WROW, skt = TILED ? DSV4_CUDA_TILE_SCALE_BYTES : 4;
 
     /* the weight chunks tid and tid + 128 (row i / 4, 16 bytes i % 4) and row tid's scale word */
 #pragma unroll
@@ -545,7 +572,7 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
         const int i = tid + q * MOE_TC_THREADS;
         int64_t row;
         const struct dsv4_cuda_linear *W = tc_row<MODE>(ex, tile, i / 4, &row);
-        const int64_t at = tiled ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_BYTES +
+        const int64_t at = TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_BYTES +
                                        (row % DSV4_CUDA_TILE_ROWS) * MOE_TC_WROW
                                  : row * (W->row_stride / 2);
         wsrc[q] = static_cast<const uint8_t *>(W->w) + at + (i % 4) * 16;
@@ -553,7 +580,7 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
     if (tid < MOE_TC_ROWS) {
         int64_t row;
         const struct dsv4_cuda_linear *W = tc_row<MODE>(ex, tile, tid, &row);
-        ssrc = W->scale + (tiled ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_SCALE_BYTES +
+        ssrc = W->scale + (TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_SCALE_BYTES +
                                        (row % DSV4_CUDA_TILE_ROWS) * 4
                                  : row * W->scale_stride);
     }
@@ -602,9 +629,9 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
         /* warp-uniform: mma.sync needs every lane at the same instruction, so one lane's large
          * scale sends the whole warp down the BIG path (a factor of 1 for the others) */
         if (__any_sync(0xffffffffu, st[WB + r0 * 4 + t] > 128u || st[WB + r1 * 4 + t] > 128u))
-            tc_tile<NT, true>(st, wo0, wo1, WB + r0 * 4 + t, WB + r1 * 4 + t, xo, acc);
+            tc_tile<NT, true, TILED>(st, wo0, wo1, WB + r0 * 4 + t, WB + r1 * 4 + t, xo, acc);
         else
-            tc_tile<NT, false>(st, wo0, wo1, WB + r0 * 4 + t, WB + r1 * 4 + t, xo, acc);
+            tc_tile<NT, false, TILED>(st, wo0, wo1, WB + r0 * 4 + t, WB + r1 * 4 + t, xo, acc);
         rs = rs + 1 == STAGES ? 0 : rs + 1;
         ls = ls + 1 == STAGES ? 0 : ls + 1;
     }
@@ -632,7 +659,7 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
  * tokens (the launch has at most 8 pairs, as at batch 1), so only the one-tile pass is compiled: the
  * batch-1 kernel was issue-bound with a fifth of its stalls waiting for instructions, its code
  * spanning all four pass shapes. The pass is the same code either way: the same bits. */
-template <int MODE, int MAXNT>
+template <int MODE, int MAXNT, bool TILED>
 __global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_kernel(const moe_tc_args a)
 {
     dsv4_pdl_enter();
@@ -657,13 +684,13 @@ __global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_ker
         }
         __syncthreads();
         if (MAXNT == 1 || n <= 8)
-            tc_pass<MODE, 1>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 1, TILED>(a, ex, n, smem, rowoff, pid);
         else if (n <= 16)
-            tc_pass<MODE, 2>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 2, TILED>(a, ex, n, smem, rowoff, pid);
         else if (n <= 32)
-            tc_pass<MODE, 4>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 4, TILED>(a, ex, n, smem, rowoff, pid);
         else
-            tc_pass<MODE, 8>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 8, TILED>(a, ex, n, smem, rowoff, pid);
     }
 }
 
@@ -741,8 +768,11 @@ extern "C" void dsv4_cuda_tile_fp4(const uint8_t *src, int64_t pitch, const uint
     for (int64_t r = 0; r < out; r++) {
         const int64_t blk = r / DSV4_CUDA_TILE_ROWS, rr = r % DSV4_CUDA_TILE_ROWS;
         for (int64_t kt = 0; kt < nk; kt++) {
-            memcpy(w + (blk * nk + kt) * DSV4_CUDA_TILE_BYTES + rr * MOE_TC_WROW, src + r * pitch + kt * MOE_TC_WROW,
-                   MOE_TC_WROW);
+            uint32_t v[MOE_TC_WROW / 4];
+            memcpy(v, src + r * pitch + kt * MOE_TC_WROW, MOE_TC_WROW);
+            for (int i = 0; i < MOE_TC_WROW / 4; i++)
+                v[i] = fp4_tile_word(v[i]);
+            memcpy(w + (blk * nk + kt) * DSV4_CUDA_TILE_BYTES + rr * MOE_TC_WROW, v, MOE_TC_WROW);
             memcpy(scale + (blk * nk + kt) * DSV4_CUDA_TILE_SCALE_BYTES + rr * 4, src_scale + r * scale_pitch + kt * 4,
                    4);
         }
@@ -750,8 +780,8 @@ extern "C" void dsv4_cuda_tile_fp4(const uint8_t *src, int64_t pitch, const uint
 }
 
 /* grid ceil(out * nk * 4 / 256), 256 threads: one thread per 16 bytes of the blocks, in their order
- * (block, k-tile, row, 16-byte chunk), which makes the writes contiguous; the chunk-0 thread of a
- * row also moves that row's 4 scale bytes of the k-tile. */
+ * (block, k-tile, row, 16-byte chunk), which makes the writes contiguous, each word in
+ * fp4_tile_word's order; the chunk-0 thread of a row also moves that row's 4 scale bytes of the k-tile. */
 __global__ void tile_fp4_kernel(const uint8_t *__restrict__ src, int64_t pitch, const uint8_t *__restrict__ ssrc,
                                 int64_t spitch, int64_t out, int64_t nk, uint4 *__restrict__ w,
                                 uint32_t *__restrict__ scale)
@@ -761,7 +791,8 @@ __global__ void tile_fp4_kernel(const uint8_t *__restrict__ src, int64_t pitch, 
         return;
     const int c = (int)(i % 4), rr = (int)(i / 4 % DSV4_CUDA_TILE_ROWS);
     const int64_t bk = i / (4 * DSV4_CUDA_TILE_ROWS), kt = bk % nk, r = bk / nk * DSV4_CUDA_TILE_ROWS + rr;
-    w[i] = *reinterpret_cast<const uint4 *>(src + r * pitch + kt * MOE_TC_WROW + c * 16);
+    const uint4 v = *reinterpret_cast<const uint4 *>(src + r * pitch + kt * MOE_TC_WROW + c * 16);
+    w[i] = make_uint4(fp4_tile_word(v.x), fp4_tile_word(v.y), fp4_tile_word(v.z), fp4_tile_word(v.w));
     if (c == 0)
         scale[bk * DSV4_CUDA_TILE_ROWS + rr] = *reinterpret_cast<const uint32_t *>(ssrc + r * spitch + kt * 4);
 }
@@ -800,8 +831,9 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.y = ws->d_h;
     a.ldy = ex->inter;
     const bool one = pairs <= 8;      /* no group can pass 8 tokens: the one-tile kernels */
-    dsv4_launch(one ? moe_tc_kernel<MOE_UP, 1> : moe_tc_kernel<MOE_UP, 8>, dim3(ex->inter / MOE_TC_UP_ROWS, slots),
-                MOE_TC_THREADS, 0, s, a);
+    dsv4_launch(ex->tiled ? (one ? moe_tc_kernel<MOE_UP, 1, true> : moe_tc_kernel<MOE_UP, 8, true>)
+                          : (one ? moe_tc_kernel<MOE_UP, 1, false> : moe_tc_kernel<MOE_UP, 8, false>),
+                dim3(ex->inter / MOE_TC_UP_ROWS, slots), MOE_TC_THREADS, 0, s, a);
     DSV4_CUDA_LAUNCHED("moe_gate_up_mma");
     dsv4_launch(moe_quant_kernel, pairs, (ex->inter / 8 + DSV4_CUDA_WARP - 1) / DSV4_CUDA_WARP * DSV4_CUDA_WARP, 0, s,
                 ws->d_h, ex->inter);
@@ -811,8 +843,9 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->inter / MOE_TC_KT;
     a.y = ws->d_out;
     a.ldy = ex->dim;
-    dsv4_launch(one ? moe_tc_kernel<MOE_DOWN, 1> : moe_tc_kernel<MOE_DOWN, 8>, dim3(ex->dim / MOE_TC_ROWS, slots),
-                MOE_TC_THREADS, 0, s, a);
+    dsv4_launch(ex->tiled ? (one ? moe_tc_kernel<MOE_DOWN, 1, true> : moe_tc_kernel<MOE_DOWN, 8, true>)
+                          : (one ? moe_tc_kernel<MOE_DOWN, 1, false> : moe_tc_kernel<MOE_DOWN, 8, false>),
+                dim3(ex->dim / MOE_TC_ROWS, slots), MOE_TC_THREADS, 0, s, a);
     DSV4_CUDA_LAUNCHED("moe_down_mma");
     return 0;
 }

@@ -175,7 +175,6 @@ static const struct dsv4_cuda_expert *fx_table_tiled(const struct fx *f, uint8_t
             T[m]->scale = (e % 2 ? dd : hd) + at + wb[m];
             at += wb[m] + sb[m];
         }
-        tab[e].tiled = 1;
     }
     const struct dsv4_cuda_expert *dt = gt_dev_copy(tab, (size_t)f->E * sizeof(*tab));
     free(tab);
