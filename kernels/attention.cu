@@ -273,9 +273,11 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
  * seeds; the f32 kernel's FMA dots: <= 2.6e-6). The P V sums are at most ATT_MMA_KEYS long per tile
  * and need no such care.
  *
- * Memory: the block's queries (64 x 512 f32 = 128 KB; as bf16 terms 192 KB) cannot sit in shared
- * memory beside the key tile on 99 KB parts (sm_86/89/120), so each warp loads its query fragments
- * from global memory (L1/L2) while it computes scores. A split's run of up to ATT_MMA_KEYS keys is
+ * Memory: a block of up to ATT_QS_HEADS heads splits its queries into their bf16 terms once and
+ * keeps them in shared memory beside the key tile (att_stage_q: 50 KB at 16 heads, 100 KB at 32)
+ * where the device's blocks hold that (sm_90: 227 KB); 64 heads (192 KB of terms), and every block on
+ * 99 KB parts (sm_86/89/120), load the query fragments from global memory (L1/L2) per k-step instead,
+ * each warp splitting what it loads. A split's run of up to ATT_MMA_KEYS keys is
  * one tile and reads them once, as the f32 kernel did; that covers 1024 keys a row (CSA's 128 + 512,
  * HCA below ~115k tokens). Shared memory at hd 512: keys 66.5 KB + S/P 18 KB + 1.3 KB = 86.3 KB.
  * 231-246 registers a thread (no spills on sm_80/90a/100a/120a) allow one block per SM, so within a
@@ -308,6 +310,7 @@ static_assert(ATT_MIN_RUN == ATT_MMA_KEYS, "a short row's run fills one tile");
 #define ATT_MMA_DEC_BATCH 8         /* entry chunks a thread has in flight while decoding a tile */
 #define ATT_COMB_THREADS 256        /* combine: dims a thread <= MAX_HEAD_DIM / this; rope pairs <= this */
 #define ATT_WHOLE_HEADS 16          /* heads a whole-row block: one m16 tile */
+#define ATT_QS_HEADS 32             /* most heads a split block stages the queries of (att_stage_q) */
 
 static_assert(ATT_MMA_OWN % 2 == 0, "value fragments are loaded for pairs of n8 tiles");
 static_assert(ATT_MMA_THREADS == 4 * ATT_MMA_HEADS, "softmax: four threads a head");
@@ -334,11 +337,12 @@ static __host__ __device__ size_t att_mma_smem(int hd)
            3 * ATT_MMA_HEADS * sizeof(float);
 }
 
-/* The whole-row kernel's: attention_mma_smem's, then its queries' bf16 terms q_s [QTERMS, 16, hd + 8]
- * (+50 KB at hd 512: 136 KB, past the 99 KB of sm_86/89/120, where rows take the split launch). */
-static __host__ __device__ size_t att_whole_smem(int hd)
+/* A block that stages its queries (att_stage_q): attention_mma_smem's, then the queries' bf16 terms
+ * q_s [QTERMS, heads, hd + 8] (16 heads: +50 KB at hd 512, 136 KB; 32: 186 KB; past the 99 KB of
+ * sm_86/89/120, where no block stages them and rows take the split launch). */
+static __host__ __device__ size_t att_qs_smem(int hd, int heads)
 {
-    return att_mma_smem(hd) + (size_t)ATT_MMA_QTERMS * ATT_WHOLE_HEADS * (hd + ATT_MMA_KPAD) * sizeof(__nv_bfloat16);
+    return att_mma_smem(hd) + (size_t)ATT_MMA_QTERMS * heads * (hd + ATT_MMA_KPAD) * sizeof(__nv_bfloat16);
 }
 
 static __device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v)
@@ -444,14 +448,15 @@ static __device__ __forceinline__ void att_decode_tile(const struct dsv4_cuda_at
  * mostly a few dozen keys, so halving the keys would idle half the warps, while halving head_dim
  * halves every warp's query loads and splits (measured ~10% faster at V4-Flash shapes). Half kh = 0 is stored first and
  * half kh = 1 added to it after a barrier: a fixed order. Query fragments come from global memory
- * ATT_MMA_QPF k-steps ahead, split into ATT_MMA_QTERMS bf16 terms, or with QS (one m16 tile: the
- * whole-row kernel) by ldmatrix from those terms staged once in q_s [QTERMS, 16, kstr] by
- * att_stage_q, the same values; each k-step's MMAs accumulate from zero and are added to the score
- * with a rounded f32 add. Every thread must call it. */
+ * ATT_MMA_QPF k-steps ahead, split into ATT_MMA_QTERMS bf16 terms, or with QS by ldmatrix from those
+ * terms staged once in q_s [QTERMS, q_heads, kstr] by att_stage_q, the same values (so one split of
+ * each value a block, where the warps of a half would each split what they share, every tile);
+ * each k-step's MMAs accumulate from zero and are added to the score with a rounded f32 add. Every
+ * thread must call it. */
 template <bool QS>
 static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_args &a, int b, int h0, int mts,
                                                   int ntp, const __nv_bfloat16 *k_s, int kstr,
-                                                  const __nv_bfloat16 *q_s, float *s_s)
+                                                  const __nv_bfloat16 *q_s, int q_heads, float *s_s)
 {
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP;
     /* with fewer m16 tiles than ATT_MMA_MT (16 or 32 heads a block) the warps a half has to spare
@@ -499,7 +504,7 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
             if (QS) {
 #pragma unroll
                 for (int i = 0; i < ATT_MMA_QTERMS; i++)
-                    att_ldsm_x4(qf[i], ql + i * ATT_WHOLE_HEADS * kstr + k);
+                    att_ldsm_x4(qf[i], ql + i * q_heads * kstr + k);
             } else {
                 uint32_t t0[ATT_MMA_QTERMS], t1[ATT_MMA_QTERMS], t2[ATT_MMA_QTERMS], t3[ATT_MMA_QTERMS];
                 att_split<ATT_MMA_QTERMS>(xq[u][0].x, xq[u][0].y, t0);
@@ -677,14 +682,15 @@ static __device__ __forceinline__ void att_pv(float (&o)[MT][ATT_MMA_OWN][4], in
     }
 }
 
-/* The shared-memory carve of attention_mma_smem (and of att_whole_smem: q_s past it). */
+/* The shared-memory carve of attention_mma_smem (and of att_qs_smem: q_s past it, q_heads heads). */
 struct att_mma_smem_ptrs {
     __nv_bfloat16 *k_s, *p_s, *q_s;
+    int q_heads;
     float *s_s, *m_s, *l_s, *al_s;
     const uint8_t **e_s;
 };
 
-static __device__ __forceinline__ att_mma_smem_ptrs att_mma_carve(uint8_t *sm, int hd)
+static __device__ __forceinline__ att_mma_smem_ptrs att_mma_carve(uint8_t *sm, int hd, int q_heads)
 {
     att_mma_smem_ptrs p;
     p.k_s = reinterpret_cast<__nv_bfloat16 *>(sm);
@@ -695,6 +701,7 @@ static __device__ __forceinline__ att_mma_smem_ptrs att_mma_carve(uint8_t *sm, i
     p.l_s = p.m_s + ATT_MMA_HEADS;
     p.al_s = p.l_s + ATT_MMA_HEADS;
     p.q_s = reinterpret_cast<__nv_bfloat16 *>(sm + att_mma_smem(hd));
+    p.q_heads = q_heads;
     return p;
 }
 
@@ -708,12 +715,13 @@ static __device__ __forceinline__ void att_prefetch_q(const struct dsv4_cuda_att
         dsv4_prefetch_l1(qb + (int64_t)i * 128);
 }
 
-/* The whole-row kernel's queries, split once for all of the row's runs: head h0 + h's values (d, d + 1)
- * as att_scores splits them, term i at q_s[(i * 16 + h) * kstr + d]; heads past H zero (a last
+/* A block's queries, split once for all of its tiles and warps: head h0 + h's values (d, d + 1) as
+ * att_scores splits them, term i at q_s[(i * heads + h) * kstr + d]; heads past H zero (a last
  * tile's zero queries). The first barrier of att_mma_run orders these stores before any read. */
-static __device__ __forceinline__ void att_stage_q(const struct dsv4_cuda_att_args &a, int b, int h0, __nv_bfloat16 *q_s)
+static __device__ __forceinline__ void att_stage_q(const struct dsv4_cuda_att_args &a, int b, int h0, int heads,
+                                                   __nv_bfloat16 *q_s)
 {
-    const int hd = a.hd, kstr = hd + ATT_MMA_KPAD, n = ATT_WHOLE_HEADS * hd / 2;
+    const int hd = a.hd, kstr = hd + ATT_MMA_KPAD, n = heads * hd / 2;
     for (int i = threadIdx.x; i < n; i += ATT_MMA_THREADS) {
         const int h = i / (hd / 2), d = 2 * (i % (hd / 2));
         const float2 x = h0 + h < a.H ? __ldg(reinterpret_cast<const float2 *>(a.q + ((int64_t)b * a.H + h0 + h) * hd + d))
@@ -722,7 +730,7 @@ static __device__ __forceinline__ void att_stage_q(const struct dsv4_cuda_att_ar
         att_split<ATT_MMA_QTERMS>(x.x, x.y, t);
 #pragma unroll
         for (int j = 0; j < ATT_MMA_QTERMS; j++)
-            *reinterpret_cast<uint32_t *>(q_s + (j * ATT_WHOLE_HEADS + h) * kstr + d) = t[j];
+            *reinterpret_cast<uint32_t *>(q_s + (j * heads + h) * kstr + d) = t[j];
     }
 }
 
@@ -755,27 +763,32 @@ static __device__ __forceinline__ void att_mma_run(const struct dsv4_cuda_att_ar
         __syncthreads();                /* also: the last tile's P V is done with k_s and P */
         att_decode_tile(a, p.e_s, nt, ntp, p.k_s, kstr);
         __syncthreads();
-        att_scores<QS>(a, b, h0, mts, ntp, p.k_s, kstr, p.q_s, p.s_s);
+        att_scores<QS>(a, b, h0, mts, ntp, p.k_s, kstr, p.q_s, p.q_heads, p.s_s);
         __syncthreads();
         att_softmax(nt, ntp, mts, p.s_s, p.p_s, p.m_s, p.l_s, p.al_s);
         att_pv(o, a.hd, ntp, mts, p.k_s, kstr, p.p_s, p.al_s);
     }
 }
 
+/* QS: the block's heads_per_block (at most ATT_QS_HEADS) queries staged in shared memory
+ * (att_qs_smem), else loaded per k-step. */
+template <bool QS>
 __global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
 attention_mma_kernel(const struct dsv4_cuda_att_args a)
 {
     dsv4_pdl_enter();
     extern __shared__ __align__(16) uint8_t att_sm[];
-    const att_mma_smem_ptrs p = att_mma_carve(att_sm, a.hd);
+    const att_mma_smem_ptrs p = att_mma_carve(att_sm, a.hd, a.heads_per_block);
     const int hd = a.hd, b = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * a.heads_per_block, tid = threadIdx.x;
     const int mts = min(a.heads_per_block / 16, (a.H - h0 + 15) / 16);
     const att_run r = att_key_run(a, b, split, gridDim.y);
     float o[ATT_MMA_MT][ATT_MMA_OWN][4];
 
-    if (r.k0 < r.k1)
+    if (QS && r.k0 < r.k1)
+        att_stage_q(a, b, h0, a.heads_per_block, p.q_s);
+    else if (r.k0 < r.k1)
         att_prefetch_q(a, b, h0);
-    att_mma_run<ATT_MMA_MT, false>(a, b, h0, mts, r, p, o);
+    att_mma_run<ATT_MMA_MT, QS>(a, b, h0, mts, r, p, o);
     __syncthreads();
 
     /* partials: o (C fragments: heads g, g + 8 of each m16 tile, dims 2t, 2t+1 of each n8 tile), m, l */
@@ -814,14 +827,14 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
  * their bf16 terms once (att_stage_q) and read by ldmatrix in every run, where a split block loads
  * and splits them per k-step (each of the four key-pair groups again, each tile again). o and acc
  * are 32 floats a thread each at one m16 tile (one block an SM; two blocks an SM spilled at 128).
- * Shared memory att_whole_smem. */
+ * Shared memory att_qs_smem(hd, 16). */
 __global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
 attention_mma_whole_kernel(const struct dsv4_cuda_att_args a, const float *__restrict__ sink,
                            const float *__restrict__ inv_freq, float *__restrict__ out)
 {
     dsv4_pdl_enter();
     extern __shared__ __align__(16) uint8_t att_sm[];
-    const att_mma_smem_ptrs p = att_mma_carve(att_sm, a.hd);
+    const att_mma_smem_ptrs p = att_mma_carve(att_sm, a.hd, ATT_WHOLE_HEADS);
     const int hd = a.hd, b = blockIdx.x, h0 = blockIdx.z * ATT_WHOLE_HEADS;
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP, g = lane / 4, t = lane % 4;
     const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
@@ -833,7 +846,7 @@ attention_mma_whole_kernel(const struct dsv4_cuda_att_args a, const float *__res
 #pragma unroll
     for (int i = 0; i < ATT_MMA_OWN; i++)
         acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-    att_stage_q(a, b, h0, p.q_s);
+    att_stage_q(a, b, h0, ATT_WHOLE_HEADS, p.q_s);
 #pragma unroll 1
     for (int split = 0; split < DSV4_CUDA_ATT_SPLITS; split++) {
         const att_run r = att_key_run(a, b, split, DSV4_CUDA_ATT_SPLITS);
@@ -920,8 +933,10 @@ size_t dsv4_cuda_attention_smem(int hd)
     return f > m ? f : m;
 }
 
-/* The device's opt-in shared memory per block (dsv4_cuda_attention_prepare): whether whole rows fit. */
-static int att_optin;
+/* The most heads a block stages the queries of on this device, for the head_dim last prepared
+ * (dsv4_cuda_attention_prepare): ATT_QS_HEADS, 16, or 0 where att_qs_smem fits neither; whole rows
+ * need 16. */
+static int att_qs_heads;
 
 int dsv4_cuda_attention_prepare(int hd)
 {
@@ -936,12 +951,16 @@ int dsv4_cuda_attention_prepare(int hd)
                               "device %d allows %d", hd, dsv4_cuda_attention_smem(hd), dev, optin);
     DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_f32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)att_f32_smem(hd)));
-    DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)att_mma_smem(hd)));
-    if (att_whole_smem(hd) <= (size_t)optin)
+    att_qs_heads = att_qs_smem(hd, ATT_QS_HEADS) <= (size_t)optin ? ATT_QS_HEADS
+                   : att_qs_smem(hd, ATT_WHOLE_HEADS) <= (size_t)optin ? ATT_WHOLE_HEADS : 0;
+    if (att_qs_heads) {
+        DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)att_qs_smem(hd, att_qs_heads)));
         DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)att_whole_smem(hd)));
-    att_optin = optin;
+                                           (int)att_qs_smem(hd, ATT_WHOLE_HEADS)));
+    }
     return 0;
 }
 
@@ -1003,7 +1022,7 @@ static int att_heads_per_block(const struct dsv4_cuda_att_args *a, int batch)
 
 /* Whether a launch asking for whole rows (a->whole) gets them: DSV4_CUDA_ATT_WHOLE=0 keeps the
  * splits and their combine for every launch, to compare the two; a device whose blocks cannot hold
- * att_whole_smem keeps them too (the same bits either way). */
+ * att_qs_smem(hd, 16) keeps them too (the same bits either way). */
 static bool att_whole_allowed(int hd)
 {
     static int allowed = -1;
@@ -1011,7 +1030,7 @@ static bool att_whole_allowed(int hd)
         struct dsv4_cuda_switches sw;
         allowed = dsv4_cuda_switches_read(&sw) < 0 ? 1 : sw.att_whole;
     }
-    return allowed && att_whole_smem(hd) <= (size_t)att_optin;
+    return allowed && att_qs_heads >= ATT_WHOLE_HEADS;
 }
 
 int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const float *d_sink,
@@ -1029,7 +1048,7 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
         struct dsv4_cuda_att_args k = *a;
         k.heads_per_block = ATT_WHOLE_HEADS;
         dsv4_launch(attention_mma_whole_kernel, dim3(batch, 1, (a->H + ATT_WHOLE_HEADS - 1) / ATT_WHOLE_HEADS),
-                    ATT_MMA_THREADS, att_whole_smem(a->hd), s, k, d_sink, d_inv_freq, d_o);
+                    ATT_MMA_THREADS, att_qs_smem(a->hd, ATT_WHOLE_HEADS), s, k, d_sink, d_inv_freq, d_o);
         DSV4_CUDA_LAUNCHED("attention_mma_whole");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_WHOLE);
         return 0;
@@ -1037,9 +1056,10 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
     if (a->kvf == DSV4_KV_FP8) {
         struct dsv4_cuda_att_args k = *a;
         k.heads_per_block = att_heads_per_block(a, batch);
-        dsv4_launch(attention_mma_kernel, dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + k.heads_per_block - 1) /
-                                                                                k.heads_per_block),
-                    ATT_MMA_THREADS, att_mma_smem(a->hd), s, k);
+        const bool qs = k.heads_per_block <= att_qs_heads;     /* the same bits either way */
+        dsv4_launch(qs ? attention_mma_kernel<true> : attention_mma_kernel<false>,
+                    dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + k.heads_per_block - 1) / k.heads_per_block),
+                    ATT_MMA_THREADS, qs ? att_qs_smem(a->hd, k.heads_per_block) : att_mma_smem(a->hd), s, k);
         DSV4_CUDA_LAUNCHED("attention_mma");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_MMA);
     } else {

@@ -58,8 +58,8 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_INDEXER_MMA: return "indexer_scores_fp4keys_bf16mma_entries1024";
     case DSV4_CUDA_V_INDEXER_FMA: return "indexer_scores_fma_thread_per_entry";
     case DSV4_CUDA_V_EXPERTS_FP4_FMA: return "experts_fp4_grouped_swiglu_fma_warprow";
-    case DSV4_CUDA_V_GEMM_FP8_WGMMA: return "gemm_fp8_f16wgmma_rows128x64_prefill";
-    case DSV4_CUDA_V_ATTENTION_WHOLE: return "attention_mma_bf16_hilo_heads16_keys64_whole_row";
+    case DSV4_CUDA_V_GEMM_FP8_WGMMA: return "gemm_fp8_f16wgmma_tma_rows128x64_prefill";
+    case DSV4_CUDA_V_ATTENTION_WHOLE: return "attention_mma_bf16_hilo_heads16_keys64_whole_row_q_smem";
     case DSV4_CUDA_V_GEMM_DIRECT: return "gemm_mma_rows128_batch8_weights_in_registers";
     case DSV4_CUDA_V_COUNT: break;
     }
@@ -741,10 +741,10 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s",
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8RAW_MMA),
          dsv4_cuda_variant_name(DSV4_CUDA_V_GEMV_FP8));
-    vlog(dev, log, log_ctx, true, "op linear.fp8 prefill chunks (more than %d rows, either activation form): %s",
+    vlog(dev, log, log_ctx, true, "op linear.fp8 prefill chunks (more than %d rows, either activation form): %s%s%s",
          DSV4_CUDA_MAX_BATCH, dsv4_cuda_gemm_wgmma() ? dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_WGMMA)
-                                                     : "mma.sync, the kernels above (no wgmma: not the sm_90a image, "
-                                                       "too little shared memory, or DSV4_CUDA_GEMM_WGMMA=0)");
+                                                     : "mma.sync, the kernels above (no wgmma: ",
+         dsv4_cuda_gemm_wgmma() ? "" : dsv4_cuda_gemm_wgmma_why_not(), dsv4_cuda_gemm_wgmma() ? "" : ")");
     vlog(dev, log, log_ctx, true, "op linear rings: tensor-core linears with a %d-stage ring, the first wave "
          "prefetching up to %lld KB of weights; steps of up to 8 rows whose K is split (FP8 and BF16): %s",
          dsv4_cuda_gemm_stages(), (long long)(dsv4_cuda_gemm_prefetch_bytes() >> 10),

@@ -248,8 +248,10 @@ int dsv4_cuda_gemm_stages(void);
 int64_t dsv4_cuda_gemm_prefetch_bytes(void);
 /* Whether dsv4_cuda_gemm_prepare put the FP8 linears of prefill chunks (more than DSV4_CUDA_MAX_BATCH
  * rows, quantized or raw x) on the wgmma kernel (kernels/gemm_wgmma.cu: the sm_90a image, enough
- * shared memory, DSV4_CUDA_GEMM_WGMMA not 0); false: on the mma.sync kernel. */
+ * shared memory, a driver that encodes TMA descriptors, DSV4_CUDA_GEMM_WGMMA not 0); false: on the
+ * mma.sync kernel, for the reason dsv4_cuda_gemm_wgmma_why_not gives (NULL when it runs). */
 bool dsv4_cuda_gemm_wgmma(void);
+const char *dsv4_cuda_gemm_wgmma_why_not(void);
 /* Whether steps of up to 8 rows whose K is split stream their weights into registers
  * (kernels/gemm_direct.cu; DSV4_CUDA_GEMM_DIRECT not 0) */
 bool dsv4_cuda_gemm_direct(void);

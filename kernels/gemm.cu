@@ -78,13 +78,13 @@ static __device__ __forceinline__ void load_tile(const gemm_args &a, uint8_t *ws
         for (int i = tid; i < xplanes(MODE) * NT * 8 * 16; i += GEMM_THREADS) {
             const int p = i / (NT * 128), n = (i >> 4) % (NT * 8), c = i & 15, gn = min(nb + n, a.rows - 1);
             const uint8_t *src = a.xa + (((int64_t)p * a.rows + gn) * a.k + xk0 + (int64_t)kt * 128) * 2 + c * 16;
-            dsv4_cp_async16(xs + p * (NT * 8 * GEMM_XROW_BYTES) + n * GEMM_XROW_BYTES + sw256(n, c) * 16, src);
+            dsv4_cp_async16(xs + p * (NT * 8 * gemm_xrow(MODE)) + n * gemm_xrow(MODE) + sw256(n, c) * 16, src);
         }
     } else {
         for (int i = tid; i < 2 * NT * 8 * 8; i += GEMM_THREADS) {
             const int p = i / (NT * 64), n = (i >> 3) % (NT * 8), c = i & 7, gn = min(nb + n, a.rows - 1);
             const uint8_t *src = a.xa + (((int64_t)p * a.rows + gn) * a.k + (int64_t)kt * 64) * 2 + c * 16;
-            dsv4_cp_async16(xs + p * (NT * 8 * 128) + n * 128 + sw128(n, c) * 16, src);
+            dsv4_cp_async16(xs + p * (NT * 8 * gemm_xrow(MODE)) + n * gemm_xrow(MODE) + sw128(n, c) * 16, src);
         }
     }
 }
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
             dsv4_cp_async_commit();
         }
         const uint8_t *ws = smem + (i % STAGES) * sbytes, *xs = ws + GEMM_ROWS * GEMM_TILE_BYTES;
-        const uint8_t *xl = xs + NT * 8 * (MODE == GEMM_BF16 ? 128 : GEMM_XROW_BYTES);  /* lo plane: fp8raw, bf16 */
+        const uint8_t *xl = xs + NT * 8 * gemm_xrow(MODE);      /* lo plane: fp8raw, bf16 */
         const int kt = kt0 + i;
 #pragma unroll
         for (int j = 0; j < NT; j++)
@@ -428,6 +428,7 @@ static void gemm_splits(int64_t out, int nkt, int *per, int *splits)
 
 static int gemm_stages = GEMM_STAGES_MAX;     /* chosen by dsv4_cuda_gemm_prepare */
 static bool gemm_wg = false;                    /* prefill chunks' FP8 linears on wgmma (gemm_wgmma.cu) */
+static const char *gemm_wg_why_not = "dsv4_cuda_gemm_prepare not run";     /* when gemm_wg is false */
 static bool gemm_direct = true;                 /* launches of <= 8 rows with weights in registers (gemm_direct.cu) */
 
 /* A prefill chunk's FP8 linear, where the image has the wgmma kernels (x then prepared in their order) */
@@ -489,10 +490,10 @@ extern "C" int dsv4_cuda_gemm_prepare(void)
                               "linears need %zu", dev, optin, GEMM_STAGES_MIN * big);
     gemm_stages = (size_t)optin >= GEMM_STAGES_MAX * big && sw.gemm_stages != GEMM_STAGES_MIN ? GEMM_STAGES_MAX
                                                                                               : GEMM_STAGES_MIN;
-    bool wg = false;
-    if (sw.gemm_wgmma && (rc = gemm_wgmma_prepare(optin, &wg)) < 0)
+    gemm_wg_why_not = "DSV4_CUDA_GEMM_WGMMA=0";
+    if (sw.gemm_wgmma && (rc = gemm_wgmma_prepare(optin, &gemm_wg_why_not)) < 0)
         return rc;
-    gemm_wg = wg;
+    gemm_wg = sw.gemm_wgmma && !gemm_wg_why_not;
     gemm_direct = sw.gemm_direct;
     if ((rc = prepare_one<GEMM_FP8, 1, GEMM_STAGES_WALK>()) < 0 || (rc = prepare_one<GEMM_FP8RAW, 1, GEMM_STAGES_WALK>()) < 0 ||
         (rc = prepare_one<GEMM_BF16, 1, GEMM_STAGES_WALK>()) < 0)
@@ -515,6 +516,11 @@ extern "C" int64_t dsv4_cuda_gemm_prefetch_bytes(void)
 extern "C" bool dsv4_cuda_gemm_wgmma(void)
 {
     return gemm_wg;
+}
+
+extern "C" const char *dsv4_cuda_gemm_wgmma_why_not(void)
+{
+    return gemm_wg ? nullptr : gemm_wg_why_not;
 }
 
 extern "C" bool dsv4_cuda_gemm_direct(void)

@@ -39,17 +39,10 @@
 #define DIRECT_ROWS 8               /* batch rows: one n8 tile */
 #define DIRECT_MAX_SMEM (64 * 1024) /* x of a CTA's k-range; above it gemm.cu's ring kernel runs */
 
-/* Bytes of one row of an x plane in a k-tile: 128 f16 values (fp8, fp8raw: one plane, or hi and lo
- * planes) or 64 bf16 values (bf16: hi plane, then lo plane) */
-static __host__ __device__ constexpr int direct_xrow(int mode)
-{
-    return mode == GEMM_BF16 ? 128 : GEMM_XROW_BYTES;
-}
-
 /* x bytes of one k-tile: two planes (hi, lo) or one, of R rows */
 static __host__ __device__ constexpr int direct_xtile(int mode, int r)
 {
-    return (mode == GEMM_FP8 ? 1 : 2) * r * direct_xrow(mode);
+    return (mode == GEMM_FP8 ? 1 : 2) * r * gemm_xrow(mode);
 }
 
 /* Weight loads bypass L1 (each byte is read once) */
@@ -86,7 +79,7 @@ template <int MODE>
 static __device__ __forceinline__ void direct_tile(const direct_wtile &d, const uint8_t *xs, int r, int n,
                                                    float s0, float s1, float (&acc)[4])
 {
-    const uint8_t *xl = xs + r * direct_xrow(MODE);    /* lo plane: fp8raw, bf16 */
+    const uint8_t *xl = xs + r * gemm_xrow(MODE);    /* lo plane: fp8raw, bf16 */
     float blk[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -138,7 +131,7 @@ __global__ void __launch_bounds__(GEMM_THREADS, 2) gemm_direct_kernel(const gemm
     if (MODE != GEMM_BF16) {
         for (int i = threadIdx.x; i < nk * xplanes(MODE) * R * 16; i += GEMM_THREADS) {
             const int c = i & 15, n = (i >> 4) % R, p = (i / (16 * R)) % xplanes(MODE), kt = i / (16 * R * xplanes(MODE));
-            dsv4_cp_async16(smem + kt * xtile + (p * R + n) * GEMM_XROW_BYTES + sw256(n, c) * 16,
+            dsv4_cp_async16(smem + kt * xtile + (p * R + n) * gemm_xrow(MODE) + sw256(n, c) * 16,
                             a.xa + (((int64_t)p * a.rows + n) * a.k + xk0 + (int64_t)(kt0 + kt) * 128) * 2 + c * 16);
         }
         const int64_t sab = a.k / 128, sk = xk0 / 128 + kt0;
@@ -147,7 +140,7 @@ __global__ void __launch_bounds__(GEMM_THREADS, 2) gemm_direct_kernel(const gemm
     } else {
         for (int i = threadIdx.x; i < nk * 2 * R * 8; i += GEMM_THREADS) {
             const int c = i & 7, n = (i >> 3) % R, p = (i / (8 * R)) % 2, kt = i / (16 * R);
-            dsv4_cp_async16(smem + kt * xtile + (p * R + n) * direct_xrow(GEMM_BF16) + sw128(n, c) * 16,
+            dsv4_cp_async16(smem + kt * xtile + (p * R + n) * gemm_xrow(MODE) + sw128(n, c) * 16,
                             a.xa + (((int64_t)p * a.rows + n) * a.k + (int64_t)(kt0 + kt) * 64) * 2 + c * 16);
         }
     }

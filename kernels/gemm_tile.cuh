@@ -37,6 +37,14 @@ static __host__ __device__ constexpr int xplanes(int mode)
     return mode == GEMM_FP8RAW ? 2 : 1;
 }
 
+/* Bytes of one row of one x plane as the ring and register kernels address it: 128 f16 values (fp8;
+ * fp8raw's hi and lo planes) or 64 bf16 values (bf16: the hi plane's rows, then the lo plane's, which
+ * together fill GEMM_XROW_BYTES a row) */
+static __host__ __device__ constexpr int gemm_xrow(int mode)
+{
+    return mode == GEMM_BF16 ? GEMM_XROW_BYTES / 2 : GEMM_XROW_BYTES;
+}
+
 struct gemm_args {
     const uint8_t *w;           /* [out, row_bytes] */
     int64_t row_bytes;
@@ -80,12 +88,21 @@ static __device__ __forceinline__ int sw256(int row, int c)
     return c ^ (row & 1);
 }
 
-/* Chunk c of weight rows r0 and r1 (128-byte rows) of a stage, as words. */
+/* The tensor memory accelerator's 128-byte swizzle (the wgmma kernel's tiles): chunk c of row r at
+ * c ^ (r % 8) */
+static __device__ __forceinline__ int sw128_tma(int row, int c)
+{
+    return c ^ (row & 7);
+}
+
+/* Chunk c of weight rows r0 and r1 (128-byte rows) of a stage, as words; TMA: the tile is in
+ * sw128_tma's order, else in sw128's. */
+template <bool TMA = false>
 static __device__ __forceinline__ void load_wrows(const uint8_t *ws, int r0, int r1, int c, uint32_t (&w0v)[4],
                                                   uint32_t (&w1v)[4])
 {
-    const uint4 w0 = dsv4_lds128(ws + r0 * GEMM_TILE_BYTES + sw128(r0, c) * 16);
-    const uint4 w1 = dsv4_lds128(ws + r1 * GEMM_TILE_BYTES + sw128(r1, c) * 16);
+    const uint4 w0 = dsv4_lds128(ws + r0 * GEMM_TILE_BYTES + (TMA ? sw128_tma(r0, c) : sw128(r0, c)) * 16);
+    const uint4 w1 = dsv4_lds128(ws + r1 * GEMM_TILE_BYTES + (TMA ? sw128_tma(r1, c) : sw128(r1, c)) * 16);
     w0v[0] = w0.x; w0v[1] = w0.y; w0v[2] = w0.z; w0v[3] = w0.w;
     w1v[0] = w1.x; w1v[1] = w1.y; w1v[2] = w1.z; w1v[3] = w1.w;
 }
@@ -136,8 +153,8 @@ static __device__ __forceinline__ void gemm_chunk_mma(const uint32_t (&w0v)[4], 
                 dsv4_mma_f16(blk, af, lv[2 * q], lv[2 * q + 1]);
         }
     } else {
-        const uint4 bh = dsv4_lds128(xs + n * 128 + sw128(n, c) * 16);
-        const uint4 bl = dsv4_lds128(xl + n * 128 + sw128(n, c) * 16);
+        const uint4 bh = dsv4_lds128(xs + n * gemm_xrow(GEMM_BF16) + sw128(n, c) * 16);
+        const uint4 bl = dsv4_lds128(xl + n * gemm_xrow(GEMM_BF16) + sw128(n, c) * 16);
         const uint32_t hv[4] = { bh.x, bh.y, bh.z, bh.w }, lv[4] = { bl.x, bl.y, bl.z, bl.w };
 #pragma unroll
         for (int q = 0; q < 2; q++) {
@@ -179,9 +196,10 @@ static inline void gemm_set_prefetch(gemm_args *a, int64_t ctas, int sms, int kt
                            prefetch / ((int64_t)a->pf_ctas * GEMM_ROWS * GEMM_TILE_BYTES));
 }
 
-/* gemm_wgmma.cu: whether the running image has the wgmma kernels and the device the shared memory
- * they take (then their limits are set), and a launch for a.rows > DSV4_CUDA_MAX_BATCH with x prepared in gemm_wg_pos order. */
-int gemm_wgmma_prepare(int smem_optin, bool *available);
+/* gemm_wgmma.cu: whether the running image has the wgmma kernels, the device the shared memory they
+ * take and the driver TMA descriptors (then their limits are set; else *why_not says which is
+ * missing), and a launch for a.rows > DSV4_CUDA_MAX_BATCH with x prepared in gemm_wg_pos order. */
+int gemm_wgmma_prepare(int smem_optin, const char **why_not);
 int gemm_wgmma_launch(int mode, gemm_args a, int sms, int64_t prefetch, cudaStream_t s);
 
 /* gemm_direct.cu: launches of at most 8 rows whose K is split, with the weights streamed into

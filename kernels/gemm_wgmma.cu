@@ -88,10 +88,8 @@ static __device__ __forceinline__ void wg_issue(const uint8_t *st, int r0, int r
     uint32_t af[WG_STEPS][4];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const int c = t + 4 * h;
-        const uint4 w0 = dsv4_lds128(st + r0 * GEMM_TILE_BYTES + ((c ^ (r0 & 7)) << 4));
-        const uint4 w1 = dsv4_lds128(st + r1 * GEMM_TILE_BYTES + ((c ^ (r1 & 7)) << 4));
-        const uint32_t w0v[4] = { w0.x, w0.y, w0.z, w0.w }, w1v[4] = { w1.x, w1.y, w1.z, w1.w };
+        uint32_t w0v[4], w1v[4];
+        load_wrows<true>(st, r0, r1, t + 4 * h, w0v, w1v);
 #pragma unroll
         for (int q = 0; q < 4; q++)
             fp8_afrag(w0v, w1v, q, af[4 * h + q]);
@@ -250,27 +248,33 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 /* cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda) */
 static PFN_cuTensorMapEncodeTiled_v12000 wg_encode;
 
-int gemm_wgmma_prepare(int smem_optin, bool *available)
+/* *why_not: NULL where the wgmma kernels run here, else why not (for the boot log). */
+int gemm_wgmma_prepare(int smem_optin, const char **why_not)
 {
     cudaFuncAttributes fa;
-    *available = false;
     DSV4_CUDA_TRY(cudaFuncGetAttributes(&fa, gemm_wgmma_kernel<GEMM_FP8>));
-    if (fa.binaryVersion != 90 || fa.ptxVersion < 90 || (size_t)smem_optin < wg_smem_bytes(GEMM_FP8) ||
-        (size_t)smem_optin < wg_smem_bytes(GEMM_FP8RAW))
-        return 0;       /* not the sm_90a image (the JIT-compiled PTX, another GPU's cubin), or too little memory */
+    if (fa.binaryVersion != 90 || fa.ptxVersion < 90) {
+        *why_not = "not the sm_90a image";      /* the JIT-compiled PTX, or another GPU's cubin */
+        return 0;
+    }
+    if ((size_t)smem_optin < wg_smem_bytes(GEMM_FP8) || (size_t)smem_optin < wg_smem_bytes(GEMM_FP8RAW)) {
+        *why_not = "too little shared memory a block";
+        return 0;
+    }
     cudaDriverEntryPointQueryResult q;
     void *fn = nullptr;
     if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
         q != cudaDriverEntryPointSuccess || !fn) {
         (void)cudaGetLastError();
-        return 0;       /* a driver without TMA descriptors: mma.sync */
+        *why_not = "a driver without cuTensorMapEncodeTiled";
+        return 0;
     }
     wg_encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
     DSV4_CUDA_TRY(cudaFuncSetAttribute(gemm_wgmma_kernel<GEMM_FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)wg_smem_bytes(GEMM_FP8)));
     DSV4_CUDA_TRY(cudaFuncSetAttribute(gemm_wgmma_kernel<GEMM_FP8RAW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)wg_smem_bytes(GEMM_FP8RAW)));
-    *available = true;
+    *why_not = nullptr;
     return 0;
 }
 

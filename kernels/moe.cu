@@ -452,10 +452,11 @@ static __device__ __forceinline__ uint32_t e2m1x2_raw(uint32_t v)
     return (v & 0x80008000u) | ((v >> 6) & 0x01c001c0u);
 }
 
-/* bf16x2 2^(e - 127) for a bf16 exponent field e in 1..254 */
+/* bf16x2 2^(e - 127) for a bf16 exponent field e in 1..254: e << 7 | e << 23, one multiply (the two
+ * copies of e's 8 bits do not overlap) */
 static __device__ __forceinline__ uint32_t bf16x2_pow2(uint32_t e)
 {
-    return (e << 7) | (e << 23);
+    return e * 0x00800080u;
 }
 
 /* A word of tiled weights: the checkpoint's word of 8 e2m1 values (nibble k = value k, bits m, e0, e1,

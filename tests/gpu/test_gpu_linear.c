@@ -629,11 +629,17 @@ static void check_prefill_rows(bool wgmma)
     }
     cudaFree(mem);
     const uint64_t wg = dsv4_cuda_variant_launches(DSV4_CUDA_V_GEMM_FP8_WGMMA) - wg0;
-    printf("# prefill rows, DSV4_CUDA_GEMM_WGMMA=%d: %llu wgmma launches\n", wgmma, (unsigned long long)wg);
-    if (!wgmma)
+    const char *why_not = dsv4_cuda_gemm_wgmma_why_not();
+    printf("# prefill rows, DSV4_CUDA_GEMM_WGMMA=%d: %llu wgmma launches (%s)\n", wgmma, (unsigned long long)wg,
+           why_not ? why_not : "wgmma available");
+    assert_int_equal(dsv4_cuda_gemm_wgmma(), why_not == NULL);
+    if (!wgmma) {
         assert_int_equal(wg, 0);
-    else if (prop.major == 9 && prop.minor == 0)
+        assert_string_equal(why_not, "DSV4_CUDA_GEMM_WGMMA=0");
+    } else if (prop.major == 9 && prop.minor == 0) {
         assert_true(wg > 0);
+        assert_null(why_not);
+    }
     unsetenv("DSV4_CUDA_GEMM_WGMMA");
     DSV4_OK(dsv4_cuda_gemm_prepare());
 }
