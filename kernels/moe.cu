@@ -656,10 +656,12 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
         }
 }
 
-/* grid (I / 32 or D / 64, min(pairs, E)), MOE_TC_THREADS threads. MAXNT 1: every group has at most 8
- * tokens (the launch has at most 8 pairs, as at batch 1), so only the one-tile pass is compiled: the
- * batch-1 kernel was issue-bound with a fifth of its stalls waiting for instructions, its code
- * spanning all four pass shapes. The pass is the same code either way: the same bits. */
+/* grid (I / 32 or D / 64, min(pairs, E)), MOE_TC_THREADS threads. MAXNT 1 (decode steps): only the
+ * one-tile pass is compiled and a group takes passes of 8 tokens (a decode group seldom has more;
+ * a larger one reads its weights again, from L2): the batch-1 kernel was issue-bound with a fifth
+ * of its stalls waiting for instructions, its code spanning all four pass shapes, and the full
+ * kernel takes 128 registers with spills. A token's outputs are the same code either way: the same
+ * bits. */
 template <int MODE, int MAXNT, bool TILED>
 __global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_kernel(const moe_tc_args a)
 {
@@ -675,8 +677,10 @@ __global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_ker
     const int32_t *list = a.groups + 2 + 2 * a.pairs;
     const int beg = a.groups[1 + a.pairs + gi], end = a.groups[2 + a.pairs + gi];
 
-    for (int p0 = beg; p0 < end; p0 += MOE_TC_PASS) {
-        const int n = min(MOE_TC_PASS, end - p0);
+    constexpr int PASS = MAXNT * 8;     /* tokens a pass: n8 tiles of the widest pass compiled */
+    static_assert(PASS <= MOE_TC_PASS, "the pass tables hold MOE_TC_PASS tokens");
+    for (int p0 = beg; p0 < end; p0 += PASS) {
+        const int n = min(PASS, end - p0);
         __syncthreads();        /* the previous pass is done with the tables and the ring */
         if (threadIdx.x < n) {
             const int p = list[p0 + threadIdx.x];
@@ -831,7 +835,7 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->dim / MOE_TC_KT;
     a.y = ws->d_h;
     a.ldy = ex->inter;
-    const bool one = pairs <= 8;      /* no group can pass 8 tokens: the one-tile kernels */
+    const bool one = pairs <= DSV4_CUDA_MAX_BATCH * topk;      /* a decode step: the one-tile kernels */
     dsv4_launch(ex->tiled ? (one ? moe_tc_kernel<MOE_UP, 1, true> : moe_tc_kernel<MOE_UP, 8, true>)
                           : (one ? moe_tc_kernel<MOE_UP, 1, false> : moe_tc_kernel<MOE_UP, 8, false>),
                 dim3(ex->inter / MOE_TC_UP_ROWS, slots), MOE_TC_THREADS, 0, s, a);
