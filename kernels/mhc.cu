@@ -28,11 +28,12 @@ static __device__ __forceinline__ float sigmoidf_(float v)
 /* The fn GEMV's chunking (grid (chunks, ceil(batch / MHC_FN_NB)), one warp per weight row, each
  * lane holding MHC_FN_PER_LANE float4 of x per batch row): see mhc_fn_part_kernel. */
 #define MHC_FN_NB 8
-#define MHC_FN_ROWS 4           /* weight rows a warp loads at once */
+#define MHC_FN_ROWS 4           /* weight rows a warp takes at once: with MHC_FN_NB tokens, 32 dots */
 #define MHC_FN_PER_LANE (DSV4_CUDA_MHC_FN_CHUNK / (DSV4_CUDA_WARP * 4))
 
 static_assert(DSV4_CUDA_MHC_FN_CHUNK % (DSV4_CUDA_WARP * 4) == 0, "a chunk is whole float4 per lane");
 static_assert(MHC_FN_NB == NORM_THREADS / DSV4_CUDA_WARP, "one warp per batch row for the sums of squares");
+static_assert(MHC_FN_ROWS * MHC_FN_NB == DSV4_CUDA_WARP, "one dot product a lane after the fold");
 
 static __device__ __forceinline__ float sq4(float acc, float4 v)
 {
@@ -304,9 +305,24 @@ extern "C" int dsv4_cuda_mhc_pre(const float *d_X, const float *d_m, const float
 /* The mHC fn GEMV, split along K: d_ws[b, c, r] = W[r, chunk c] . x_b[chunk c] for fixed chunks of
  * DSV4_CUDA_MHC_FN_CHUNK values, and d_ws[b, c, out] = the chunk's sum of squares of x_b (mHC pre's
  * and hc_head's RMS); then d_y[b, r] = sum over c (chunk_total). Both steps depend on row b alone:
- * batch-invariant and deterministic. grid (chunks, ceil(batch / MHC_FN_NB)), one warp per weight
- * row (rows strided over the warps), warp j also summing the squares of batch row j; each lane
- * holds MHC_FN_PER_LANE float4 of x per batch row. */
+ * batch-invariant and deterministic. grid (chunks, ceil(batch / MHC_FN_NB)), a warp per
+ * MHC_FN_ROWS weight rows (groups of rows strided over the warps), warp j also summing the squares
+ * of batch row j; each lane holds MHC_FN_PER_LANE float4 of x per batch row. */
+
+/* One level of a transposing butterfly over the N values p[0 .. N) of every lane: lanes whose bit
+ * N / 2 is set keep the upper half, the others the lower; each adds its partner's copy of the half
+ * it keeps (own + partner, as dsv4_warp_sum adds) into p[0 .. N / 2). After the levels 32 .. 2,
+ * lane j holds value j summed over the 32 lanes in dsv4_warp_sum's tree. */
+template <int N>
+static __device__ __forceinline__ void mhc_fold(float (&p)[DSV4_CUDA_WARP])
+{
+    const bool up = threadIdx.x & (N / 2);
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) {
+        const float keep = up ? p[i + N / 2] : p[i], give = up ? p[i] : p[i + N / 2];
+        p[i] = keep + __shfl_xor_sync(0xffffffffu, give, N / 2);
+    }
+}
 
 __global__ void __launch_bounds__(NORM_THREADS)
 mhc_fn_part_kernel(const float *__restrict__ W, int64_t ldw, int out, int64_t in, const float *__restrict__ x,
@@ -346,39 +362,44 @@ mhc_fn_part_kernel(const float *__restrict__ W, int64_t ldw, int out, int64_t in
                 ws[((int64_t)(b0 + b) * chunks + c) * (out + 1) + out] = acc;
         }
     }
-    /* a warp's rows MHC_FN_ROWS at a time, their weight loads issued together (one round of load
-     * latency a batch, not one a row); batch rows past nb are skipped, not summed as zeros (at
-     * batch 1 that had been seven idle butterflies a row). Each (row, token) sum as before. */
+    /* A warp takes MHC_FN_ROWS weight rows against the block's MHC_FN_NB tokens: 32 dot products,
+     * each lane's share of each in registers (its float4 in the order chunk_ss reads them), then one
+     * transposing butterfly (mhc_fold) leaves dot j summed in lane j over the tree dsv4_warp_sum
+     * builds: 31 shuffles a lane for 32 dots where a butterfly a dot took 5 a dot (the kernel was
+     * shuffle-bound at prefill's 1024 rows: ~170 us for 64 MB of streams). Rows or tokens past the
+     * ends hold zeros and are not stored. */
     constexpr int WARPS = NORM_THREADS / DSV4_CUDA_WARP;
-    for (int r0 = warp; r0 < out; r0 += MHC_FN_ROWS * WARPS) {
+    for (int r0 = warp * MHC_FN_ROWS; r0 < out; r0 += MHC_FN_ROWS * WARPS) {
         float4 wv[MHC_FN_ROWS][MHC_FN_PER_LANE];
+        float p[DSV4_CUDA_WARP];
 #pragma unroll
         for (int j = 0; j < MHC_FN_ROWS; j++)
 #pragma unroll
             for (int i = 0; i < MHC_FN_PER_LANE; i++) {
-                const int r = r0 + j * WARPS;
                 const int64_t k = k0 + (int64_t)(i * DSV4_CUDA_WARP + lane) * 4;
-                wv[j][i] = r < out && k < in ? __ldg(reinterpret_cast<const float4 *>(W + (int64_t)r * ldw + k)) : zero;
+                wv[j][i] = r0 + j < out && k < in ? __ldg(reinterpret_cast<const float4 *>(W + (int64_t)(r0 + j) * ldw + k))
+                                                  : zero;
             }
 #pragma unroll
-        for (int j = 0; j < MHC_FN_ROWS; j++) {
-            const int r = r0 + j * WARPS;
-            if (r >= out)
-                break;
+        for (int j = 0; j < MHC_FN_ROWS; j++)
 #pragma unroll
             for (int b = 0; b < MHC_FN_NB; b++) {
-                if (b >= nb)
-                    break;
                 float acc = 0.0f;
+                if (b < nb)
 #pragma unroll
-                for (int i = 0; i < MHC_FN_PER_LANE; i++)
-                    acc += wv[j][i].x * xv[b][i].x + wv[j][i].y * xv[b][i].y + wv[j][i].z * xv[b][i].z +
-                           wv[j][i].w * xv[b][i].w;
-                acc = dsv4_warp_sum(acc);
-                if (lane == 0)
-                    ws[((int64_t)(b0 + b) * chunks + c) * (out + 1) + r] = acc;
+                    for (int i = 0; i < MHC_FN_PER_LANE; i++)
+                        acc += wv[j][i].x * xv[b][i].x + wv[j][i].y * xv[b][i].y + wv[j][i].z * xv[b][i].z +
+                               wv[j][i].w * xv[b][i].w;
+                p[j * MHC_FN_NB + b] = acc;
             }
-        }
+        mhc_fold<32>(p);
+        mhc_fold<16>(p);
+        mhc_fold<8>(p);
+        mhc_fold<4>(p);
+        mhc_fold<2>(p);
+        const int r = r0 + lane / MHC_FN_NB, b = lane % MHC_FN_NB;
+        if (r < out && b < nb)
+            ws[((int64_t)(b0 + b) * chunks + c) * (out + 1) + r] = p[0];
     }
 }
 
