@@ -308,6 +308,10 @@ int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const float *d_x, i
 int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int topk, const int32_t *d_idx,
                           const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add, float *d_y,
                           void *stream);
+/* Batches of more than DSV4_CUDA_MAX_BATCH rows (prefill chunks) take expert kernels of 8 warps a CTA
+ * whose ring (~88 KB) needs the current device's opt-in: call once per process and device before
+ * them (boot, before any capture); -ENOTSUP where the device offers less. */
+int dsv4_cuda_moe_prepare(void);
 
 /* Routing statistics (kernels/route_stats.cu): d_counts[e] += the rows b < batch whose d_slot[b] is
  * not pad_slot (a bucket's padding rows) with e among d_idx[b, 0..topk). */

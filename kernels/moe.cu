@@ -372,46 +372,52 @@ static int launch_experts_fma(const struct dsv4_cuda_experts *ex, const float *d
  * feeds them to 8 consecutive MMAs as if they were the k indices the PTX fragment layout names; its
  * activation loads cover the same 32 values of its token row.
  *
- * Layout. A CTA of 4 warps owns 64 weight rows (one m16 tile a warp) of one group's expert and all of
- * the group's tokens (up to 64 a pass, n8 tiles; beyond that, further passes). gate_up interleaves
+ * Layout. A CTA of W warps owns 16 W weight rows (one m16 tile a warp) of one group's expert and all
+ * of the group's tokens (up to 64 a pass, n8 tiles; beyond that, further passes). Decode steps take
+ * CTAs of 4 warps (64 rows), prefill chunks CTAs of 8 (128 rows): a chunk's groups hold tens of
+ * tokens, whose activation tile (256 bytes a token a k-tile) outweighs the 64 rows' weights (68
+ * bytes a row), so twice the rows a CTA halve the activation bytes moved from L2. A warp's own
+ * arithmetic does not depend on W: the same bits either way. gate_up interleaves
  * w1 and w3: a warp's fragment rows g are w1 row i and rows g + 8 are w3 row i, so each thread holds
  * gate and up of the same (i, token) and applies the clamped SwiGLU in registers. k-tiles of 128
  * values (a thread's 32, four threads a quad) move through a cp.async ring in shared memory: 64 rows
  * x 64 weight bytes, 64 x 4 scale bytes, tokens x 256 activation bytes (swizzled so the fragment
- * loads are conflict-free). The ring is 2..7 stages deep, as many as fit 48 KB for the pass's n8
- * tile count. Grid (output rows / CTA rows, min(pairs, E)) is fixed by the shapes and batch; CTAs
+ * loads are conflict-free). The ring is 2..7 stages deep, as many as fit its budget (47 KB for 4
+ * warps, 96 KB for 8) for the pass's n8 tile count. Grid (output rows / CTA rows, min(pairs, E)) is
+ * fixed by the shapes and batch; CTAs
  * past the group count exit. Every output is one CTA's fixed-order sum: batch-invariant, no atomics.
  * Weight rows must start on 16 bytes and scale rows on 4 (device.cu uploads rows contiguously from
  * 256-byte carve-outs; K is a multiple of 128). */
-#define MOE_TC_WARPS 4
-#define MOE_TC_THREADS (MOE_TC_WARPS * DSV4_CUDA_WARP)
-#define MOE_TC_ROWS (MOE_TC_WARPS * 16)         /* weight rows per CTA */
-#define MOE_TC_UP_ROWS (MOE_TC_ROWS / 2)        /* rows of I per gate_up CTA (w1 and w3 each) */
+#define MOE_TC_WARPS 4                          /* warps a CTA in decode steps */
+#define MOE_TC_PF_WARPS 8                       /* warps a CTA in prefill chunks */
 #define MOE_TC_KT 128                           /* K values per k-tile */
 #define MOE_TC_WROW (MOE_TC_KT / 2)             /* FP4 bytes per weight row per k-tile */
 #define MOE_TC_XROW (MOE_TC_KT * 2)             /* bf16 activation bytes per token per k-tile */
 #define MOE_TC_PASS 64                          /* tokens per pass: 8 n8 tiles */
-#define MOE_TC_BUDGET (47 * 1024)               /* ring bytes; the pass's row tables take the rest of 48 KB */
 #define MOE_TC_MAX_STAGES 7
 #define MOE_TC_MAX_INTER 8192                   /* moe_quant_kernel: one thread per 8 values of a row */
-#define MOE_TC_CTAS_PER_SM 4                    /* 4 x ~45 KB of shared memory */
 
 enum { MOE_UP = 0, MOE_DOWN = 1 };
 
-static __host__ __device__ constexpr int tc_stage_bytes(int nt)
+/* A CTA of `warps` warps: its threads, weight rows, rows of I a gate_up CTA covers (w1 and w3
+ * each), ring budget (4 warps: static shared memory, the pass tables taking the rest of 48 KB, 4
+ * CTAs an SM; 8 warps: dynamic, 2 CTAs an SM, within the 99 KB a block of sm_86/89/120 may opt in
+ * to) and CTAs an SM (both 128 registers a thread at most). */
+static __host__ __device__ constexpr int tc_threads(int warps) { return warps * DSV4_CUDA_WARP; }
+static __host__ __device__ constexpr int tc_rows(int warps) { return warps * 16; }
+static __host__ __device__ constexpr int tc_up_rows(int warps) { return warps * 8; }
+static __host__ __device__ constexpr int tc_budget(int warps) { return warps == MOE_TC_WARPS ? 47 * 1024 : 96 * 1024; }
+static __host__ __device__ constexpr int tc_ctas_per_sm(int warps) { return warps == MOE_TC_WARPS ? 4 : 2; }
+
+static __host__ __device__ constexpr int tc_stage_bytes(int nt, int warps)
 {
-    return MOE_TC_ROWS * MOE_TC_WROW + MOE_TC_ROWS * 4 + nt * 8 * MOE_TC_XROW;
+    return tc_rows(warps) * MOE_TC_WROW + tc_rows(warps) * 4 + nt * 8 * MOE_TC_XROW;
 }
 
-static __host__ __device__ constexpr int tc_stages(int nt)
+static __host__ __device__ constexpr int tc_stages(int nt, int warps)
 {
-    return MOE_TC_BUDGET / tc_stage_bytes(nt) < MOE_TC_MAX_STAGES ? MOE_TC_BUDGET / tc_stage_bytes(nt)
-                                                                   : MOE_TC_MAX_STAGES;
-}
-
-static __host__ __device__ constexpr int tc_ring_bytes(int nt)
-{
-    return tc_stages(nt) * tc_stage_bytes(nt);
+    return tc_budget(warps) / tc_stage_bytes(nt, warps) < MOE_TC_MAX_STAGES ? tc_budget(warps) / tc_stage_bytes(nt, warps)
+                                                                             : MOE_TC_MAX_STAGES;
 }
 
 static __host__ __device__ constexpr int cmax(int a, int b)
@@ -419,8 +425,22 @@ static __host__ __device__ constexpr int cmax(int a, int b)
     return a > b ? a : b;
 }
 
-#define MOE_TC_RING cmax(cmax(tc_ring_bytes(1), tc_ring_bytes(2)), cmax(tc_ring_bytes(4), tc_ring_bytes(8)))
-static_assert(tc_stages(8) >= 2, "two stages of 64 tokens must fit the ring");
+/* the ring of the widest pass a kernel compiles (MAXNT n8 tiles) */
+static __host__ __device__ constexpr int tc_ring_bytes(int maxnt, int warps)
+{
+    return maxnt == 1 ? tc_stages(1, warps) * tc_stage_bytes(1, warps)
+                      : cmax(cmax(tc_stages(1, warps) * tc_stage_bytes(1, warps), tc_stages(2, warps) * tc_stage_bytes(2, warps)),
+                             cmax(tc_stages(4, warps) * tc_stage_bytes(4, warps), tc_stages(8, warps) * tc_stage_bytes(8, warps)));
+}
+
+/* decode steps (MAXNT 1, every group in passes of 8 tokens) on CTAs of 4 warps, prefill on 8 */
+static __host__ __device__ constexpr int tc_warps(int maxnt)
+{
+    return maxnt == 1 ? MOE_TC_WARPS : MOE_TC_PF_WARPS;
+}
+
+static_assert(tc_stages(8, MOE_TC_PF_WARPS) >= 3 && tc_stages(1, MOE_TC_WARPS) >= 3, "the rings' depths");
+static_assert(tc_ring_bytes(1, MOE_TC_WARPS) <= 47 * 1024, "a decode CTA's ring fits static shared memory");
 
 struct moe_tc_args {
     const struct dsv4_cuda_expert *table;
@@ -503,17 +523,17 @@ static __device__ __forceinline__ int tc_xswz(int row, int c)
     return c ^ ((c >> 2) & 2) ^ (row & 1);
 }
 
-/* Shared-memory row sr (0..63) of a CTA's weight tile: gate_up tile rows [16w, 16w + 8) are w1 rows
+/* Shared-memory row sr (0 .. 16 WARPS - 1) of a CTA's weight tile: gate_up tile rows [16w, 16w + 8) are w1 rows
  * and [16w + 8, 16w + 16) the w3 rows of the same I indices; down rows are w2 rows in order. */
-template <int MODE>
+template <int MODE, int WARPS>
 static __device__ __forceinline__ const struct dsv4_cuda_linear *tc_row(const struct dsv4_cuda_expert *ex, int tile,
                                                                        int sr, int64_t *row)
 {
     if (MODE == MOE_UP) {
-        *row = (int64_t)tile * MOE_TC_UP_ROWS + (sr / 16) * 8 + sr % 8;
+        *row = (int64_t)tile * tc_up_rows(WARPS) + (sr / 16) * 8 + sr % 8;
         return sr % 16 < 8 ? &ex->w1 : &ex->w3;
     }
-    *row = (int64_t)tile * MOE_TC_ROWS + sr;
+    *row = (int64_t)tile * tc_rows(WARPS) + sr;
     return &ex->w2;
 }
 
@@ -550,14 +570,15 @@ static __device__ __forceinline__ void tc_tile(const uint8_t *st, int wo0, int w
     }
 }
 
-/* One pass: n (<= 8 NT) tokens of the group, rows rowoff[] of the activations, outputs to pairs pid[];
- * TILED: the table's experts are in k-tile blocks (dsv4_cuda_experts.tiled), else row-major. */
-template <int MODE, int NT, bool TILED>
+/* One pass of a CTA of WARPS warps: n (<= 8 NT) tokens of the group, rows rowoff[] of the
+ * activations, outputs to pairs pid[]; TILED: the table's experts are in k-tile blocks
+ * (dsv4_cuda_experts.tiled), else row-major. */
+template <int MODE, int NT, bool TILED, int WARPS>
 static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struct dsv4_cuda_expert *ex, int n,
                                                uint8_t *smem, const int64_t *rowoff, const int32_t *pid)
 {
-    constexpr int STAGES = tc_stages(NT), SB = tc_stage_bytes(NT);
-    constexpr int WB = MOE_TC_ROWS * MOE_TC_WROW, XOFF = WB + MOE_TC_ROWS * 4;
+    constexpr int STAGES = tc_stages(NT, WARPS), SB = tc_stage_bytes(NT, WARPS), THREADS = tc_threads(WARPS);
+    constexpr int ROWS = tc_rows(WARPS), WB = ROWS * MOE_TC_WROW, XOFF = WB + ROWS * 4;
     const int tid = threadIdx.x, warp = tid / DSV4_CUDA_WARP, lane = tid % DSV4_CUDA_WARP;
     const int g = lane >> 2, t = lane & 3, tile = blockIdx.x, nk = a.nk;
     const int r0 = warp * 16 + g, r1 = r0 + 8;
@@ -567,20 +588,21 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
     /* a k-tile further: 64 bytes along a row and 4 scale bytes, or a block further when tiled */
     const int64_t wkt = TILED ? DSV4_CUDA_TILE_BYTES : MOE_TC_WROW, skt = TILED ? DSV4_CUDA_TILE_SCALE_BYTES : 4;
 
-    /* the weight chunks tid and tid + 128 (row i / 4, 16 bytes i % 4) and row tid's scale word */
+    /* the weight chunks tid and tid + THREADS (row i / 4, 16 bytes i % 4: 4 ROWS = 2 THREADS) and
+     * row tid's scale word */
 #pragma unroll
     for (int q = 0; q < 2; q++) {
-        const int i = tid + q * MOE_TC_THREADS;
+        const int i = tid + q * THREADS;
         int64_t row;
-        const struct dsv4_cuda_linear *W = tc_row<MODE>(ex, tile, i / 4, &row);
+        const struct dsv4_cuda_linear *W = tc_row<MODE, WARPS>(ex, tile, i / 4, &row);
         const int64_t at = TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_BYTES +
                                        (row % DSV4_CUDA_TILE_ROWS) * MOE_TC_WROW
                                  : row * (W->row_stride / 2);
         wsrc[q] = static_cast<const uint8_t *>(W->w) + at + (i % 4) * 16;
     }
-    if (tid < MOE_TC_ROWS) {
+    if (tid < ROWS) {
         int64_t row;
-        const struct dsv4_cuda_linear *W = tc_row<MODE>(ex, tile, tid, &row);
+        const struct dsv4_cuda_linear *W = tc_row<MODE, WARPS>(ex, tile, tid, &row);
         ssrc = W->scale + (TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_SCALE_BYTES +
                                        (row % DSV4_CUDA_TILE_ROWS) * 4
                                  : row * W->scale_stride);
@@ -599,12 +621,12 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
     auto load = [&](int s, int kt) {
         uint8_t *st = smem + s * SB;
         dsv4_cp_async16(st + tid * 16, wsrc[0] + kt * wkt);
-        dsv4_cp_async16(st + (tid + MOE_TC_THREADS) * 16, wsrc[1] + kt * wkt);
-        if (tid < MOE_TC_ROWS)
+        dsv4_cp_async16(st + (tid + THREADS) * 16, wsrc[1] + kt * wkt);
+        if (tid < ROWS)
             dsv4_cp_async4(st + WB + tid * 4, ssrc + kt * skt);
 #pragma unroll
-        for (int q = 0; q < NT; q++) {
-            const int i = tid + q * MOE_TC_THREADS, r = i >> 4, c = i & 15;
+        for (int q = 0; q < (NT * 8 * 16 + THREADS - 1) / THREADS; q++) {     /* 16 chunks a token row */
+            const int i = tid + q * THREADS, r = i >> 4, c = i & 15;
             if (r < n)
                 dsv4_cp_async16(st + XOFF + r * MOE_TC_XROW + tc_xswz(r, c) * 16,
                            a.xa + rowoff[r] + (int64_t)kt * MOE_TC_XROW + c * 16);
@@ -648,25 +670,30 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
                 continue;
             float *y = a.y + (int64_t)pid[nn] * a.ldy;
             if (MODE == MOE_UP) {
-                y[(int64_t)tile * MOE_TC_UP_ROWS + warp * 8 + g] = swiglu(acc[j][h], acc[j][2 + h], a.limit);
+                y[(int64_t)tile * tc_up_rows(WARPS) + warp * 8 + g] = swiglu(acc[j][h], acc[j][2 + h], a.limit);
             } else {
-                y[(int64_t)tile * MOE_TC_ROWS + r0] = acc[j][h];
-                y[(int64_t)tile * MOE_TC_ROWS + r1] = acc[j][2 + h];
+                y[(int64_t)tile * ROWS + r0] = acc[j][h];
+                y[(int64_t)tile * ROWS + r1] = acc[j][2 + h];
             }
         }
 }
 
-/* grid (I / 32 or D / 64, min(pairs, E)), MOE_TC_THREADS threads. MAXNT 1 (decode steps): only the
- * one-tile pass is compiled and a group takes passes of 8 tokens (a decode group seldom has more;
- * a larger one reads its weights again, from L2): the batch-1 kernel was issue-bound with a fifth
- * of its stalls waiting for instructions, its code spanning all four pass shapes, and the full
- * kernel takes 128 registers with spills. A token's outputs are the same code either way: the same
- * bits. */
+/* grid (I / tc_up_rows or D / tc_rows, min(pairs, E)), tc_threads(tc_warps(MAXNT)) threads, the ring
+ * (tc_ring_bytes) in dynamic shared memory. MAXNT 1 (decode steps): only the one-tile pass is
+ * compiled and a group takes passes of 8 tokens (a decode group seldom has more; a larger one reads
+ * its weights again, from L2): the batch-1 kernel was issue-bound with a fifth of its stalls
+ * waiting for instructions, its code spanning all four pass shapes, and the full kernel takes 128
+ * registers with spills. A token's outputs are the same code either way: the same bits. */
 template <int MODE, int MAXNT, bool TILED>
-__global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_kernel(const moe_tc_args a)
+__global__ void __launch_bounds__(tc_threads(tc_warps(MAXNT)), tc_ctas_per_sm(tc_warps(MAXNT)))
+moe_tc_kernel(const moe_tc_args a)
 {
+    constexpr int WARPS = tc_warps(MAXNT);
     dsv4_pdl_enter();
-    __shared__ __align__(16) uint8_t smem[MOE_TC_RING];
+    /* decode CTAs: the ring in static shared memory (fixed addresses); prefill CTAs: dynamic, past 48 KB */
+    __shared__ __align__(16) uint8_t ring_static[MAXNT == 1 ? tc_ring_bytes(1, WARPS) : 16];
+    extern __shared__ __align__(16) uint8_t ring_dynamic[];
+    uint8_t *const smem = MAXNT == 1 ? ring_static : ring_dynamic;
     __shared__ int64_t rowoff[MOE_TC_PASS];
     __shared__ int32_t pid[MOE_TC_PASS];
     const int gi = blockIdx.y;
@@ -689,13 +716,13 @@ __global__ void __launch_bounds__(MOE_TC_THREADS, MOE_TC_CTAS_PER_SM) moe_tc_ker
         }
         __syncthreads();
         if (MAXNT == 1 || n <= 8)
-            tc_pass<MODE, 1, TILED>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 1, TILED, WARPS>(a, ex, n, smem, rowoff, pid);
         else if (n <= 16)
-            tc_pass<MODE, 2, TILED>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 2, TILED, WARPS>(a, ex, n, smem, rowoff, pid);
         else if (n <= 32)
-            tc_pass<MODE, 4, TILED>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 4, TILED, WARPS>(a, ex, n, smem, rowoff, pid);
         else
-            tc_pass<MODE, 8, TILED>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 8, TILED, WARPS>(a, ex, n, smem, rowoff, pid);
     }
 }
 
@@ -818,13 +845,53 @@ extern "C" int dsv4_cuda_tile_fp4_dev(const uint8_t *d_src, int64_t pitch, const
     return e == cudaSuccess ? 0 : dsv4_error_set(-EIO, "tile_fp4: launch: %s", cudaGetErrorString(e));
 }
 
+typedef void (*tc_kernel_fn)(const moe_tc_args);
+
+/* The kernel of a launch: decode steps (one: the one-tile kernel) or a prefill chunk, tiled experts
+ * or row-major. */
+template <int MODE>
+static tc_kernel_fn tc_kernel(bool tiled, bool one)
+{
+    return tiled ? (one ? moe_tc_kernel<MODE, 1, true> : moe_tc_kernel<MODE, 8, true>)
+                 : (one ? moe_tc_kernel<MODE, 1, false> : moe_tc_kernel<MODE, 8, false>);
+}
+
+/* Set by dsv4_cuda_moe_prepare: the prefill kernels' ring is past the 48 KB a block gets unasked. */
+static bool tc_prefill_ready;
+
+extern "C" int dsv4_cuda_moe_prepare(void)
+{
+    const int ring = tc_ring_bytes(8, MOE_TC_PF_WARPS);
+    int dev = 0, optin = 0;
+    DSV4_CUDA_TRY(cudaGetDevice(&dev));
+    DSV4_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if (optin < ring + MOE_TC_PASS * (int)(sizeof(int64_t) + sizeof(int32_t)))
+        return dsv4_error_set(-ENOTSUP, "moe: the prefill expert kernels need %d bytes of shared memory a block, "
+                              "device %d allows %d", ring + MOE_TC_PASS * (int)(sizeof(int64_t) + sizeof(int32_t)),
+                              dev, optin);
+    for (int tiled = 0; tiled < 2; tiled++) {
+        DSV4_CUDA_TRY(cudaFuncSetAttribute(tc_kernel<MOE_UP>(tiled, false), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           ring));
+        DSV4_CUDA_TRY(cudaFuncSetAttribute(tc_kernel<MOE_DOWN>(tiled, false),
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, ring));
+    }
+    tc_prefill_ready = true;
+    return 0;
+}
+
 /* d_out holds x as bf16 operands (moe_prep_kernel) until down overwrites it; h goes f32 -> bf16 in d_h. */
 static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int pairs, const struct dsv4_cuda_moe_ws *ws,
                              cudaStream_t s)
 {
     const unsigned slots = (unsigned)min(pairs, ex->n_experts);     /* groups <= distinct experts */
+    const bool one = pairs <= DSV4_CUDA_MAX_BATCH * topk;      /* a decode step: the one-tile kernels */
+    const int warps = tc_warps(one ? 1 : 8), threads = tc_threads(warps);
+    const size_t ring = one ? 0 : (size_t)tc_ring_bytes(8, warps);      /* dynamic shared memory */
     moe_tc_args a = {};
 
+    if (!one && !tc_prefill_ready)
+        return dsv4_error_set(-EINVAL, "moe_experts: %d pairs take the prefill expert kernels, whose shared memory "
+                              "dsv4_cuda_moe_prepare sets (at boot, before the first step)", pairs);
     a.table = ex->d_table;
     a.groups = ws->d_groups;
     a.pairs = pairs;
@@ -835,10 +902,7 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->dim / MOE_TC_KT;
     a.y = ws->d_h;
     a.ldy = ex->inter;
-    const bool one = pairs <= DSV4_CUDA_MAX_BATCH * topk;      /* a decode step: the one-tile kernels */
-    dsv4_launch(ex->tiled ? (one ? moe_tc_kernel<MOE_UP, 1, true> : moe_tc_kernel<MOE_UP, 8, true>)
-                          : (one ? moe_tc_kernel<MOE_UP, 1, false> : moe_tc_kernel<MOE_UP, 8, false>),
-                dim3(ex->inter / MOE_TC_UP_ROWS, slots), MOE_TC_THREADS, 0, s, a);
+    dsv4_launch(tc_kernel<MOE_UP>(ex->tiled, one), dim3(ex->inter / tc_up_rows(warps), slots), threads, ring, s, a);
     DSV4_CUDA_LAUNCHED("moe_gate_up_mma");
     dsv4_launch(moe_quant_kernel, pairs, (ex->inter / 8 + DSV4_CUDA_WARP - 1) / DSV4_CUDA_WARP * DSV4_CUDA_WARP, 0, s,
                 ws->d_h, ex->inter);
@@ -848,9 +912,7 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->inter / MOE_TC_KT;
     a.y = ws->d_out;
     a.ldy = ex->dim;
-    dsv4_launch(ex->tiled ? (one ? moe_tc_kernel<MOE_DOWN, 1, true> : moe_tc_kernel<MOE_DOWN, 8, true>)
-                          : (one ? moe_tc_kernel<MOE_DOWN, 1, false> : moe_tc_kernel<MOE_DOWN, 8, false>),
-                dim3(ex->dim / MOE_TC_ROWS, slots), MOE_TC_THREADS, 0, s, a);
+    dsv4_launch(tc_kernel<MOE_DOWN>(ex->tiled, one), dim3(ex->dim / tc_rows(warps), slots), threads, ring, s, a);
     DSV4_CUDA_LAUNCHED("moe_down_mma");
     return 0;
 }

@@ -1524,6 +1524,7 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->branches = sw->branches;
     STEP(dsv4_cuda_attention_prepare(c->head_dim));
     STEP(dsv4_cuda_gemm_prepare());
+    STEP(dsv4_cuda_moe_prepare());
     /* the first listed GPU (gpus =), else device 0: one device until the experts are split */
     STEP(dsv4_cuda_dev_create(opts->n_gpus > 0 ? opts->gpus[0] : 0, w, opts, sw->log ? log_stderr : NULL, NULL,
                               &cb->dev));

@@ -488,6 +488,84 @@ static void test_experts_flash(void **state)
     free(x); free(logits); free(eo); free(ref); free(w); free(twin); free(idx); free(idx2); free(groups);
 }
 
+#define PF_ROWS 200          /* a prefill chunk: more rows than a decode step */
+#define PF_REF_ROWS 16      /* rows also held to the reference (the CPU side is the slow part) */
+#define PF_SLICE 50         /* decode-sized runs the chunk is compared with */
+
+/* A prefill chunk of 200 rows at real shapes (the 8-warp kernels), its 1200 pairs dealt to the 8
+ * experts in groups of 3, 13, 27, 60, 65, 131, 300 and 601 tokens (every pass shape, a pass of one
+ * token after a full one, several full passes), shuffled over the rows: rows 0-15 against the
+ * reference, every row bit-identical to the same row in a run of 50 (the one-tile kernels), and the
+ * tiled table (half in host memory) bit-identical to row-major. */
+static void test_experts_prefill(void **state)
+{
+    const int D = 4096, I = 2048, E = MOE_E, K = MOE_TOPK, R = PF_ROWS, P = PF_ROWS * MOE_TOPK;
+    const int counts[MOE_E] = { 3, 13, 27, 60, 65, 131, 300, 601 };
+    struct fx f;
+    float *x = malloc((size_t)R * D * sizeof(float)), *w = malloc((size_t)P * sizeof(float));
+    float *eo = malloc((size_t)PF_REF_ROWS * E * D * sizeof(float)), *ref = malloc((size_t)PF_REF_ROWS * D * sizeof(float));
+    int32_t *idx = malloc((size_t)P * sizeof(int32_t)), *groups = malloc((3 * (size_t)P + 2) * sizeof(int32_t));
+    const uint64_t launches = dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4);
+    uint64_t runs = 0;
+    char what[128];
+
+    DSV4_OK(dsv4_cuda_moe_prepare());
+    fx_make(&f, E, D, I);
+    fx_upload(&f);
+    gt_fill_normal(x, (size_t)R * D, 1.0f);
+    for (int b = 0; b < R; b++)
+        dsv4_twin_fp8_roundtrip(x + (size_t)b * D, (size_t)D, 128);
+    for (int e = 0, p = 0; e < E; e++)
+        for (int i = 0; i < counts[e]; i++)
+            idx[p++] = e;
+    for (int p = P - 1; p > 0; p--) {       /* Fisher-Yates over the pairs */
+        const int q = (int)(gt_u64() % (uint64_t)(p + 1));
+        const int32_t t = idx[p];
+        idx[p] = idx[q];
+        idx[q] = t;
+    }
+    for (int p = 0; p < P; p++)
+        w[p] = 0.05f + 0.3f * gt_uniform();
+
+    float *y = fx_run(&f, true, x, R, K, idx, w, groups);
+    runs++;
+    snprintf(what, sizeof(what), "experts fp8 prefill chunk of %d rows", R);
+    check_groups(what, groups, P, E, idx);
+    fx_reference(&f, x, PF_REF_ROWS, true, eo);
+    combine_ref(&f, eo, PF_REF_ROWS, K, idx, w, ref);
+    check_rows(what, y, ref, PF_REF_ROWS, D, EXPERT_BOUND);
+    for (int b0 = 0; b0 < R; b0 += PF_SLICE) {
+        float *ys = fx_run(&f, true, x + (size_t)b0 * D, PF_SLICE, K, idx + b0 * K, w + b0 * K, NULL);
+        runs++;
+        if (memcmp(ys, y + (size_t)b0 * D, (size_t)PF_SLICE * D * sizeof(float)) != 0)
+            fail_msg("%s: rows %d..%d differ from the same rows in a run of %d", what, b0, b0 + PF_SLICE - 1,
+                     PF_SLICE);
+        free(ys);
+    }
+    printf("# %-56s every row == the row in a run of %d, bit for bit\n", what, PF_SLICE);
+    {
+        uint8_t *host, *tiled_dev;
+        struct fx fh = f;
+        fh.ex.d_table = fx_table_tiled(&f, &host, &tiled_dev);
+        fh.ex.tiled = true;
+        float *yt = fx_run(&fh, true, x, R, K, idx, w, NULL);
+        runs++;
+        assert_memory_equal(yt, y, (size_t)R * D * sizeof(float));
+        printf("# %-56s in k-tile blocks: bit-identical to row-major\n", what);
+        free(yt);
+        cudaFree((void *)fh.ex.d_table);
+        cudaFree(tiled_dev);
+        cudaFreeHost(host);
+    }
+    if (dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4) - launches != runs)
+        fail_msg("%llu tensor-core expert launches for %llu runs",
+                 (unsigned long long)(dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4) - launches),
+                 (unsigned long long)runs);
+    free(y);
+    fx_free(&f);
+    free(x); free(w); free(eo); free(ref); free(idx); free(groups);
+}
+
 /* Small shapes (D 256, I 128, top-2, batch 5) with one slot naming no expert, a few scales above 2
  * (the second multiply of the FP4 decoder) and one of 2^-127: fp8 numerics on tensor cores against
  * dsv4_twin_expert itself, exact numerics (FMA kernels, x not rounded) against the twin's sums. */
@@ -590,6 +668,7 @@ int main(void)
         cmocka_unit_test(test_router),
         cmocka_unit_test(test_experts_tiny),
         cmocka_unit_test(test_experts_flash),
+        cmocka_unit_test(test_experts_prefill),
         cmocka_unit_test(test_swiglu),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
