@@ -13,9 +13,11 @@
  *     logits then move by about 1e-6) moves their fp8 logits by up to 0.11 (default) and 0.15
  *     (default-fp8) over 166 rows, with FP4 index selection on or off: one e4m3 activation rounding
  *     the other way grows through the layers and positions. No implementation that sums in another
- *     order can stay within 1e-3 there, so those cases assert the greedy tokens and print their
- *     error beside that probe's; default-fp8 in exact numerics (FP8 weights, FP4 experts) keeps the
- *     1e-4 bound;
+ *     order can stay within 1e-3 there, so those cases print their error beside that probe's and
+ *     hold the rows computed from the same tokens to 0.5 (seen: up to 0.34); where the greedy paths
+ *     part (a near tie of the CPU's two best logits, which chaos can flip) the steps after it are
+ *     not compared. default-fp8 in exact numerics (FP8 weights,
+ *     FP4 experts) keeps the 1e-4 bound and the greedy tokens;
  *   - rows of a batch bit-identical to the same rows decoded alone (batch invariance), and a prompt
  *     prefilled in chunks bit-identical to the same prompt decoded one token at a time;
  *   - graph replay bit-identical to eager launches (DSV4_CUDA_GRAPHS=0);
@@ -38,6 +40,7 @@
 #define BATCH 4
 #define REQUESTS 1000
 #define PROBE_EPS 1e-9       /* the chaos probe's change to rms_norm_eps */
+#define CHAOS_CEILING 0.5    /* chaotic cases: the largest row error before greedy paths part (seen: 0.34) */
 
 static const char *const fixtures[] = { "tiny_a", "tiny_b", "tiny_c" };
 
@@ -120,6 +123,44 @@ static double worst_err(const float *g, const float *c, int rows, int V)
     return worst;
 }
 
+/* The CPU's lead of its best logit over the second best in row c, relative to max |c|: how far apart
+ * the two backends' rows must move for their argmax to differ. */
+static double top2_gap(const float *c, int V)
+{
+    const int best = argmax(c, V);
+    double second = -INFINITY, den = 0.0;
+    for (int i = 0; i < V; i++) {
+        den = fmax(den, fabs((double)c[i]));
+        if (i != best)
+            second = fmax(second, (double)c[i]);
+    }
+    return ((double)c[best] - second) / den;
+}
+
+/* Chaotic cases: the rows computed on the same tokens (all of them while the greedy paths agree,
+ * else up to the row the first differing step picks from) within CHAOS_CEILING (an implementation
+ * fault moves rows by ~1 or more). A differing step is no further evidence: two argmaxes can part
+ * only where the CPU's top-two gap is at most twice the row's error, which the ceiling bounds; it
+ * is printed with that gap. Later steps continue from different tokens and are not compared. */
+static void check_chaotic_greedy(const char *what, const struct prompt *p, const float *lg, const float *lc,
+                                 const int32_t *gg, const int32_t *gc, int V)
+{
+    int s = 0;
+    while (s < DECODE_STEPS && gg[s] == gc[s])
+        s++;
+    const int last = p->n - 1 + s;      /* the last row both computed from the same tokens */
+    const double same_ctx = worst_err(lg, lc, last + 1, V);
+    printf("# %s: greedy paths %s; rows 0..%d (the same tokens) worst error %.3g (ceiling %.2g)\n", what,
+           s < DECODE_STEPS ? "part" : "agree over every step", last, same_ctx, CHAOS_CEILING);
+    if (s < DECODE_STEPS) {
+        const size_t r = (size_t)last;
+        printf("# %s: step %d picks %d on the GPU, %d on the CPU, whose top-two gap there is %.3g (row error "
+               "%.3g)\n", what, s, gg[s], gc[s], top2_gap(lc + r * V, V), row_err(lg + r * V, lc + r * V, V));
+    }
+    if (!(same_ctx <= CHAOS_CEILING))
+        fail_msg("%s: rows computed from the same tokens differ by %g (ceiling %g)", what, same_ctx, CHAOS_CEILING);
+}
+
 /* The chaos probe: the CPU reference against itself with rms_norm_eps moved by PROBE_EPS. */
 static double cpu_probe(const char *path, const struct dsv4_backend_opts *opts, const struct prompt *p,
                         const float *ref, int V)
@@ -194,11 +235,14 @@ static void check_model(const char *dir, enum dsv4_numerics num, int max_batch, 
         const double probe = cpu_probe(path, &opts, &p, lc, V);
         printf("# %s %s: the CPU reference against itself with rms_norm_eps + %.0e: worst row error %.3g "
                "(chaotic: the GPU's %.3g is reported, not bounded)\n", dir, nname, PROBE_EPS, probe, worst);
-        assert_true(isfinite(worst));
-    } else if (!(worst <= bound)) {
-        fail_msg("%s %s: logits row %d differs by %g (bound %g)", dir, nname, worst_row, worst, bound);
+        char what[256];
+        snprintf(what, sizeof(what), "%s %s", dir, nname);
+        check_chaotic_greedy(what, &p, lg, lc, gg, gc, V);
+    } else {
+        if (!(worst <= bound))
+            fail_msg("%s %s: logits row %d differs by %g (bound %g)", dir, nname, worst_row, worst, bound);
+        assert_int_equal(same, DECODE_STEPS);
     }
-    assert_int_equal(same, DECODE_STEPS);
 
     dsv4_backend_destroy(gpu);
     dsv4_backend_destroy(cpu);
