@@ -485,15 +485,17 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
         acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
     for (int k0 = act ? k_lo : k_hi; k0 < k_hi; k0 += 16 * ATT_MMA_QPF) {
-        float2 xq[ATT_MMA_QPF][4];
+        float2 xq[ATT_MMA_QPF][4];      /* without QS: the query values of the next k-steps */
+        if constexpr (!QS) {
 #pragma unroll
-        for (int u = 0; u < ATT_MMA_QPF && !QS; u++) {
-            const int k = k0 + 16 * u;
-            const bool in = k < k_hi;
-            xq[u][0] = in && va ? __ldg(reinterpret_cast<const float2 *>(qa + k)) : zero;
-            xq[u][1] = in && vb ? __ldg(reinterpret_cast<const float2 *>(qb + k)) : zero;
-            xq[u][2] = in && va ? __ldg(reinterpret_cast<const float2 *>(qa + k + 8)) : zero;
-            xq[u][3] = in && vb ? __ldg(reinterpret_cast<const float2 *>(qb + k + 8)) : zero;
+            for (int u = 0; u < ATT_MMA_QPF; u++) {
+                const int k = k0 + 16 * u;
+                const bool in = k < k_hi;
+                xq[u][0] = in && va ? __ldg(reinterpret_cast<const float2 *>(qa + k)) : zero;
+                xq[u][1] = in && vb ? __ldg(reinterpret_cast<const float2 *>(qb + k)) : zero;
+                xq[u][2] = in && va ? __ldg(reinterpret_cast<const float2 *>(qa + k + 8)) : zero;
+                xq[u][3] = in && vb ? __ldg(reinterpret_cast<const float2 *>(qb + k + 8)) : zero;
+            }
         }
 #pragma unroll
         for (int u = 0; u < ATT_MMA_QPF; u++) {
@@ -501,7 +503,7 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
             if (k >= k_hi)
                 break;
             uint32_t qf[ATT_MMA_QTERMS][4];
-            if (QS) {
+            if constexpr (QS) {
 #pragma unroll
                 for (int i = 0; i < ATT_MMA_QTERMS; i++)
                     att_ldsm_x4(qf[i], ql + i * q_heads * kstr + k);
@@ -1023,7 +1025,7 @@ static int att_heads_per_block(const struct dsv4_cuda_att_args *a, int batch)
 /* Whether a launch asking for whole rows (a->whole) gets them: DSV4_CUDA_ATT_WHOLE=0 keeps the
  * splits and their combine for every launch, to compare the two; a device whose blocks cannot hold
  * att_qs_smem(hd, 16) keeps them too (the same bits either way). */
-static bool att_whole_allowed(int hd)
+static bool att_whole_allowed(void)
 {
     static int allowed = -1;
     if (allowed < 0) {
@@ -1044,7 +1046,7 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
         return rc;
     if ((uintptr_t)a->part % sizeof(float2) || (uintptr_t)d_o % sizeof(float2))
         return dsv4_error_set(-EINVAL, "attention: the partials and the output must be 8-byte aligned");
-    if (a->kvf == DSV4_KV_FP8 && a->whole && att_whole_allowed(a->hd)) {
+    if (a->kvf == DSV4_KV_FP8 && a->whole && att_whole_allowed()) {
         struct dsv4_cuda_att_args k = *a;
         k.heads_per_block = ATT_WHOLE_HEADS;
         dsv4_launch(attention_mma_whole_kernel, dim3(batch, 1, (a->H + ATT_WHOLE_HEADS - 1) / ATT_WHOLE_HEADS),
