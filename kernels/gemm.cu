@@ -29,7 +29,8 @@
  * depends only on W's shape, and splits are added in a fixed order, so a row's result is the same
  * whatever else is in the batch.
  *
- * Above DSV4_CUDA_MAX_BATCH rows (a prefill chunk) the grid is (64-row block, weight tile) instead:
+ * Above DSV4_CUDA_MAX_BATCH rows (a prefill chunk) the grid is (64-row block, weight tile) instead
+ * (8-, 16- or 32-row blocks where 64 would leave SMs idle: small weights such as the router gate):
  * the row blocks of one tile are neighbours in launch order, so the tile comes from memory once and
  * from L2 for the rest, and the chunk's rows fill the chip without splitting K. Each such CTA walks
  * all of K and folds its sum at the split boundaries the shape defines (total += split sum, from
@@ -55,7 +56,6 @@
 #define GEMM_TARGET_CTAS 256        /* split K until tiles x splits reaches this */
 #define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
 #define GEMM_MAX_NT (DSV4_CUDA_MAX_BATCH / 8)
-#define GEMM_BLOCK_ROWS (GEMM_MAX_NT * 8)  /* batch rows of one CTA above DSV4_CUDA_MAX_BATCH rows */
 
 static __host__ __device__ constexpr size_t stage_bytes(int mode, int nt)
 {
@@ -448,6 +448,16 @@ static int prepare_one()
     return 0;
 }
 
+/* the prefill (SEQ) kernels of MODE: row blocks of 8, 16, 32 and 64 */
+template <int MODE, int STAGES>
+static int prepare_seq()
+{
+    int rc = prepare_one<MODE, 1, STAGES, true>();
+    rc = rc ? rc : prepare_one<MODE, 2, STAGES, true>();
+    rc = rc ? rc : prepare_one<MODE, 4, STAGES, true>();
+    return rc ? rc : prepare_one<MODE, GEMM_MAX_NT, STAGES, true>();
+}
+
 template <int STAGES>
 static int prepare_stages()
 {
@@ -464,9 +474,9 @@ static int prepare_stages()
     rc = rc ? rc : prepare_one<GEMM_FP8RAW, 2, STAGES>();
     rc = rc ? rc : prepare_one<GEMM_FP8RAW, 4, STAGES>();
     rc = rc ? rc : prepare_one<GEMM_FP8RAW, GEMM_MAX_NT, STAGES>();
-    rc = rc ? rc : prepare_one<GEMM_FP8, GEMM_MAX_NT, STAGES, true>();
-    rc = rc ? rc : prepare_one<GEMM_BF16, GEMM_MAX_NT, STAGES, true>();
-    rc = rc ? rc : prepare_one<GEMM_FP8RAW, GEMM_MAX_NT, STAGES, true>();
+    rc = rc ? rc : prepare_seq<GEMM_FP8, STAGES>();
+    rc = rc ? rc : prepare_seq<GEMM_BF16, STAGES>();
+    rc = rc ? rc : prepare_seq<GEMM_FP8RAW, STAGES>();
     return rc;
 }
 
@@ -532,7 +542,7 @@ template <int MODE, int NT, bool SEQ = false>
 static int launch(gemm_args a, cudaStream_t s, const char *name)
 {
     const unsigned tiles = (unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS);
-    const dim3 grid = SEQ ? dim3((unsigned)((a.rows + GEMM_BLOCK_ROWS - 1) / GEMM_BLOCK_ROWS), tiles)
+    const dim3 grid = SEQ ? dim3((unsigned)((a.rows + NT * 8 - 1) / (NT * 8)), tiles)
                           : dim3(tiles, (unsigned)a.splits);
     gemm_set_prefetch(&a, (int64_t)grid.x * grid.y, gemm_sms, SEQ ? a.nkt : a.per, gemm_prefetch);
     /* Measured on the H200 (dsv4-bench --batch 1): the BF16 head [129280, 4096] (one split of 64 k-tiles
@@ -573,7 +583,18 @@ static int launch_nt(const gemm_args &a, bool wg, cudaStream_t s)
         return launch<MODE, 4>(a, s, name);
     if (a.rows <= DSV4_CUDA_MAX_BATCH)
         return launch<MODE, GEMM_MAX_NT>(a, s, name);
-    return launch<MODE, GEMM_MAX_NT, true>(a, s, name);
+    /* a prefill chunk: blocks of 64 rows, or narrower where a small weight would leave SMs idle (the
+     * router gate [256, 4096] at 1024 rows made 32 CTAs of 64); a row's arithmetic does not depend
+     * on its block's width */
+    const int64_t tiles = (a.out + GEMM_ROWS - 1) / GEMM_ROWS;
+    const auto ctas = [&](int nt) { return tiles * ((a.rows + nt * 8 - 1) / (nt * 8)); };
+    if (ctas(GEMM_MAX_NT) >= gemm_sms)
+        return launch<MODE, GEMM_MAX_NT, true>(a, s, name);
+    if (ctas(4) >= gemm_sms)
+        return launch<MODE, 4, true>(a, s, name);
+    if (ctas(2) >= gemm_sms)
+        return launch<MODE, 2, true>(a, s, name);
+    return launch<MODE, 1, true>(a, s, name);
 }
 
 /* groups > 1: fp8raw only (checked by the callers) */
