@@ -534,9 +534,11 @@ static void test_same_x(void **state)
     ws_close();
 }
 
-/* Prefill chunks (more than DSV4_CUDA_MAX_BATCH rows: a CTA per 64-row block, each walking all of K
- * and folding the shape's splits in order): every row bit-identical to that row computed alone (the
- * decode path, whose split-K reduction it reproduces), in each activation form, on shapes whose K is
+/* Prefill chunks (more than DSV4_CUDA_MAX_BATCH rows: a CTA per block of 64 rows, or of 32, 16 or 8
+ * where a small weight would leave SMs idle (on the H200's mma.sync path these shapes and row counts
+ * reach all four widths), each walking all of K and folding the shape's splits in order): every row
+ * bit-identical to that row computed alone (the decode path, whose split-K reduction it
+ * reproduces), in each activation form, on shapes whose K is
  * split (wq_a's [1024, 4096] in 16 splits, a BF16 [256, 4096] in 32), a grouped wo_a, and K of 5 and 1
  * k-tiles, at row counts that leave a partial last block; and within LINEAR_BOUND of the CPU twin on sampled rows.
  * Both prefill kernels: the FP8 forms on wgmma (the default where the sm_90a image runs: it must
