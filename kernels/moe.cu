@@ -384,8 +384,8 @@ static int launch_experts_fma(const struct dsv4_cuda_experts *ex, const float *d
  * x 64 weight bytes, 64 x 4 scale bytes, tokens x 256 activation bytes (swizzled so the fragment
  * loads are conflict-free). The ring is 2..7 stages deep, as many as fit its budget (47 KB for 4
  * warps, 96 KB for 8) for the pass's n8 tile count. Grid (output rows / CTA rows, min(pairs, E)) is
- * fixed by the shapes and batch; CTAs
- * past the group count exit. Every output is one CTA's fixed-order sum: batch-invariant, no atomics.
+ * fixed by the shapes and batch; CTAs past the group count exit. Every output is one CTA's
+ * fixed-order sum: batch-invariant, no atomics.
  * Weight rows must start on 16 bytes and scale rows on 4 (device.cu uploads rows contiguously from
  * 256-byte carve-outs; K is a multiple of 128). */
 #define MOE_TC_WARPS 4                          /* warps a CTA in decode steps */
@@ -523,8 +523,9 @@ static __device__ __forceinline__ int tc_xswz(int row, int c)
     return c ^ ((c >> 2) & 2) ^ (row & 1);
 }
 
-/* Shared-memory row sr (0 .. 16 WARPS - 1) of a CTA's weight tile: gate_up tile rows [16w, 16w + 8) are w1 rows
- * and [16w + 8, 16w + 16) the w3 rows of the same I indices; down rows are w2 rows in order. */
+/* Shared-memory row sr (0 .. 16 WARPS - 1) of a CTA's weight tile: gate_up tile rows [16w, 16w + 8)
+ * are w1 rows and [16w + 8, 16w + 16) the w3 rows of the same I indices; down rows are w2 rows in
+ * order. */
 template <int MODE, int WARPS>
 static __device__ __forceinline__ const struct dsv4_cuda_linear *tc_row(const struct dsv4_cuda_expert *ex, int tile,
                                                                        int sr, int64_t *row)
@@ -678,8 +679,9 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
         }
 }
 
-/* grid (I / tc_up_rows or D / tc_rows, min(pairs, E)), tc_threads(tc_warps(MAXNT)) threads, the ring
- * (tc_ring_bytes) in dynamic shared memory. MAXNT 1 (decode steps): only the one-tile pass is
+/* grid (I / tc_up_rows or D / tc_rows, min(pairs, E)), tc_threads(tc_warps(MAXNT)) threads; the ring
+ * (tc_ring_bytes) in static shared memory for MAXNT 1, else in dynamic shared memory of the size
+ * dsv4_cuda_moe_prepare allowed. MAXNT 1 (decode steps): only the one-tile pass is
  * compiled and a group takes passes of 8 tokens (a decode group seldom has more; a larger one reads
  * its weights again, from L2): the batch-1 kernel was issue-bound with a fifth of its stalls
  * waiting for instructions, its code spanning all four pass shapes, and the full kernel takes 128
