@@ -25,8 +25,8 @@ static __device__ __forceinline__ float sigmoidf_(float v)
  * 64 KB each had cost ~8.5 us a sublayer. */
 #define MHC_COLS NORM_THREADS
 
-/* The fn GEMV's chunking (grid (chunks, ceil(batch / MHC_FN_NB)), one warp per weight row, each
- * lane holding MHC_FN_PER_LANE float4 of x per batch row): see mhc_fn_part_kernel. */
+/* The fn GEMV's chunking (grid (chunks, ceil(batch / MHC_FN_NB)), MHC_FN_ROWS weight rows a warp at
+ * a time, each lane holding MHC_FN_PER_LANE float4 of x per batch row): see mhc_fn_part_kernel. */
 #define MHC_FN_NB 8
 #define MHC_FN_ROWS 4           /* weight rows a warp takes at once: with MHC_FN_NB tokens, 32 dots */
 #define MHC_FN_PER_LANE (DSV4_CUDA_MHC_FN_CHUNK / (DSV4_CUDA_WARP * 4))
