@@ -425,12 +425,16 @@ static __host__ __device__ constexpr int cmax(int a, int b)
     return a > b ? a : b;
 }
 
-/* the ring of the widest pass a kernel compiles (MAXNT n8 tiles) */
+/* the ring of one pass shape (NT n8 tiles) */
+static __host__ __device__ constexpr int tc_pass_ring(int nt, int warps)
+{
+    return tc_stages(nt, warps) * tc_stage_bytes(nt, warps);
+}
+
+/* the ring of the widest pass a kernel compiles: the largest of its pass shapes 1, 2, 4 .. MAXNT */
 static __host__ __device__ constexpr int tc_ring_bytes(int maxnt, int warps)
 {
-    return maxnt == 1 ? tc_stages(1, warps) * tc_stage_bytes(1, warps)
-                      : cmax(cmax(tc_stages(1, warps) * tc_stage_bytes(1, warps), tc_stages(2, warps) * tc_stage_bytes(2, warps)),
-                             cmax(tc_stages(4, warps) * tc_stage_bytes(4, warps), tc_stages(8, warps) * tc_stage_bytes(8, warps)));
+    return maxnt == 1 ? tc_pass_ring(1, warps) : cmax(tc_pass_ring(maxnt, warps), tc_ring_bytes(maxnt / 2, warps));
 }
 
 /* decode steps (MAXNT 1, every group in passes of 8 tokens) on CTAs of 4 warps, prefill on 8 */
