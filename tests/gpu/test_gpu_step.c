@@ -16,7 +16,7 @@
  *     order can stay within 1e-3 there, so those cases print their error beside that probe's and
  *     hold the rows computed from the same tokens to 0.5 (seen: up to 0.34); where the greedy paths
  *     part (a near tie of the CPU's two best logits, which chaos can flip) the steps after it are
- *     not compared. default-fp8 in exact numerics (FP8 weights,
+ *     not compared (every row must still be finite). default-fp8 in exact numerics (FP8 weights,
  *     FP4 experts) keeps the 1e-4 bound and the greedy tokens;
  *   - rows of a batch bit-identical to the same rows decoded alone (batch invariance), and a prompt
  *     prefilled in chunks bit-identical to the same prompt decoded one token at a time;
@@ -237,6 +237,7 @@ static void check_model(const char *dir, enum dsv4_numerics num, int max_batch, 
                "(chaotic: the GPU's %.3g is reported, not bounded)\n", dir, nname, PROBE_EPS, probe, worst);
         char what[256];
         snprintf(what, sizeof(what), "%s %s", dir, nname);
+        assert_true(isfinite(worst));       /* every row, the ones after the paths part too */
         check_chaotic_greedy(what, &p, lg, lc, gg, gc, V);
     } else {
         if (!(worst <= bound))
