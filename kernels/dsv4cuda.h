@@ -227,7 +227,10 @@ int dsv4_cuda_gemv(const struct dsv4_cuda_linear *W, const float *d_x, int64_t l
 struct dsv4_cuda_gemm_ws {
     void *xa;                   /* [rows, K] f16 e4m3 values, or hi [rows, K] + lo [rows, K] (f16 or bf16) */
     float *sa;                  /* [rows, K/128] activation scales */
-    float *part;                /* [splits, min(rows, DSV4_CUDA_MAX_BATCH), out] */
+    float *part[2];             /* each [splits, min(rows, DSV4_CUDA_MAX_BATCH), out]: linears that split K
+                                 * take them in turn, so one linear's partials can wait for their reader
+                                 * (struct dsv4_cuda_pending) while the next linear writes its own */
+    uint32_t part_seq;          /* linears that wrote partials so far; the last one used part[part_seq & 1] */
     int rows;
     int64_t max_k;
     struct {                    /* what xa and sa hold: the x, its rows and width, the form (set by each call) */
@@ -237,6 +240,28 @@ struct dsv4_cuda_gemm_ws {
         bool wg_order;          /* 1x128 blocks in the wgmma kernel's order (kernels/gemm_wgmma.cu) */
     } prepared;
 };
+/* A linear's result left as its split-K partials instead of reduced by a launch of its own
+ * (dsv4_cuda_gemm_deferred): value i of the dense result [rows, out] is the sum of part[s * plane + i]
+ * over s < splits, in split order from 0.0f. That is the reduction launch's arithmetic, so a kernel that
+ * reads its input this way (the consumers that take a pending input) gets the bits the reduction would
+ * have written, one launch earlier. splits 0: nothing is pending, the linear wrote y itself. The
+ * partials stay valid until the second linear after this one on the same workspace writes partials
+ * (dsv4_cuda_pending_live says whether they still are). */
+struct dsv4_cuda_pending {
+    const float *part;          /* [splits, rows, out] */
+    int64_t plane;              /* rows * out */
+    int64_t out;
+    int rows;
+    int splits;
+    const struct dsv4_cuda_gemm_ws *ws;     /* whose buffer holds them, */
+    uint32_t seq;                           /* and its part_seq when they were written */
+};
+/* 0 when p is NULL or nothing pends, or its partials are still there and of the shape [rows, out]
+ * that `reader` reads; -EINVAL for another shape, -EFAULT once a later linear has reused the buffer
+ * (an ordering fault in the caller), each with a message naming `reader`. */
+int dsv4_cuda_pending_live(const struct dsv4_cuda_pending *p, int rows, int64_t out, const char *reader);
+/* The reduction launch for a pending result: d_y[n * ldy + o] = the sum (nothing when none pends). */
+int dsv4_cuda_pending_flush(const struct dsv4_cuda_pending *p, float *d_y, int64_t ldy, void *stream);
 size_t dsv4_cuda_gemm_ws_bytes(int rows, int64_t max_k);
 void dsv4_cuda_gemm_ws_init(struct dsv4_cuda_gemm_ws *ws, void *base, int rows, int64_t max_k);
 /* Choose the pipeline depth for the current device (4 stages, or 2 where a block's shared memory is
@@ -264,34 +289,51 @@ int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t l
  * this x in the same form, rows and width. Otherwise x is prepared as dsv4_cuda_gemm does. */
 int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
                           struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
-/* RMSNorm of d_x [rows, W->in] into d_y, bit for bit as dsv4_cuda_rmsnorm writes it, and in the same
- * launch d_y prepared in ws for W, so that dsv4_cuda_gemm_same_x(W, d_y, W->in, rows, quant_act, ws,
- * ...) skips its own preparation launch. W: FP8 with quantized activations, or BF16
- * (dsv4_cuda_gemm_norm_supports). */
+/* dsv4_cuda_gemm or dsv4_cuda_gemm_same_x (same_x), with two differences for decode steps:
+ * - d_px (may be NULL): x is the pending result of an earlier linear (d_x [rows, K] dense, where that
+ *   linear would have written it), read from its partials by the launch that prepares x;
+ * - d_py (may be NULL): where K is split (and ldy == W->out), no reduction is launched: the partials
+ *   are left in ws and *d_py says where (d_y is then not written); otherwise d_py->splits is 0. */
+int dsv4_cuda_gemm_deferred(const struct dsv4_cuda_linear *W, const float *d_x, const struct dsv4_cuda_pending *d_px,
+                            int64_t ldx, int rows, bool quant_act, bool same_x, struct dsv4_cuda_gemm_ws *ws,
+                            float *d_y, int64_t ldy, struct dsv4_cuda_pending *d_py, void *stream);
+/* RMSNorm of d_x [rows, W->in] (or of d_px's pending result there, when d_px is not NULL) into d_y,
+ * bit for bit as dsv4_cuda_rmsnorm writes it, and in the same launch d_y prepared in ws for W, so that
+ * dsv4_cuda_gemm_same_x(W, d_y, W->in, rows, quant_act, ws, ...) skips its own preparation launch. W:
+ * FP8 with quantized activations, or BF16 (dsv4_cuda_gemm_norm_supports). */
 bool dsv4_cuda_gemm_norm_supports(const struct dsv4_cuda_linear *W, bool quant_act);
-int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_act, const float *d_x, const float *d_w,
-                        int rows, float eps, struct dsv4_cuda_gemm_ws *ws, float *d_y, void *stream);
+int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_act, const float *d_x,
+                        const struct dsv4_cuda_pending *d_px, const float *d_w, int rows, float eps,
+                        struct dsv4_cuda_gemm_ws *ws, float *d_y, void *stream);
 /* The grouped output projection in one launch: W [groups R, K] FP8 with raw activations,
  * d_y[n, g R + r] = sum_k W[g R + r, k] d_x[n, g K + k]; R a multiple of 128 (one scale block). */
 bool dsv4_cuda_gemm_grouped_supports(const struct dsv4_cuda_linear *W, int groups);
 int dsv4_cuda_gemm_grouped(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx, int rows,
                            struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream);
+/* The same, its result left pending as dsv4_cuda_gemm_deferred leaves it (d_py). */
+int dsv4_cuda_gemm_grouped_deferred(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx,
+                                    int rows, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy,
+                                    struct dsv4_cuda_pending *d_py, void *stream);
 
 /* RMSNorm: d_y[b] = w * x / sqrt(mean(x^2) + eps) per row of n values; d_w NULL = no weight. */
 int dsv4_cuda_rmsnorm(const float *d_x, const float *d_w, int rows, int n, float eps, float *d_y,
                       void *stream);
 /* The same, then RoPE on the last rd values of row r at d_pos[r / heads] with frequencies
  * d_inv_freq [rd/2], in one launch (a token's query heads, or its kv): the normalized values are
- * rotated in f32 as engine/cpu/cpu_rope.c rotates them. d_x may equal d_y. */
-int dsv4_cuda_rmsnorm_rope(const float *d_x, const float *d_w, int rows, int n, float eps, int heads, int rd,
-                           const int32_t *d_pos, const float *d_inv_freq, float *d_y, void *stream);
+ * rotated in f32 as engine/cpu/cpu_rope.c rotates them. d_x may equal d_y. d_px (may be NULL): x
+ * pending there (struct dsv4_cuda_pending, [rows, n]), not in d_x; d_y gets the sum, then is
+ * normalized and rotated in place. */
+int dsv4_cuda_rmsnorm_rope(const float *d_x, const struct dsv4_cuda_pending *d_px, const float *d_w, int rows, int n,
+                           float eps, int heads, int rd, const int32_t *d_pos, const float *d_inv_freq, float *d_y,
+                           void *stream);
 
-/* Router for `batch` tokens: d_logits [batch, E] (gate output). Scored layers (d_tid2eid NULL):
- * s = sqrt(softplus(l)), idx = top-k of s + bias (ties to the lower index), Hash layers: idx =
- * tid2eid[token]. Weights w = s[idx] / sum(s[idx]) * route_scale (norm_topk_prob). */
-int dsv4_cuda_router(const float *d_logits, int batch, int n_experts, int topk, const float *d_bias,
-                     const int32_t *d_tid2eid, const int32_t *d_tokens, float route_scale,
-                     int32_t *d_idx, float *d_w, void *stream);
+/* Router for `batch` tokens: d_logits [batch, E] (gate output; or, d_plogits not NULL, pending there
+ * as struct dsv4_cuda_pending). Scored layers (d_tid2eid NULL): s = sqrt(softplus(l)), idx = top-k of
+ * s + bias (ties to the lower index), Hash layers: idx = tid2eid[token]. Weights w = s[idx] /
+ * sum(s[idx]) * route_scale (norm_topk_prob). */
+int dsv4_cuda_router(const float *d_logits, const struct dsv4_cuda_pending *d_plogits, int batch, int n_experts,
+                     int topk, const float *d_bias, const int32_t *d_tid2eid, const int32_t *d_tokens,
+                     float route_scale, int32_t *d_idx, float *d_w, void *stream);
 
 /* Routed experts: d_y[b] = sum_j w[b,j] expert_{idx[b,j]}(x_b), expert(x) = w2(silu(min(w1 x, L)) *
  * clamp(w3 x, -L, L)), grouped by expert over the batch. With ex->quant_act, d_x [batch, D] must be
@@ -305,9 +347,10 @@ int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const float *d_x, 
  * rounded, as a separate add of the two would give. */
 int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,
                          const int32_t *d_idx, const struct dsv4_cuda_moe_ws *ws, void *stream);
+/* d_padd (may be NULL): d_add pending there (struct dsv4_cuda_pending). */
 int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int topk, const int32_t *d_idx,
-                          const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add, float *d_y,
-                          void *stream);
+                          const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add,
+                          const struct dsv4_cuda_pending *d_padd, float *d_y, void *stream);
 /* Batches of more than DSV4_CUDA_MAX_BATCH rows (prefill chunks) take expert kernels of 8 warps a CTA
  * whose ring (~88 KB) needs the current device's opt-in: call once per process and device before
  * them (boot, before any capture); -ENOTSUP where the device offers less. */
@@ -318,9 +361,11 @@ int dsv4_cuda_moe_prepare(void);
 int dsv4_cuda_route_count(const int32_t *d_idx, int batch, int topk, const int32_t *d_slot, int pad_slot,
                           uint64_t *d_counts, void *stream);
 
-/* d_h[b, i] = silu(min(g, L)) * clamp(u, -L, L) for g = d_gate[b, i], u = d_up[b, i] (shared expert). */
-int dsv4_cuda_swiglu(const float *d_gate, const float *d_up, int rows, int64_t n, float limit,
-                     float *d_h, void *stream);
+/* d_h[b, i] = silu(min(g, L)) * clamp(u, -L, L) for g = d_gate[b, i], u = d_up[b, i] (shared expert);
+ * d_pgate / d_pup (may be NULL): g / u pending there (struct dsv4_cuda_pending). */
+int dsv4_cuda_swiglu(const float *d_gate, const struct dsv4_cuda_pending *d_pgate, const float *d_up,
+                     const struct dsv4_cuda_pending *d_pup, int rows, int64_t n, float limit, float *d_h,
+                     void *stream);
 
 /* mHC pre for `batch` tokens with hc streams: d_X [batch, hc, D], d_m [batch, (2+hc)*hc] the fn
  * GEMV output (unnormalized). Writes d_y [batch, D] = sum_j pre_j X[j], d_post [batch, hc],
@@ -362,9 +407,11 @@ int dsv4_cuda_hc_head(const float *d_X, const float *d_m, const float *d_base, c
 int dsv4_cuda_mhc_fn_head(const struct dsv4_cuda_linear *W, const float *d_X, int batch, float *d_ws,
                           int64_t ws_floats, const float *d_base, const float *d_scale, int hc, int dim,
                           float hc_eps, float norm_eps, float *d_y, void *stream);
-/* mHC post: d_Xo[b, k] = post_k * f_b + sum_j comb[j, k] X[b, j]; d_Xo must not alias d_X. */
-int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const float *d_post, const float *d_comb,
-                       int batch, int hc, int dim, float *d_Xo, void *stream);
+/* mHC post: d_Xo[b, k] = post_k * f_b + sum_j comb[j, k] X[b, j]; d_Xo must not alias d_X. d_pf (may
+ * be NULL): f pending there (struct dsv4_cuda_pending), not in d_f. */
+int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const struct dsv4_cuda_pending *d_pf,
+                       const float *d_post, const float *d_comb, int batch, int hc, int dim, float *d_Xo,
+                       void *stream);
 
 /* The official numerics' cache codecs, exposed for their tests (the step fuses them):
  * d_y[r] = decode(encode(d_x[r])) of one KV entry per row of hd values (kv_format 1: e4m3 1x64

@@ -47,6 +47,7 @@
 #include "kernels/gemm_tile.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/norm_row.cuh"
+#include "kernels/pending.cuh"
 #include "kernels/switches.h"
 
 #define GEMM_STAGES_MAX 4           /* 192 KB at fp8raw x 64 rows: sm_90 / sm_100 (227 KB a block) */
@@ -204,25 +205,21 @@ __global__ void __launch_bounds__(GEMM_THREADS) gemm_kernel(const gemm_args a)
     }
 }
 
-/* y[n, o] = sum over splits in order */
-__global__ void gemm_reduce_kernel(const float *__restrict__ part, int splits, int rows, int64_t out,
-                                   float *__restrict__ y, int64_t ldy)
+/* y[n, o] = sum over splits in order (pending_at: the sum every reader of pending partials makes) */
+__global__ void gemm_reduce_kernel(const dsv4_cuda_pending p, float *__restrict__ y, int64_t ldy)
 {
     dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (int64_t)rows * out)
+    if (i >= p.plane)
         return;
-    const int64_t n = i / out, o = i % out;
-    float v = 0.0f;
-    for (int s = 0; s < splits; s++)
-        v += part[(int64_t)s * rows * out + i];
-    y[n * ldy + o] = v;
+    y[(i / p.out) * ldy + i % p.out] = pending_at(p, nullptr, i);
 }
 
-/* Warp w of the grid takes (row n, 128-block kb) of x f32 [rows, ldx] (k columns): its four values a
- * lane and the block's amax. False for warps past the last block. */
-static __device__ __forceinline__ bool prep_block(const float *__restrict__ x, int64_t ldx, int rows, int64_t k,
-                                                  int64_t *n, int64_t *kb, float (&v)[4], float *amax)
+/* Warp w of the grid takes (row n, 128-block kb) of x f32 [rows, ldx] (k columns; or pending in px,
+ * where ldx == k): its four values a lane and the block's amax. False for warps past the last block. */
+static __device__ __forceinline__ bool prep_block(const float *__restrict__ x, const dsv4_cuda_pending &px,
+                                                  int64_t ldx, int rows, int64_t k, int64_t *n, int64_t *kb,
+                                                  float (&v)[4], float *amax)
 {
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
     const int64_t nkb = k / 128, blk = (int64_t)blockIdx.x * (blockDim.x / DSV4_CUDA_WARP) + threadIdx.x / DSV4_CUDA_WARP;
@@ -230,11 +227,11 @@ static __device__ __forceinline__ bool prep_block(const float *__restrict__ x, i
         return false;
     *n = blk / nkb;
     *kb = blk % nkb;
-    const float *src = x + *n * ldx + *kb * 128;
+    const int64_t src = *n * ldx + *kb * 128;
     float m = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        v[i] = src[i * DSV4_CUDA_WARP + lane];
+        v[i] = pending_at(px, x, src + i * DSV4_CUDA_WARP + lane);
         m = fmaxf(m, fabsf(v[i]));
     }
     *amax = dsv4_warp_max(m);
@@ -249,14 +246,14 @@ static __device__ __forceinline__ int xa_pos(int v, bool wg)
 
 /* One warp per (row, 128-block): the official quantizer (as fp8_roundtrip_kernel), written as the
  * e4m3 values in f16 [rows, K] (each block in place, or in wgmma order) and the scale [rows, K/128]. */
-__global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k, bool wg,
-                                  __half *__restrict__ xa, float *__restrict__ sa)
+__global__ void gemm_quant_kernel(const float *__restrict__ x, const dsv4_cuda_pending px, int64_t ldx, int rows,
+                                  int64_t k, bool wg, __half *__restrict__ xa, float *__restrict__ sa)
 {
     dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
     int64_t n, kb;
     float v[4], amax;
-    if (!prep_block(x, ldx, rows, k, &n, &kb, v, &amax))
+    if (!prep_block(x, px, ldx, rows, k, &n, &kb, v, &amax))
         return;
     const float s = dsv4_act_scale(amax), inv = 1.0f / s;
 #pragma unroll
@@ -273,14 +270,14 @@ __global__ void gemm_quant_kernel(const float *__restrict__ x, int64_t ldx, int 
  * of two at or below its amax (1 for a zero, subnormal or non-finite amax), as f16 hi [rows, k]
  * then lo [rows, k] with hi + lo = x / s to 2^-22 (each block in place, or in wgmma order); s -> sa
  * [rows, k / 128]. */
-__global__ void gemm_split16_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k, bool wg,
-                                    __half *__restrict__ xa, float *__restrict__ sa)
+__global__ void gemm_split16_kernel(const float *__restrict__ x, const dsv4_cuda_pending px, int64_t ldx, int rows,
+                                    int64_t k, bool wg, __half *__restrict__ xa, float *__restrict__ sa)
 {
     dsv4_pdl_enter();
     const int lane = threadIdx.x % DSV4_CUDA_WARP;
     int64_t n, kb;
     float v[4], amax;
-    if (!prep_block(x, ldx, rows, k, &n, &kb, v, &amax))
+    if (!prep_block(x, px, ldx, rows, k, &n, &kb, v, &amax))
         return;
     const uint32_t e = __float_as_uint(amax) & 0x7f800000u;
     const float s = e == 0u || e == 0x7f800000u ? 1.0f : __uint_as_float(e), inv = 1.0f / s;
@@ -296,15 +293,15 @@ __global__ void gemm_split16_kernel(const float *__restrict__ x, int64_t ldx, in
         sa[n * (k / 128) + kb] = s;
 }
 
-/* x f32 [rows, ldx] -> hi [rows, K], lo [rows, K] bf16 */
-__global__ void gemm_split_kernel(const float *__restrict__ x, int64_t ldx, int rows, int64_t k,
-                                  __nv_bfloat16 *__restrict__ xa)
+/* x f32 [rows, ldx] (or pending in px, where ldx == k) -> hi [rows, K], lo [rows, K] bf16 */
+__global__ void gemm_split_kernel(const float *__restrict__ x, const dsv4_cuda_pending px, int64_t ldx, int rows,
+                                  int64_t k, __nv_bfloat16 *__restrict__ xa)
 {
     dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)rows * k)
         return;
-    const float v = x[(i / k) * ldx + i % k];
+    const float v = pending_at(px, x, (i / k) * ldx + i % k);
     const __nv_bfloat16 hi = __float2bfloat16_rn(v);
     xa[i] = hi;
     xa[(int64_t)rows * k + i] = __float2bfloat16_rn(v - __bfloat162float(hi));
@@ -324,18 +321,17 @@ static_assert(GEMM_NORM_PART == 128 * (NORM_THREADS / DSV4_CUDA_WARP), "one 128-
 
 template <int MODE>
 __global__ void __launch_bounds__(NORM_THREADS)
-gemm_norm_prep_kernel(const float *__restrict__ x, const float *__restrict__ w, int rows, int k, float eps, float *y,
-                      bool wg, void *__restrict__ xa, float *__restrict__ sa)
+gemm_norm_prep_kernel(const float *__restrict__ x, const dsv4_cuda_pending px, const float *__restrict__ w, int rows,
+                      int k, float eps, float *y, bool wg, void *__restrict__ xa, float *__restrict__ sa)
 {
     dsv4_pdl_enter();
     extern __shared__ float xs[];       /* [k]: the row */
     const int64_t n = blockIdx.y;
     const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
-    const float *xr = x + n * k;
     float *yr = y + n * k;
 
     for (int i = threadIdx.x; i < k; i += NORM_THREADS)
-        xs[i] = xr[i];
+        xs[i] = pending_at(px, x, n * k + i);
     __syncthreads();
     const float r = rmsnorm_row_scale(xs, k, eps);
 
@@ -379,7 +375,7 @@ extern "C" size_t dsv4_cuda_gemm_ws_bytes(int rows, int64_t max_k)
     const size_t xa = (size_t)rows * (size_t)max_k * 4;         /* f16 values or bf16 hi + lo */
     const size_t sa = (size_t)rows * (size_t)((max_k + 127) / 128) * 4;
     const size_t part = (size_t)min(rows, DSV4_CUDA_MAX_BATCH) * DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW * 4;
-    return (xa + 255) / 256 * 256 + (sa + 255) / 256 * 256 + part;
+    return (xa + 255) / 256 * 256 + (sa + 255) / 256 * 256 + 2 * part;
 }
 
 extern "C" void dsv4_cuda_gemm_ws_init(struct dsv4_cuda_gemm_ws *ws, void *base, int rows, int64_t max_k)
@@ -388,7 +384,10 @@ extern "C" void dsv4_cuda_gemm_ws_init(struct dsv4_cuda_gemm_ws *ws, void *base,
     const size_t xa = (size_t)rows * (size_t)max_k * 4, sa = (size_t)rows * (size_t)((max_k + 127) / 128) * 4;
     ws->xa = p;
     ws->sa = reinterpret_cast<float *>(p + (xa + 255) / 256 * 256);
-    ws->part = reinterpret_cast<float *>(p + (xa + 255) / 256 * 256 + (sa + 255) / 256 * 256);
+    const size_t part = (size_t)min(rows, DSV4_CUDA_MAX_BATCH) * DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW;
+    ws->part[0] = reinterpret_cast<float *>(p + (xa + 255) / 256 * 256 + (sa + 255) / 256 * 256);
+    ws->part[1] = ws->part[0] + part;
+    ws->part_seq = 0;
     ws->rows = rows;
     ws->max_k = max_k;
     ws->prepared.x = nullptr;
@@ -597,22 +596,35 @@ static int launch_nt(const gemm_args &a, bool wg, cudaStream_t s)
     return launch<MODE, 1, true>(a, s, name);
 }
 
-/* groups > 1: fp8raw only (checked by the callers) */
-static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d_x, int64_t ldx, int rows, bool quant_act,
-                    bool same_x, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, cudaStream_t s)
+/* groups > 1: fp8raw only (checked by the callers). px: x pending (NULL: read d_x); py: leave the
+ * result pending there where K is split (NULL: reduce it into d_y). */
+static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d_x, const dsv4_cuda_pending *px,
+                    int64_t ldx, int rows, bool quant_act, bool same_x, struct dsv4_cuda_gemm_ws *ws, float *d_y,
+                    int64_t ldy, dsv4_cuda_pending *py, cudaStream_t s)
 {
     const int mode = gemm_mode(W, quant_act);
     const int64_t k = W->in * groups;
     const bool wg = use_wgmma(mode, rows);
-    const bool prepared = same_x && ws->prepared.x == d_x && ws->prepared.ldx == ldx && ws->prepared.k == k &&
-                          ws->prepared.rows == rows && ws->prepared.mode == mode && ws->prepared.wg_order == wg;
+    const bool pend_x = px && px->splits;
+    const bool prepared = same_x && !pend_x && ws->prepared.x == d_x && ws->prepared.ldx == ldx &&
+                          ws->prepared.k == k && ws->prepared.rows == rows && ws->prepared.mode == mode &&
+                          ws->prepared.wg_order == wg;
+    const dsv4_cuda_pending xp = pending_or_none(px);
     gemm_args a = {};
+    int rc;
 
+    if (py)
+        *py = dsv4_cuda_pending{};
     if (!prepared)
         ws->prepared.x = nullptr;     /* xa is rewritten below: it holds this x only once that succeeded */
     if (rows < 1 || rows > ws->rows || k > ws->max_k)
         return dsv4_error_set(-EINVAL, "gemm: %d rows of width %lld exceed the workspace (%d rows, width %lld)", rows,
                               (long long)k, ws->rows, (long long)ws->max_k);
+    if (pend_x && ldx != k)
+        return dsv4_error_set(-EINVAL, "gemm: a pending x is read densely (row stride %lld for width %lld)",
+                              (long long)ldx, (long long)k);
+    if ((rc = dsv4_cuda_pending_live(px, rows, k, "gemm")) < 0)
+        return rc;
     a.w = static_cast<const uint8_t *>(W->w);
     a.row_bytes = W->row_stride * (mode == GEMM_BF16 ? 2 : 1);
     a.wscale = W->scale + (W->scale_row0 / GEMM_ROWS) * W->scale_stride;
@@ -626,14 +638,15 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
     a.sa = ws->sa;
     a.y = d_y;
     a.ldy = ldy;
-    a.part = ws->part;
     gemm_splits(W->out, a.nkt, &a.per, &a.splits);
+    /* above DSV4_CUDA_MAX_BATCH rows the CTAs fold the splits themselves (no partials) */
+    const bool parts = a.splits > 1 && rows <= DSV4_CUDA_MAX_BATCH;
+    a.part = ws->part[(ws->part_seq + (parts ? 1 : 0)) & 1];
 
-    int rc;
     if (mode == GEMM_BF16) {
         const int64_t n = (int64_t)rows * W->in;
         if (!prepared) {
-            dsv4_launch(gemm_split_kernel, (unsigned)((n + 255) / 256), 256, 0, s, d_x, ldx, rows, W->in,
+            dsv4_launch(gemm_split_kernel, (unsigned)((n + 255) / 256), 256, 0, s, d_x, xp, ldx, rows, W->in,
                         static_cast<__nv_bfloat16 *>(ws->xa));
             DSV4_CUDA_LAUNCHED("gemm_split");
         }
@@ -644,14 +657,14 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
         const unsigned grid = (unsigned)((nblk + warps - 1) / warps);
         if (mode == GEMM_FP8) {
             if (!prepared) {
-                dsv4_launch(gemm_quant_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k, wg,
+                dsv4_launch(gemm_quant_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, xp, ldx, rows, k, wg,
                             static_cast<__half *>(ws->xa), ws->sa);
                 DSV4_CUDA_LAUNCHED("gemm_quant");
             }
             rc = launch_nt<GEMM_FP8>(a, wg, s);
         } else {
             if (!prepared) {
-                dsv4_launch(gemm_split16_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, ldx, rows, k, wg,
+                dsv4_launch(gemm_split16_kernel, grid, warps * DSV4_CUDA_WARP, 0, s, d_x, xp, ldx, rows, k, wg,
                             static_cast<__half *>(ws->xa), ws->sa);
                 DSV4_CUDA_LAUNCHED("gemm_split16");
             }
@@ -660,23 +673,62 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
     }
     if (rc < 0)
         return rc;
-    ws->prepared.x = d_x;
-    ws->prepared.ldx = ldx;
-    ws->prepared.k = k;
-    ws->prepared.rows = rows;
-    ws->prepared.mode = mode;
-    ws->prepared.wg_order = wg;
-    if (a.splits > 1 && rows <= DSV4_CUDA_MAX_BATCH) {  /* above it the CTAs fold the splits themselves */
-        const int64_t n = (int64_t)rows * W->out;
-        dsv4_launch(gemm_reduce_kernel, (unsigned)((n + 255) / 256), 256, 0, s, ws->part, a.splits, rows, W->out, d_y,
-                    ldy);
-        DSV4_CUDA_LAUNCHED("gemm_reduce");
+    if (!pend_x) {      /* xa holds a sum that no pointer names: no later call takes it as prepared */
+        ws->prepared.x = d_x;
+        ws->prepared.ldx = ldx;
+        ws->prepared.k = k;
+        ws->prepared.rows = rows;
+        ws->prepared.mode = mode;
+        ws->prepared.wg_order = wg;
     }
+    if (!parts)
+        return 0;
+    ws->part_seq++;
+    dsv4_cuda_pending p = {};
+    p.part = a.part;
+    p.plane = (int64_t)rows * W->out;
+    p.out = W->out;
+    p.rows = rows;
+    p.splits = a.splits;
+    p.ws = ws;
+    p.seq = ws->part_seq;
+    if (py && ldy == W->out) {
+        *py = p;
+        return 0;
+    }
+    return dsv4_cuda_pending_flush(&p, d_y, ldy, s);
+}
+
+extern "C" int dsv4_cuda_pending_live(const struct dsv4_cuda_pending *p, int rows, int64_t out, const char *reader)
+{
+    if (!p || !p->splits)
+        return 0;
+    if (p->rows != rows || p->out != out)
+        return dsv4_error_set(-EINVAL, "%s: a pending result of [%d, %lld] read as [%d, %lld]", reader, p->rows,
+                              (long long)p->out, rows, (long long)out);
+    if (p->ws->part_seq - p->seq <= 1)
+        return 0;
+    return dsv4_error_set(-EFAULT, "%s: the pending split-K partials it reads [%d, %lld] were overwritten by %u later "
+                          "linears on the same workspace (a linear's result must be read before the second linear "
+                          "after it)", reader, p->rows, (long long)p->out, p->ws->part_seq - p->seq - 1);
+}
+
+extern "C" int dsv4_cuda_pending_flush(const struct dsv4_cuda_pending *p, float *d_y, int64_t ldy, void *stream)
+{
+    if (!p || !p->splits)
+        return 0;
+    const int rc = dsv4_cuda_pending_live(p, p->rows, p->out, "gemm_reduce");
+    if (rc < 0)
+        return rc;
+    dsv4_launch(gemm_reduce_kernel, (unsigned)((p->plane + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream), *p,
+                d_y, ldy);
+    DSV4_CUDA_LAUNCHED("gemm_reduce");
     return 0;
 }
 
-static int gemm_one(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
-                    bool same_x, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream)
+static int gemm_one(const struct dsv4_cuda_linear *W, const float *d_x, const dsv4_cuda_pending *px, int64_t ldx,
+                    int rows, bool quant_act, bool same_x, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy,
+                    dsv4_cuda_pending *py, void *stream)
 {
     if (!dsv4_cuda_gemm_supports(W, quant_act))
         return dsv4_error_set(-EINVAL, "gemm: a %s linear [%lld, %lld] (row stride %lld) with %s activations has no "
@@ -684,20 +736,28 @@ static int gemm_one(const struct dsv4_cuda_linear *W, const float *d_x, int64_t 
                               "16-byte aligned)", W->fmt == DSV4_W_FP8 ? "FP8" : W->fmt == DSV4_W_BF16 ? "BF16" :
                               "F32/FP4", (long long)W->out, (long long)W->in, (long long)W->row_stride,
                               quant_act ? "quantized" : "raw", kvals(gemm_mode(W, quant_act)));
-    return gemm_run(W, 1, d_x, ldx, rows, quant_act, same_x, ws, d_y, ldy, static_cast<cudaStream_t>(stream));
+    return gemm_run(W, 1, d_x, px, ldx, rows, quant_act, same_x, ws, d_y, ldy, py, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int dsv4_cuda_gemm(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows, bool quant_act,
                               struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy, void *stream)
 {
-    return gemm_one(W, d_x, ldx, rows, quant_act, false, ws, d_y, ldy, stream);
+    return gemm_one(W, d_x, nullptr, ldx, rows, quant_act, false, ws, d_y, ldy, nullptr, stream);
 }
 
 extern "C" int dsv4_cuda_gemm_same_x(const struct dsv4_cuda_linear *W, const float *d_x, int64_t ldx, int rows,
                                      bool quant_act, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy,
                                      void *stream)
 {
-    return gemm_one(W, d_x, ldx, rows, quant_act, true, ws, d_y, ldy, stream);
+    return gemm_one(W, d_x, nullptr, ldx, rows, quant_act, true, ws, d_y, ldy, nullptr, stream);
+}
+
+extern "C" int dsv4_cuda_gemm_deferred(const struct dsv4_cuda_linear *W, const float *d_x,
+                                       const struct dsv4_cuda_pending *d_px, int64_t ldx, int rows, bool quant_act,
+                                       bool same_x, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy,
+                                       struct dsv4_cuda_pending *d_py, void *stream)
+{
+    return gemm_one(W, d_x, d_px, ldx, rows, quant_act, same_x, ws, d_y, ldy, d_py, stream);
 }
 
 extern "C" bool dsv4_cuda_gemm_norm_supports(const struct dsv4_cuda_linear *W, bool quant_act)
@@ -708,12 +768,14 @@ extern "C" bool dsv4_cuda_gemm_norm_supports(const struct dsv4_cuda_linear *W, b
 }
 
 extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_act, const float *d_x,
-                                   const float *d_w, int rows, float eps, struct dsv4_cuda_gemm_ws *ws, float *d_y,
-                                   void *stream)
+                                   const struct dsv4_cuda_pending *d_px, const float *d_w, int rows, float eps,
+                                   struct dsv4_cuda_gemm_ws *ws, float *d_y, void *stream)
 {
     const int mode = gemm_mode(W, quant_act);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int k = (int)W->in;
+    const dsv4_cuda_pending xp = pending_or_none(d_px);
+    int rc;
 
     ws->prepared.x = nullptr;
     if (!dsv4_cuda_gemm_norm_supports(W, quant_act))
@@ -724,15 +786,21 @@ extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_
     if (rows < 1 || rows > ws->rows || k > ws->max_k)
         return dsv4_error_set(-EINVAL, "gemm_norm: %d rows of width %d exceed the workspace (%d rows, width %lld)",
                               rows, k, ws->rows, (long long)ws->max_k);
+    if ((rc = dsv4_cuda_pending_live(d_px, rows, k, "gemm_norm")) < 0)
+        return rc;
+    if (d_x == d_y && !xp.splits && k > GEMM_NORM_PART)
+        return dsv4_error_set(-EINVAL, "gemm_norm: in place only for rows of at most %d values or a pending x (a "
+                              "row of %d is read by %d blocks while they write it)", GEMM_NORM_PART, k,
+                              (k + GEMM_NORM_PART - 1) / GEMM_NORM_PART);
     const bool wg = use_wgmma(mode, rows);
     const dim3 grid((unsigned)((k + GEMM_NORM_PART - 1) / GEMM_NORM_PART), (unsigned)rows);
     const size_t smem = (size_t)k * sizeof(float);
     if (mode == GEMM_FP8)
-        dsv4_launch(gemm_norm_prep_kernel<GEMM_FP8>, grid, NORM_THREADS, smem, s, d_x, d_w, rows, k, eps, d_y, wg, ws->xa,
-                    ws->sa);
-    else
-        dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, grid, NORM_THREADS, smem, s, d_x, d_w, rows, k, eps, d_y, false,
+        dsv4_launch(gemm_norm_prep_kernel<GEMM_FP8>, grid, NORM_THREADS, smem, s, d_x, xp, d_w, rows, k, eps, d_y, wg,
                     ws->xa, ws->sa);
+    else
+        dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, grid, NORM_THREADS, smem, s, d_x, xp, d_w, rows, k, eps, d_y,
+                    false, ws->xa, ws->sa);
     DSV4_CUDA_LAUNCHED("gemm_norm_prep");
     ws->prepared.x = d_y;
     ws->prepared.ldx = k;
@@ -747,9 +815,17 @@ extern "C" int dsv4_cuda_gemm_grouped(const struct dsv4_cuda_linear *W, int grou
                                       int rows, struct dsv4_cuda_gemm_ws *ws, float *d_y, int64_t ldy,
                                       void *stream)
 {
+    return dsv4_cuda_gemm_grouped_deferred(W, groups, d_x, ldx, rows, ws, d_y, ldy, nullptr, stream);
+}
+
+extern "C" int dsv4_cuda_gemm_grouped_deferred(const struct dsv4_cuda_linear *W, int groups, const float *d_x,
+                                               int64_t ldx, int rows, struct dsv4_cuda_gemm_ws *ws, float *d_y,
+                                               int64_t ldy, struct dsv4_cuda_pending *d_py, void *stream)
+{
     if (!dsv4_cuda_gemm_grouped_supports(W, groups))
         return dsv4_error_set(-EINVAL, "gemm: linear [%lld, %lld] in %d groups has no grouped tensor-core path (FP8, "
                               "%d-row multiples per group, K a multiple of 128)", (long long)W->out, (long long)W->in,
                               groups, GEMM_ROWS);
-    return gemm_run(W, groups, d_x, ldx, rows, false, false, ws, d_y, ldy, static_cast<cudaStream_t>(stream));
+    return gemm_run(W, groups, d_x, nullptr, ldx, rows, false, false, ws, d_y, ldy, d_py,
+                    static_cast<cudaStream_t>(stream));
 }

@@ -7,6 +7,7 @@
 #include "kernels/cuda_util.cuh"
 #include "kernels/kernels_internal.h"
 #include "kernels/norm_row.cuh"
+#include "kernels/pending.cuh"
 
 static __device__ __forceinline__ float sigmoidf_(float v)
 {
@@ -501,7 +502,7 @@ extern "C" int dsv4_cuda_mhc_fn_head(const struct dsv4_cuda_linear *W, const flo
 /* One thread per (b, d): the hc stream values X[b, :, d] read once into registers, then every
  * output Xo[b, k, d] = post[b, k] f[b, d] + sum_j comb[b, j, k] X[b, j, d] summed in j order (one
  * thread per output read each X value hc times: a prefill chunk's X is 64 MiB at 1024 rows). */
-__global__ void mhc_post_kernel(const float *__restrict__ X, const float *__restrict__ f,
+__global__ void mhc_post_kernel(const float *__restrict__ X, const float *__restrict__ f, const dsv4_cuda_pending pf,
                                 const float *__restrict__ post, const float *__restrict__ comb, int batch,
                                 int hc, int dim, float *__restrict__ Xo)
 {
@@ -511,7 +512,7 @@ __global__ void mhc_post_kernel(const float *__restrict__ X, const float *__rest
         return;
     const int64_t d = i % dim, b = i / dim;
     const float *Xb = X + b * hc * dim, *cb = comb + b * hc * hc;
-    const float fv = f[b * dim + d];
+    const float fv = pending_at(pf, f, b * dim + d);
     float xv[DSV4_MAX_HC];
 #pragma unroll
     for (int j = 0; j < DSV4_MAX_HC; j++)
@@ -526,17 +527,22 @@ __global__ void mhc_post_kernel(const float *__restrict__ X, const float *__rest
     }
 }
 
-extern "C" int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const float *d_post, const float *d_comb,
-                                  int batch, int hc, int dim, float *d_Xo, void *stream)
+extern "C" int dsv4_cuda_mhc_post(const float *d_X, const float *d_f, const struct dsv4_cuda_pending *d_pf,
+                                  const float *d_post, const float *d_comb, int batch, int hc, int dim, float *d_Xo,
+                                  void *stream)
 {
     const int threads = 256;
     const int64_t total = (int64_t)batch * dim;     /* threads: one per (row, d) */
+    int rc;
     if (hc < 1 || hc > DSV4_MAX_HC)
         return dsv4_error_set(-EINVAL, "mhc_post: hc_mult %d outside 1..%d", hc, DSV4_MAX_HC);
+    if ((rc = dsv4_cuda_pending_live(d_pf, batch, dim, "mhc_post")) < 0)
+        return rc;
     if (total <= 0)
         return 0;
     dsv4_launch(mhc_post_kernel, (unsigned)((total + threads - 1) / threads), threads, 0,
-                static_cast<cudaStream_t>(stream), d_X, d_f, d_post, d_comb, batch, hc, dim, d_Xo);
+                static_cast<cudaStream_t>(stream), d_X, d_f, pending_or_none(d_pf), d_post, d_comb, batch, hc, dim,
+                d_Xo);
     DSV4_CUDA_LAUNCHED("mhc_post");
     return 0;
 }

@@ -22,11 +22,14 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/pending.cuh"
 #include "kernels/switches.h"
 
 #define MOE_ROWS 8              /* warps (weight rows) per block */
 #define MOE_NB 8                /* tokens per pass over a weight row */
 #define MOE_MAX_EXPERTS 1024    /* router and grouping keep per-expert arrays in shared memory */
+#define ROUTER_THREADS 256      /* a token's scores by the block (one logit a thread: pending logits are
+                                 * sums over up to 32 splits), its choices by warp 0 */
 
 static __device__ __forceinline__ float sqrt_softplus(float l)
 {
@@ -42,27 +45,30 @@ static __device__ __forceinline__ float swiglu(float g, float u, float limit)
     return g / (1.0f + expf(-g)) * u;
 }
 
-/* One warp per token. Shared: scores [E], selection values [E]. Lane j keeps the j-th choice in a
- * register and writes its index and weight: nothing is read back from global memory (a serial
- * round trip per choice was most of this kernel's time at batch 1). */
-__global__ void router_kernel(const float *__restrict__ logits, int n_experts, int topk,
-                              const float *__restrict__ bias, const int32_t *__restrict__ tid2eid,
-                              const int32_t *__restrict__ tokens, float route_scale,
-                              int32_t *__restrict__ idx, float *__restrict__ w)
+/* One block per token. Shared: scores [E], selection values [E], made by the whole block; then warp
+ * 0 chooses. Lane j keeps the j-th choice in a register and writes its index and weight: nothing is
+ * read back from global memory (a serial round trip per choice was most of this kernel's time at
+ * batch 1). */
+__global__ void __launch_bounds__(ROUTER_THREADS)
+router_kernel(const float *__restrict__ logits, const dsv4_cuda_pending pl, int n_experts, int topk,
+              const float *__restrict__ bias, const int32_t *__restrict__ tid2eid,
+              const int32_t *__restrict__ tokens, float route_scale, int32_t *__restrict__ idx,
+              float *__restrict__ w)
 {
     dsv4_pdl_enter();
     extern __shared__ float sm[];
     float *score = sm, *sel = sm + n_experts;
     const int b = blockIdx.x, lane = threadIdx.x;
-    const float *l = logits + (int64_t)b * n_experts;
     float sum = 0.0f;
     int mine = -1;          /* lane j < topk: choice j */
 
-    for (int e = lane; e < n_experts; e += DSV4_CUDA_WARP) {
-        score[e] = sqrt_softplus(l[e]);
+    for (int e = threadIdx.x; e < n_experts; e += ROUTER_THREADS) {
+        score[e] = sqrt_softplus(pending_at(pl, logits, (int64_t)b * n_experts + e));
         sel[e] = score[e] + (bias ? bias[e] : 0.0f);
     }
-    __syncwarp();
+    __syncthreads();
+    if (threadIdx.x >= DSV4_CUDA_WARP)
+        return;
     for (int j = 0; j < topk; j++) {
         int best;
         if (tid2eid) {
@@ -100,19 +106,23 @@ __global__ void router_kernel(const float *__restrict__ logits, int n_experts, i
     }
 }
 
-extern "C" int dsv4_cuda_router(const float *d_logits, int batch, int n_experts, int topk,
-                                const float *d_bias, const int32_t *d_tid2eid, const int32_t *d_tokens,
-                                float route_scale, int32_t *d_idx, float *d_w, void *stream)
+extern "C" int dsv4_cuda_router(const float *d_logits, const struct dsv4_cuda_pending *d_plogits, int batch,
+                                int n_experts, int topk, const float *d_bias, const int32_t *d_tid2eid,
+                                const int32_t *d_tokens, float route_scale, int32_t *d_idx, float *d_w, void *stream)
 {
+    int rc;
     if (n_experts < 1 || n_experts > MOE_MAX_EXPERTS || topk < 1 || topk > DSV4_MAX_TOPK || topk > n_experts)
         return dsv4_error_set(-EINVAL, "router: %d experts (max %d), top-%d (max %d)", n_experts,
                               MOE_MAX_EXPERTS, topk, DSV4_MAX_TOPK);
     if (d_tid2eid && !d_tokens)
         return dsv4_error_set(-EINVAL, "router: hash routing needs the batch's token ids");
+    if ((rc = dsv4_cuda_pending_live(d_plogits, batch, n_experts, "router")) < 0)
+        return rc;
     if (batch < 1)
         return 0;
-    dsv4_launch(router_kernel, batch, DSV4_CUDA_WARP, 2 * n_experts * sizeof(float), static_cast<cudaStream_t>(stream),
-                d_logits, n_experts, topk, d_bias, d_tid2eid, d_tokens, route_scale, d_idx, d_w);
+    dsv4_launch(router_kernel, batch, ROUTER_THREADS, 2 * n_experts * sizeof(float), static_cast<cudaStream_t>(stream),
+                d_logits, pending_or_none(d_plogits), n_experts, topk, d_bias, d_tid2eid, d_tokens, route_scale, d_idx,
+                d_w);
     DSV4_CUDA_LAUNCHED("router");
     return 0;
 }
@@ -927,7 +937,8 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
  * result the separate add kernel gave. */
 __global__ void moe_combine_kernel(const float *__restrict__ out, const int32_t *__restrict__ idx,
                                    const float *__restrict__ w, int batch, int topk, int n_experts,
-                                   int64_t dim, const float *__restrict__ add, float *__restrict__ y)
+                                   int64_t dim, const float *__restrict__ add, const dsv4_cuda_pending padd,
+                                   float *__restrict__ y)
 {
     dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -940,7 +951,7 @@ __global__ void moe_combine_kernel(const float *__restrict__ out, const int32_t 
         if (idx[p] >= 0 && idx[p] < n_experts)
             acc += w[p] * out[p * dim + d];
     }
-    y[i] = add ? acc + add[i] : acc;
+    y[i] = add ? acc + pending_at(padd, add, i) : acc;
 }
 
 extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,
@@ -998,15 +1009,20 @@ extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const fl
 
 extern "C" int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int topk, const int32_t *d_idx,
                                      const float *d_w, const struct dsv4_cuda_moe_ws *ws, const float *d_add,
-                                     float *d_y, void *stream)
+                                     const struct dsv4_cuda_pending *d_padd, float *d_y, void *stream)
 {
     const int threads = 256;
+    int rc;
     if (batch < 1 || batch > DSV4_CUDA_MAX_ROWS || topk < 1 || topk > DSV4_MAX_TOPK)
         return dsv4_error_set(-EINVAL, "moe_combine: batch %d (max %d), top-%d (max %d)", batch,
                               DSV4_CUDA_MAX_ROWS, topk, DSV4_MAX_TOPK);
+    if (d_padd && d_padd->splits && !d_add)
+        return dsv4_error_set(-EINVAL, "moe_combine: a pending add needs the buffer it stands for");
+    if ((rc = dsv4_cuda_pending_live(d_padd, batch, ex->dim, "moe_combine")) < 0)
+        return rc;
     dsv4_launch(moe_combine_kernel, (unsigned)(((int64_t)batch * ex->dim + threads - 1) / threads), threads, 0,
                 static_cast<cudaStream_t>(stream), ws->d_out, d_idx, d_w, batch, topk, ex->n_experts, ex->dim, d_add,
-                d_y);
+                pending_or_none(d_padd), d_y);
     DSV4_CUDA_LAUNCHED("moe_combine");
     return 0;
 }
@@ -1016,27 +1032,33 @@ extern "C" int dsv4_cuda_moe_experts(const struct dsv4_cuda_experts *ex, const f
                                      const struct dsv4_cuda_moe_ws *ws, float *d_y, void *stream)
 {
     const int rc = dsv4_cuda_moe_routed(ex, d_x, batch, topk, d_idx, ws, stream);
-    return rc < 0 ? rc : dsv4_cuda_moe_combine(ex, batch, topk, d_idx, d_w, ws, nullptr, d_y, stream);
+    return rc < 0 ? rc : dsv4_cuda_moe_combine(ex, batch, topk, d_idx, d_w, ws, nullptr, nullptr, d_y, stream);
 }
 
-__global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u, int64_t n,
-                              float limit, float *__restrict__ h)
+__global__ void swiglu_kernel(const float *__restrict__ g, const dsv4_cuda_pending pg, const float *__restrict__ u,
+                              const dsv4_cuda_pending pu, int64_t n, float limit, float *__restrict__ h)
 {
     dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n)
-        h[i] = swiglu(g[i], u[i], limit);
+        h[i] = swiglu(pending_at(pg, g, i), pending_at(pu, u, i), limit);
 }
 
-extern "C" int dsv4_cuda_swiglu(const float *d_gate, const float *d_up, int rows, int64_t n, float limit,
-                                float *d_h, void *stream)
+extern "C" int dsv4_cuda_swiglu(const float *d_gate, const struct dsv4_cuda_pending *d_pgate, const float *d_up,
+                                const struct dsv4_cuda_pending *d_pup, int rows, int64_t n, float limit, float *d_h,
+                                void *stream)
 {
     const int threads = 256;
     const int64_t total = (int64_t)rows * n;
+    int rc;
+    if ((rc = dsv4_cuda_pending_live(d_pgate, rows, n, "swiglu")) < 0 ||
+        (rc = dsv4_cuda_pending_live(d_pup, rows, n, "swiglu")) < 0)
+        return rc;
     if (total <= 0)
         return 0;
     dsv4_launch(swiglu_kernel, (unsigned)((total + threads - 1) / threads), threads, 0,
-                static_cast<cudaStream_t>(stream), d_gate, d_up, total, limit, d_h);
+                static_cast<cudaStream_t>(stream), d_gate, pending_or_none(d_pgate), d_up, pending_or_none(d_pup),
+                total, limit, d_h);
     DSV4_CUDA_LAUNCHED("swiglu");
     return 0;
 }

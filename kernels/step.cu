@@ -470,6 +470,21 @@ static int lin(const struct cuda_backend *cb, const struct dsv4_cuda_linear *W, 
     return lin_x(cb, W, x, ldx, B, y, ldy, raw, false, ln);
 }
 
+/* lin_x for the decode chains: where K is split, y may stay pending in *py (struct dsv4_cuda_pending)
+ * for a reader that sums it, and x may be pending in px (NULL: none) in the buffer x names, which the
+ * GEMV path has reduced first. */
+static int lin_pend(const struct cuda_backend *cb, const struct dsv4_cuda_linear *W, float *x,
+                    const struct dsv4_cuda_pending *px, int64_t ldx, int B, float *y, int64_t ldy, bool same_x,
+                    const struct lane *ln, struct dsv4_cuda_pending *py)
+{
+    const bool quant = lin_quant(cb, W, false);
+    *py = dsv4_cuda_pending{};
+    if (cb->use_gemm && dsv4_cuda_gemm_supports(W, quant))
+        return dsv4_cuda_gemm_deferred(W, x, px, ldx, B, quant, same_x, ln->gemm, y, ldy, py, ln->s);
+    STEP(dsv4_cuda_pending_flush(px, x, ldx, ln->s));
+    return lin_x(cb, W, x, ldx, B, y, ldy, false, same_x && !(px && px->splits), ln);
+}
+
 /* lin() for a linear whose x the previous lin() call on the same lane read, unchanged since. */
 static int lin_same_x(const struct cuda_backend *cb, const struct dsv4_cuda_linear *W, const float *x, int64_t ldx,
                       int B, float *y, int64_t ldy, const struct lane *ln)
@@ -574,10 +589,30 @@ static int index_select(const struct cuda_backend *cb, const struct step_layer *
     return 0;
 }
 
+/* qr = q_norm(wq_a's result, pending in pqr); *prepared: the same launch prepared qr for wq_b (in decode
+ * steps, where wq_a's result is its partials: the reduction, the norm and the quantization in one
+ * launch). */
+static int norm_qr(struct cuda_backend *cb, const struct step_layer *L, int B, const struct dsv4_cuda_pending *pqr,
+                   bool *prepared)
+{
+    const struct dsv4_config *c = cb->cfg;
+    struct step_buf *t = &cb->b;
+    const struct lane *m = &cb->ln[0];
+    const bool quant = lin_quant(cb, &L->wq_b, false);
+    const float eps = (float)c->rms_norm_eps;
+    *prepared = pqr->splits && cb->use_gemm && dsv4_cuda_gemm_norm_supports(&L->wq_b, quant);
+    if (*prepared)
+        return dsv4_cuda_gemm_norm(&L->wq_b, quant, t->qr, pqr, L->q_norm, B, eps, m->gemm, t->qr, m->s);
+    STEP(dsv4_cuda_pending_flush(pqr, t->qr, c->q_lora_rank, m->s));
+    return dsv4_cuda_rmsnorm(t->qr, L->q_norm, B, c->q_lora_rank, eps, t->qr, m->s);
+}
+
 /* Main lane: q (wq_a, norm, wq_b, RoPE) and this position's KV into the window. Side lane, from xn:
- * compress(), then index_select() once the main lane has normalized qr. Attention joins them. */
+ * compress(), then index_select() once the main lane has normalized qr. Attention joins them. The
+ * output projection's result is left pending in *psub for sublayer_post. */
 /* prepared: sublayer_pre left xn prepared for wq_a in the main lane's workspace. */
-static int attention(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared)
+static int attention(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared,
+                     struct dsv4_cuda_pending *psub)
 {
     const struct lane *m = &cb->ln[0], *sd = &cb->ln[1];
     const cudaStream_t s = m->s;
@@ -587,21 +622,23 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     const int32_t *pos = t->in + 2 * B, *slot = t->in + B;
     const float *inv = L->ratio ? t->inv_comp : t->inv_main;
     const float eps = (float)c->rms_norm_eps;
+    struct dsv4_cuda_pending pqr, pkv, pz;      /* wq_a's, wkv's and wo_a's results (two at a time) */
+    bool qb_prepared;
 
     if (L->ratio) {
         STEP(lane_wait(cb, sd, m, cb->ev_fork));
         STEP(compress(cb, L, B, sd));
     }
-    STEP(lin_x(cb, &L->wq_a, t->xn, c->dim, B, t->qr, c->q_lora_rank, false, prepared, m));
-    STEP(lin_same_x(cb, &L->wkv, t->xn, c->dim, B, t->kv, hd, m));
-    STEP(dsv4_cuda_rmsnorm(t->qr, L->q_norm, B, c->q_lora_rank, eps, t->qr, s));
+    STEP(lin_pend(cb, &L->wq_a, t->xn, NULL, c->dim, B, t->qr, c->q_lora_rank, prepared, m, &pqr));
+    STEP(lin_pend(cb, &L->wkv, t->xn, NULL, c->dim, B, t->kv, hd, true, m, &pkv));
+    STEP(norm_qr(cb, L, B, &pqr, &qb_prepared));
     if (L->csa) {
         STEP(lane_wait(cb, sd, m, cb->ev_fork));
         STEP(index_select(cb, L, B, sd));
     }
-    STEP(lin(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, m));
-    STEP(dsv4_cuda_rmsnorm_rope(t->q, NULL, B * H, hd, eps, H, rd, pos, inv, t->q, s));
-    STEP(dsv4_cuda_rmsnorm_rope(t->kv, L->kv_norm, B, hd, eps, 1, rd, pos, inv, t->kv, s));
+    STEP(lin_x(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, qb_prepared, m));
+    STEP(dsv4_cuda_rmsnorm_rope(t->q, NULL, NULL, B * H, hd, eps, H, rd, pos, inv, t->q, s));
+    STEP(dsv4_cuda_rmsnorm_rope(t->kv, &pkv, L->kv_norm, B, hd, eps, 1, rd, pos, inv, t->kv, s));
     if (L->ratio)
         STEP(lane_wait(cb, m, sd, cb->ev_join));
 
@@ -649,18 +686,21 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
      * blocks, else a view per group */
     const int G = c->o_groups, R = c->o_lora_rank;
     const int64_t gin = (int64_t)H * hd / G;
+    pz = dsv4_cuda_pending{};
     if (cb->use_gemm && dsv4_cuda_gemm_grouped_supports(&L->wo_a, G))
-        STEP(dsv4_cuda_gemm_grouped(&L->wo_a, G, t->o, (int64_t)H * hd, B, m->gemm, t->z, (int64_t)G * R, s));
+        STEP(dsv4_cuda_gemm_grouped_deferred(&L->wo_a, G, t->o, (int64_t)H * hd, B, m->gemm, t->z, (int64_t)G * R,
+                                             &pz, s));
     else
         for (int g = 0; g < G; g++) {
             const struct dsv4_cuda_linear v = dsv4_cuda_linear_rows(&L->wo_a, (int64_t)g * R, R);
             STEP(lin(cb, &v, t->o + g * gin, (int64_t)H * hd, B, t->z + (int64_t)g * R, (int64_t)G * R, true, m));
         }
-    return lin(cb, &L->wo_b, t->z, (int64_t)G * R, B, t->sub, c->dim, false, m);
+    return lin_pend(cb, &L->wo_b, t->z, &pz, (int64_t)G * R, B, t->sub, c->dim, false, m, psub);
 }
 
 /* Main lane: gate, router and the routed experts. Side lane, from xn: the shared expert into sout,
- * which the routed experts' combine adds as it writes sub. */
+ * which the routed experts' combine adds as it writes sub. The linears' results pending in decode
+ * steps are summed by their readers: the router, SwiGLU, the combine. */
 /* prepared: sublayer_pre left xn prepared for the gate in the main lane's workspace. */
 static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared)
 {
@@ -670,18 +710,19 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool 
     const cudaStream_t s = m->s;
     const int D = c->dim, K = c->n_experts_per_tok;
     struct dsv4_cuda_experts ex = L->ex;
+    struct dsv4_cuda_pending psg, psu, psout = {}, plogits;
 
     if (L->sw1.w) {
         const int64_t Is = L->sw1.out;
         STEP(lane_wait(cb, sd, m, cb->ev_fork));
-        STEP(lin(cb, &L->sw1, t->xn, D, B, t->sg, Is, false, sd));
-        STEP(lin_same_x(cb, &L->sw3, t->xn, D, B, t->su, Is, sd));
-        STEP(dsv4_cuda_swiglu(t->sg, t->su, B, Is, (float)c->swiglu_limit, t->sh, sd->s));
-        STEP(lin(cb, &L->sw2, t->sh, Is, B, t->sout, D, false, sd));
+        STEP(lin_pend(cb, &L->sw1, t->xn, NULL, D, B, t->sg, Is, false, sd, &psg));
+        STEP(lin_pend(cb, &L->sw3, t->xn, NULL, D, B, t->su, Is, true, sd, &psu));
+        STEP(dsv4_cuda_swiglu(t->sg, &psg, t->su, &psu, B, Is, (float)c->swiglu_limit, t->sh, sd->s));
+        STEP(lin_pend(cb, &L->sw2, t->sh, NULL, Is, B, t->sout, D, false, sd, &psout));
     }
-    STEP(lin_x(cb, &L->gate, t->xn, D, B, t->rlogits, c->n_experts, false, prepared, m));
-    STEP(dsv4_cuda_router(t->rlogits, B, c->n_experts, K, L->hash ? NULL : L->gate_bias, L->hash ? L->tid2eid : NULL,
-                          t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
+    STEP(lin_pend(cb, &L->gate, t->xn, NULL, D, B, t->rlogits, c->n_experts, prepared, m, &plogits));
+    STEP(dsv4_cuda_router(t->rlogits, &plogits, B, c->n_experts, K, L->hash ? NULL : L->gate_bias,
+                          L->hash ? L->tid2eid : NULL, t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
     if (L->route_counts)    /* the MTP block's routing is not counted */
         STEP(dsv4_cuda_route_count(t->ridx, B, K, t->in + B, cb->slots - 1, L->route_counts, s));
     ex.quant_act = cb->fp8 && (ex.fmt == DSV4_W_FP8 || ex.fmt == DSV4_W_FP4);
@@ -693,7 +734,7 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool 
     STEP(dsv4_cuda_moe_routed(&ex, x, B, K, t->ridx, &t->moe, s));
     if (L->sw1.w)
         STEP(lane_wait(cb, m, sd, cb->ev_join));
-    return dsv4_cuda_moe_combine(&ex, B, K, t->ridx, t->rw, &t->moe, L->sw1.w ? t->sout : NULL, t->sub, s);
+    return dsv4_cuda_moe_combine(&ex, B, K, t->ridx, t->rw, &t->moe, L->sw1.w ? t->sout : NULL, &psout, t->sub, s);
 }
 
 /* F32 mHC fn weights (both releases) take the split-K kernel; other formats (converted test
@@ -724,7 +765,7 @@ static int norm_xn(struct cuda_backend *cb, const float *w, const struct dsv4_cu
     const bool quant = lin_quant(cb, next, false);
     *prepared = cb->use_gemm && dsv4_cuda_gemm_norm_supports(next, quant);
     if (*prepared)
-        return dsv4_cuda_gemm_norm(next, quant, t->y, w, B, eps, cb->ln[0].gemm, t->xn, s);
+        return dsv4_cuda_gemm_norm(next, quant, t->y, NULL, w, B, eps, cb->ln[0].gemm, t->xn, s);
     return dsv4_cuda_rmsnorm(t->y, w, B, cb->cfg->dim, eps, t->xn, s);
 }
 
@@ -752,11 +793,12 @@ static int sublayer_pre(struct cuda_backend *cb, const struct dsv4_cuda_linear *
     return norm_xn(cb, norm, next, B, s, prepared);
 }
 
-static int sublayer_post(struct cuda_backend *cb, int B, cudaStream_t s)
+/* psub: the sublayer's output pending (NULL: in t->sub) */
+static int sublayer_post(struct cuda_backend *cb, int B, const struct dsv4_cuda_pending *psub, cudaStream_t s)
 {
     struct step_buf *t = &cb->b;
     STEP(lane_wait(cb, &cb->ln[0], &cb->ln[1], cb->ev_join));      /* post and comb (sublayer_pre) */
-    STEP(dsv4_cuda_mhc_post(t->X, t->sub, t->post, t->comb, B, cb->cfg->hc_mult, cb->cfg->dim, t->X2, s));
+    STEP(dsv4_cuda_mhc_post(t->X, t->sub, psub, t->post, t->comb, B, cb->cfg->hc_mult, cb->cfg->dim, t->X2, s));
     float *tmp = t->X;
     t->X = t->X2;
     t->X2 = tmp;
@@ -767,12 +809,13 @@ static int sublayer_post(struct cuda_backend *cb, int B, cudaStream_t s)
 static int layer_launches(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
 {
     bool pa, pf;    /* xn prepared for wq_a, for the gate */
+    struct dsv4_cuda_pending psub;      /* the attention's output */
     STEP(sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, &L->wq_a, B, s, &pa));
-    STEP(attention(cb, L, B, pa));
-    STEP(sublayer_post(cb, B, s));
+    STEP(attention(cb, L, B, pa, &psub));
+    STEP(sublayer_post(cb, B, &psub, s));
     STEP(sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, &L->gate, B, s, &pf));
     STEP(moe(cb, L, B, pf));
-    return sublayer_post(cb, B, s);
+    return sublayer_post(cb, B, NULL, s);
 }
 
 /* A head on B rows of streams X [B, hc, D]: hc_head (fn, base, scale), the final norm (w), the logits

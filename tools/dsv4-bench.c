@@ -348,7 +348,7 @@ static int run_rmsnorm(struct job *j, int rep, cudaStream_t s)
 
 static int run_router(struct job *j, int rep, cudaStream_t s)
 {
-    return dsv4_cuda_router(j->x, j->batch, 256, 6, j->w, NULL, NULL, 1.5f, j->idx, j->y, s);
+    return dsv4_cuda_router(j->x, NULL, j->batch, 256, 6, j->w, NULL, NULL, 1.5f, j->idx, j->y, s);
 }
 
 static int run_mhc_pre(struct job *j, int rep, cudaStream_t s)
@@ -358,7 +358,7 @@ static int run_mhc_pre(struct job *j, int rep, cudaStream_t s)
 
 static int run_mhc_post(struct job *j, int rep, cudaStream_t s)
 {
-    return dsv4_cuda_mhc_post(j->x, j->aux1, j->aux2, j->aux3, j->batch, 4, 4096, j->y, s);
+    return dsv4_cuda_mhc_post(j->x, j->aux1, NULL, j->aux2, j->aux3, j->batch, 4, 4096, j->y, s);
 }
 
 static int run_experts(struct job *j, int rep, cudaStream_t s)

@@ -137,6 +137,47 @@ static inline float *gt_host_from(const float *d, size_t n)
     return h;
 }
 
+/* A linear's result left pending (struct dsv4_cuda_pending) as `splits` random partials [splits, rows,
+ * out] on the device, counted by *ws (a workspace with no buffers: only its part_seq is read), and
+ * *d_sum [rows, out] its sum as the reduction launch writes it: what a reader of the pending result
+ * must see. Free p.part and *d_sum. */
+static inline struct dsv4_cuda_pending gt_pending(struct dsv4_cuda_gemm_ws *ws, int splits, int rows, int64_t out,
+                                                  float sigma, float **d_sum)
+{
+    const size_t n = (size_t)splits * (size_t)rows * (size_t)out;
+    float *h = malloc(n * sizeof(float));
+    struct dsv4_cuda_pending p;
+
+    assert_non_null(h);
+    gt_fill_normal(h, n, sigma);
+    memset(ws, 0, sizeof(*ws));
+    ws->part_seq = 1;
+    p = (struct dsv4_cuda_pending){ .part = gt_dev_copy(h, n * sizeof(float)), .plane = (int64_t)rows * out,
+                                    .out = out, .rows = rows, .splits = splits, .ws = ws, .seq = 1 };
+    free(h);
+    *d_sum = gt_dev_poisoned((size_t)rows * (size_t)out);
+    DSV4_OK(dsv4_cuda_pending_flush(&p, *d_sum, out, NULL));
+    return p;
+}
+
+/* Finite and bit-identical device buffers of n floats (a and b), else fail naming `what`. */
+static inline void gt_assert_same(const char *what, const float *d_a, const float *d_b, size_t n)
+{
+    float *a = gt_host_from(d_a, n), *b = gt_host_from(d_b, n);
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(b[i]))
+            fail_msg("%s: element %zu of the reference is %g", what, i, (double)b[i]);
+    if (memcmp(a, b, n * sizeof(float)) != 0) {
+        size_t i = 0;
+        while (i < n && !memcmp(a + i, b + i, sizeof(float)))
+            i++;
+        fail_msg("%s: element %zu of %zu differs (%.9g against %.9g)", what, i, n, (double)a[i], (double)b[i]);
+    }
+    printf("# %-48s bit-identical (%zu values)\n", what, n);
+    free(a);
+    free(b);
+}
+
 /* ||out - ref|| / ||ref||; NaN or Inf anywhere in out gives INFINITY. */
 static inline double gt_rel_err(const float *out, const float *ref, size_t n)
 {

@@ -692,7 +692,7 @@ static void test_norm_prep(void **state)
 
             DSV4_OK(dsv4_cuda_rmsnorm(dx, dw, B, (int)in, eps, dn_ref, NULL));
             DSV4_OK(dsv4_cuda_gemm(&W.d, dn_ref, in, B, q, &nws, dy_ref, out, NULL));
-            DSV4_OK(dsv4_cuda_gemm_norm(&W.d, q, dx, dw, B, eps, &nws, dn, NULL));
+            DSV4_OK(dsv4_cuda_gemm_norm(&W.d, q, dx, NULL, dw, B, eps, &nws, dn, NULL));
             assert_ptr_equal(nws.prepared.x, dn);
             float *n_ref = gt_host_from(dn_ref, (size_t)B * in), *n_got = gt_host_from(dn, (size_t)B * in);
             assert_memory_equal(n_got, n_ref, sizeof(float) * B * in);
@@ -712,13 +712,112 @@ static void test_norm_prep(void **state)
         float *dx = gt_dev_poisoned((size_t)in), *dn = gt_dev_poisoned((size_t)in);
         make_linear(&W, DSV4_W_FP8, 256, in);
         assert_false(dsv4_cuda_gemm_norm_supports(&W.d, false));
-        assert_int_equal(dsv4_cuda_gemm_norm(&W.d, false, dx, NULL, 1, eps, &nws, dn, NULL), -EINVAL);
+        assert_int_equal(dsv4_cuda_gemm_norm(&W.d, false, dx, NULL, NULL, 1, eps, &nws, dn, NULL), -EINVAL);
         assert_null(nws.prepared.x);
         free_linear(&W);
         cudaFree(dx);
         cudaFree(dn);
     }
     cudaFree(nmem);
+}
+
+/* Results left pending (dsv4_cuda_gemm_deferred, as decode steps chain their linears): at 1, 5 and 64
+ * rows the partials reduced by dsv4_cuda_pending_flush are the plain call's y bit for bit, for FP8
+ * with quantized x (wq_a [1024, 4096], 16 splits), BF16 (the gate [256, 4096]) and the grouped FP8
+ * raw-x form; the deferred call writes nothing to y. A linear whose x is pending and the fused norm +
+ * preparation reading a pending x give what they give on the reduced x, bit for bit. A pending result
+ * read at another shape is refused (-EINVAL), and once the second split linear after it has reused
+ * its buffer every reader refuses it (-EFAULT). */
+static void check_deferred(const char *what, const struct dsv4_cuda_linear *W, int groups, bool q, int B)
+{
+    const int64_t k = W->in * groups;
+    float *x = malloc(sizeof(float) * B * k);
+    fill_activations(x, (size_t)B * k);
+    float *dx = gt_dev_copy(x, sizeof(float) * B * k), *dy_ref = gt_dev_poisoned((size_t)B * W->out);
+    float *dy = gt_dev_poisoned((size_t)B * W->out), *dsum = gt_dev_poisoned((size_t)B * W->out);
+    struct dsv4_cuda_pending p;
+    char line[128];
+
+    if (groups > 1) {
+        DSV4_OK(dsv4_cuda_gemm_grouped(W, groups, dx, k, B, &gemm_ws, dy_ref, W->out, NULL));
+        DSV4_OK(dsv4_cuda_gemm_grouped_deferred(W, groups, dx, k, B, &gemm_ws, dy, W->out, &p, NULL));
+    } else {
+        DSV4_OK(dsv4_cuda_gemm(W, dx, k, B, q, &gemm_ws, dy_ref, W->out, NULL));
+        DSV4_OK(dsv4_cuda_gemm_deferred(W, dx, NULL, k, B, q, false, &gemm_ws, dy, W->out, &p, NULL));
+    }
+    assert_true(p.splits > 1);
+    float *untouched = gt_host_from(dy, (size_t)B * W->out);
+    for (int64_t i = 0; i < B * W->out; i++)
+        if (!isnan(untouched[i]))
+            fail_msg("%s, %d rows: the deferred call wrote y[%lld]", what, B, (long long)i);
+    DSV4_OK(dsv4_cuda_pending_flush(&p, dsum, W->out, NULL));
+    snprintf(line, sizeof(line), "pending %s, %d rows (%d splits)", what, B, p.splits);
+    gt_assert_same(line, dsum, dy_ref, (size_t)B * W->out);
+    free(x); free(untouched);
+    cudaFree(dx); cudaFree(dy_ref); cudaFree(dy); cudaFree(dsum);
+}
+
+static void test_pending(void **state)
+{
+    static const int rows[] = { 1, 5, 64 };
+    const int64_t in = 4096, mid = 1024, out = 4096;
+    const float eps = 1e-6f;
+    struct pair A, Bw, G, O;
+
+    (void)state;
+    ws_open();
+    make_linear(&A, DSV4_W_FP8, mid, in);       /* wq_a: 16 splits */
+    make_linear(&Bw, DSV4_W_FP8, out, mid);     /* reads A's result: 4 splits */
+    make_linear(&G, DSV4_W_BF16, 256, in);      /* the gate */
+    make_linear(&O, DSV4_W_FP8, 256, 512);      /* wo_a's form: 2 groups of 128 rows */
+    for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++) {
+        const int B = rows[r];
+        check_deferred("fp8 [1024,4096] quantized x", &A.d, 1, true, B);
+        check_deferred("bf16 [256,4096]", &G.d, 1, false, B);
+        check_deferred("fp8 raw x, 2 groups [256,2x512]", &O.d, 2, false, B);
+
+        /* the chain: A's result pending, read by B's preparation and by the fused norm */
+        float *x = malloc(sizeof(float) * B * in), *nw = malloc(sizeof(float) * mid);
+        fill_activations(x, (size_t)B * in);
+        gt_fill_normal(nw, (size_t)mid, 0.1f);
+        for (int64_t i = 0; i < mid; i++)
+            nw[i] += 1.0f;
+        float *dx = gt_dev_copy(x, sizeof(float) * B * in), *dw = gt_dev_copy(nw, sizeof(float) * mid);
+        float *da_ref = gt_dev_poisoned((size_t)B * mid), *da = gt_dev_poisoned((size_t)B * mid);
+        float *db_ref = gt_dev_poisoned((size_t)B * out), *db = gt_dev_poisoned((size_t)B * out);
+        float *dn_ref = gt_dev_poisoned((size_t)B * mid), *dn = gt_dev_poisoned((size_t)B * mid);
+        float *dc_ref = gt_dev_poisoned((size_t)B * out), *dc = gt_dev_poisoned((size_t)B * out);
+        struct dsv4_cuda_pending p, pb;
+
+        DSV4_OK(dsv4_cuda_gemm(&A.d, dx, in, B, true, &gemm_ws, da_ref, mid, NULL));
+        DSV4_OK(dsv4_cuda_gemm(&Bw.d, da_ref, mid, B, true, &gemm_ws, db_ref, out, NULL));
+        DSV4_OK(dsv4_cuda_gemm_norm(&Bw.d, true, da_ref, NULL, dw, B, eps, &gemm_ws, dn_ref, NULL));
+        DSV4_OK(dsv4_cuda_gemm_same_x(&Bw.d, dn_ref, mid, B, true, &gemm_ws, dc_ref, out, NULL));
+
+        DSV4_OK(dsv4_cuda_gemm_deferred(&A.d, dx, NULL, in, B, true, false, &gemm_ws, da, mid, &p, NULL));
+        assert_int_equal(dsv4_cuda_pending_live(&p, B + 1, mid, "test"), -EINVAL);
+        DSV4_OK(dsv4_cuda_gemm_deferred(&Bw.d, da, &p, mid, B, true, false, &gemm_ws, db, out, &pb, NULL));
+        assert_true(pb.splits > 1);
+        DSV4_OK(dsv4_cuda_pending_live(&p, B, mid, "test"));        /* one linear since: still there */
+        DSV4_OK(dsv4_cuda_gemm_norm(&Bw.d, true, da, &p, dw, B, eps, &gemm_ws, dn, NULL));
+        DSV4_OK(dsv4_cuda_pending_flush(&pb, db, out, NULL));
+        DSV4_OK(dsv4_cuda_gemm_same_x(&Bw.d, dn, mid, B, true, &gemm_ws, dc, out, NULL));
+        gt_assert_same("pending x: the linear reading it", db, db_ref, (size_t)B * out);
+        gt_assert_same("pending x: fused norm's rows", dn, dn_ref, (size_t)B * mid);
+        gt_assert_same("pending x: fused norm's linear", dc, dc_ref, (size_t)B * out);
+
+        /* B's deferred call and the same_x call have reused both buffers since A wrote its partials */
+        assert_int_equal(dsv4_cuda_pending_live(&p, B, mid, "test"), -EFAULT);
+        assert_int_equal(dsv4_cuda_pending_flush(&p, da, mid, NULL), -EFAULT);
+        assert_int_equal(dsv4_cuda_gemm_deferred(&Bw.d, da, &p, mid, B, true, false, &gemm_ws, db, out, NULL, NULL),
+                         -EFAULT);
+        assert_int_equal(dsv4_cuda_gemm_norm(&Bw.d, true, da, &p, dw, B, eps, &gemm_ws, dn, NULL), -EFAULT);
+        free(x); free(nw);
+        cudaFree(dx); cudaFree(dw); cudaFree(da_ref); cudaFree(da); cudaFree(db_ref); cudaFree(db);
+        cudaFree(dn_ref); cudaFree(dn); cudaFree(dc_ref); cudaFree(dc);
+    }
+    free_linear(&A); free_linear(&Bw); free_linear(&G); free_linear(&O);
+    ws_close();
 }
 
 /* A strided view (a stacked transformers expert) is refused when misaligned, never misread. */
@@ -747,6 +846,7 @@ int main(void)
         cmocka_unit_test(test_same_x),
         cmocka_unit_test(test_prefill_rows),
         cmocka_unit_test(test_norm_prep),
+        cmocka_unit_test(test_pending),
         cmocka_unit_test(test_refuses_misaligned),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));

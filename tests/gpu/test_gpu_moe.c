@@ -53,7 +53,7 @@ static void check_router(int batch, int E, int topk, bool hash)
     dtok = gt_dev_copy(tokens, (size_t)batch * sizeof(int32_t));
     didx = (int32_t *)gt_dev_poisoned((size_t)batch * topk);
     dw = gt_dev_poisoned((size_t)batch * topk);
-    DSV4_OK(dsv4_cuda_router(dl, batch, E, topk, hash ? NULL : db, hash ? dt : NULL, dtok, 1.5f, didx, dw, NULL));
+    DSV4_OK(dsv4_cuda_router(dl, NULL, batch, E, topk, hash ? NULL : db, hash ? dt : NULL, dtok, 1.5f, didx, dw, NULL));
     w = gt_host_from(dw, (size_t)batch * topk);
     CUDA_OK(cudaMemcpy(idx, didx, (size_t)batch * topk * sizeof(int32_t), cudaMemcpyDeviceToHost));
     for (int i = 0; i < batch * topk; i++)
@@ -217,7 +217,7 @@ static float *fx_run_add(const struct fx *f, bool quant_act, const float *x, int
     float *dadd = add ? gt_dev_copy(add, (size_t)batch * f->D * sizeof(float)) : NULL;
     if (add) {
         DSV4_OK(dsv4_cuda_moe_routed(&ex, dx, batch, topk, didx, &ws, NULL));
-        DSV4_OK(dsv4_cuda_moe_combine(&ex, batch, topk, didx, dw, &ws, dadd, dy, NULL));
+        DSV4_OK(dsv4_cuda_moe_combine(&ex, batch, topk, didx, dw, &ws, dadd, NULL, dy, NULL));
     } else {
         DSV4_OK(dsv4_cuda_moe_experts(&ex, dx, batch, topk, didx, dw, &ws, dy, NULL));
     }
@@ -654,11 +654,79 @@ static void test_swiglu(void **state)
     dg = gt_dev_copy(g, N * sizeof(float));
     du = gt_dev_copy(u, N * sizeof(float));
     dh = gt_dev_poisoned(N);
-    DSV4_OK(dsv4_cuda_swiglu(dg, du, rows, n, 10.0f, dh, NULL));
+    DSV4_OK(dsv4_cuda_swiglu(dg, NULL, du, NULL, rows, n, 10.0f, dh, NULL));
     out = gt_host_from(dh, N);
     ASSERT_REL("swiglu clamp 10 [64,2048]", out, ref, N, SWIGLU_BOUND);
     cudaFree(dg); cudaFree(du); cudaFree(dh);
     free(g); free(u); free(ref); free(out);
+}
+
+/* Readers of a pending linear result (struct dsv4_cuda_pending: 13 splits): the router on the gate's
+ * logits, SwiGLU on the shared expert's w1 and w3 results, the combine adding the shared expert's
+ * output; each bit for bit what it makes of the reduced values. */
+static void test_pending_readers(void **state)
+{
+    static const int rows[] = { 1, 5, 64 };
+    const int E = 256, topk = 6, I = 2048, D = 4096;
+    struct dsv4_cuda_gemm_ws ws, ws2;
+
+    (void)state;
+    for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++) {
+        const int B = rows[r];
+        float *dsum, *dsum2;
+        float *bias = malloc(sizeof(float) * E);
+        gt_fill_normal(bias, (size_t)E, 0.1f);
+        float *db = gt_dev_copy(bias, sizeof(float) * E);
+        struct dsv4_cuda_pending p = gt_pending(&ws, 13, B, E, 2.0f, &dsum);
+        int32_t *didx_ref = (int32_t *)gt_dev_poisoned((size_t)B * topk), *didx = (int32_t *)gt_dev_poisoned((size_t)B * topk);
+        float *dw_ref = gt_dev_poisoned((size_t)B * topk), *dw = gt_dev_poisoned((size_t)B * topk);
+        float *dl = gt_dev_poisoned((size_t)B * E);
+        DSV4_OK(dsv4_cuda_router(dsum, NULL, B, E, topk, db, NULL, NULL, 1.5f, didx_ref, dw_ref, NULL));
+        DSV4_OK(dsv4_cuda_router(dl, &p, B, E, topk, db, NULL, NULL, 1.5f, didx, dw, NULL));
+        int32_t *idx_ref = malloc(sizeof(int32_t) * B * topk), *idx_got = malloc(sizeof(int32_t) * B * topk);
+        CUDA_OK(cudaMemcpy(idx_ref, didx_ref, sizeof(int32_t) * B * topk, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(idx_got, didx, sizeof(int32_t) * B * topk, cudaMemcpyDeviceToHost));
+        assert_memory_equal(idx_got, idx_ref, sizeof(int32_t) * B * topk);
+        free(idx_ref);
+        free(idx_got);
+        gt_assert_same("router: weights from pending logits", dw, dw_ref, (size_t)B * topk);
+        assert_int_equal(dsv4_cuda_router(dl, &p, B, E / 2, topk, db, NULL, NULL, 1.5f, didx, dw, NULL), -EINVAL);
+        cudaFree((void *)p.part); cudaFree(dsum); cudaFree(db); cudaFree(didx_ref); cudaFree(didx);
+        cudaFree(dw_ref); cudaFree(dw); cudaFree(dl);
+        free(bias);
+
+        struct dsv4_cuda_pending pg = gt_pending(&ws, 13, B, I, 8.0f, &dsum), pu = gt_pending(&ws2, 13, B, I, 8.0f, &dsum2);
+        float *dh_ref = gt_dev_poisoned((size_t)B * I), *dh = gt_dev_poisoned((size_t)B * I);
+        float *dg = gt_dev_poisoned((size_t)B * I), *du = gt_dev_poisoned((size_t)B * I);
+        DSV4_OK(dsv4_cuda_swiglu(dsum, NULL, dsum2, NULL, B, I, 10.0f, dh_ref, NULL));
+        DSV4_OK(dsv4_cuda_swiglu(dg, &pg, du, &pu, B, I, 10.0f, dh, NULL));
+        gt_assert_same("swiglu of pending w1 and w3 results", dh, dh_ref, (size_t)B * I);
+        cudaFree((void *)pg.part); cudaFree((void *)pu.part); cudaFree(dsum); cudaFree(dsum2);
+        cudaFree(dh_ref); cudaFree(dh); cudaFree(dg); cudaFree(du);
+
+        /* the combine: the routed rows' outputs, weights and choices are random; add is pending */
+        const size_t P = (size_t)B * topk;
+        struct dsv4_cuda_experts ex = { .n_experts = E, .dim = D };
+        struct dsv4_cuda_moe_ws mws = { 0 };
+        float *out = malloc(P * D * sizeof(float)), *w = malloc(P * sizeof(float));
+        int32_t *idx = malloc(P * sizeof(int32_t));
+        gt_fill_normal(out, P * D, 1.0f);
+        gt_fill_normal(w, P, 1.0f);
+        for (size_t i = 0; i < P; i++)
+            idx[i] = (int32_t)(gt_u64() % (E + 8)) - 4;     /* a few invalid: skipped */
+        mws.d_out = gt_dev_copy(out, P * D * sizeof(float));
+        float *dwt = gt_dev_copy(w, P * sizeof(float));
+        int32_t *di = gt_dev_copy(idx, P * sizeof(int32_t));
+        float *dy_ref = gt_dev_poisoned((size_t)B * D), *dy = gt_dev_poisoned((size_t)B * D);
+        float *dadd = gt_dev_poisoned((size_t)B * D);
+        p = gt_pending(&ws, 13, B, D, 1.0f, &dsum);
+        DSV4_OK(dsv4_cuda_moe_combine(&ex, B, topk, di, dwt, &mws, dsum, NULL, dy_ref, NULL));
+        DSV4_OK(dsv4_cuda_moe_combine(&ex, B, topk, di, dwt, &mws, dadd, &p, dy, NULL));
+        gt_assert_same("combine adding a pending shared-expert output", dy, dy_ref, (size_t)B * D);
+        cudaFree((void *)p.part); cudaFree(dsum); cudaFree(mws.d_out); cudaFree(dwt); cudaFree(di);
+        cudaFree(dy_ref); cudaFree(dy); cudaFree(dadd);
+        free(out); free(w); free(idx);
+    }
 }
 
 int main(void)
@@ -670,6 +738,7 @@ int main(void)
         cmocka_unit_test(test_experts_flash),
         cmocka_unit_test(test_experts_prefill),
         cmocka_unit_test(test_swiglu),
+        cmocka_unit_test(test_pending_readers),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
 }

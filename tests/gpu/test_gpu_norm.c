@@ -72,14 +72,64 @@ static void check_rmsnorm_rope(int tokens, int heads, int n, int rd, bool weight
     dw = gt_dev_copy(w, (size_t)n * sizeof(float));
     dinv = gt_dev_copy(rope.inv_freq, (size_t)(rd / 2) * sizeof(float));
     dpos = gt_dev_copy(pos, (size_t)tokens * sizeof(int32_t));
-    DSV4_OK(dsv4_cuda_rmsnorm_rope(dx, weighted ? dw : NULL, rows, n, 1e-6f, heads, rd, dpos, dinv, dx, NULL));
+    DSV4_OK(dsv4_cuda_rmsnorm_rope(dx, NULL, weighted ? dw : NULL, rows, n, 1e-6f, heads, rd, dpos, dinv, dx, NULL));
     out = gt_host_from(dx, N);
     snprintf(what, sizeof(what), "rmsnorm+rope%s [%d tokens x %d, %d], rope %d", weighted ? "" : " unweighted",
              tokens, heads, n, rd);
     ASSERT_REL(what, out, ref, N, FP32_BOUND);
-    assert_int_equal(dsv4_cuda_rmsnorm_rope(dx, NULL, rows, n, 1e-6f, heads, n + 2, dpos, dinv, dx, NULL), -EINVAL);
+    assert_int_equal(dsv4_cuda_rmsnorm_rope(dx, NULL, NULL, rows, n, 1e-6f, heads, n + 2, dpos, dinv, dx, NULL), -EINVAL);
     cudaFree(dx); cudaFree(dw); cudaFree(dinv); cudaFree(dpos);
     free(x); free(w); free(ref); free(out); free(pos);
+}
+
+/* Readers of a pending linear result (struct dsv4_cuda_pending: 13 splits, so both the grouped and
+ * the trailing loads of the sum run): RMSNorm + RoPE of wkv's result, mHC post of a sublayer's output,
+ * each bit for bit what it makes of the reduced values, and refusing a pending result of another shape. */
+static void test_pending_readers(void **state)
+{
+    static const int rows[] = { 1, 5, 64 };
+    const int n = 512, rd = 64, hc = 4, dim = 4096;
+    struct dsv4_cuda_gemm_ws ws;
+
+    (void)state;
+    for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++) {
+        const int B = rows[r];
+        float *dsum, *w = malloc(sizeof(float) * n), *inv = malloc(sizeof(float) * rd / 2);
+        int32_t *pos = malloc(sizeof(int32_t) * B);
+        gt_fill_normal(w, (size_t)n, 1.0f);
+        for (int i = 0; i < rd / 2; i++)
+            inv[i] = powf(10000.0f, -2.0f * (float)i / (float)rd);
+        for (int b = 0; b < B; b++)
+            pos[b] = (int32_t)(gt_u64() % 65536);
+        float *dw = gt_dev_copy(w, sizeof(float) * n), *dinv = gt_dev_copy(inv, sizeof(float) * rd / 2);
+        int32_t *dpos = gt_dev_copy(pos, sizeof(int32_t) * B);
+        struct dsv4_cuda_pending p = gt_pending(&ws, 13, B, n, 1.0f, &dsum);
+        float *dy = gt_dev_poisoned((size_t)B * n);
+        DSV4_OK(dsv4_cuda_rmsnorm_rope(dsum, NULL, dw, B, n, 1e-6f, 1, rd, dpos, dinv, dsum, NULL));
+        DSV4_OK(dsv4_cuda_rmsnorm_rope(dy, &p, dw, B, n, 1e-6f, 1, rd, dpos, dinv, dy, NULL));
+        gt_assert_same("rmsnorm+rope of a pending kv", dy, dsum, (size_t)B * n);
+        assert_int_equal(dsv4_cuda_rmsnorm_rope(dy, &p, dw, B * 2, n / 2, 1e-6f, 1, rd, dpos, dinv, dy, NULL), -EINVAL);
+        cudaFree((void *)p.part); cudaFree(dsum); cudaFree(dy); cudaFree(dw); cudaFree(dinv); cudaFree(dpos);
+        free(w); free(inv); free(pos);
+
+        const size_t NX = (size_t)B * hc * dim;
+        float *X = malloc(NX * sizeof(float)), *post = malloc(sizeof(float) * B * hc);
+        float *comb = malloc(sizeof(float) * B * hc * hc);
+        gt_fill_normal(X, NX, 1.0f);
+        gt_fill_normal(post, (size_t)B * hc, 1.0f);
+        gt_fill_normal(comb, (size_t)B * hc * hc, 0.5f);
+        float *dX = gt_dev_copy(X, NX * sizeof(float)), *dpost = gt_dev_copy(post, sizeof(float) * B * hc);
+        float *dcomb = gt_dev_copy(comb, sizeof(float) * B * hc * hc);
+        float *dXo_ref = gt_dev_poisoned(NX), *dXo = gt_dev_poisoned(NX), *df = gt_dev_poisoned((size_t)B * dim);
+        p = gt_pending(&ws, 13, B, dim, 1.0f, &dsum);
+        DSV4_OK(dsv4_cuda_mhc_post(dX, dsum, NULL, dpost, dcomb, B, hc, dim, dXo_ref, NULL));
+        DSV4_OK(dsv4_cuda_mhc_post(dX, df, &p, dpost, dcomb, B, hc, dim, dXo, NULL));
+        gt_assert_same("mhc_post of a pending sublayer output", dXo, dXo_ref, NX);
+        assert_int_equal(dsv4_cuda_mhc_post(dX, df, &p, dpost, dcomb, B, hc, dim / 2, dXo, NULL), -EINVAL);
+        cudaFree((void *)p.part); cudaFree(dsum); cudaFree(dX); cudaFree(dpost); cudaFree(dcomb);
+        cudaFree(dXo_ref); cudaFree(dXo); cudaFree(df);
+        free(X); free(post); free(comb);
+    }
 }
 
 static void test_rmsnorm_rope(void **state)
@@ -137,7 +187,7 @@ static void check_mhc(int batch, int hc, int dim, int iters)
     free(out);
     CUDA_OK(cudaMemcpy(dpost, rpost, (size_t)batch * hc * sizeof(float), cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(dcomb, rcomb, (size_t)batch * hc * hc * sizeof(float), cudaMemcpyHostToDevice));
-    DSV4_OK(dsv4_cuda_mhc_post(dX, df, dpost, dcomb, batch, hc, dim, dXo, NULL));
+    DSV4_OK(dsv4_cuda_mhc_post(dX, df, NULL, dpost, dcomb, batch, hc, dim, dXo, NULL));
     out = gt_host_from(dXo, NX);
     snprintf(what, sizeof(what), "mhc_post hc=%d [%d,%d]", hc, batch, dim);
     ASSERT_REL(what, out, rXo, NX, FP32_BOUND);
@@ -337,6 +387,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rmsnorm_rope),
+        cmocka_unit_test(test_pending_readers),
         cmocka_unit_test(test_mhc),
         cmocka_unit_test(test_mhc_fn_pre),
         cmocka_unit_test(test_hc_head),
