@@ -53,6 +53,8 @@
 #define GEMM_STAGES_MAX 4           /* 192 KB at fp8raw x 64 rows: sm_90 / sm_100 (227 KB a block) */
 #define GEMM_STAGES_MIN 2           /* 96 KB: every device with 99 KB or more */
 #define GEMM_STAGES_WALK 3          /* one n8 tile, one CTA walking all of a long K: 4 CTAs an SM (54 KB each) */
+#define GEMM_STAGES_WALK_WIDE 3     /* 2-8 n8 tiles walking all of a long K (the head at batch 2-64): 2 CTAs
+                                     * an SM at 64 rows (96 KB each) where 4 stages allow one */
 #define GEMM_WALK_TILES 16          /* k-tiles a CTA walks from which GEMM_STAGES_WALK applies (the head: 64) */
 #define GEMM_TARGET_CTAS 256        /* split K until tiles x splits reaches this */
 #define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
@@ -447,6 +449,15 @@ static int prepare_one()
     return 0;
 }
 
+/* the kernels of MODE for long single-split walks of 2, 4 and 8 n8 tiles */
+template <int MODE>
+static int prepare_walk_wide()
+{
+    int rc = prepare_one<MODE, 2, GEMM_STAGES_WALK_WIDE>();
+    rc = rc ? rc : prepare_one<MODE, 4, GEMM_STAGES_WALK_WIDE>();
+    return rc ? rc : prepare_one<MODE, GEMM_MAX_NT, GEMM_STAGES_WALK_WIDE>();
+}
+
 /* the prefill (SEQ) kernels of MODE: row blocks of 8, 16, 32 and 64 */
 template <int MODE, int STAGES>
 static int prepare_seq()
@@ -505,7 +516,8 @@ extern "C" int dsv4_cuda_gemm_prepare(void)
     gemm_wg = sw.gemm_wgmma && !gemm_wg_why_not;
     gemm_direct = sw.gemm_direct;
     if ((rc = prepare_one<GEMM_FP8, 1, GEMM_STAGES_WALK>()) < 0 || (rc = prepare_one<GEMM_FP8RAW, 1, GEMM_STAGES_WALK>()) < 0 ||
-        (rc = prepare_one<GEMM_BF16, 1, GEMM_STAGES_WALK>()) < 0)
+        (rc = prepare_one<GEMM_BF16, 1, GEMM_STAGES_WALK>()) < 0 || (rc = prepare_walk_wide<GEMM_FP8>()) < 0 ||
+        (rc = prepare_walk_wide<GEMM_FP8RAW>()) < 0 || (rc = prepare_walk_wide<GEMM_BF16>()) < 0)
         return rc;
     if ((rc = gemm_direct_prepare()) < 0)
         return rc;
@@ -549,6 +561,9 @@ static int launch(gemm_args a, cudaStream_t s, const char *name)
     if (NT == 1 && !SEQ && gemm_stages == GEMM_STAGES_MAX && a.splits == 1 && a.per >= GEMM_WALK_TILES)
         dsv4_launch(gemm_kernel<MODE, 1, GEMM_STAGES_WALK, false>, grid, GEMM_THREADS,
                     GEMM_STAGES_WALK * stage_bytes(MODE, 1), s, a);
+    else if (NT > 1 && !SEQ && gemm_stages == GEMM_STAGES_MAX && a.splits == 1 && a.per >= GEMM_WALK_TILES)
+        dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_WALK_WIDE, false>, grid, GEMM_THREADS,
+                    GEMM_STAGES_WALK_WIDE * stage_bytes(MODE, NT), s, a);
     else if (gemm_stages == GEMM_STAGES_MAX)
         dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_MAX, SEQ>, grid, GEMM_THREADS,
                     GEMM_STAGES_MAX * stage_bytes(MODE, NT), s, a);

@@ -6,14 +6,15 @@
 
 #define ROUTE_COUNT_THREADS 256
 
-/* One thread per (row, choice); padding rows of a bucket (the extra slot) are not tokens. */
+/* One thread per (row, choice); padding rows of a bucket (the extra slot) are not tokens, and a choice
+ * of -1 (the router skips a pair whose scores are NaN) names no expert. */
 __global__ void __launch_bounds__(ROUTE_COUNT_THREADS)
 route_count_kernel(const int32_t *__restrict__ idx, int pairs, int topk, const int32_t *__restrict__ slot,
                    int pad_slot, unsigned long long *__restrict__ counts)
 {
     dsv4_pdl_enter();
     const int i = blockIdx.x * ROUTE_COUNT_THREADS + threadIdx.x;
-    if (i < pairs && slot[i / topk] != pad_slot)
+    if (i < pairs && slot[i / topk] != pad_slot && idx[i] >= 0)
         atomicAdd(&counts[idx[i]], 1ull);
 }
 

@@ -721,6 +721,58 @@ static void test_norm_prep(void **state)
     cudaFree(nmem);
 }
 
+/* The head's shape [129280, 4096] BF16, one split of 64 k-tiles a CTA: at 9, 17 and 64 rows (the
+ * 2-, 4- and 8-tile walks, GEMM_STAGES_WALK_WIDE deep) every row is bit for bit the row computed alone
+ * (the one-tile walk, which test_linears checks against the twin), and rows 0 and 63 are within
+ * LINEAR_BOUND of the twin. */
+static void test_head_rows(void **state)
+{
+    static const int batches_wide[] = { 9, 17, 64 };
+    const int64_t out = 129280, in = 4096;
+    const int bmax = 64;
+    struct pair W;
+    float *x = malloc(sizeof(float) * bmax * in), *row = malloc(sizeof(float) * in);
+    float *ref = malloc(sizeof(float) * 2 * out);
+
+    (void)state;
+    ws_open();
+    make_linear(&W, DSV4_W_BF16, out, in);
+    fill_activations(x, (size_t)bmax * in);
+    for (int64_t r = 0; r < out; r++) {
+        dsv4_twin_linear_row(&W.h, r, row);
+        for (int j = 0; j < 2; j++) {
+            const float *xb = x + (size_t)(j ? bmax - 1 : 0) * in;
+            double acc = 0.0;
+            for (int64_t k = 0; k < in; k++)
+                acc += (double)row[k] * xb[k];
+            ref[(size_t)j * out + r] = (float)acc;
+        }
+    }
+    float *dx = gt_dev_copy(x, sizeof(float) * bmax * in), *dalone = gt_dev_poisoned((size_t)bmax * out);
+    for (int b = 0; b < bmax; b++)
+        DSV4_OK(dsv4_cuda_gemm(&W.d, dx + (size_t)b * in, in, 1, false, &gemm_ws, dalone + (size_t)b * out, out, NULL));
+    for (size_t i = 0; i < sizeof(batches_wide) / sizeof(batches_wide[0]); i++) {
+        const int B = batches_wide[i];
+        char what[96];
+        float *dy = gt_dev_poisoned((size_t)B * out);
+        DSV4_OK(dsv4_cuda_gemm(&W.d, dx, in, B, false, &gemm_ws, dy, out, NULL));
+        snprintf(what, sizeof(what), "bf16 head [129280,4096], %d rows against each alone", B);
+        gt_assert_same(what, dy, dalone, (size_t)B * out);
+        if (B == bmax) {
+            float *y = gt_host_from(dy, (size_t)B * out);
+            ASSERT_REL("bf16 head, 64 rows: row 0 against the twin", y, ref, (size_t)out, LINEAR_BOUND);
+            ASSERT_REL("bf16 head, 64 rows: row 63 against the twin", y + (size_t)63 * out, ref + out, (size_t)out,
+                       LINEAR_BOUND);
+            free(y);
+        }
+        cudaFree(dy);
+    }
+    cudaFree(dx); cudaFree(dalone);
+    free(x); free(row); free(ref);
+    free_linear(&W);
+    ws_close();
+}
+
 /* Results left pending (dsv4_cuda_gemm_deferred, as decode steps chain their linears): at 1, 5 and 64
  * rows the partials reduced by dsv4_cuda_pending_flush are the plain call's y bit for bit, for FP8
  * with quantized x (wq_a [1024, 4096], 16 splits), BF16 (the gate [256, 4096]) and the grouped FP8
@@ -847,6 +899,7 @@ int main(void)
         cmocka_unit_test(test_prefill_rows),
         cmocka_unit_test(test_norm_prep),
         cmocka_unit_test(test_pending),
+        cmocka_unit_test(test_head_rows),
         cmocka_unit_test(test_refuses_misaligned),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));

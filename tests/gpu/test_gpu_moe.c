@@ -661,6 +661,42 @@ static void test_swiglu(void **state)
     free(g); free(u); free(ref); free(out);
 }
 
+/* Routing statistics: counts[e] += the pairs choosing e, padding rows (the pad slot) and skipped
+ * pairs (-1, NaN scores) left out; the counts accumulate over launches. */
+static void test_route_count(void **state)
+{
+    const int E = 256, topk = 6, batch = 37, pad = 64;
+    int32_t idx[37 * 6], slot[37];
+    uint64_t want[256] = { 0 }, got[256];
+
+    (void)state;
+    for (int b = 0; b < batch; b++)
+        slot[b] = b % 5 == 4 ? pad : b;
+    for (int i = 0; i < batch * topk; i++)
+        idx[i] = i % 11 == 3 ? -1 : (int32_t)(gt_u64() % E);
+    for (int rep = 0; rep < 2; rep++)
+        for (int i = 0; i < batch * topk; i++)
+            if (slot[i / topk] != pad && idx[i] >= 0)
+                want[idx[i]]++;
+    int32_t *didx = gt_dev_copy(idx, sizeof(idx)), *dslot = gt_dev_copy(slot, sizeof(slot));
+    uint64_t *dcounts = NULL;
+    CUDA_OK(cudaMalloc((void **)&dcounts, (E + 2) * sizeof(uint64_t)));
+    CUDA_OK(cudaMemset(dcounts, 0, (E + 2) * sizeof(uint64_t)));
+    for (int rep = 0; rep < 2; rep++)   /* counts[0] and counts[E + 1] guard the table's ends */
+        DSV4_OK(dsv4_cuda_route_count(didx, batch, topk, dslot, pad, dcounts + 1, NULL));
+    uint64_t guard[2];
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(got, dcounts + 1, sizeof(got), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&guard[0], dcounts, sizeof(uint64_t), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&guard[1], dcounts + E + 1, sizeof(uint64_t), cudaMemcpyDeviceToHost));
+    assert_memory_equal(got, want, sizeof(want));
+    assert_int_equal(guard[0], 0);
+    assert_int_equal(guard[1], 0);
+    printf("# route counts: %d rows x %d twice, padding rows and skipped pairs left out, as the host counts\n",
+           batch, topk);
+    cudaFree(didx); cudaFree(dslot); cudaFree(dcounts);
+}
+
 /* Readers of a pending linear result (struct dsv4_cuda_pending: 13 splits): the router on the gate's
  * logits, SwiGLU on the shared expert's w1 and w3 results, the combine adding the shared expert's
  * output; each bit for bit what it makes of the reduced values. */
@@ -739,6 +775,7 @@ int main(void)
         cmocka_unit_test(test_experts_prefill),
         cmocka_unit_test(test_swiglu),
         cmocka_unit_test(test_pending_readers),
+        cmocka_unit_test(test_route_count),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));
 }
