@@ -220,7 +220,8 @@ int dsv4_cuda_gemv(const struct dsv4_cuda_linear *W, const float *d_x, int64_t l
  * call; above it (prefill chunks) each block of 64 rows is a CTA of its own beside the others that
  * share its weight tile (read once from memory, then from L2). K is split by a count that depends
  * only on W's shape and the splits' partial sums are added in a fixed order (by a reduction launch,
- * or above DSV4_CUDA_MAX_BATCH rows inside the CTA that walks every split), so each row's result is
+ * by the kernel that reads a result left pending (struct dsv4_cuda_pending below), or above
+ * DSV4_CUDA_MAX_BATCH rows inside the CTA that walks every split), so each row's result is
  * the same bits whatever the batch. The workspace is carved once at boot for `rows` rows of width
  * up to `max_k`. */
 #define DSV4_CUDA_GEMM_PART_FLOATS_PER_ROW 65536   /* split-K partials per row: splits x out */
