@@ -52,10 +52,7 @@
 
 #define GEMM_STAGES_MAX 4           /* 192 KB at fp8raw x 64 rows: sm_90 / sm_100 (227 KB a block) */
 #define GEMM_STAGES_MIN 2           /* 96 KB: every device with 99 KB or more */
-#define GEMM_STAGES_WALK 3          /* one n8 tile, one CTA walking all of a long K: 4 CTAs an SM (54 KB each) */
-#define GEMM_STAGES_WALK_WIDE 3     /* 2-8 n8 tiles walking all of a long K (the head at batch 2-64): 2 CTAs
-                                     * an SM at 64 rows (96 KB each) where 4 stages allow one */
-#define GEMM_WALK_TILES 16          /* k-tiles a CTA walks from which GEMM_STAGES_WALK applies (the head: 64) */
+#define GEMM_WALK_TILES 16          /* k-tiles a CTA walks from which walk_stages applies (the head: 64) */
 #define GEMM_TARGET_CTAS 256        /* split K until tiles x splits reaches this */
 #define GEMM_MIN_TILES_PER_SPLIT 2  /* keep the pipeline busy in every CTA */
 #define GEMM_MAX_NT (DSV4_CUDA_MAX_BATCH / 8)
@@ -332,8 +329,15 @@ gemm_norm_prep_kernel(const float *__restrict__ x, const dsv4_cuda_pending px, c
     const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
     float *yr = y + n * k;
 
-    for (int i = threadIdx.x; i < k; i += NORM_THREADS)
-        xs[i] = pending_at(px, x, n * k + i);
+    for (int i0 = threadIdx.x; i0 < k; i0 += PENDING_VALUES * NORM_THREADS) {
+        float v[PENDING_VALUES];        /* columns i0 + j NORM_THREADS, their loads in flight together */
+        const int m = min(PENDING_VALUES, (k - i0 + NORM_THREADS - 1) / NORM_THREADS);
+        pending_at_n(px, x, n * k + i0, NORM_THREADS, m, v);
+#pragma unroll
+        for (int j = 0; j < PENDING_VALUES; j++)
+            if (j < m)
+                xs[i0 + j * NORM_THREADS] = v[j];
+    }
     __syncthreads();
     const float r = rmsnorm_row_scale(xs, k, eps);
 
@@ -449,13 +453,24 @@ static int prepare_one()
     return 0;
 }
 
-/* the kernels of MODE for long single-split walks of 2, 4 and 8 n8 tiles */
-template <int MODE>
-static int prepare_walk_wide()
+/* Ring depth of a CTA walking all of a long K (one split of GEMM_WALK_TILES or more: the head) with NT
+ * n8 tiles, where GEMM_STAGES_MAX would allow fewer CTAs an SM. Measured on the H200 (dsv4-bench, the
+ * BF16 head [129280, 4096]): at batch 1 3 stages (4 CTAs an SM) 264 us against 275 with 4; at batch 64
+ * 2 stages (64 KB, 3 CTAs an SM) made the 4-layer step 2% faster than 3 (96 KB, 2 CTAs), at batch 16
+ * 3 stages (60 KB, 3 CTAs) 0.6% faster than 2. */
+static constexpr int walk_stages(int nt)
 {
-    int rc = prepare_one<MODE, 2, GEMM_STAGES_WALK_WIDE>();
-    rc = rc ? rc : prepare_one<MODE, 4, GEMM_STAGES_WALK_WIDE>();
-    return rc ? rc : prepare_one<MODE, GEMM_MAX_NT, GEMM_STAGES_WALK_WIDE>();
+    return nt == GEMM_MAX_NT ? 2 : 3;
+}
+
+/* the kernels of MODE for long single-split walks of 1, 2, 4 and 8 n8 tiles */
+template <int MODE>
+static int prepare_walk()
+{
+    int rc = prepare_one<MODE, 1, walk_stages(1)>();
+    rc = rc ? rc : prepare_one<MODE, 2, walk_stages(2)>();
+    rc = rc ? rc : prepare_one<MODE, 4, walk_stages(4)>();
+    return rc ? rc : prepare_one<MODE, GEMM_MAX_NT, walk_stages(GEMM_MAX_NT)>();
 }
 
 /* the prefill (SEQ) kernels of MODE: row blocks of 8, 16, 32 and 64 */
@@ -515,9 +530,8 @@ extern "C" int dsv4_cuda_gemm_prepare(void)
         return rc;
     gemm_wg = sw.gemm_wgmma && !gemm_wg_why_not;
     gemm_direct = sw.gemm_direct;
-    if ((rc = prepare_one<GEMM_FP8, 1, GEMM_STAGES_WALK>()) < 0 || (rc = prepare_one<GEMM_FP8RAW, 1, GEMM_STAGES_WALK>()) < 0 ||
-        (rc = prepare_one<GEMM_BF16, 1, GEMM_STAGES_WALK>()) < 0 || (rc = prepare_walk_wide<GEMM_FP8>()) < 0 ||
-        (rc = prepare_walk_wide<GEMM_FP8RAW>()) < 0 || (rc = prepare_walk_wide<GEMM_BF16>()) < 0)
+    if ((rc = prepare_walk<GEMM_FP8>()) < 0 || (rc = prepare_walk<GEMM_FP8RAW>()) < 0 ||
+        (rc = prepare_walk<GEMM_BF16>()) < 0)
         return rc;
     if ((rc = gemm_direct_prepare()) < 0)
         return rc;
@@ -556,14 +570,10 @@ static int launch(gemm_args a, cudaStream_t s, const char *name)
     const dim3 grid = SEQ ? dim3((unsigned)((a.rows + NT * 8 - 1) / (NT * 8)), tiles)
                           : dim3(tiles, (unsigned)a.splits);
     gemm_set_prefetch(&a, (int64_t)grid.x * grid.y, gemm_sms, SEQ ? a.nkt : a.per, gemm_prefetch);
-    /* Measured on the H200 (dsv4-bench --batch 1): the BF16 head [129280, 4096] (one split of 64 k-tiles
-     * a CTA) 264 us with 3 stages against 275 with 4; the shorter walks were as fast or faster with 4 */
-    if (NT == 1 && !SEQ && gemm_stages == GEMM_STAGES_MAX && a.splits == 1 && a.per >= GEMM_WALK_TILES)
-        dsv4_launch(gemm_kernel<MODE, 1, GEMM_STAGES_WALK, false>, grid, GEMM_THREADS,
-                    GEMM_STAGES_WALK * stage_bytes(MODE, 1), s, a);
-    else if (NT > 1 && !SEQ && gemm_stages == GEMM_STAGES_MAX && a.splits == 1 && a.per >= GEMM_WALK_TILES)
-        dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_WALK_WIDE, false>, grid, GEMM_THREADS,
-                    GEMM_STAGES_WALK_WIDE * stage_bytes(MODE, NT), s, a);
+    /* the shorter walks were as fast or faster with GEMM_STAGES_MAX */
+    if (!SEQ && gemm_stages == GEMM_STAGES_MAX && a.splits == 1 && a.per >= GEMM_WALK_TILES)
+        dsv4_launch(gemm_kernel<MODE, NT, walk_stages(NT), false>, grid, GEMM_THREADS,
+                    walk_stages(NT) * stage_bytes(MODE, NT), s, a);
     else if (gemm_stages == GEMM_STAGES_MAX)
         dsv4_launch(gemm_kernel<MODE, NT, GEMM_STAGES_MAX, SEQ>, grid, GEMM_THREADS,
                     GEMM_STAGES_MAX * stage_bytes(MODE, NT), s, a);

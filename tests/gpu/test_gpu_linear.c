@@ -722,7 +722,7 @@ static void test_norm_prep(void **state)
 }
 
 /* The head's shape [129280, 4096] BF16, one split of 64 k-tiles a CTA: at 9, 17 and 64 rows (the
- * 2-, 4- and 8-tile walks, GEMM_STAGES_WALK_WIDE deep) every row is bit for bit the row computed alone
+ * 2-, 4- and 8-tile walks, walk_stages deep in gemm.cu) every row is bit for bit the row computed alone
  * (the one-tile walk, which test_linears checks against the twin), and rows 0 and 63 are within
  * LINEAR_BOUND of the twin. */
 static void test_head_rows(void **state)
