@@ -329,15 +329,8 @@ gemm_norm_prep_kernel(const float *__restrict__ x, const dsv4_cuda_pending px, c
     const int lane = threadIdx.x % DSV4_CUDA_WARP, warp = threadIdx.x / DSV4_CUDA_WARP;
     float *yr = y + n * k;
 
-    for (int i0 = threadIdx.x; i0 < k; i0 += PENDING_VALUES * NORM_THREADS) {
-        float v[PENDING_VALUES];        /* columns i0 + j NORM_THREADS, their loads in flight together */
-        const int m = min(PENDING_VALUES, (k - i0 + NORM_THREADS - 1) / NORM_THREADS);
-        pending_at_n(px, x, n * k + i0, NORM_THREADS, m, v);
-#pragma unroll
-        for (int j = 0; j < PENDING_VALUES; j++)
-            if (j < m)
-                xs[i0 + j * NORM_THREADS] = v[j];
-    }
+    for (int i = threadIdx.x; i < k; i += NORM_THREADS)
+        xs[i] = pending_at(px, x, n * k + i);
     __syncthreads();
     const float r = rmsnorm_row_scale(xs, k, eps);
 

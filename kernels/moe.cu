@@ -28,8 +28,8 @@
 #define MOE_ROWS 8              /* warps (weight rows) per block */
 #define MOE_NB 8                /* tokens per pass over a weight row */
 #define MOE_MAX_EXPERTS 1024    /* router and grouping keep per-expert arrays in shared memory */
-#define ROUTER_THREADS 256      /* a token's scores by the block (one logit a thread: pending logits are
-                                 * sums over up to 32 splits), its choices by warp 0 */
+#define ROUTER_THREADS_PENDING 256   /* a token's scores from pending logits (sums over up to 32 splits):
+                                     * one logit a thread; else one warp reads them */
 
 static __device__ __forceinline__ float sqrt_softplus(float l)
 {
@@ -45,11 +45,11 @@ static __device__ __forceinline__ float swiglu(float g, float u, float limit)
     return g / (1.0f + expf(-g)) * u;
 }
 
-/* One block per token. Shared: scores [E], selection values [E], made by the whole block; then warp
- * 0 chooses. Lane j keeps the j-th choice in a register and writes its index and weight: nothing is
- * read back from global memory (a serial round trip per choice was most of this kernel's time at
- * batch 1). */
-__global__ void __launch_bounds__(ROUTER_THREADS)
+/* One block per token (a warp, or ROUTER_THREADS_PENDING threads for pending logits). Shared: scores
+ * [E], selection values [E], made by the whole block; then warp 0 chooses. Lane j keeps the j-th choice
+ * in a register and writes its index and weight: nothing is read back from global memory (a serial
+ * round trip per choice was most of this kernel's time at batch 1). */
+__global__ void __launch_bounds__(ROUTER_THREADS_PENDING)
 router_kernel(const float *__restrict__ logits, const dsv4_cuda_pending pl, int n_experts, int topk,
               const float *__restrict__ bias, const int32_t *__restrict__ tid2eid,
               const int32_t *__restrict__ tokens, float route_scale, int32_t *__restrict__ idx,
@@ -62,7 +62,7 @@ router_kernel(const float *__restrict__ logits, const dsv4_cuda_pending pl, int 
     float sum = 0.0f;
     int mine = -1;          /* lane j < topk: choice j */
 
-    for (int e = threadIdx.x; e < n_experts; e += ROUTER_THREADS) {
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
         score[e] = sqrt_softplus(pending_at(pl, logits, (int64_t)b * n_experts + e));
         sel[e] = score[e] + (bias ? bias[e] : 0.0f);
     }
@@ -120,7 +120,8 @@ extern "C" int dsv4_cuda_router(const float *d_logits, const struct dsv4_cuda_pe
         return rc;
     if (batch < 1)
         return 0;
-    dsv4_launch(router_kernel, batch, ROUTER_THREADS, 2 * n_experts * sizeof(float), static_cast<cudaStream_t>(stream),
+    const int threads = d_plogits && d_plogits->splits ? ROUTER_THREADS_PENDING : DSV4_CUDA_WARP;
+    dsv4_launch(router_kernel, batch, threads, 2 * n_experts * sizeof(float), static_cast<cudaStream_t>(stream),
                 d_logits, pending_or_none(d_plogits), n_experts, topk, d_bias, d_tid2eid, d_tokens, route_scale, d_idx,
                 d_w);
     DSV4_CUDA_LAUNCHED("router");

@@ -36,15 +36,8 @@ rmsnorm_rope_kernel(const float *x, const dsv4_cuda_pending px, const float *__r
     dsv4_pdl_enter();
     float *yr = y + (int64_t)blockIdx.x * n;
     if (px.splits) {
-        for (int i0 = threadIdx.x; i0 < n; i0 += PENDING_VALUES * NORM_THREADS) {
-            float v[PENDING_VALUES];    /* columns i0 + j NORM_THREADS, their loads in flight together */
-            const int m = min(PENDING_VALUES, (n - i0 + NORM_THREADS - 1) / NORM_THREADS);
-            pending_at_n(px, nullptr, (int64_t)blockIdx.x * n + i0, NORM_THREADS, m, v);
-#pragma unroll
-            for (int j = 0; j < PENDING_VALUES; j++)
-                if (j < m)
-                    yr[i0 + j * NORM_THREADS] = v[j];
-        }
+        for (int i = threadIdx.x; i < n; i += NORM_THREADS)
+            yr[i] = pending_at(px, nullptr, (int64_t)blockIdx.x * n + i);
         x = y;
     }
     rmsnorm_row(x + (int64_t)blockIdx.x * n, w, n, eps, yr);

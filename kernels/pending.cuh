@@ -16,49 +16,30 @@ static inline dsv4_cuda_pending pending_or_none(const dsv4_cuda_pending *p)
     return none;
 }
 
-#define PENDING_LOADS 16        /* partials in flight a value: one L2 round trip for up to 16 splits */
-#define PENDING_VALUES 4        /* values a thread sums together (pending_at_n) */
+#define PENDING_LOADS 8         /* partials loaded before they are added: one L2 round trip each 8 splits */
 
-/* Values i0 + j * stride (j < n <= PENDING_VALUES) of the dense result into v[j]: x's, or each the
- * partials' sum over splits in order from 0.0f, the one definition of that sum (gemm_reduce_kernel is
- * a reader like the others). Up to PENDING_LOADS splits of every value are loaded before any is added;
- * a split past the last is not added at all (adding 0.0f would turn a -0.0f sum into +0.0f). */
-template <int NV>
-static __device__ __forceinline__ void pending_at_n(const dsv4_cuda_pending &p, const float *x, int64_t i0,
-                                                    int64_t stride, int n, float (&v)[NV])
-{
-#pragma unroll
-    for (int j = 0; j < NV; j++)
-        v[j] = 0.0f;
-    if (p.splits == 0) {
-#pragma unroll
-        for (int j = 0; j < NV; j++)
-            if (j < n)
-                v[j] = x[i0 + j * stride];
-        return;
-    }
-    for (int s = 0; s < p.splits; s += PENDING_LOADS) {
-        float t[NV][PENDING_LOADS];
-#pragma unroll
-        for (int j = 0; j < NV; j++)
-#pragma unroll
-            for (int l = 0; l < PENDING_LOADS; l++)
-                t[j][l] = j < n && s + l < p.splits ? p.part[(int64_t)(s + l) * p.plane + i0 + j * stride] : 0.0f;
-#pragma unroll
-        for (int j = 0; j < NV; j++)
-#pragma unroll
-            for (int l = 0; l < PENDING_LOADS; l++)
-                if (s + l < p.splits)
-                    v[j] += t[j][l];
-    }
-}
-
-/* Value i of the dense result (pending_at_n for one value). */
+/* Value i of the dense result: x[i], or the partials' sum over splits in order from 0.0f, the one
+ * definition of that sum (gemm_reduce_kernel is a reader like the others). The loads of a group are
+ * issued together, the adds stay in split order. */
 static __device__ __forceinline__ float pending_at(const dsv4_cuda_pending &p, const float *x, int64_t i)
 {
-    float v[1];
-    pending_at_n<1>(p, x, i, 0, 1, v);
-    return v[0];
+    if (p.splits == 0)
+        return x[i];
+    const float *q = p.part + i;
+    float v = 0.0f;
+    int s = 0;
+    for (; s + PENDING_LOADS <= p.splits; s += PENDING_LOADS) {
+        float t[PENDING_LOADS];
+#pragma unroll
+        for (int j = 0; j < PENDING_LOADS; j++)
+            t[j] = q[(int64_t)(s + j) * p.plane];
+#pragma unroll
+        for (int j = 0; j < PENDING_LOADS; j++)
+            v += t[j];
+    }
+    for (; s < p.splits; s++)
+        v += q[(int64_t)s * p.plane];
+    return v;
 }
 
 #endif
