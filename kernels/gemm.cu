@@ -614,6 +614,19 @@ static int launch_nt(const gemm_args &a, bool wg, cudaStream_t s)
     return launch<MODE, 1, true>(a, s, name);
 }
 
+/* Record that ws's xa and sa now hold x [rows, ldx] (k columns) prepared for `mode` (wg: in the wgmma
+ * kernel's order), for dsv4_cuda_gemm_same_x. */
+static void mark_prepared(struct dsv4_cuda_gemm_ws *ws, const float *x, int64_t ldx, int64_t k, int rows, int mode,
+                          bool wg)
+{
+    ws->prepared.x = x;
+    ws->prepared.ldx = ldx;
+    ws->prepared.k = k;
+    ws->prepared.rows = rows;
+    ws->prepared.mode = mode;
+    ws->prepared.wg_order = wg;
+}
+
 /* groups > 1: fp8raw only (checked by the callers). px: x pending (NULL: read d_x); py: leave the
  * result pending there where K is split (NULL: reduce it into d_y). */
 static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d_x, const dsv4_cuda_pending *px,
@@ -691,14 +704,8 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
     }
     if (rc < 0)
         return rc;
-    if (!pend_x) {      /* xa holds a sum that no pointer names: no later call takes it as prepared */
-        ws->prepared.x = d_x;
-        ws->prepared.ldx = ldx;
-        ws->prepared.k = k;
-        ws->prepared.rows = rows;
-        ws->prepared.mode = mode;
-        ws->prepared.wg_order = wg;
-    }
+    if (!pend_x)        /* xa holds a sum that no pointer names: no later call takes it as prepared */
+        mark_prepared(ws, d_x, ldx, k, rows, mode, wg);
     if (!parts)
         return 0;
     ws->part_seq++;
@@ -820,12 +827,7 @@ extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_
         dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, grid, NORM_THREADS, smem, s, d_x, xp, d_w, rows, k, eps, d_y,
                     false, ws->xa, ws->sa);
     DSV4_CUDA_LAUNCHED("gemm_norm_prep");
-    ws->prepared.x = d_y;
-    ws->prepared.ldx = k;
-    ws->prepared.k = k;
-    ws->prepared.rows = rows;
-    ws->prepared.mode = mode;
-    ws->prepared.wg_order = wg;
+    mark_prepared(ws, d_y, k, k, rows, mode, wg);
     return 0;
 }
 
