@@ -43,29 +43,35 @@ int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf)
     return (nope + 2 * rd + nsc + 7) / 8 * 8;
 }
 
-/* One block per batch row: v [B, hd] -> ring entry pos % ring of the row's slot. */
+/* One block per batch row: v [B, hd] -> ring entry pos % ring of the row's slot (with last, only a
+ * run's last `ring` rows), or with no slots -> entry b of entries. */
 __global__ void kv_store_kernel(const float *__restrict__ v, int hd, int rd, int kvf, int entry_bytes,
                                 const int32_t *__restrict__ pos, const int32_t *__restrict__ slot, uint8_t *entries,
-                                int64_t slot_stride, int ring)
+                                int64_t slot_stride, int ring, const int32_t *__restrict__ last)
 {
     dsv4_pdl_enter();
     extern __shared__ float sm[];
     float *v_s = sm, *sc_s = sm + hd;
     const int b = blockIdx.x;
+    if (slot && last && pos[b] <= last[b] - ring)
+        return;
     for (int d = threadIdx.x; d < hd; d += blockDim.x)
         v_s[d] = v[(int64_t)b * hd + d];
     __syncthreads();
-    dsv4_entry_store(v_s, entries + slot[b] * slot_stride + (int64_t)(pos[b] % ring) * entry_bytes, hd, rd, kvf, sc_s);
+    uint8_t *dst = slot ? entries + slot[b] * slot_stride + (int64_t)(pos[b] % ring) * entry_bytes
+                        : entries + (int64_t)b * entry_bytes;
+    dsv4_entry_store(v_s, dst, hd, rd, kvf, sc_s);
 }
 
 int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, int kvf, const int32_t *d_pos,
-                       const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int ring, void *stream)
+                       const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int ring, const int32_t *d_last,
+                       void *stream)
 {
     const size_t smem = (size_t)(hd + hd / KV_GROUP + 1) * sizeof(float);
     if (batch < 1)
         return 0;
     dsv4_launch(kv_store_kernel, batch, 128, smem, static_cast<cudaStream_t>(stream), d_v, hd, rd, kvf,
-                dsv4_cuda_kv_entry_bytes(hd, rd, kvf), d_pos, d_slot, d_ring, slot_stride, ring);
+                dsv4_cuda_kv_entry_bytes(hd, rd, kvf), d_pos, d_slot, d_ring, slot_stride, ring, d_last);
     DSV4_CUDA_LAUNCHED("kv_store");
     return 0;
 }
@@ -100,8 +106,12 @@ static __device__ __forceinline__ att_run att_key_run(const struct dsv4_cuda_att
 static __device__ __forceinline__ const uint8_t *att_entry(const struct dsv4_cuda_att_args &a, const att_run &r,
                                                            int b, int kidx)
 {
-    if (kidx < r.nw)
-        return a.win + r.slot * a.win_slot_stride + (int64_t)((r.first + kidx) % a.ring) * a.entry_bytes;
+    if (kidx < r.nw) {
+        const int p = r.first + kidx;
+        if (a.own && p >= a.first[b])   /* this step's own entry: row b - (pos - p) */
+            return a.own + (int64_t)(b - (a.pos[b] - p)) * a.entry_bytes;
+        return a.win + r.slot * a.win_slot_stride + (int64_t)(p % a.ring) * a.entry_bytes;
+    }
     const int c = kidx - r.nw;
     return a.comp + r.slot * a.comp_slot_stride + (int64_t)(a.sel ? a.sel[(int64_t)b * a.sel_stride + c] : c) * a.entry_bytes;
 }
@@ -1035,6 +1045,11 @@ static bool att_whole_allowed(void)
     return allowed && att_qs_heads >= ATT_WHOLE_HEADS;
 }
 
+bool dsv4_cuda_attention_whole(const struct dsv4_cuda_att_args *a)
+{
+    return a->kvf == DSV4_KV_FP8 && a->whole && att_whole_allowed();
+}
+
 int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const float *d_sink,
                         const float *d_inv_freq, float *d_o, void *stream)
 {
@@ -1046,7 +1061,10 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
         return rc;
     if ((uintptr_t)a->part % sizeof(float2) || (uintptr_t)d_o % sizeof(float2))
         return dsv4_error_set(-EINVAL, "attention: the partials and the output must be 8-byte aligned");
-    if (a->kvf == DSV4_KV_FP8 && a->whole && att_whole_allowed()) {
+    if (a->own && (!dsv4_cuda_attention_whole(a) || !a->first || (uintptr_t)a->own % ATT_MMA_ENTRY_ALIGN))
+        return dsv4_error_set(-EINVAL, "attention: the step's own entries are read by whole rows only, with "
+                              "each row's first position, %d-byte aligned", ATT_MMA_ENTRY_ALIGN);
+    if (dsv4_cuda_attention_whole(a)) {
         struct dsv4_cuda_att_args k = *a;
         k.heads_per_block = ATT_WHOLE_HEADS;
         dsv4_launch(attention_mma_whole_kernel, dim3(batch, 1, (a->H + ATT_WHOLE_HEADS - 1) / ATT_WHOLE_HEADS),

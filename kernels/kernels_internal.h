@@ -38,10 +38,15 @@ enum { DSV4_KV_F32 = 0, DSV4_KV_FP8 = 1 };
 int dsv4_cuda_kv_entry_bytes(int hd, int rd, int kvf);
 
 /* d_v [batch, hd] into the window ring of each row's slot at entry pos % ring. The ring holds
- * window + (rows per step - 1) entries, so that a step whose rows are consecutive positions of one
- * slot (a prefill chunk) stores all its entries before any row reads its window. */
+ * window + (slice rows - 1) entries, so that a slice whose rows are consecutive positions of one
+ * slot stores all its entries before any row reads its window. With d_last [batch] (the last
+ * position of each row's run in the step), only a run's last `ring` rows store: a whole prefill
+ * chunk stored after its rows have read their windows (dsv4_cuda_att_args.own). d_slot NULL: row b's
+ * entry to d_ring + b * entry bytes instead (the step's own entries; slot_stride, ring and d_last
+ * unused). */
 int dsv4_cuda_kv_store(const float *d_v, int batch, int hd, int rd, int kvf, const int32_t *d_pos,
-                       const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int ring, void *stream);
+                       const int32_t *d_slot, uint8_t *d_ring, int64_t slot_stride, int ring, const int32_t *d_last,
+                       void *stream);
 
 struct dsv4_cuda_att_args {
     const float *q;             /* [B, H, hd], normed and RoPE'd */
@@ -66,11 +71,21 @@ struct dsv4_cuda_att_args {
     int heads_per_block;
     /* FP8 kernel: each block takes every key run of its row in turn and writes the output, no
      * partials and no combine (attention_mma_whole_kernel, 16 heads a block whatever
-     * heads_per_block says; the same bits as the splits). For the slices of a prefill chunk, whose
-     * rows fill the chip without splitting them; DSV4_CUDA_ATT_WHOLE=0 turns it off. */
+     * heads_per_block says; the same bits as the splits). For the rows of a prefill chunk, which
+     * fill the chip without splitting them; DSV4_CUDA_ATT_WHOLE=0 turns it off. */
     bool whole;
+    /* whole rows: the step's own entries [B, entry_bytes] (dsv4_cuda_kv_store with no slots) and
+     * first [B] (each row's run's first position): a window key at or after first[b] is read from
+     * there, earlier ones from the ring, so a chunk of any length takes one launch, its entries
+     * reaching the ring after it (a chunk longer than the ring would overwrite windows its own
+     * rows read). NULL: every window key from the ring. Only where dsv4_cuda_attention_whole. */
+    const uint8_t *own;
+    const int32_t *first;
 };
 
+/* Whether dsv4_cuda_attention runs a's rows whole (a->whole, FP8 entries, the device and the
+ * switch allowing): then a->own may be set, and a->part is not used. */
+bool dsv4_cuda_attention_whole(const struct dsv4_cuda_att_args *a);
 size_t dsv4_cuda_attention_smem(int hd);
 /* Raise the attention kernel's shared-memory limit (boot, before any capture). */
 int dsv4_cuda_attention_prepare(int hd);

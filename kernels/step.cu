@@ -65,6 +65,7 @@ struct step_buf {
     float *X, *X2, *mix, *mixws, *post, *comb, *y, *xn, *xq, *xq2, *sub;
     float *qr, *q, *kv, *o, *z, *cc, *cz, *ic, *iz, *iq, *iw;
     float *part, *iscores;      /* [slice rows, ...]: attention and indexer workspaces */
+    uint8_t *kvown;             /* [B, entry bytes] (FP8 entries): a prefill chunk's own KV entries */
     int32_t *isel, *insel, *ridx;
     float *rlogits, *rw, *sg, *su, *sh, *sout, *hm;
     float *logits;              /* [max_batch, V]: the decode rows, or a prefill's last row */
@@ -348,6 +349,8 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.o = f(B * H * hd);
     t.z = f(B * (int64_t)c->o_groups * c->o_lora_rank);
     t.part = f(Bs * DSV4_CUDA_ATT_SPLITS * H * (hd + 2));
+    t.kvown = static_cast<uint8_t *>(
+        take(kv_format(o) == DSV4_KV_FP8 ? B * dsv4_cuda_kv_entry_bytes((int)hd, c->rope_dim, DSV4_KV_FP8) : 0));
     t.cc = f(B * 2 * hd);
     t.cz = f(B * 2 * hd);
     t.ic = f(B * 2 * dI);
@@ -654,8 +657,8 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     a.ring = ring_entries(c, &cb->base.opts);
     a.scale = 1.0f / sqrtf((float)hd);
     a.part = t->part;
-    /* a prefill chunk's slices: 64 rows fill the chip without splitting each row's keys, so a block
-     * takes all of a row's runs (no partials, no combine; the same bits as the decode launches) */
+    /* a prefill chunk's rows fill the chip without splitting each row's keys, so a block takes all
+     * of a row's runs (no partials, no combine; the same bits as the decode launches) */
     a.whole = B > DSV4_CUDA_MAX_BATCH;
     if (L->ratio) {
         a.comp = cb->caches + L->cache.comp;
@@ -664,21 +667,41 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
     }
     if (L->csa)
         a.sel_stride = c->index_topk;
-    /* a slice stores its KV before its rows read their windows; a later slice's entries land where
-     * this one's windows no longer look (ring_entries) */
-    const int S = slice_rows(&cb->base.opts);
-    for (int r0 = 0; r0 < B; r0 += S) {
-        const int n = B - r0 < S ? B - r0 : S;
-        STEP(dsv4_cuda_kv_store(t->kv + (int64_t)r0 * hd, n, hd, rd, cb->kvf, pos + r0, slot + r0,
-                                cb->caches + L->cache.win, cb->slot_bytes, ring_entries(c, &cb->base.opts), s));
-        a.q = t->q + (int64_t)r0 * H * hd;
-        a.pos = pos + r0;
-        a.slot = slot + r0;
+    const int ring = ring_entries(c, &cb->base.opts);
+    if (dsv4_cuda_attention_whole(&a)) {
+        /* a prefill chunk in one launch: its rows' own entries first, read from t->kvown (a row's
+         * window past its run's first position); the ring gets the chunk's last entries after every
+         * row has read its window from it */
+        STEP(dsv4_cuda_kv_store(t->kv, B, hd, rd, cb->kvf, pos, NULL, t->kvown, 0, 0, NULL, s));
+        a.own = t->kvown;
+        a.first = t->in + 3 * B;
+        a.q = t->q;
+        a.pos = pos;
+        a.slot = slot;
         if (L->csa) {
-            a.sel = t->isel + (int64_t)r0 * c->index_topk;
-            a.nsel = t->insel + r0;
+            a.sel = t->isel;
+            a.nsel = t->insel;
         }
-        STEP(dsv4_cuda_attention(&a, n, L->sink, inv, t->o + (int64_t)r0 * H * hd, s));
+        STEP(dsv4_cuda_attention(&a, B, L->sink, inv, t->o, s));
+        STEP(dsv4_cuda_kv_store(t->kv, B, hd, rd, cb->kvf, pos, slot, cb->caches + L->cache.win, cb->slot_bytes, ring,
+                                t->in + 4 * B, s));
+    } else {
+        /* a slice stores its KV before its rows read their windows; a later slice's entries land
+         * where this one's windows no longer look (ring_entries) */
+        const int S = slice_rows(&cb->base.opts);
+        for (int r0 = 0; r0 < B; r0 += S) {
+            const int n = B - r0 < S ? B - r0 : S;
+            STEP(dsv4_cuda_kv_store(t->kv + (int64_t)r0 * hd, n, hd, rd, cb->kvf, pos + r0, slot + r0,
+                                    cb->caches + L->cache.win, cb->slot_bytes, ring, NULL, s));
+            a.q = t->q + (int64_t)r0 * H * hd;
+            a.pos = pos + r0;
+            a.slot = slot + r0;
+            if (L->csa) {
+                a.sel = t->isel + (int64_t)r0 * c->index_topk;
+                a.nsel = t->insel + r0;
+            }
+            STEP(dsv4_cuda_attention(&a, n, L->sink, inv, t->o + (int64_t)r0 * H * hd, s));
+        }
     }
 
     /* grouped output projection: group g maps heads [g H/G, (g+1) H/G) through rows [g R, (g+1) R) of
@@ -971,7 +994,10 @@ static int bucket_for(const struct cuda_backend *cb, int n)
 /* The MTP block's rows of a step of n rows (h_in's main columns filled, B the bucket): row i runs the
  * block's catch-up at pos - 1 when its slot's block stands there (the slot's mtp_pos, advanced row
  * by row through a run), else goes to the padding slot. row_mtp keeps each row's mtp_pos before it
- * (what accept goes back to). */
+ * (what accept goes back to). First and last are those of each row's run of consecutive rows of
+ * one slot at consecutive positions (a prefill chunk's catch-up; a padding row is a run of its
+ * own), as the main rows': a chunk's attention reads its run's own entries and stores the ring
+ * from its last rows after. */
 static void spec_catch_up_rows(struct cuda_backend *cb, int n, int B)
 {
     const int32_t *tok = cb->h_in, *sl = tok + B, *pos = sl + B;
@@ -987,11 +1013,14 @@ static void spec_catch_up_rows(struct cuda_backend *cb, int n, int B)
         mt[i] = tok[i];
         ms[i] = up ? sl[i] : cb->slots - 1;
         mp[i] = up ? pos[i] - 1 : 0;
-        mf[i] = mp[i];
-        ml[i] = mp[i];
         if (up)
             cur = pos[i];
     }
+    const int pad = cb->slots - 1;
+    for (int i = 0; i < B; i++)
+        mf[i] = i > 0 && ms[i] != pad && ms[i] == ms[i - 1] && mp[i] == mp[i - 1] + 1 ? mf[i - 1] : mp[i];
+    for (int i = B - 1; i >= 0; i--)
+        ml[i] = i + 1 < B && ms[i] != pad && ms[i + 1] == ms[i] && mp[i + 1] == mp[i] + 1 ? ml[i + 1] : mp[i];
 }
 
 /* Rows [0, n) are the caller's: row i appends tokens[i] to slots[i]. Rows of one slot (a prefill

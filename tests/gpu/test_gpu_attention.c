@@ -16,6 +16,8 @@
  *     for every case above (FP8 entries: sliding, HCA with up to 16 runs of two tiles, CSA, 4 to
  *     128 heads, head_dim 32 to 512); hence within the bound too, and equal to every grouping of
  *     heads of the split launch and to each row alone. f32 entries ignore a.whole (the same bits).
+ *     Whole rows reading their own position from the step's own entries (a.own) give the same bits
+ *     with the rings' copies of those entries replaced by decoys (which, read, change every row).
  *   - the launch counted under the variant that ran (FP8 entries: DSV4_CUDA_V_ATTENTION_MMA, whole
  *     rows DSV4_CUDA_V_ATTENTION_WHOLE).
  *   - shapes the kernels cannot take refused with -EINVAL.
@@ -360,6 +362,55 @@ static double row_error(const float *gpu, const double *ref, size_t n, size_t *a
     return den > 0.0 ? num / den : num;
 }
 
+/* Whole rows reading the step's own entries (a.own, the prefill chunks' path) with first = pos, so
+ * each row's own position comes from there: a copy of the rings whose entry at each row's position
+ * is replaced by a fresh random one must give the bits of the rings themselves (`out`), and without
+ * the own entries must not (the decoys are read, so the check is not vacuous). Returns the rows that
+ * differ. */
+static int check_own_entries(const struct fixture *f, const struct dsv4_cuda_att_args *aw, const float *out)
+{
+    const struct att_case *c = f->c;
+    const int B = c->B;
+    const size_t row_n = (size_t)c->H * c->hd, win_bytes = (size_t)(f->nslots * f->win_stride);
+    uint8_t *own = malloc((size_t)B * f->eb), *win = malloc(win_bytes);
+    float *v = malloc(sizeof(float) * (size_t)c->hd);
+    assert_true(own && win && v);
+    memcpy(win, f->win, win_bytes);
+    for (int b = 0; b < B; b++) {
+        const int64_t at = f->slot[b] * f->win_stride + (int64_t)(c->pos[b] % f->ring) * f->eb;
+        memcpy(own + (size_t)b * f->eb, f->win + at, (size_t)f->eb);
+        random_key(v, c->hd);
+        encode_entry(v, c->hd, c->rd, c->kvf, win + at, NULL);
+    }
+    uint8_t *d_own = gt_dev_copy(own, (size_t)B * f->eb), *d_win = gt_dev_copy(win, win_bytes);
+    int32_t *d_first = gt_dev_copy(c->pos, sizeof(int32_t) * (size_t)B);
+    float *d_out = gt_dev_poisoned((size_t)B * row_n);
+    struct dsv4_cuda_att_args ao = *aw;
+    ao.win = d_win;
+    DSV4_OK(dsv4_cuda_attention_once(&ao, B, f->d_sink, f->d_inv, d_out, NULL));
+    float *dec = gt_host_from(d_out, (size_t)B * row_n);
+    ao.own = d_own;
+    ao.first = d_first;
+    DSV4_OK(dsv4_cuda_attention_once(&ao, B, f->d_sink, f->d_inv, d_out, NULL));
+    float *got = gt_host_from(d_out, (size_t)B * row_n);
+    int differ = 0, decoyed = 0;
+    for (int b = 0; b < B; b++) {
+        differ += memcmp(got + (size_t)b * row_n, out + (size_t)b * row_n, row_n * sizeof(float)) != 0;
+        decoyed += memcmp(dec + (size_t)b * row_n, out + (size_t)b * row_n, row_n * sizeof(float)) != 0;
+    }
+    assert_int_equal(decoyed, B);
+    free(own);
+    free(win);
+    free(v);
+    free(dec);
+    free(got);
+    cudaFree(d_own);
+    cudaFree(d_win);
+    cudaFree(d_first);
+    cudaFree(d_out);
+    return differ;
+}
+
 static void check_case(const struct att_case *c)
 {
     struct fixture f;
@@ -370,7 +421,7 @@ static void check_case(const struct att_case *c)
     double *ref = malloc(sizeof(double) * row_n), worst = 0.0;
     float *d_o = gt_dev_poisoned((size_t)B * row_n), *d_o1 = gt_dev_poisoned(row_n), *out, *out1;
     float *d_og = gt_dev_poisoned((size_t)B * row_n), *d_ow = gt_dev_poisoned((size_t)B * row_n), *outw;
-    int worst_row = 0, bad_rows = 0, differ_rows = 0, differ_groups = 0, differ_whole = 0;
+    int worst_row = 0, bad_rows = 0, differ_rows = 0, differ_groups = 0, differ_whole = 0, differ_own = 0;
 
     make_fixture(&f, c);
     const uint64_t n_ran = dsv4_cuda_variant_launches(ran), n_other = dsv4_cuda_variant_launches(other);
@@ -426,6 +477,8 @@ static void check_case(const struct att_case *c)
         }
     }
     free(outw);
+    if (c->kvf == DSV4_KV_FP8)
+        differ_own = check_own_entries(&f, &aw, out);
     /* each row alone: bit-identical to its place in the batch */
     for (int b = 0; B > 1 && b < B; b++) {
         struct dsv4_cuda_att_args a1 = args_for(&f, b);
@@ -438,13 +491,14 @@ static void check_case(const struct att_case *c)
         free(out1);
     }
     printf("# %-46s %s: worst row %d (pos %d, %d keys) error %.3g (bound %.0e); %d/%d rows over; "
-           "%d rows differ alone, %d head groupings differ, %d rows differ whole\n", c->what,
+           "%d rows differ alone, %d head groupings differ, %d rows differ whole, %d with own entries\n", c->what,
            dsv4_cuda_variant_name(ran), worst_row, c->pos[worst_row], f.nk[worst_row], worst, ATT_BOUND, bad_rows,
-           B, differ_rows, differ_groups, differ_whole);
+           B, differ_rows, differ_groups, differ_whole, differ_own);
     assert_int_equal(bad_rows, 0);
     assert_int_equal(differ_rows, 0);
     assert_int_equal(differ_groups, 0);
     assert_int_equal(differ_whole, 0);
+    assert_int_equal(differ_own, 0);
     free(out);
     free(ref);
     cudaFree(d_o);
@@ -497,6 +551,11 @@ static void test_refusals(void **state)
     a.ring = 135;
     a.entry_bytes = 584;
     a.heads_per_block = 48;
+    assert_int_equal(dsv4_cuda_attention_once(&a, 1, d, d, d, NULL), -EINVAL);
+    a.heads_per_block = 0;                              /* own entries: whole rows only, with first */
+    a.own = (const uint8_t *)d;
+    assert_int_equal(dsv4_cuda_attention_once(&a, 1, d, d, d, NULL), -EINVAL);
+    a.whole = true;
     assert_int_equal(dsv4_cuda_attention_once(&a, 1, d, d, d, NULL), -EINVAL);
     printf("# refusals: %s\n", dsv4_error_message());
     cudaFree(d);

@@ -7,6 +7,8 @@
  *     logits equal the second slot's decode logits bit for bit, and both slots draft the same tokens
  *     at every step (so the block's state, the compressors' and the streams ring were taken back
  *     exactly);
+ *   - a prompt longer than the largest bucket in one step against the same prompt in small steps:
+ *     the same drafts and verify logits after (the block's catch-up over a whole chunk);
  *   - through the scheduler: greedy answers with speculation (S = 1, 2, 3) equal the answers without
  *     it (host sampling on both sides: DSV4_CUDA_SAMPLE=0), tokens and logprobs bit for bit; on the
  *     trained model drafts are accepted (the acceptance is printed). */
@@ -25,6 +27,8 @@
 
 #define MAX_CONTEXT 512
 #define PROMPT 40
+#define LONG_PROMPT 300             /* past the largest bucket (64): one eager step, whole-row attention */
+#define LONG_ROUNDS 8
 #define ROUNDS 40
 #define N_REQ 4
 #define GEN 48
@@ -118,6 +122,56 @@ static void test_rollback_default_fp8(void **state)
     check_rollback("models/default-fp8", DSV4_NUMERICS_FP8);
 }
 
+/* A prompt longer than the largest bucket prefilled in one eager step (the block's catch-up rows run
+ * whole, reading their run's own window entries and storing the ring from the run's last rows)
+ * against the same prompt in steps of max_batch rows (bucket graphs, 64-row slices): both slots then
+ * draft the same tokens and verify to the same logits, round after round. */
+static void check_long_prompt(const char *dir, enum dsv4_numerics num)
+{
+    struct dsv4_weights *w;
+    load(dir, &w);
+    const int S = DSV4_SPEC_TOKENS_MAX, V = w->cfg.vocab_size, MB = S + 1;
+    struct dsv4_backend *b = open_backend(w, num, S, MB);
+    float *vl[2] = { malloc(sizeof(float) * (size_t)(S + 1) * V), malloc(sizeof(float) * (size_t)(S + 1) * V) };
+    int32_t prompt[LONG_PROMPT], drafts[2][DSV4_SPEC_TOKENS_MAX];
+    uint64_t st = gt_u64();
+    assert_true(vl[0] && vl[1]);
+    harness_prompt(&st, prompt, LONG_PROMPT);
+    DSV4_OK(b->ops->prefill(b, 0, prompt, LONG_PROMPT, NULL, false));
+    for (int i0 = 0; i0 < LONG_PROMPT; i0 += MB)
+        DSV4_OK(b->ops->prefill(b, 1, prompt + i0, LONG_PROMPT - i0 < MB ? LONG_PROMPT - i0 : MB, NULL, false));
+    for (int round = 0; round < LONG_ROUNDS; round++) {
+        const int sl[2] = { 0, 1 }, want = S;
+        int made[2];
+        const int32_t t = (int32_t)(2 + gt_u64() % 250);
+        for (int k = 0; k < 2; k++)
+            DSV4_OK(b->ops->draft(b, 1, &sl[k], &t, &want, drafts[k], &made[k]));
+        assert_int_equal(made[0], made[1]);
+        assert_memory_equal(drafts[0], drafts[1], sizeof(int32_t) * (size_t)made[0]);
+        int32_t rows_tok[DSV4_SPEC_TOKENS_MAX + 1];
+        const int rows = 1 + made[0];
+        rows_tok[0] = t;
+        memcpy(rows_tok + 1, drafts[0], sizeof(int32_t) * (size_t)made[0]);
+        for (int k = 0; k < 2; k++) {
+            DSV4_OK(b->ops->verify(b, 1, &sl[k], &rows, rows_tok, vl[k]));
+            DSV4_OK(b->ops->accept(b, sl[k], rows));
+        }
+        for (int j = 0; j < rows; j++)
+            expect_same_row(vl[0] + (size_t)j * V, vl[1] + (size_t)j * V, V, dir, round, j);
+    }
+    printf("# %s: a %d-token prompt in one step and in steps of %d: the same drafts and verify logits for %d "
+           "rounds\n", dir, LONG_PROMPT, MB, LONG_ROUNDS);
+    dsv4_backend_destroy(b);
+    dsv4_weights_free(w);
+    free(vl[0]);
+    free(vl[1]);
+}
+
+static void test_long_prompt_default_fp8(void **state)
+{
+    check_long_prompt("models/default-fp8", DSV4_NUMERICS_FP8);
+}
+
 static void generate(const char *dir, enum dsv4_numerics num, int spec, struct answer *a, struct dsv4_sched_stats *st)
 {
     struct env e = {};
@@ -187,6 +241,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rollback_tiny),
         cmocka_unit_test(test_rollback_default_fp8),
+        cmocka_unit_test(test_long_prompt_default_fp8),
         cmocka_unit_test(test_greedy_tiny),
         cmocka_unit_test(test_greedy_default_fp8),
         cmocka_unit_test(test_greedy_default_bf16),

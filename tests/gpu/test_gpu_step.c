@@ -325,8 +325,10 @@ static void test_prefill_chunks_vs_tokens(void **state)
  * (launched eagerly, logits for its last row only) against the same prompt in calls of 64 tokens
  * (each one bucket graph): the last row's logits, the device-sampled first token and DECODE_STEPS
  * decode steps after it all bit-identical. The GEMMs fold their K splits as the decode path's
- * reduction does, attention and the indexer run the chunk in 64-row slices through the same
- * kernels, the experts group the chunk's rows by expert: the same arithmetic for every row. */
+ * reduction does, attention runs the chunk's rows whole in one launch (their window keys from
+ * this step read from the chunk's own entries, the ring written after) and the indexer in 64-row
+ * slices, the experts group the chunk's rows by expert: the same arithmetic for every row; the
+ * decode steps after it read the ring the chunk left. */
 static void test_long_chunks(void **state)
 {
     char path[1024];
