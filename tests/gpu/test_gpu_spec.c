@@ -124,8 +124,9 @@ static void test_rollback_default_fp8(void **state)
 
 /* A prompt longer than the largest bucket prefilled in one eager step (the block's catch-up rows run
  * whole, reading their run's own window entries and storing the ring from the run's last rows)
- * against the same prompt in steps of max_batch rows (bucket graphs, 64-row slices): both slots then
- * draft the same tokens and verify to the same logits, round after round. */
+ * against the same prompt in steps of max_batch rows (bucket graphs, each step one slice that stores
+ * into the ring before its rows read it): both slots then draft the same tokens and verify to the
+ * same logits, round after round. */
 static void check_long_prompt(const char *dir, enum dsv4_numerics num)
 {
     struct dsv4_weights *w;
