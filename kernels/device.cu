@@ -61,6 +61,7 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_GEMM_FP8_WGMMA: return "gemm_fp8_f16wgmma_tma_rows128x64_prefill";
     case DSV4_CUDA_V_ATTENTION_WHOLE: return "attention_mma_bf16_hilo_heads16_keys64_whole_row_q_smem";
     case DSV4_CUDA_V_GEMM_DIRECT: return "gemm_mma_rows128_batch8_weights_in_registers";
+    case DSV4_CUDA_V_GEMM_WGMMA_DECODE: return "gemm_fp8_bf16hilo_wgmma_tma_rows128_batch9to64_splitk";
     case DSV4_CUDA_V_COUNT: break;
     }
     return "?";
@@ -745,6 +746,10 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          DSV4_CUDA_MAX_BATCH, dsv4_cuda_gemm_wgmma() ? dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_FP8_WGMMA)
                                                      : "mma.sync, the kernels above (no wgmma: ",
          dsv4_cuda_gemm_wgmma() ? "" : dsv4_cuda_gemm_wgmma_why_not(), dsv4_cuda_gemm_wgmma() ? "" : ")");
+    vlog(dev, log, log_ctx, true, "op linear.fp8, linear.bf16 decode batches of 9-%d rows: %s", DSV4_CUDA_MAX_BATCH,
+         dsv4_cuda_gemm_wgmma_decode() ? dsv4_cuda_variant_name(DSV4_CUDA_V_GEMM_WGMMA_DECODE)
+         : dsv4_cuda_gemm_wgmma() ? "the mma.sync kernels above (DSV4_CUDA_GEMM_WGMMA_DECODE=0)"
+                                  : "the mma.sync kernels above (no wgmma)");
     vlog(dev, log, log_ctx, true, "op linear rings: tensor-core linears with a %d-stage ring, the first wave "
          "prefetching up to %lld KB of weights; steps of up to 8 rows whose K is split (FP8 and BF16): %s",
          dsv4_cuda_gemm_stages(), (long long)(dsv4_cuda_gemm_prefetch_bytes() >> 10),

@@ -126,6 +126,7 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_GEMM_FP8_WGMMA,     /* FP8 linears of prefill chunks on warpgroup MMAs (sm_90a; same bits) */
     DSV4_CUDA_V_ATTENTION_WHOLE,    /* prefill attention over FP8 KV entries, a block per row's runs (same bits) */
     DSV4_CUDA_V_GEMM_DIRECT,        /* linears of <= 8 rows, weights streamed into registers (same bits) */
+    DSV4_CUDA_V_GEMM_WGMMA_DECODE,  /* FP8 and BF16 linears of decode batches of 9-64 rows on warpgroup MMAs (same bits) */
     DSV4_CUDA_V_COUNT,
 };
 const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v);
@@ -278,6 +279,10 @@ int64_t dsv4_cuda_gemm_prefetch_bytes(void);
  * mma.sync kernel, for the reason dsv4_cuda_gemm_wgmma_why_not gives (NULL when it runs). */
 bool dsv4_cuda_gemm_wgmma(void);
 const char *dsv4_cuda_gemm_wgmma_why_not(void);
+/* Whether the FP8 and BF16 linears of decode batches of 9 to DSV4_CUDA_MAX_BATCH rows take the wgmma
+ * kernel too (one CTA a weight tile and K split, the splits' partials as the mma.sync path leaves them;
+ * DSV4_CUDA_GEMM_WGMMA_DECODE=0 keeps mma.sync there). */
+bool dsv4_cuda_gemm_wgmma_decode(void);
 /* Whether steps of up to 8 rows whose K is split stream their weights into registers
  * (kernels/gemm_direct.cu; DSV4_CUDA_GEMM_DIRECT not 0) */
 bool dsv4_cuda_gemm_direct(void);

@@ -292,9 +292,16 @@ __global__ void gemm_split16_kernel(const float *__restrict__ x, const dsv4_cuda
         sa[n * (k / 128) + kb] = s;
 }
 
-/* x f32 [rows, ldx] (or pending in px, where ldx == k) -> hi [rows, K], lo [rows, K] bf16 */
+/* Where value i of a bf16 row goes in xa: in place, or each 64-value block in the wgmma kernel's order */
+static __device__ __forceinline__ int64_t xa_pos_bf16(int64_t i, bool wg)
+{
+    return wg ? (i & ~(int64_t)63) + gemm_wg_pos_bf16((int)(i & 63)) : i;
+}
+
+/* x f32 [rows, ldx] (or pending in px, where ldx == k) -> hi [rows, K], lo [rows, K] bf16 (each 64-value
+ * block in place, or in wgmma order) */
 __global__ void gemm_split_kernel(const float *__restrict__ x, const dsv4_cuda_pending px, int64_t ldx, int rows,
-                                  int64_t k, __nv_bfloat16 *__restrict__ xa)
+                                  int64_t k, bool wg, __nv_bfloat16 *__restrict__ xa)
 {
     dsv4_pdl_enter();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -302,8 +309,9 @@ __global__ void gemm_split_kernel(const float *__restrict__ x, const dsv4_cuda_p
         return;
     const float v = pending_at(px, x, (i / k) * ldx + i % k);
     const __nv_bfloat16 hi = __float2bfloat16_rn(v);
-    xa[i] = hi;
-    xa[(int64_t)rows * k + i] = __float2bfloat16_rn(v - __bfloat162float(hi));
+    const int64_t o = (i / k) * k + xa_pos_bf16(i % k, wg);
+    xa[o] = hi;
+    xa[(int64_t)rows * k + o] = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
 /* grid (ceil(k / GEMM_NORM_PART), rows): y = RMSNorm(x) [rows, k] as rmsnorm_kernel writes it, then
@@ -351,9 +359,10 @@ gemm_norm_prep_kernel(const float *__restrict__ x, const dsv4_cuda_pending px, c
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int e = kb * 128 + i * DSV4_CUDA_WARP + lane;
+            const int64_t o = xa_pos_bf16(e, wg);
             const __nv_bfloat16 h = __float2bfloat16_rn(v[i]);
-            hi[e] = h;
-            lo[e] = __float2bfloat16_rn(v[i] - __bfloat162float(h));
+            hi[o] = h;
+            lo[o] = __float2bfloat16_rn(v[i] - __bfloat162float(h));
         }
         return;
     }
@@ -426,13 +435,23 @@ static void gemm_splits(int64_t out, int nkt, int *per, int *splits)
 
 static int gemm_stages = GEMM_STAGES_MAX;     /* chosen by dsv4_cuda_gemm_prepare */
 static bool gemm_wg = false;                    /* prefill chunks' FP8 linears on wgmma (gemm_wgmma.cu) */
+static bool gemm_wg_decode = false;             /* and decode batches of more than DIRECT rows */
 static const char *gemm_wg_why_not = "dsv4_cuda_gemm_prepare not run";     /* when gemm_wg is false */
 static bool gemm_direct = true;                 /* launches of <= 8 rows with weights in registers (gemm_direct.cu) */
 
-/* A prefill chunk's FP8 linear, where the image has the wgmma kernels (x then prepared in their order) */
+/* Where the image has the wgmma kernels, the linears that take them (x then prepared in their order):
+ * an FP8 linear of a prefill chunk, and an FP8 or BF16 one of a decode batch of more than
+ * GEMM_WG_DECODE_MIN rows. Up to GEMM_WG_DECODE_MIN rows (one n8 tile) the register kernel
+ * (gemm_direct.cu) and the ring stay; so do a prefill chunk's BF16 linears, small weights (the router
+ * gate, the compressors) whose 64-row blocks would leave SMs idle where the ring takes narrower ones. */
+#define GEMM_WG_DECODE_MIN 8
 static bool use_wgmma(int mode, int rows)
 {
-    return gemm_wg && mode != GEMM_BF16 && rows > DSV4_CUDA_MAX_BATCH;
+    if (!gemm_wg)
+        return false;
+    if (rows > DSV4_CUDA_MAX_BATCH)
+        return mode != GEMM_BF16;
+    return gemm_wg_decode && rows > GEMM_WG_DECODE_MIN;
 }
 
 static int gemm_sms = 1;                        /* the device's SMs: CTAs of a launch's first wave, at least */
@@ -522,6 +541,7 @@ extern "C" int dsv4_cuda_gemm_prepare(void)
     if (sw.gemm_wgmma && (rc = gemm_wgmma_prepare(optin, &gemm_wg_why_not)) < 0)
         return rc;
     gemm_wg = sw.gemm_wgmma && !gemm_wg_why_not;
+    gemm_wg_decode = gemm_wg && sw.gemm_wgmma_decode;
     gemm_direct = sw.gemm_direct;
     if ((rc = prepare_walk<GEMM_FP8>()) < 0 || (rc = prepare_walk<GEMM_FP8RAW>()) < 0 ||
         (rc = prepare_walk<GEMM_BF16>()) < 0)
@@ -549,6 +569,11 @@ extern "C" bool dsv4_cuda_gemm_wgmma(void)
 extern "C" const char *dsv4_cuda_gemm_wgmma_why_not(void)
 {
     return gemm_wg ? nullptr : gemm_wg_why_not;
+}
+
+extern "C" bool dsv4_cuda_gemm_wgmma_decode(void)
+{
+    return gemm_wg_decode;
 }
 
 extern "C" bool dsv4_cuda_gemm_direct(void)
@@ -581,7 +606,8 @@ template <int MODE>
 static int launch_nt(const gemm_args &a, bool wg, cudaStream_t s)
 {
     if (wg) {
-        dsv4_cuda_count_launch(DSV4_CUDA_V_GEMM_FP8_WGMMA);
+        dsv4_cuda_count_launch(a.rows > DSV4_CUDA_MAX_BATCH ? DSV4_CUDA_V_GEMM_FP8_WGMMA
+                                                            : DSV4_CUDA_V_GEMM_WGMMA_DECODE);
         return gemm_wgmma_launch(MODE, a, gemm_sms, gemm_prefetch, s);
     }
     if (gemm_direct && gemm_direct_fits(MODE, a)) {
@@ -677,11 +703,11 @@ static int gemm_run(const struct dsv4_cuda_linear *W, int groups, const float *d
     if (mode == GEMM_BF16) {
         const int64_t n = (int64_t)rows * W->in;
         if (!prepared) {
-            dsv4_launch(gemm_split_kernel, (unsigned)((n + 255) / 256), 256, 0, s, d_x, xp, ldx, rows, W->in,
+            dsv4_launch(gemm_split_kernel, (unsigned)((n + 255) / 256), 256, 0, s, d_x, xp, ldx, rows, W->in, wg,
                         static_cast<__nv_bfloat16 *>(ws->xa));
             DSV4_CUDA_LAUNCHED("gemm_split");
         }
-        rc = launch_nt<GEMM_BF16>(a, false, s);
+        rc = launch_nt<GEMM_BF16>(a, wg, s);
     } else {
         const int warps = 8;
         const int64_t nblk = (int64_t)rows * (k / 128);
@@ -825,7 +851,7 @@ extern "C" int dsv4_cuda_gemm_norm(const struct dsv4_cuda_linear *W, bool quant_
                     ws->xa, ws->sa);
     else
         dsv4_launch(gemm_norm_prep_kernel<GEMM_BF16>, grid, NORM_THREADS, smem, s, d_x, xp, d_w, rows, k, eps, d_y,
-                    false, ws->xa, ws->sa);
+                    wg, ws->xa, ws->sa);
     DSV4_CUDA_LAUNCHED("gemm_norm_prep");
     mark_prepared(ws, d_y, k, k, rows, mode, wg);
     return 0;

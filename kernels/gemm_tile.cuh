@@ -175,6 +175,14 @@ static __host__ __device__ constexpr int gemm_wg_pos(int k)
     return ((4 * ((k >> 4) >> 2) + ((k & 15) >> 2)) * 2 + ((k >> 1) & 1)) * 8 + 2 * ((k >> 4) & 3) + (k & 1);
 }
 
+/* The same for value v (0..63) of each 64-value bf16 block (hi and lo planes alike): MMA q of weight
+ * chunk c = t + 4h (8 values) feeds k-slot 2t+e the value 8c + 4q + e and slot 8+2t+e the value
+ * 8c + 4q + 2 + e (gemm_chunk_mma's bf16 form), so v goes to step 2h+q, half j, place 2t+e. */
+static __host__ __device__ constexpr int gemm_wg_pos_bf16(int v)
+{
+    return ((2 * ((v >> 3) >> 2) + ((v >> 2) & 1)) * 2 + ((v >> 1) & 1)) * 8 + 2 * ((v >> 3) & 3) + (v & 1);
+}
+
 /* Weights are constant after boot: the first a.pf_ctas CTAs of a launch, which start while the
  * previous kernel drains, pull their first k-tiles from kt0 (one 128-byte line per weight row each) of
  * output rows [row0, row0 + GEMM_ROWS) toward L2 before waiting for x. Both kernels run GEMM_THREADS. */

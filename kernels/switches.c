@@ -28,6 +28,7 @@ static const struct sw_def table[] = {
     SW("DSV4_CUDA_GEMM", SW_BOOL, gemm),
     SW("DSV4_CUDA_GEMM_STAGES", SW_STAGES, gemm_stages),
     SW("DSV4_CUDA_GEMM_WGMMA", SW_BOOL, gemm_wgmma),
+    SW("DSV4_CUDA_GEMM_WGMMA_DECODE", SW_BOOL, gemm_wgmma_decode),
     SW("DSV4_CUDA_GEMM_DIRECT", SW_BOOL, gemm_direct),
     SW("DSV4_CUDA_GEMM_PREFETCH_KB", SW_KB, gemm_prefetch_kb),
     SW("DSV4_CUDA_PDL", SW_BOOL, pdl),
@@ -43,7 +44,8 @@ static const struct sw_def table[] = {
 #define N_SW ((int)(sizeof(table) / sizeof(table[0])))
 
 static const struct dsv4_cuda_switches defaults = {
-    .graphs = true, .gemm = true, .gemm_stages = 4, .gemm_wgmma = true, .gemm_direct = true, .gemm_prefetch_kb = DSV4_CUDA_PREFETCH_KB_DEFAULT,
+    .graphs = true, .gemm = true, .gemm_stages = 4, .gemm_wgmma = true, .gemm_wgmma_decode = true,
+    .gemm_direct = true, .gemm_prefetch_kb = DSV4_CUDA_PREFETCH_KB_DEFAULT,
     .pdl = true, .sample = true, .moe_mma = true, .branches = true, .moe_tiles = true, .att_heads = 0,
     .att_whole = true, .log = false,
 };

@@ -22,6 +22,7 @@ struct dsv4_cuda_switches {
     bool gemm;                  /* DSV4_CUDA_GEMM: tensor-core linears (0: GEMV only) */
     int gemm_stages;            /* DSV4_CUDA_GEMM_STAGES: 4 (the most that fit, else 2) or 2 */
     bool gemm_wgmma;            /* DSV4_CUDA_GEMM_WGMMA: prefill chunks' FP8 linears on wgmma (sm_90a; 0: mma.sync) */
+    bool gemm_wgmma_decode;     /* DSV4_CUDA_GEMM_WGMMA_DECODE: decode batches of 9-64 rows' FP8 linears on wgmma too */
     bool gemm_direct;           /* DSV4_CUDA_GEMM_DIRECT: linears of <= 8 rows with weights in registers (0: the ring) */
     int64_t gemm_prefetch_kb;   /* DSV4_CUDA_GEMM_PREFETCH_KB: a GEMM's first-wave weight prefetch, 0 off */
     bool pdl;                   /* DSV4_CUDA_PDL: programmatic dependent launch where the image has it */

@@ -1,12 +1,14 @@
 /* SPDX-License-Identifier: MIT */
-/* Warpgroup MMA (wgmma, sm_90a only): the instructions the prefill linears use, and the shared-memory
- * matrix descriptor. Callers compile these only into the sm_90a image (__CUDA_ARCH_FEAT_SM90_ALL).
+/* Warpgroup MMA (wgmma, sm_90a only): the instructions the FP8 and BF16 linears use, and the
+ * shared-memory matrix descriptor. Callers compile these only into the sm_90a image
+ * (__CUDA_ARCH_FEAT_SM90_ALL).
  *
  * wgmma.m64nNk16 with A in registers takes each warp's A rows (16 of the warpgroup's 64) in exactly
  * mma.sync m16n8k16's fragment layout, and B from shared memory. On the H200 a chain of them gives
  * mma.sync's bits for every output (f16 operands, f32 accumulation, N 8 and 64: checked bit for bit
- * before this path was written); the e4m3 form does not (its accumulation keeps fewer bits), so the
- * FP8 linears feed e4m3 values as f16. */
+ * before this path was written; N 16 and 32, and bf16 operands, by test_gpu_linear's decode rows);
+ * the e4m3 form does not (its accumulation keeps fewer bits), so the FP8 linears feed e4m3 values as
+ * f16. */
 #ifndef DSV4_KERNELS_WGMMA_CUH
 #define DSV4_KERNELS_WGMMA_CUH
 
@@ -109,8 +111,27 @@ static __device__ __forceinline__ void dsv4_wgmma_pin(float &r)
     asm volatile("" : "+f"(r)::"memory");
 }
 
-/* d[32] += A (64x16 f16, this warp's 16 rows in a[4]) B (16x64 f16 at desc, K-major); the accumulator
- * layout is mma.sync's per 8 columns: d[4j..4j+3] = (g, 8j+2t), (g, 8j+2t+1), (g+8, 8j+2t), (g+8, 8j+2t+1). */
+/* d[N / 2] += A (64x16 f16, this warp's 16 rows in a[4]) B (16xN f16 at desc, K-major), N 16, 32 or 64;
+ * the accumulator layout is mma.sync's per 8 columns: d[4j..4j+3] = (g, 8j+2t), (g, 8j+2t+1), (g+8, 8j+2t),
+ * (g+8, 8j+2t+1). */
+static __device__ __forceinline__ void dsv4_wgmma_f16_n16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+static __device__ __forceinline__ void dsv4_wgmma_f16_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "{%16, %17, %18, %19}, %20, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
 static __device__ __forceinline__ void dsv4_wgmma_f16_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc)
 {
     asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
@@ -122,6 +143,50 @@ static __device__ __forceinline__ void dsv4_wgmma_f16_n64(float (&d)[32], const 
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+/* The same with bf16 operands */
+static __device__ __forceinline__ void dsv4_wgmma_bf16_n16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+static __device__ __forceinline__ void dsv4_wgmma_bf16_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "{%16, %17, %18, %19}, %20, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+static __device__ __forceinline__ void dsv4_wgmma_bf16_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+/* The form of N (16, 32 or 64) columns, f16 (BF false) or bf16 (BF true) operands */
+template <int N, bool BF>
+static __device__ __forceinline__ void dsv4_wgmma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc)
+{
+    if constexpr (N == 16)
+        BF ? dsv4_wgmma_bf16_n16(d, a, desc) : dsv4_wgmma_f16_n16(d, a, desc);
+    else if constexpr (N == 32)
+        BF ? dsv4_wgmma_bf16_n32(d, a, desc) : dsv4_wgmma_f16_n32(d, a, desc);
+    else
+        BF ? dsv4_wgmma_bf16_n64(d, a, desc) : dsv4_wgmma_f16_n64(d, a, desc);
 }
 
 #endif

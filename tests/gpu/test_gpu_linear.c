@@ -326,7 +326,8 @@ static void test_wo_a_grouped(void **state)
 }
 
 /* The 2-stage ring that devices with 99 KB of shared memory a block (sm_86/89/120) get, forced here
- * (DSV4_CUDA_GEMM_STAGES=2): every mode at a Flash shape and a tiny one, and the grouped wo_a. */
+ * (DSV4_CUDA_GEMM_STAGES=2, and DSV4_CUDA_GEMM_WGMMA=0: those devices have no wgmma, so batches of
+ * 9-64 rows take the ring too): every mode at a Flash shape and a tiny one, and the grouped wo_a. */
 static void test_short_ring(void **state)
 {
     static const struct shape few[] = {
@@ -336,9 +337,12 @@ static void test_short_ring(void **state)
         { "bf16 tiny [5,72]", DSV4_W_BF16, 5, 72, 64 },
     };
     setenv("DSV4_CUDA_GEMM_STAGES", "2", 1);
+    setenv("DSV4_CUDA_GEMM_WGMMA", "0", 1);
     ws_open();
     unsetenv("DSV4_CUDA_GEMM_STAGES");
+    unsetenv("DSV4_CUDA_GEMM_WGMMA");
     assert_int_equal(dsv4_cuda_gemm_stages(), 2);
+    assert_false(dsv4_cuda_gemm_wgmma_decode());
     for (size_t i = 0; i < sizeof(few) / sizeof(few[0]); i++)
         check_shape(&few[i]);
     check_wo_a_grouped();
@@ -534,16 +538,14 @@ static void test_same_x(void **state)
     ws_close();
 }
 
-/* Prefill chunks (more than DSV4_CUDA_MAX_BATCH rows: a CTA per block of 64 rows, or of 32, 16 or 8
- * where a small weight would leave SMs idle (on the H200's mma.sync path these shapes and row counts
- * reach all four widths), each walking all of K and folding the shape's splits in order): every row
- * bit-identical to that row computed alone (the decode path, whose split-K reduction it
- * reproduces), in each activation form, on shapes whose K is
- * split (wq_a's [1024, 4096] in 16 splits, a BF16 [256, 4096] in 32), a grouped wo_a, and K of 5 and 1
- * k-tiles, at row counts that leave a partial last block; and within LINEAR_BOUND of the CPU twin on sampled rows.
- * Both prefill kernels: the FP8 forms on wgmma (the default where the sm_90a image runs: it must
- * have run on an sm_90 device) and everything on mma.sync (DSV4_CUDA_GEMM_WGMMA=0). */
-static void check_prefill_rows(bool wgmma)
+/* Every row of a launch of B rows bit-identical to that row computed alone (the decode path of one
+ * row, whose split-K reduction every other path reproduces), in each activation form, on shapes whose
+ * K is split (wq_a's [1024, 4096] in 16 splits, a BF16 [256, 4096] in 32), a grouped wo_a, and K of 5
+ * and 1 k-tiles, at row counts that leave a partial last block; and within LINEAR_BOUND of the CPU
+ * twin on sampled rows. `env` = `on` selects the kernel under test; `v` counts its launches, which
+ * must be > 0 on an sm_90 device when on (the sm_90a image runs there) and 0 when off. */
+static void check_rows(const char *env, bool on, enum dsv4_cuda_variant v, const int *rows, size_t nrows,
+                       const char *label)
 {
     static const struct { enum dsv4_wfmt fmt; bool quant; int64_t out, in; int groups; const char *what; } forms[] = {
         { DSV4_W_FP8, true, 1024, 4096, 0, "fp8 [1024,4096], quantized x" },
@@ -552,18 +554,20 @@ static void check_prefill_rows(bool wgmma)
         { DSV4_W_FP8, false, 2048, 1024, 4, "fp8 grouped [2048,1024] x 4 groups" },
         { DSV4_W_FP8, true, 384, 640, 0, "fp8 [384,640], quantized x (an odd count of k-tiles)" },
         { DSV4_W_FP8, false, 256, 128, 0, "fp8 [256,128], raw x (one k-tile)" },
+        { DSV4_W_FP8, true, 32768, 256, 0, "fp8 [32768,256], quantized x (one split)" },
     };
-    static const int rows[] = { 65, 200, 1000 };
-    const int RMAX = 1000;
+    int RMAX = 1;
     const int64_t KMAX = 4096;
     struct dsv4_cuda_gemm_ws ws;
     void *mem;
 
+    for (size_t r = 0; r < nrows; r++)
+        RMAX = rows[r] > RMAX ? rows[r] : RMAX;
     struct cudaDeviceProp prop;
     assert_int_equal(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
-    setenv("DSV4_CUDA_GEMM_WGMMA", wgmma ? "1" : "0", 1);
+    setenv(env, on ? "1" : "0", 1);
     DSV4_OK(dsv4_cuda_gemm_prepare());
-    const uint64_t wg0 = dsv4_cuda_variant_launches(DSV4_CUDA_V_GEMM_FP8_WGMMA);
+    const uint64_t n0 = dsv4_cuda_variant_launches(v);
     assert_int_equal(cudaMalloc(&mem, dsv4_cuda_gemm_ws_bytes(RMAX, KMAX)), cudaSuccess);
     dsv4_cuda_gemm_ws_init(&ws, mem, RMAX, KMAX);
     for (size_t f = 0; f < sizeof(forms) / sizeof(forms[0]); f++) {
@@ -574,7 +578,7 @@ static void check_prefill_rows(bool wgmma)
         float *x = malloc(sizeof(float) * (size_t)RMAX * xw);
         fill_activations(x, (size_t)RMAX * xw);
         float *dx = gt_dev_copy(x, sizeof(float) * (size_t)RMAX * xw);
-        for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++) {
+        for (size_t r = 0; r < nrows; r++) {
             const int B = rows[r];
             float *dy = gt_dev_poisoned((size_t)B * out), *d1 = gt_dev_poisoned((size_t)out);
             if (G)
@@ -612,10 +616,10 @@ static void check_prefill_rows(bool wgmma)
                 }
                 memcpy(gsel + (size_t)k * out, got + (size_t)probe[k] * out, sizeof(float) * out);
             }
-            char what[128];
-            snprintf(what, sizeof(what), "%s, %d rows, %s", forms[f].what, B, wgmma ? "wgmma default" : "mma.sync");
+            char what[160];
+            snprintf(what, sizeof(what), "%s, %d rows, %s=%d", forms[f].what, B, env, on);
             ASSERT_REL(what, gsel, rsel, (size_t)3 * out, LINEAR_BOUND);
-            printf("# prefill rows, %s: %zu of %d rows differ from the row computed alone\n", what, differ, B);
+            printf("# %s rows, %s: %zu of %d rows differ from the row computed alone\n", label, what, differ, B);
             assert_int_equal(differ, 0);
             free(wrow);
             free(xr);
@@ -630,27 +634,44 @@ static void check_prefill_rows(bool wgmma)
         free_linear(&W);
     }
     cudaFree(mem);
-    const uint64_t wg = dsv4_cuda_variant_launches(DSV4_CUDA_V_GEMM_FP8_WGMMA) - wg0;
-    const char *why_not = dsv4_cuda_gemm_wgmma_why_not();
-    printf("# prefill rows, DSV4_CUDA_GEMM_WGMMA=%d: %llu wgmma launches (%s)\n", wgmma, (unsigned long long)wg,
-           why_not ? why_not : "wgmma available");
-    assert_int_equal(dsv4_cuda_gemm_wgmma(), why_not == NULL);
-    if (!wgmma) {
-        assert_int_equal(wg, 0);
-        assert_string_equal(why_not, "DSV4_CUDA_GEMM_WGMMA=0");
-    } else if (prop.major == 9 && prop.minor == 0) {
-        assert_true(wg > 0);
-        assert_null(why_not);
-    }
-    unsetenv("DSV4_CUDA_GEMM_WGMMA");
+    const uint64_t n = dsv4_cuda_variant_launches(v) - n0;
+    printf("# %s rows, %s=%d: %llu launches of %s\n", label, env, on, (unsigned long long)n,
+           dsv4_cuda_variant_name(v));
+    if (!on)
+        assert_int_equal(n, 0);
+    else if (prop.major == 9 && prop.minor == 0)
+        assert_true(n > 0);
+    unsetenv(env);
     DSV4_OK(dsv4_cuda_gemm_prepare());
 }
 
+/* Prefill chunks (more than DSV4_CUDA_MAX_BATCH rows: a CTA per block of 64 rows, or of 32, 16 or 8
+ * where a small weight would leave SMs idle (on the H200's mma.sync path these shapes and row counts
+ * reach all four widths), each walking all of K and folding the shape's splits in order), on both
+ * prefill kernels: the FP8 forms on wgmma (the default where the sm_90a image runs) and everything on
+ * mma.sync (DSV4_CUDA_GEMM_WGMMA=0, which the boot log then names as the reason). */
 static void test_prefill_rows(void **state)
 {
+    static const int rows[] = { 65, 200, 1000 };
     (void)state;
-    check_prefill_rows(true);
-    check_prefill_rows(false);
+    check_rows("DSV4_CUDA_GEMM_WGMMA", true, DSV4_CUDA_V_GEMM_FP8_WGMMA, rows, 3, "prefill");
+    assert_int_equal(dsv4_cuda_gemm_wgmma(), dsv4_cuda_gemm_wgmma_why_not() == NULL);
+    setenv("DSV4_CUDA_GEMM_WGMMA", "0", 1);
+    DSV4_OK(dsv4_cuda_gemm_prepare());
+    assert_false(dsv4_cuda_gemm_wgmma());
+    assert_string_equal(dsv4_cuda_gemm_wgmma_why_not(), "DSV4_CUDA_GEMM_WGMMA=0");
+    check_rows("DSV4_CUDA_GEMM_WGMMA", false, DSV4_CUDA_V_GEMM_FP8_WGMMA, rows, 3, "prefill");
+}
+
+/* Decode batches of 9-64 rows: the FP8 and BF16 forms on wgmma (N 16, 32 or 64; a CTA per weight tile
+ * and K split, the partials reduced as the mma.sync path's) and on the mma.sync ring
+ * (DSV4_CUDA_GEMM_WGMMA_DECODE=0); each row == the row alone (the one-tile register kernel). */
+static void test_decode_rows(void **state)
+{
+    static const int rows[] = { 9, 16, 17, 32, 33, 64 };
+    (void)state;
+    check_rows("DSV4_CUDA_GEMM_WGMMA_DECODE", true, DSV4_CUDA_V_GEMM_WGMMA_DECODE, rows, 6, "decode");
+    check_rows("DSV4_CUDA_GEMM_WGMMA_DECODE", false, DSV4_CUDA_V_GEMM_WGMMA_DECODE, rows, 6, "decode");
 }
 
 /* dsv4_cuda_gemm_norm: the normalized rows are dsv4_cuda_rmsnorm's bit for bit, and a linear that
@@ -897,6 +918,7 @@ int main(void)
         cmocka_unit_test(test_fp8_view_mid_block),
         cmocka_unit_test(test_same_x),
         cmocka_unit_test(test_prefill_rows),
+        cmocka_unit_test(test_decode_rows),
         cmocka_unit_test(test_norm_prep),
         cmocka_unit_test(test_pending),
         cmocka_unit_test(test_head_rows),
