@@ -435,7 +435,7 @@ static void gemm_splits(int64_t out, int nkt, int *per, int *splits)
 
 static int gemm_stages = GEMM_STAGES_MAX;     /* chosen by dsv4_cuda_gemm_prepare */
 static bool gemm_wg = false;                    /* prefill chunks' FP8 linears on wgmma (gemm_wgmma.cu) */
-static bool gemm_wg_decode = false;             /* and decode batches of more than DIRECT rows */
+static bool gemm_wg_decode = false;             /* and decode batches of more than GEMM_WG_DECODE_MIN rows */
 static const char *gemm_wg_why_not = "dsv4_cuda_gemm_prepare not run";     /* when gemm_wg is false */
 static bool gemm_direct = true;                 /* launches of <= 8 rows with weights in registers (gemm_direct.cu) */
 

@@ -417,6 +417,9 @@ int gemm_wgmma_launch(int mode, gemm_args a, int sms, int64_t prefetch, cudaStre
 {
     /* a decode batch: one block of N >= rows, a CTA a (tile, split); a prefill chunk: 64-row blocks */
     const bool dec = a.rows <= DSV4_CUDA_MAX_BATCH;
+    if (mode == GEMM_BF16 && !dec)
+        return dsv4_error_set(-EINVAL, "gemm_wgmma: BF16 linears take the wgmma kernel for decode batches only "
+                              "(%d rows)", a.rows);
     const int n = !dec ? WG_TOKENS : a.rows <= 16 ? 16 : a.rows <= 32 ? 32 : 64;
     const unsigned tiles = (unsigned)((a.out + GEMM_ROWS - 1) / GEMM_ROWS);
     const dim3 grid = dec ? dim3(1, tiles, (unsigned)a.splits) : dim3((unsigned)((a.rows + n - 1) / n), tiles);
@@ -430,9 +433,6 @@ int gemm_wgmma_launch(int mode, gemm_args a, int sms, int64_t prefetch, cudaStre
                      (uint32_t)n)) < 0)
         return rc;
     gemm_set_prefetch(&a, (int64_t)grid.x * grid.y * grid.z, sms, dec ? a.per : a.nkt, prefetch);
-    if (mode == GEMM_BF16 && !dec)
-        return dsv4_error_set(-EINVAL, "gemm_wgmma: BF16 linears take the wgmma kernel for decode batches only "
-                              "(%d rows)", a.rows);
     if (mode == GEMM_FP8)
         wg_launch_mode<GEMM_FP8>(n, dec, grid, s, tw, tx, a);
     else if (mode == GEMM_FP8RAW)
