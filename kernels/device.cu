@@ -62,6 +62,7 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_ATTENTION_WHOLE: return "attention_mma_bf16_hilo_heads16_keys64_whole_row_q_smem";
     case DSV4_CUDA_V_GEMM_DIRECT: return "gemm_mma_rows128_batch8_weights_in_registers";
     case DSV4_CUDA_V_GEMM_WGMMA_DECODE: return "gemm_fp8_bf16hilo_wgmma_tma_rows128_batch9to64_splitk";
+    case DSV4_CUDA_V_EXPERTS_FP4_WGMMA: return "experts_fp4_grouped_swiglu_bf16wgmma_rows128_prefill_n8to64";
     case DSV4_CUDA_V_COUNT: break;
     }
     return "?";
@@ -764,6 +765,10 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          "DSV4_CUDA_MOE_MMA=0 turns it off); else %s / %s",
          dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_FP4), dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_FP4_FMA),
          dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_OTHER));
+    vlog(dev, log, log_ctx, true, "op experts prefill chunks (more than %d rows): %s%s%s", DSV4_CUDA_MAX_BATCH,
+         dsv4_cuda_moe_wgmma() ? dsv4_cuda_variant_name(DSV4_CUDA_V_EXPERTS_FP4_WGMMA)
+                               : "mma.sync, the kernel above in CTAs of 8 warps (no wgmma: ",
+         dsv4_cuda_moe_wgmma() ? "" : dsv4_cuda_moe_wgmma_why_not(), dsv4_cuda_moe_wgmma() ? "" : ")");
     vlog(dev, log, log_ctx, true, "op router: warp-per-token sqrtsoftplus top-k / hash table");
     vlog(dev, log, log_ctx, true, "op rmsnorm: block-per-row");
     vlog(dev, log, log_ctx, true, "op mhc pre: %s (blocks of 1024 columns per token, Sinkhorn in registers), "

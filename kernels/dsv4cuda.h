@@ -127,6 +127,7 @@ enum dsv4_cuda_variant {
     DSV4_CUDA_V_ATTENTION_WHOLE,    /* prefill attention over FP8 KV entries, a block per row's runs (same bits) */
     DSV4_CUDA_V_GEMM_DIRECT,        /* linears of <= 8 rows, weights streamed into registers (same bits) */
     DSV4_CUDA_V_GEMM_WGMMA_DECODE,  /* FP8 and BF16 linears of decode batches of 9-64 rows on warpgroup MMAs (same bits) */
+    DSV4_CUDA_V_EXPERTS_FP4_WGMMA,  /* FP4 experts of prefill chunks on warpgroup MMAs (sm_90a; same bits) */
     DSV4_CUDA_V_COUNT,
 };
 const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v);
@@ -361,6 +362,11 @@ int dsv4_cuda_moe_combine(const struct dsv4_cuda_experts *ex, int batch, int top
  * whose ring (~88 KB) needs the current device's opt-in: call once per process and device before
  * them (boot, before any capture); -ENOTSUP where the device offers less. */
 int dsv4_cuda_moe_prepare(void);
+/* Whether dsv4_cuda_moe_prepare put the routed experts of prefill chunks on the wgmma kernels
+ * (kernels/moe_wgmma.cu: the sm_90a image, enough shared memory, DSV4_CUDA_MOE_WGMMA not 0); false:
+ * on the 8-warp mma.sync kernels, for the reason dsv4_cuda_moe_wgmma_why_not gives (NULL when they run). */
+bool dsv4_cuda_moe_wgmma(void);
+const char *dsv4_cuda_moe_wgmma_why_not(void);
 
 /* Routing statistics (kernels/route_stats.cu): d_counts[e] += the rows b < batch whose d_slot[b] is
  * not pad_slot (a bucket's padding rows) with e among d_idx[b, 0..topk). */

@@ -22,6 +22,7 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/moe_tile.cuh"
 #include "kernels/pending.cuh"
 #include "kernels/switches.h"
 
@@ -34,15 +35,6 @@
 static __device__ __forceinline__ float sqrt_softplus(float l)
 {
     return sqrtf(l > 20.0f ? l : log1pf(expf(l)));
-}
-
-static __device__ __forceinline__ float swiglu(float g, float u, float limit)
-{
-    if (limit > 0.0f) {
-        g = fminf(g, limit);
-        u = fminf(fmaxf(u, -limit), limit);
-    }
-    return g / (1.0f + expf(-g)) * u;
 }
 
 /* One block per token (a warp, or ROUTER_THREADS_PENDING threads for pending logits). Shared: scores
@@ -215,19 +207,12 @@ static __device__ void moe_group(const int32_t *__restrict__ idx, int pairs, int
     }
 }
 
-/* 8 consecutive values of K as bf16 in the order the FP4 decoder pairs nibbles (fp4x8_bf16):
- * [3, 7, 2, 6, 1, 5, 0, 4]. Exact for e4m3 x power-of-two values. */
-static __device__ __forceinline__ uint4 bf16x8_operand(const float (&v)[8])
-{
-    return make_uint4(dsv4_bf16x2(v[3], v[7]), dsv4_bf16x2(v[2], v[6]), dsv4_bf16x2(v[1], v[5]),
-                      dsv4_bf16x2(v[0], v[4]));
-}
-
 /* grid 1 + ceil(n8 / MOE_PREP_THREADS): block 0 groups the pairs; the others write x [batch, D]
- * (already FP8-rounded) as bf16 operands xa, 8 values a thread (n8 = batch * D / 8; 0 = none). */
+ * (already FP8-rounded) as bf16 operands xa in the order of the kernels that read them (wg: the wgmma
+ * kernels), 8 values a thread (n8 = batch * D / 8; 0 = none). */
 __global__ void __launch_bounds__(MOE_PREP_THREADS)
 moe_prep_kernel(const int32_t *__restrict__ idx, int pairs, int n_experts, int32_t *__restrict__ groups,
-                const float *__restrict__ x, int64_t n8, uint4 *__restrict__ xa)
+                const float *__restrict__ x, int64_t n8, bool wg, uint32_t *__restrict__ xa)
 {
     dsv4_pdl_enter();
     if (blockIdx.x == 0) {
@@ -239,7 +224,7 @@ moe_prep_kernel(const int32_t *__restrict__ idx, int pairs, int n_experts, int32
         return;
     const float4 a = reinterpret_cast<const float4 *>(x)[2 * q], b = reinterpret_cast<const float4 *>(x)[2 * q + 1];
     const float v[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
-    xa[q] = bf16x8_operand(v);
+    moe_store_operand(xa, q, bf16x8_operand(v), wg);
 }
 
 /* ---- FMA path: F32/BF16/FP8 experts, and FP4 without activation quantization ---- */
@@ -401,22 +386,11 @@ static int launch_experts_fma(const struct dsv4_cuda_experts *ex, const float *d
  * 256-byte carve-outs; K is a multiple of 128). */
 #define MOE_TC_WARPS 4                          /* warps a CTA in decode steps */
 #define MOE_TC_PF_WARPS 8                       /* warps a CTA in prefill chunks */
-#define MOE_TC_KT 128                           /* K values per k-tile */
-#define MOE_TC_WROW (MOE_TC_KT / 2)             /* FP4 bytes per weight row per k-tile */
-#define MOE_TC_XROW (MOE_TC_KT * 2)             /* bf16 activation bytes per token per k-tile */
-#define MOE_TC_PASS 64                          /* tokens per pass: 8 n8 tiles */
-#define MOE_TC_MAX_STAGES 7
 #define MOE_TC_MAX_INTER 8192                   /* moe_quant_kernel: one thread per 8 values of a row */
 
-enum { MOE_UP = 0, MOE_DOWN = 1 };
-
-/* A CTA of `warps` warps: its threads, weight rows, rows of I a gate_up CTA covers (w1 and w3
- * each), ring budget (4 warps: static shared memory, the pass tables taking the rest of 48 KB, 4
- * CTAs an SM; 8 warps: dynamic, 2 CTAs an SM, within the 99 KB a block of sm_86/89/120 may opt in
- * to) and CTAs an SM (both 128 registers a thread at most). */
-static __host__ __device__ constexpr int tc_threads(int warps) { return warps * DSV4_CUDA_WARP; }
-static __host__ __device__ constexpr int tc_rows(int warps) { return warps * 16; }
-static __host__ __device__ constexpr int tc_up_rows(int warps) { return warps * 8; }
+/* A CTA of `warps` warps: its ring budget (4 warps: static shared memory, the pass tables taking the
+ * rest of 48 KB, 4 CTAs an SM; 8 warps: dynamic, 2 CTAs an SM, within the 99 KB a block of
+ * sm_86/89/120 may opt in to) and CTAs an SM (both 128 registers a thread at most). */
 static __host__ __device__ constexpr int tc_budget(int warps) { return warps == MOE_TC_WARPS ? 47 * 1024 : 96 * 1024; }
 static __host__ __device__ constexpr int tc_ctas_per_sm(int warps) { return warps == MOE_TC_WARPS ? 4 : 2; }
 
@@ -457,100 +431,12 @@ static __host__ __device__ constexpr int tc_warps(int maxnt)
 static_assert(tc_stages(8, MOE_TC_PF_WARPS) >= 3 && tc_stages(1, MOE_TC_WARPS) >= 3, "the rings' depths");
 static_assert(tc_ring_bytes(1, MOE_TC_WARPS) <= 47 * 1024, "a decode CTA's ring fits static shared memory");
 
-struct moe_tc_args {
-    const struct dsv4_cuda_expert *table;
-    const int32_t *groups;
-    int pairs, topk;
-    const uint8_t *xa;          /* activations as bf16 operands: row r at xa + r * lda */
-    int64_t lda;                /* bytes; gate_up rows are tokens (pair / topk), down rows are pairs */
-    int nk;                     /* k-tiles of K */
-    float limit;                /* SwiGLU clamp (gate_up) */
-    float *y;                   /* gate_up: h [pairs, ldy] f32; down: out [pairs, ldy] */
-    int64_t ldy;
-};
-
-/* bf16x2 a * b, exact here (powers of two times values of at most 3 significant bits) */
-static __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b)
-{
-    uint32_t d;
-#if __CUDA_ARCH__ >= 900
-    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-#else
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));    /* + (-0) */
-#endif
-    return d;
-}
-
-/* nibbles at bits 12-15 and 28-31 -> bf16x2 of their e2m1 values x 2^-126 */
-static __device__ __forceinline__ uint32_t e2m1x2_raw(uint32_t v)
-{
-    return (v & 0x80008000u) | ((v >> 6) & 0x01c001c0u);
-}
-
-/* bf16x2 2^(e - 127) for a bf16 exponent field e in 1..254: e << 7 | e << 23, one multiply (the two
- * copies of e's 8 bits do not overlap) */
-static __device__ __forceinline__ uint32_t bf16x2_pow2(uint32_t e)
-{
-    return e * 0x00800080u;
-}
-
-/* A word of tiled weights: the checkpoint's word of 8 e2m1 values (nibble k = value k, bits m, e0, e1,
- * s from the lowest) with its bits moved so that the decoder's pair (3, 7) already sits at its bf16x2
- * bits (E2M1X2_BITS: m, e0, e1 at 6-8, s at 15, and 16 higher), (2, 6) 3 bits below them, (1, 5) 6
- * below, and (0, 4) in the 8 bits left (E2M1X2_REST: e0, e1 at 10-11, s at 13, m at 14), which three
- * shifts by -3, -8 and +2 put in place. Nine groups of bits that move together. */
-#define E2M1X2_BITS 0x81c081c0u
-#define E2M1X2_REST 0x6c006c00u
-static __host__ __device__ __forceinline__ uint32_t fp4_tile_word(uint32_t w)
-{
-    return (w & 0x80008000u) | ((w & 0x70007000u) >> 6) | ((w & 0x07000700u) >> 5) | ((w & 0x08000800u) << 1) |
-           ((w & 0x00700070u) >> 4) | ((w & 0x00800080u) << 2) | ((w & 0x00010001u) << 14) |
-           ((w & 0x00060006u) << 9) | ((w & 0x00080008u) << 10);
-}
-
-/* 8 e2m1 values (one 32-bit word, low nibble first; TILED: fp4_tile_word's order) x 2^(s-127) as bf16
- * pairs (3, 7), (2, 6), (1, 5), (0, 4); exact for s <= 128 (the caller finishes larger s). The last
- * tiled pair: the three shifted copies of its 8 bits land on disjoint bits (0, 5 and 10 up), so one
- * 64-bit multiply by 2^0 + 2^5 + 2^10 forms them without carries, 8 bits down from where they go. */
-template <bool TILED>
-static __device__ __forceinline__ void fp4x8_bf16(uint32_t w, uint32_t s, uint32_t (&p)[4])
-{
-    const uint32_t f = bf16x2_pow2(min(s, 128u) + 126u);
-    if (TILED) {
-        const uint64_t rest = (uint64_t)(w & E2M1X2_REST) * 0x421u;
-        p[0] = bf16x2_mul(w & E2M1X2_BITS, f);
-        p[1] = bf16x2_mul((w << 3) & E2M1X2_BITS, f);
-        p[2] = bf16x2_mul((w << 6) & E2M1X2_BITS, f);
-        p[3] = bf16x2_mul((uint32_t)(rest >> 8) & E2M1X2_BITS, f);
-    } else {
-        p[0] = bf16x2_mul(e2m1x2_raw(w), f);
-        p[1] = bf16x2_mul(e2m1x2_raw(w << 4), f);
-        p[2] = bf16x2_mul(e2m1x2_raw(w << 8), f);
-        p[3] = bf16x2_mul(e2m1x2_raw(w << 12), f);
-    }
-}
-
 /* Activation tiles: 16 chunks of 16 bytes per token row; thread (g, t) reads chunk 4t + i of rows
  * g + 8j. XORing the chunk's bits 1 and 0 with t's bit 1 and the row's bit 0 spreads the 8 reads of
  * a quarter warp (rows g, g + 1, t = 0..3) over all 8 bank groups. */
 static __device__ __forceinline__ int tc_xswz(int row, int c)
 {
     return c ^ ((c >> 2) & 2) ^ (row & 1);
-}
-
-/* Shared-memory row sr (0 .. 16 WARPS - 1) of a CTA's weight tile: gate_up tile rows [16w, 16w + 8)
- * are w1 rows and [16w + 8, 16w + 16) the w3 rows of the same I indices; down rows are w2 rows in
- * order. */
-template <int MODE, int WARPS>
-static __device__ __forceinline__ const struct dsv4_cuda_linear *tc_row(const struct dsv4_cuda_expert *ex, int tile,
-                                                                       int sr, int64_t *row)
-{
-    if (MODE == MOE_UP) {
-        *row = (int64_t)tile * tc_up_rows(WARPS) + (sr / 16) * 8 + sr % 8;
-        return sr % 16 < 8 ? &ex->w1 : &ex->w3;
-    }
-    *row = (int64_t)tile * tc_rows(WARPS) + sr;
-    return &ex->w2;
 }
 
 /* One k-tile of a warp's m16 tile against NT n8 tiles: st is the stage, xo[i] this thread's
@@ -745,9 +631,10 @@ moe_tc_kernel(const moe_tc_args a)
 
 /* One CTA per pair row of h [pairs, I] (the SwiGLU output, f32), one thread per 8 values, 16 threads
  * per 1x128 block: the official quantizer (the arithmetic of fp8_roundtrip_kernel), the e4m3 values
- * x scale written back in place as bf16 operands (bf16x8_operand). Row p's bf16 values fill the
- * first half of its own f32 row, so every thread reads before any writes. */
-__global__ void moe_quant_kernel(float *__restrict__ h, int inter)
+ * x scale written back in place as bf16 operands (bf16x8_operand, in the wgmma kernels' order where
+ * wg). Row p's bf16 values fill the first half of its own f32 row, so every thread reads before any
+ * writes. */
+__global__ void moe_quant_kernel(float *__restrict__ h, int inter, bool wg)
 {
     dsv4_pdl_enter();
     const int q = threadIdx.x;
@@ -774,7 +661,7 @@ __global__ void moe_quant_kernel(float *__restrict__ h, int inter)
     }
     __syncthreads();
     if (on)
-        reinterpret_cast<uint4 *>(row)[q] = bf16x8_operand(v);
+        moe_store_operand(reinterpret_cast<uint32_t *>(row), q, bf16x8_operand(v), wg);
 }
 
 /* The tensor-core path is the default where the shapes allow; DSV4_CUDA_MOE_MMA=0 (read once, from
@@ -873,13 +760,19 @@ static tc_kernel_fn tc_kernel(bool tiled, bool one)
                  : (one ? moe_tc_kernel<MODE, 1, false> : moe_tc_kernel<MODE, 8, false>);
 }
 
-/* Set by dsv4_cuda_moe_prepare: the prefill kernels' ring is past the 48 KB a block gets unasked. */
+/* Set by dsv4_cuda_moe_prepare: the prefill kernels' ring is past the 48 KB a block gets unasked;
+ * tc_wg: prefill chunks take the wgmma kernels (moe_wgmma.cu), else tc_wg_why_not says why not. */
 static bool tc_prefill_ready;
+static bool tc_wg;
+static const char *tc_wg_why_not = "dsv4_cuda_moe_prepare not run";
 
 extern "C" int dsv4_cuda_moe_prepare(void)
 {
     const int ring = tc_ring_bytes(8, MOE_TC_PF_WARPS);
-    int dev = 0, optin = 0;
+    int dev = 0, optin = 0, rc;
+    struct dsv4_cuda_switches sw;
+    if ((rc = dsv4_cuda_switches_read(&sw)) < 0)
+        return rc;
     DSV4_CUDA_TRY(cudaGetDevice(&dev));
     DSV4_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     if (optin < ring + MOE_TC_PASS * (int)(sizeof(int64_t) + sizeof(int32_t)))
@@ -892,11 +785,32 @@ extern "C" int dsv4_cuda_moe_prepare(void)
         DSV4_CUDA_TRY(cudaFuncSetAttribute(tc_kernel<MOE_DOWN>(tiled, false),
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, ring));
     }
+    tc_wg_why_not = "DSV4_CUDA_MOE_WGMMA=0";
+    if (sw.moe_wgmma && (rc = moe_wgmma_prepare(optin, &tc_wg_why_not)) < 0)
+        return rc;
+    tc_wg = sw.moe_wgmma && !tc_wg_why_not;
     tc_prefill_ready = true;
     return 0;
 }
 
-/* d_out holds x as bf16 operands (moe_prep_kernel) until down overwrites it; h goes f32 -> bf16 in d_h. */
+extern "C" bool dsv4_cuda_moe_wgmma(void)
+{
+    return tc_wg;
+}
+
+extern "C" const char *dsv4_cuda_moe_wgmma_why_not(void)
+{
+    return tc_wg ? nullptr : tc_wg_why_not;
+}
+
+/* A launch of `pairs` on the tensor-core kernels takes the wgmma ones: a prefill chunk where they run */
+static bool tc_wgmma(int pairs, int topk)
+{
+    return tc_wg && pairs > DSV4_CUDA_MAX_BATCH * topk;
+}
+
+/* d_out holds x as bf16 operands (moe_prep_kernel) until down overwrites it; h goes f32 -> bf16 in d_h
+ * (both in the wgmma order where tc_wgmma). */
 static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int pairs, const struct dsv4_cuda_moe_ws *ws,
                              cudaStream_t s)
 {
@@ -919,17 +833,24 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->dim / MOE_TC_KT;
     a.y = ws->d_h;
     a.ldy = ex->inter;
-    dsv4_launch(tc_kernel<MOE_UP>(ex->tiled, one), dim3(ex->inter / tc_up_rows(warps), slots), threads, ring, s, a);
+    const bool wg = tc_wgmma(pairs, topk);
+    if (wg)
+        moe_wgmma_launch(MOE_UP, ex->tiled, dim3(ex->inter / tc_up_rows(warps), slots), a, s);
+    else
+        dsv4_launch(tc_kernel<MOE_UP>(ex->tiled, one), dim3(ex->inter / tc_up_rows(warps), slots), threads, ring, s, a);
     DSV4_CUDA_LAUNCHED("moe_gate_up_mma");
     dsv4_launch(moe_quant_kernel, pairs, (ex->inter / 8 + DSV4_CUDA_WARP - 1) / DSV4_CUDA_WARP * DSV4_CUDA_WARP, 0, s,
-                ws->d_h, ex->inter);
+                ws->d_h, ex->inter, wg);
     DSV4_CUDA_LAUNCHED("moe_quant");
     a.xa = reinterpret_cast<const uint8_t *>(ws->d_h);
     a.lda = (int64_t)ex->inter * 4;
     a.nk = ex->inter / MOE_TC_KT;
     a.y = ws->d_out;
     a.ldy = ex->dim;
-    dsv4_launch(tc_kernel<MOE_DOWN>(ex->tiled, one), dim3(ex->dim / tc_rows(warps), slots), threads, ring, s, a);
+    if (wg)
+        moe_wgmma_launch(MOE_DOWN, ex->tiled, dim3(ex->dim / tc_rows(warps), slots), a, s);
+    else
+        dsv4_launch(tc_kernel<MOE_DOWN>(ex->tiled, one), dim3(ex->dim / tc_rows(warps), slots), threads, ring, s, a);
     DSV4_CUDA_LAUNCHED("moe_down_mma");
     return 0;
 }
@@ -978,10 +899,11 @@ extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const fl
                               "fp8 numerics, dim and inter multiples of %d, DSV4_CUDA_MOE_MMA=1)", MOE_TC_KT);
     const int64_t n8 = tc ? (int64_t)batch * ex->dim / 8 : 0;
     dsv4_launch(moe_prep_kernel, (unsigned)(1 + (n8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS), MOE_PREP_THREADS, 0, s,
-                d_idx, pairs, ex->n_experts, ws->d_groups, d_x, n8, reinterpret_cast<uint4 *>(ws->d_out));
+                d_idx, pairs, ex->n_experts, ws->d_groups, d_x, n8, tc && tc_wgmma(pairs, topk),
+                reinterpret_cast<uint32_t *>(ws->d_out));
     DSV4_CUDA_LAUNCHED("moe_prep");
     if (tc) {
-        dsv4_cuda_count_launch(DSV4_CUDA_V_EXPERTS_FP4);
+        dsv4_cuda_count_launch(tc_wgmma(pairs, topk) ? DSV4_CUDA_V_EXPERTS_FP4_WGMMA : DSV4_CUDA_V_EXPERTS_FP4);
         rc = launch_experts_tc(ex, topk, pairs, ws, s);
     } else {
         switch (ex->fmt) {

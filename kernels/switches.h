@@ -30,6 +30,7 @@ struct dsv4_cuda_switches {
     bool moe_mma;               /* DSV4_CUDA_MOE_MMA: tensor-core routed experts (0: FMA) */
     bool branches;              /* DSV4_CUDA_BRANCHES: a layer's branches on a second stream */
     bool moe_tiles;             /* DSV4_CUDA_MOE_TILES: routed experts in k-tile blocks (0: row-major) */
+    bool moe_wgmma;             /* DSV4_CUDA_MOE_WGMMA: prefill chunks' routed experts on wgmma (sm_90a; 0: mma.sync) */
     int att_heads;              /* DSV4_CUDA_ATT_HEADS: heads an FP8 attention block takes (0: by batch) */
     bool att_whole;             /* DSV4_CUDA_ATT_WHOLE: prefill chunks' attention a block per row (0: splits) */
     bool log;                   /* DSV4_CUDA_LOG: the boot log on stderr */

@@ -111,55 +111,84 @@ static __device__ __forceinline__ void dsv4_wgmma_pin(float &r)
     asm volatile("" : "+f"(r)::"memory");
 }
 
-/* d[N / 2] += A (64x16, this warp's 16 rows in a[4]) B (16xN at desc, K-major), N 16, 32 or 64, with
- * f16 or bf16 operands: dsv4_wgmma_f16_n16 ... dsv4_wgmma_bf16_n64, each shape's operand list written
- * once (DSV4_WGMMA_FORMS) for both types. The accumulator layout is mma.sync's per 8 columns:
- * d[4j..4j+3] = (g, 8j+2t), (g, 8j+2t+1), (g+8, 8j+2t), (g+8, 8j+2t+1). */
-#define DSV4_WGMMA_D8(o) "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), \
-    "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7])
+/* d[N / 2] += A (64x16, this warp's 16 rows in a[4]) B (16xN at desc, K-major), N 8, 16, 24, 32, 48
+ * or 64, with f16 or bf16 operands: dsv4_wgmma_f16_n8 ... dsv4_wgmma_bf16_n64, each shape's operand
+ * list written once (DSV4_WGMMA_FORMS) for both types. The accumulator layout is mma.sync's per 8
+ * columns: d[4j..4j+3] = (g, 8j+2t), (g, 8j+2t+1), (g+8, 8j+2t), (g+8, 8j+2t+1). */
+#define DSV4_WGMMA_D4(o) "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3])
 #define DSV4_WGMMA_AB "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
 #define DSV4_WGMMA_OP(n, ty) "wgmma.mma_async.sync.aligned.m64n" #n "k16.f32." ty "." ty " "
-#define DSV4_WGMMA_FORMS(name, ty)                                                                          \
-    static __device__ __forceinline__ void name##_n16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) \
-    {                                                                                                       \
-        asm volatile(DSV4_WGMMA_OP(16, ty) "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, "    \
-                                           "1, 1, 1, 0;\n"                                                  \
-                     : DSV4_WGMMA_D8(0)                                                                     \
-                     : DSV4_WGMMA_AB);                                                                      \
-    }                                                                                                       \
-    static __device__ __forceinline__ void name##_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) \
-    {                                                                                                       \
-        asm volatile(DSV4_WGMMA_OP(32, ty) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "  \
-                                           "%14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;\n"            \
-                     : DSV4_WGMMA_D8(0), DSV4_WGMMA_D8(8)                                                   \
-                     : DSV4_WGMMA_AB);                                                                      \
-    }                                                                                                       \
-    static __device__ __forceinline__ void name##_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) \
-    {                                                                                                       \
-        asm volatile(DSV4_WGMMA_OP(64, ty) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "  \
-                                           "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, "   \
-                                           "%26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, "     \
-                                           "1, 1, 1, 0;\n"                                                  \
-                     : DSV4_WGMMA_D8(0), DSV4_WGMMA_D8(8), DSV4_WGMMA_D8(16), DSV4_WGMMA_D8(24)             \
-                     : DSV4_WGMMA_AB);                                                                      \
+#define DSV4_WGMMA_FORMS(name, ty)                                                                              \
+    static __device__ __forceinline__ void name##_n8(float (&d)[4], const uint32_t (&a)[4], uint64_t desc)      \
+    {                                                                                                           \
+        asm volatile(DSV4_WGMMA_OP(8, ty) "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"               \
+                     : DSV4_WGMMA_D4(0)                                                                         \
+                     : DSV4_WGMMA_AB);                                                                          \
+    }                                                                                                           \
+    static __device__ __forceinline__ void name##_n16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc)     \
+    {                                                                                                           \
+        asm volatile(DSV4_WGMMA_OP(16, ty) "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, "  \
+                     "1, 0;\n"                                                                                  \
+                     : DSV4_WGMMA_D4(0), DSV4_WGMMA_D4(4)                                                       \
+                     : DSV4_WGMMA_AB);                                                                          \
+    }                                                                                                           \
+    static __device__ __forceinline__ void name##_n24(float (&d)[12], const uint32_t (&a)[4], uint64_t desc)    \
+    {                                                                                                           \
+        asm volatile(DSV4_WGMMA_OP(24, ty) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, "    \
+                     "%14, %15}, %16, 1, 1, 1, 0;\n"                                                            \
+                     : DSV4_WGMMA_D4(0), DSV4_WGMMA_D4(4), DSV4_WGMMA_D4(8)                                     \
+                     : DSV4_WGMMA_AB);                                                                          \
+    }                                                                                                           \
+    static __device__ __forceinline__ void name##_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t desc)    \
+    {                                                                                                           \
+        asm volatile(DSV4_WGMMA_OP(32, ty) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, " \
+                     "%15}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;\n"                                           \
+                     : DSV4_WGMMA_D4(0), DSV4_WGMMA_D4(4), DSV4_WGMMA_D4(8), DSV4_WGMMA_D4(12)                  \
+                     : DSV4_WGMMA_AB);                                                                          \
+    }                                                                                                           \
+    static __device__ __forceinline__ void name##_n48(float (&d)[24], const uint32_t (&a)[4], uint64_t desc)    \
+    {                                                                                                           \
+        asm volatile(DSV4_WGMMA_OP(48, ty) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, " \
+                     "%15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, "                           \
+                     "%27}, %28, 1, 1, 1, 0;\n"                                                                 \
+                     : DSV4_WGMMA_D4(0), DSV4_WGMMA_D4(4), DSV4_WGMMA_D4(8), DSV4_WGMMA_D4(12),                 \
+                       DSV4_WGMMA_D4(16), DSV4_WGMMA_D4(20)                                                     \
+                     : DSV4_WGMMA_AB);                                                                          \
+    }                                                                                                           \
+    static __device__ __forceinline__ void name##_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc)    \
+    {                                                                                                           \
+        asm volatile(DSV4_WGMMA_OP(64, ty) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, " \
+                     "%15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, "                        \
+                     "%28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"                            \
+                     : DSV4_WGMMA_D4(0), DSV4_WGMMA_D4(4), DSV4_WGMMA_D4(8), DSV4_WGMMA_D4(12),                 \
+                       DSV4_WGMMA_D4(16), DSV4_WGMMA_D4(20), DSV4_WGMMA_D4(24), DSV4_WGMMA_D4(28)               \
+                     : DSV4_WGMMA_AB);                                                                          \
     }
 DSV4_WGMMA_FORMS(dsv4_wgmma_f16, "f16")
 DSV4_WGMMA_FORMS(dsv4_wgmma_bf16, "bf16")
 #undef DSV4_WGMMA_FORMS
 #undef DSV4_WGMMA_OP
 #undef DSV4_WGMMA_AB
-#undef DSV4_WGMMA_D8
+#undef DSV4_WGMMA_D4
 
-/* The form of N (16, 32 or 64) columns, f16 (BF false) or bf16 (BF true) operands */
+/* The form of N (8, 16, 24, 32, 48 or 64) columns, f16 (BF false) or bf16 (BF true) operands */
 template <int N, bool BF>
 static __device__ __forceinline__ void dsv4_wgmma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc)
 {
-    if constexpr (N == 16)
+    if constexpr (N == 8)
+        BF ? dsv4_wgmma_bf16_n8(d, a, desc) : dsv4_wgmma_f16_n8(d, a, desc);
+    else if constexpr (N == 16)
         BF ? dsv4_wgmma_bf16_n16(d, a, desc) : dsv4_wgmma_f16_n16(d, a, desc);
+    else if constexpr (N == 24)
+        BF ? dsv4_wgmma_bf16_n24(d, a, desc) : dsv4_wgmma_f16_n24(d, a, desc);
     else if constexpr (N == 32)
         BF ? dsv4_wgmma_bf16_n32(d, a, desc) : dsv4_wgmma_f16_n32(d, a, desc);
-    else
+    else if constexpr (N == 48)
+        BF ? dsv4_wgmma_bf16_n48(d, a, desc) : dsv4_wgmma_f16_n48(d, a, desc);
+    else {
+        static_assert(N == 64, "the wgmma forms: N 8, 16, 24, 32, 48 or 64");
         BF ? dsv4_wgmma_bf16_n64(d, a, desc) : dsv4_wgmma_f16_n64(d, a, desc);
+    }
 }
 
 #endif

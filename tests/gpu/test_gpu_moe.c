@@ -492,24 +492,29 @@ static void test_experts_flash(void **state)
 #define PF_REF_ROWS 16      /* rows also held to the reference (the CPU side is the slow part) */
 #define PF_SLICE 50         /* decode-sized runs the chunk is compared with */
 
-/* A prefill chunk of 200 rows at real shapes (the 8-warp kernels), its 1200 pairs dealt to the 8
- * experts in groups of 3, 13, 27, 60, 65, 131, 300 and 601 tokens (every pass shape, a pass of one
- * token after a full one, several full passes), shuffled over the rows: rows 0-15 against the
- * reference, every row bit-identical to the same row in a run of 50 (the one-tile kernels), and the
- * tiled table (half in host memory) bit-identical to row-major. */
+/* A prefill chunk of 200 rows at real shapes (the wgmma kernels where the image has them, and the
+ * 8-warp mma.sync kernels), its 1200 pairs dealt to the 8 experts in groups of 3, 13, 20, 27, 44, 65,
+ * 428 and 600 tokens (every pass shape of either kernel: wgmma's N 8, 16, 24, 32, 48 and 64 columns,
+ * a pass of one token after a full one, several full passes, a last pass of 24), shuffled over the
+ * rows: rows 0-15 against the reference, every row bit-identical to the same row in a run of 50 (the
+ * one-tile kernels), the mma.sync prefill kernels bit-identical to the wgmma ones, and the tiled table
+ * (half in host memory) bit-identical to row-major. */
 static void test_experts_prefill(void **state)
 {
     const int D = 4096, I = 2048, E = MOE_E, K = MOE_TOPK, R = PF_ROWS, P = PF_ROWS * MOE_TOPK;
-    const int counts[MOE_E] = { 3, 13, 27, 60, 65, 131, 300, 601 };
+    const int counts[MOE_E] = { 3, 13, 20, 27, 44, 65, 428, 600 };
     struct fx f;
     float *x = malloc((size_t)R * D * sizeof(float)), *w = malloc((size_t)P * sizeof(float));
     float *eo = malloc((size_t)PF_REF_ROWS * E * D * sizeof(float)), *ref = malloc((size_t)PF_REF_ROWS * D * sizeof(float));
     int32_t *idx = malloc((size_t)P * sizeof(int32_t)), *groups = malloc((3 * (size_t)P + 2) * sizeof(int32_t));
     const uint64_t launches = dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4);
-    uint64_t runs = 0;
+    const uint64_t wg_launches = dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4_WGMMA);
+    uint64_t runs = 0, wg_runs = 0;
     char what[128];
 
     DSV4_OK(dsv4_cuda_moe_prepare());
+    const bool wg = dsv4_cuda_moe_wgmma();
+    printf("# prefill experts on %s%s\n", wg ? "wgmma" : "mma.sync: ", wg ? "" : dsv4_cuda_moe_wgmma_why_not());
     fx_make(&f, E, D, I);
     fx_upload(&f);
     gt_fill_normal(x, (size_t)R * D, 1.0f);
@@ -529,6 +534,7 @@ static void test_experts_prefill(void **state)
 
     float *y = fx_run(&f, true, x, R, K, idx, w, groups);
     runs++;
+    wg_runs += wg;
     snprintf(what, sizeof(what), "experts fp8 prefill chunk of %d rows", R);
     check_groups(what, groups, P, E, idx);
     fx_reference(&f, x, PF_REF_ROWS, true, eo);
@@ -543,6 +549,19 @@ static void test_experts_prefill(void **state)
         free(ys);
     }
     printf("# %-56s every row == the row in a run of %d, bit for bit\n", what, PF_SLICE);
+    if (wg) {       /* the kernels other GPUs take, on this one */
+        setenv("DSV4_CUDA_MOE_WGMMA", "0", 1);
+        DSV4_OK(dsv4_cuda_moe_prepare());
+        assert_false(dsv4_cuda_moe_wgmma());
+        float *ym = fx_run(&f, true, x, R, K, idx, w, NULL);
+        runs++;
+        unsetenv("DSV4_CUDA_MOE_WGMMA");
+        DSV4_OK(dsv4_cuda_moe_prepare());
+        assert_true(dsv4_cuda_moe_wgmma());
+        assert_memory_equal(ym, y, (size_t)R * D * sizeof(float));
+        printf("# %-56s on mma.sync: bit-identical to wgmma\n", what);
+        free(ym);
+    }
     {
         uint8_t *host, *tiled_dev;
         struct fx fh = f;
@@ -550,6 +569,7 @@ static void test_experts_prefill(void **state)
         fh.ex.tiled = true;
         float *yt = fx_run(&fh, true, x, R, K, idx, w, NULL);
         runs++;
+        wg_runs += wg;
         assert_memory_equal(yt, y, (size_t)R * D * sizeof(float));
         printf("# %-56s in k-tile blocks: bit-identical to row-major\n", what);
         free(yt);
@@ -557,10 +577,11 @@ static void test_experts_prefill(void **state)
         cudaFree(tiled_dev);
         cudaFreeHost(host);
     }
-    if (dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4) - launches != runs)
-        fail_msg("%llu tensor-core expert launches for %llu runs",
-                 (unsigned long long)(dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4) - launches),
-                 (unsigned long long)runs);
+    const uint64_t wg_seen = dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4_WGMMA) - wg_launches;
+    if (dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4) - launches + wg_seen != runs || wg_seen != wg_runs)
+        fail_msg("%llu tensor-core expert launches (%llu on wgmma) for %llu runs (%llu on wgmma)",
+                 (unsigned long long)(dsv4_cuda_variant_launches(DSV4_CUDA_V_EXPERTS_FP4) - launches + wg_seen),
+                 (unsigned long long)wg_seen, (unsigned long long)runs, (unsigned long long)wg_runs);
     free(y);
     fx_free(&f);
     free(x); free(w); free(eo); free(ref); free(idx); free(groups);
