@@ -803,10 +803,15 @@ extern "C" const char *dsv4_cuda_moe_wgmma_why_not(void)
     return tc_wg ? nullptr : tc_wg_why_not;
 }
 
-/* A launch of `pairs` on the tensor-core kernels takes the wgmma ones: a prefill chunk where they run */
-static bool tc_wgmma(int pairs, int topk)
+/* A launch of `pairs` on the tensor-core kernels takes the wgmma ones: a prefill chunk, where they run,
+ * whose groups hold MOE_WG_MIN_GROUP tokens or more on average. Passes of a few tokens (N 8) run
+ * slower there than on mma.sync: an 8192-token prefill of the 4-layer Flash (256 experts), wgmma
+ * against mma.sync in one run, was 5% slower in 256-row chunks (6 tokens an expert), 1% in 512-row
+ * ones (12), 3.5% faster in 1024-row ones (24). The same bits either way. */
+#define MOE_WG_MIN_GROUP 16
+static bool tc_wgmma(int pairs, int topk, int n_experts)
 {
-    return tc_wg && pairs > DSV4_CUDA_MAX_BATCH * topk;
+    return tc_wg && pairs > DSV4_CUDA_MAX_BATCH * topk && pairs >= MOE_WG_MIN_GROUP * n_experts;
 }
 
 /* d_out holds x as bf16 operands (moe_prep_kernel) until down overwrites it; h goes f32 -> bf16 in d_h
@@ -833,7 +838,7 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->dim / MOE_TC_KT;
     a.y = ws->d_h;
     a.ldy = ex->inter;
-    const bool wg = tc_wgmma(pairs, topk);
+    const bool wg = tc_wgmma(pairs, topk, ex->n_experts);
     if (wg)
         moe_wgmma_launch(MOE_UP, ex->tiled, dim3(ex->inter / tc_up_rows(warps), slots), a, s);
     else
@@ -899,11 +904,11 @@ extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const fl
                               "fp8 numerics, dim and inter multiples of %d, DSV4_CUDA_MOE_MMA=1)", MOE_TC_KT);
     const int64_t n8 = tc ? (int64_t)batch * ex->dim / 8 : 0;
     dsv4_launch(moe_prep_kernel, (unsigned)(1 + (n8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS), MOE_PREP_THREADS, 0, s,
-                d_idx, pairs, ex->n_experts, ws->d_groups, d_x, n8, tc && tc_wgmma(pairs, topk),
+                d_idx, pairs, ex->n_experts, ws->d_groups, d_x, n8, tc && tc_wgmma(pairs, topk, ex->n_experts),
                 reinterpret_cast<uint32_t *>(ws->d_out));
     DSV4_CUDA_LAUNCHED("moe_prep");
     if (tc) {
-        dsv4_cuda_count_launch(tc_wgmma(pairs, topk) ? DSV4_CUDA_V_EXPERTS_FP4_WGMMA : DSV4_CUDA_V_EXPERTS_FP4);
+        dsv4_cuda_count_launch(tc_wgmma(pairs, topk, ex->n_experts) ? DSV4_CUDA_V_EXPERTS_FP4_WGMMA : DSV4_CUDA_V_EXPERTS_FP4);
         rc = launch_experts_tc(ex, topk, pairs, ws, s);
     } else {
         switch (ex->fmt) {
