@@ -7,7 +7,8 @@
  *   prep     block 0 sorts the batch*topk (token, expert) pairs by expert, stable by pair; for the
  *            tensor-core path the other blocks write x as bf16 MMA operands;
  *   gate_up  FP4 with fp8 numerics: bf16 MMAs, CTA (64 weight rows = 32 rows of I of w1 and of w3,
- *            group), the clamped SwiGLU in registers (see "tensor-core path" below); otherwise
+ *            group), the clamped SwiGLU in registers (see "tensor-core path" below; prefill chunks
+ *            on sm_90a take moe_wgmma.cu's warpgroup-MMA kernels, the same bits); otherwise
  *            block (group, 8 rows of I), warps reading w1 and w3 rows once per 8 tokens;
  *   quant    (fp8 numerics) the SwiGLU output goes through the 1x128 e4m3 activation quantizer
  *            (in place into bf16 operands on the tensor-core path);
