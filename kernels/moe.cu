@@ -816,9 +816,9 @@ static bool tc_wgmma(int pairs, int topk, int n_experts)
 }
 
 /* d_out holds x as bf16 operands (moe_prep_kernel) until down overwrites it; h goes f32 -> bf16 in d_h
- * (both in the wgmma order where tc_wgmma). */
-static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int pairs, const struct dsv4_cuda_moe_ws *ws,
-                             cudaStream_t s)
+ * (both in the wgmma order where wg: the caller's tc_wgmma, which moe_prep_kernel wrote x for). */
+static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int pairs, bool wg,
+                             const struct dsv4_cuda_moe_ws *ws, cudaStream_t s)
 {
     const unsigned slots = (unsigned)min(pairs, ex->n_experts);     /* groups <= distinct experts */
     const bool one = pairs <= DSV4_CUDA_MAX_BATCH * topk;      /* a decode step: the one-tile kernels */
@@ -839,7 +839,6 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->dim / MOE_TC_KT;
     a.y = ws->d_h;
     a.ldy = ex->inter;
-    const bool wg = tc_wgmma(pairs, topk, ex->n_experts);
     if (wg)
         moe_wgmma_launch(MOE_UP, ex->tiled, dim3(ex->inter / tc_up_rows(warps), slots), a, s);
     else
@@ -904,13 +903,14 @@ extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const fl
         return dsv4_error_set(-EINVAL, "moe_experts: experts stored in k-tile blocks need the tensor-core path (FP4, "
                               "fp8 numerics, dim and inter multiples of %d, DSV4_CUDA_MOE_MMA=1)", MOE_TC_KT);
     const int64_t n8 = tc ? (int64_t)batch * ex->dim / 8 : 0;
+    const bool wg = tc && tc_wgmma(pairs, topk, ex->n_experts);     /* the operand order and the kernels */
     dsv4_launch(moe_prep_kernel, (unsigned)(1 + (n8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS), MOE_PREP_THREADS, 0, s,
-                d_idx, pairs, ex->n_experts, ws->d_groups, d_x, n8, tc && tc_wgmma(pairs, topk, ex->n_experts),
+                d_idx, pairs, ex->n_experts, ws->d_groups, d_x, n8, wg,
                 reinterpret_cast<uint32_t *>(ws->d_out));
     DSV4_CUDA_LAUNCHED("moe_prep");
     if (tc) {
-        dsv4_cuda_count_launch(tc_wgmma(pairs, topk, ex->n_experts) ? DSV4_CUDA_V_EXPERTS_FP4_WGMMA : DSV4_CUDA_V_EXPERTS_FP4);
-        rc = launch_experts_tc(ex, topk, pairs, ws, s);
+        dsv4_cuda_count_launch(wg ? DSV4_CUDA_V_EXPERTS_FP4_WGMMA : DSV4_CUDA_V_EXPERTS_FP4);
+        rc = launch_experts_tc(ex, topk, pairs, wg, ws, s);
     } else {
         switch (ex->fmt) {
         case DSV4_W_FP4:
