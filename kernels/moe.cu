@@ -452,16 +452,7 @@ static __device__ __forceinline__ void tc_tile(const uint8_t *st, int wo0, int w
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         uint32_t p0[4], p1[4];
-        fp4x8_bf16<TILED>(w0v[i], s0, p0);
-        fp4x8_bf16<TILED>(w1v[i], s1, p1);
-        if (BIG) {      /* the rest of 2^(s-1) */
-            const uint32_t f0 = bf16x2_pow2(s0 > 128u ? s0 - 1u : 127u), f1 = bf16x2_pow2(s1 > 128u ? s1 - 1u : 127u);
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                p0[q] = bf16x2_mul(p0[q], f0);
-                p1[q] = bf16x2_mul(p1[q], f1);
-            }
-        }
+        tc_decode_rows<TILED>(w0v[i], w1v[i], s0, s1, BIG, p0, p1);
 #pragma unroll
         for (int j = 0; j < NT; j++) {
             const uint4 b = dsv4_lds128(st + xo[i] + j * 8 * MOE_TC_XROW);
@@ -485,31 +476,9 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
     const int tid = threadIdx.x, warp = tid / DSV4_CUDA_WARP, lane = tid % DSV4_CUDA_WARP;
     const int g = lane >> 2, t = lane & 3, tile = blockIdx.x, nk = a.nk;
     const int r0 = warp * 16 + g, r1 = r0 + 8;
-    const uint8_t *wsrc[2], *ssrc = nullptr;
+    const tc_wsrc wsrc = tc_weight_src<MODE, WARPS, TILED>(ex, tile, nk);
     int xo[4];
     float acc[NT][4];
-    /* a k-tile further: 64 bytes along a row and 4 scale bytes, or a block further when tiled */
-    const int64_t wkt = TILED ? DSV4_CUDA_TILE_BYTES : MOE_TC_WROW, skt = TILED ? DSV4_CUDA_TILE_SCALE_BYTES : 4;
-
-    /* the weight chunks tid and tid + THREADS (row i / 4, 16 bytes i % 4: 4 ROWS = 2 THREADS) and
-     * row tid's scale word */
-#pragma unroll
-    for (int q = 0; q < 2; q++) {
-        const int i = tid + q * THREADS;
-        int64_t row;
-        const struct dsv4_cuda_linear *W = tc_row<MODE, WARPS>(ex, tile, i / 4, &row);
-        const int64_t at = TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_BYTES +
-                                       (row % DSV4_CUDA_TILE_ROWS) * MOE_TC_WROW
-                                 : row * (W->row_stride / 2);
-        wsrc[q] = static_cast<const uint8_t *>(W->w) + at + (i % 4) * 16;
-    }
-    if (tid < ROWS) {
-        int64_t row;
-        const struct dsv4_cuda_linear *W = tc_row<MODE, WARPS>(ex, tile, tid, &row);
-        ssrc = W->scale + (TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_SCALE_BYTES +
-                                       (row % DSV4_CUDA_TILE_ROWS) * 4
-                                 : row * W->scale_stride);
-    }
 #pragma unroll
     for (int i = 0; i < 4; i++)
         xo[i] = XOFF + g * MOE_TC_XROW + tc_xswz(g, 4 * t + i) * 16;
@@ -523,10 +492,7 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
      * which only reach MMA columns that are never stored) */
     auto load = [&](int s, int kt) {
         uint8_t *st = smem + s * SB;
-        dsv4_cp_async16(st + tid * 16, wsrc[0] + kt * wkt);
-        dsv4_cp_async16(st + (tid + THREADS) * 16, wsrc[1] + kt * wkt);
-        if (tid < ROWS)
-            dsv4_cp_async4(st + WB + tid * 4, ssrc + kt * skt);
+        tc_load_weights<WARPS>(wsrc, st, st + WB, kt);
 #pragma unroll
         for (int q = 0; q < (NT * 8 * 16 + THREADS - 1) / THREADS; q++) {     /* 16 chunks a token row */
             const int i = tid + q * THREADS, r = i >> 4, c = i & 15;

@@ -12,6 +12,7 @@
 
 #include "kernels/cuda_util.cuh"
 #include "kernels/dsv4cuda.h"
+#include "kernels/mma.cuh"
 
 #define MOE_TC_KT 128                           /* K values per k-tile */
 #define MOE_TC_WROW (MOE_TC_KT / 2)             /* FP4 bytes per weight row per k-tile */
@@ -151,6 +152,73 @@ static __device__ __forceinline__ const struct dsv4_cuda_linear *tc_row(const st
     }
     *row = (int64_t)tile * tc_rows(WARPS) + sr;
     return &ex->w2;
+}
+
+/* Word i of a thread's two weight rows (w0 of row g, w1 of row g + 8, scale bytes s0 and s1) as bf16
+ * pairs (fp4x8_bf16), times the rest of 2^(s-1) where big (a scale of the warp's tile exceeds 2: the
+ * caller decides it warp-uniformly, as every lane must take the same MMAs). */
+template <bool TILED>
+static __device__ __forceinline__ void tc_decode_rows(uint32_t w0, uint32_t w1, uint32_t s0, uint32_t s1, bool big,
+                                                      uint32_t (&p0)[4], uint32_t (&p1)[4])
+{
+    fp4x8_bf16<TILED>(w0, s0, p0);
+    fp4x8_bf16<TILED>(w1, s1, p1);
+    if (big) {
+        const uint32_t f0 = bf16x2_pow2(s0 > 128u ? s0 - 1u : 127u), f1 = bf16x2_pow2(s1 > 128u ? s1 - 1u : 127u);
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            p0[q] = bf16x2_mul(p0[q], f0);
+            p1[q] = bf16x2_mul(p1[q], f1);
+        }
+    }
+}
+
+/* Where a CTA of WARPS warps copies its weight tile from, k-tile 0: thread tid the 16-byte chunks tid
+ * and tid + threads (row i / 4, 16 bytes i % 4: 4 rows = 2 x threads) and, tid < rows, row tid's scale
+ * word; a k-tile further is wkt and skt bytes on (64 bytes along a row and 4 scale bytes, or a block
+ * further when tiled). */
+struct tc_wsrc {
+    const uint8_t *w[2], *s;
+    int64_t wkt, skt;
+};
+
+template <int MODE, int WARPS, bool TILED>
+static __device__ __forceinline__ tc_wsrc tc_weight_src(const struct dsv4_cuda_expert *ex, int tile, int nk)
+{
+    const int tid = threadIdx.x;
+    tc_wsrc src;
+    src.s = nullptr;
+    src.wkt = TILED ? DSV4_CUDA_TILE_BYTES : MOE_TC_WROW;
+    src.skt = TILED ? DSV4_CUDA_TILE_SCALE_BYTES : 4;
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        const int i = tid + q * tc_threads(WARPS);
+        int64_t row;
+        const struct dsv4_cuda_linear *W = tc_row<MODE, WARPS>(ex, tile, i / 4, &row);
+        const int64_t at = TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_BYTES +
+                                       (row % DSV4_CUDA_TILE_ROWS) * MOE_TC_WROW
+                                 : row * (W->row_stride / 2);
+        src.w[q] = static_cast<const uint8_t *>(W->w) + at + (i % 4) * 16;
+    }
+    if (tid < tc_rows(WARPS)) {
+        int64_t row;
+        const struct dsv4_cuda_linear *W = tc_row<MODE, WARPS>(ex, tile, tid, &row);
+        src.s = W->scale + (TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_SCALE_BYTES +
+                                        (row % DSV4_CUDA_TILE_ROWS) * 4
+                                  : row * W->scale_stride);
+    }
+    return src;
+}
+
+/* k-tile kt's weights into wb (rows x 64 bytes) and scale words into sb, this thread's share */
+template <int WARPS>
+static __device__ __forceinline__ void tc_load_weights(const tc_wsrc &src, uint8_t *wb, uint8_t *sb, int kt)
+{
+    const int tid = threadIdx.x;
+    dsv4_cp_async16(wb + tid * 16, src.w[0] + kt * src.wkt);
+    dsv4_cp_async16(wb + (tid + tc_threads(WARPS)) * 16, src.w[1] + kt * src.wkt);
+    if (tid < tc_rows(WARPS))
+        dsv4_cp_async4(sb + tid * 4, src.s + kt * src.skt);
 }
 
 /* moe_wgmma.cu, for moe.cu: *why_not NULL where its kernels run here (the sm_90a image, enough shared

@@ -89,30 +89,8 @@ static __device__ __forceinline__ void mw_pass(const moe_tc_args &a, const struc
     const int tid = threadIdx.x, warp = tid / DSV4_CUDA_WARP, lane = tid % DSV4_CUDA_WARP;
     const int g = lane >> 2, t = lane & 3, tile = blockIdx.x, nk = a.nk;
     const int r0 = warp * 16 + g, r1 = r0 + 8;
-    const uint8_t *wsrc[2], *ssrc = nullptr;
+    const tc_wsrc wsrc = tc_weight_src<MODE, MW_WARPS, TILED>(ex, tile, nk);     /* moe.cu's weight tile */
     float acc[N / 2];
-    /* a k-tile further: 64 bytes along a row and 4 scale bytes, or a block further when tiled */
-    const int64_t wkt = TILED ? DSV4_CUDA_TILE_BYTES : MOE_TC_WROW, skt = TILED ? DSV4_CUDA_TILE_SCALE_BYTES : 4;
-
-    /* the weight chunks tid and tid + MW_THREADS (row i / 4, 16 bytes i % 4) and row tid's scale word,
-     * as moe.cu's tc_pass */
-#pragma unroll
-    for (int q = 0; q < 2; q++) {
-        const int i = tid + q * MW_THREADS;
-        int64_t row;
-        const struct dsv4_cuda_linear *W = tc_row<MODE, MW_WARPS>(ex, tile, i / 4, &row);
-        const int64_t at = TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_BYTES +
-                                       (row % DSV4_CUDA_TILE_ROWS) * MOE_TC_WROW
-                                 : row * (W->row_stride / 2);
-        wsrc[q] = static_cast<const uint8_t *>(W->w) + at + (i % 4) * 16;
-    }
-    if (tid < MW_ROWS) {
-        int64_t row;
-        const struct dsv4_cuda_linear *W = tc_row<MODE, MW_WARPS>(ex, tile, tid, &row);
-        ssrc = W->scale + (TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_SCALE_BYTES +
-                                       (row % DSV4_CUDA_TILE_ROWS) * 4
-                                 : row * W->scale_stride);
-    }
 #pragma unroll
     for (int j = 0; j < N / 2; j++)
         acc[j] = 0.0f;
@@ -129,10 +107,7 @@ static __device__ __forceinline__ void mw_pass(const moe_tc_args &a, const struc
                 dsv4_cp_async16(st + (c >> 3) * mw_half(N) + r * 128 + (((c & 7) ^ (r & 7)) << 4),
                                 a.xa + rowoff[r] + (int64_t)kt * MOE_TC_XROW + c * 16);
         }
-        dsv4_cp_async16(st + WOFF + tid * 16, wsrc[0] + kt * wkt);
-        dsv4_cp_async16(st + WOFF + (tid + MW_THREADS) * 16, wsrc[1] + kt * wkt);
-        if (tid < MW_ROWS)
-            dsv4_cp_async4(st + SOFF + tid * 4, ssrc + kt * skt);
+        tc_load_weights<MW_WARPS>(wsrc, st + WOFF, st + SOFF, kt);
     };
 
 #pragma unroll
@@ -163,16 +138,7 @@ static __device__ __forceinline__ void mw_pass(const moe_tc_args &a, const struc
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             uint32_t p0[4], p1[4];
-            fp4x8_bf16<TILED>(w0v[i], s0, p0);
-            fp4x8_bf16<TILED>(w1v[i], s1, p1);
-            if (big) {          /* the rest of 2^(s-1) */
-                const uint32_t f0 = bf16x2_pow2(s0 > 128u ? s0 - 1u : 127u), f1 = bf16x2_pow2(s1 > 128u ? s1 - 1u : 127u);
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    p0[q] = bf16x2_mul(p0[q], f0);
-                    p1[q] = bf16x2_mul(p1[q], f1);
-                }
-            }
+            tc_decode_rows<TILED>(w0v[i], w1v[i], s0, s1, big, p0, p1);
             if (i >= 2)
                 dsv4_wgmma_wait<1>();
             uint32_t (&fa)[2][4] = af[i & 1];
