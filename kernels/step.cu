@@ -62,7 +62,7 @@ struct step_layer {
 /* Step buffers, each [rows of a step (dsv4_cuda_step_rows), ...] unless it says otherwise. */
 struct step_buf {
     int32_t *in;                /* tokens [B], slots [B], pos [B], first [B], last [B] */
-    float *X, *X2, *mix, *mixws, *post, *comb, *y, *xn, *xq, *xq2, *sub;
+    float *X, *X2, *mix, *mixws, *post, *comb, *y, *xn, *xq, *xq2, *xq3, *sub;
     float *qr, *q, *kv, *o, *z, *cc, *cz, *ic, *iz, *iq, *iw;
     float *part, *iscores;      /* [slice rows, ...]: attention and indexer workspaces */
     uint8_t *kvown;             /* [B, entry bytes] (FP8 entries): a prefill chunk's own KV entries */
@@ -70,7 +70,7 @@ struct step_buf {
     float *rlogits, *rw, *sg, *su, *sh, *sout, *hm;
     float *logits;              /* [max_batch, V]: the decode rows, or a prefill's last row */
     struct dsv4_cuda_moe_ws moe;
-    struct dsv4_cuda_gemm_ws gemm, gemm2;     /* the main lane's and the side lane's */
+    struct dsv4_cuda_gemm_ws gemm, gemm2, gemm3;  /* the main lane's, the side lane's, the index lane's */
     void *shist;                /* device sampling: penalty history of max_batch slots */
     struct dsv4_sample_row *sparams;        /* [B] */
     struct dsv4_sample_result *sres;        /* [B] */
@@ -84,13 +84,16 @@ struct step_buf {
 };
 
 /* One stream of the step and the scratch its linears own. The side lane runs a layer's independent
- * branches (the compressors and the indexer beside the query/KV path, the shared expert beside the
- * routed ones) so that their small, latency-bound kernels overlap at small batches; concurrent
- * linears cannot share a GEMM workspace (it remembers the x it prepared) or the quantize buffer. */
+ * branches (the attention's compressor beside the query/KV path, the shared expert beside the routed
+ * ones) and the index lane a CSA layer's indexer (its compressor, weights_proj, then the top-k once qr
+ * is normalized), so that their small, latency-bound kernels overlap at small batches: the indexer's
+ * chain on the side lane after the compressor had been the longest of a CSA layer's three (batch 1:
+ * its own lane took 20 us off the 4-layer step, 350 us off the 43-layer one). Concurrent linears
+ * cannot share a GEMM workspace (it remembers the x it prepared) or the quantize buffer. */
 struct lane {
     cudaStream_t s;
     struct dsv4_cuda_gemm_ws *gemm;
-    float *xq;                  /* [rows, max linear input]: x through the activation quantizer (GEMV path) */
+    float *xq;                  /* [rows, the lane's widest linear input]: x through the activation quantizer (GEMV path) */
 };
 
 struct cuda_backend {
@@ -110,9 +113,9 @@ struct cuda_backend {
     struct dsv4_cuda_linear embed, head, hch_fn;
     const float *norm, *hch_base, *hch_scale;
     struct step_buf b;
-    struct lane ln[2];          /* main, side (the side lane is the main stream when branches are off) */
+    struct lane ln[3];          /* main, side, index (the main stream when branches are off) */
     bool branches;              /* DSV4_CUDA_BRANCHES=0: every launch on the main stream */
-    cudaStream_t side;
+    cudaStream_t side, indexer;
     cudaEvent_t ev_fork, ev_join;
     int64_t max_entries;
     int64_t *pos;               /* host: tokens in each slot */
@@ -307,6 +310,13 @@ static int64_t max_linear_in(const struct dsv4_config *c)
     return m;
 }
 
+/* The widest input of the index lane's linears: the indexer's compressor and weights_proj read xn
+ * [dim], its wq_b reads qr [q_lora_rank]. */
+static int64_t index_lane_in(const struct dsv4_config *c)
+{
+    return c->dim > c->q_lora_rank ? c->dim : c->q_lora_rank;
+}
+
 static int64_t max_csa_entries(const struct dsv4_config *c, const struct dsv4_backend_opts *o)
 {
     return c->csa_ratio > 0 ? (o->max_context + c->csa_ratio - 1) / c->csa_ratio : 1;
@@ -342,6 +352,7 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.xn = f(B * D);
     t.xq = f(B * max_linear_in(c));
     t.xq2 = f(B * max_linear_in(c));
+    t.xq3 = f(B * index_lane_in(c));
     t.sub = f(B * D);
     t.qr = f(B * c->q_lora_rank);
     t.q = f(B * H * hd);
@@ -374,9 +385,11 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.logits = f(Bd * c->vocab_size);
     void *g = take((int64_t)dsv4_cuda_gemm_ws_bytes((int)B, max_linear_in(c)));
     void *g2 = take((int64_t)dsv4_cuda_gemm_ws_bytes((int)B, max_linear_in(c)));
+    void *g3 = take((int64_t)dsv4_cuda_gemm_ws_bytes((int)B, index_lane_in(c)));
     if (base) {
         dsv4_cuda_gemm_ws_init(&t.gemm, g, (int)B, max_linear_in(c));
         dsv4_cuda_gemm_ws_init(&t.gemm2, g2, (int)B, max_linear_in(c));
+        dsv4_cuda_gemm_ws_init(&t.gemm3, g3, (int)B, index_lane_in(c));
     }
     t.shist = take((int64_t)dsv4_sample_history_bytes((int)Bd, c->vocab_size));
     t.sparams = static_cast<struct dsv4_sample_row *>(take(Bd * (int64_t)sizeof(struct dsv4_sample_row)));
@@ -505,14 +518,33 @@ static int lane_wait(const struct cuda_backend *cb, const struct lane *to, const
     return 0;
 }
 
-/* The compressor of a CSA or HCA layer (its entries into the slot's compressed cache), and on CSA
- * layers the indexer's compressor (its keys) and weights_proj, all from xn on lane `ln`. */
+/* The compressor arguments common to a layer's two compressors, for B rows of t->in. */
+static struct dsv4_cuda_comp_args comp_args(const struct cuda_backend *cb, int B)
+{
+    const struct step_buf *t = &cb->b;
+    struct dsv4_cuda_comp_args ca = {};
+    ca.rd = cb->cfg->rope_dim;
+    ca.fp8 = cb->fp8;
+    ca.kvf = cb->kvf;
+    ca.eps = (float)cb->cfg->rms_norm_eps;
+    ca.inv_freq = t->inv_comp;
+    ca.pos = t->in + 2 * B;
+    ca.slot = t->in + B;
+    ca.first = t->in + 3 * B;
+    ca.last = t->in + 4 * B;
+    ca.state_slot_stride = cb->slot_bytes / 4;
+    ca.entries_slot_stride = cb->slot_bytes;
+    return ca;
+}
+
+/* The compressor of a CSA or HCA layer (its entries into the slot's compressed cache), from xn on
+ * lane `ln`. */
 static int compress(const struct cuda_backend *cb, const struct step_layer *L, int B, const struct lane *ln)
 {
     const struct dsv4_config *c = cb->cfg;
     const struct step_buf *t = &cb->b;
     const int hd = c->head_dim, coff = L->csa ? 2 : 1;
-    struct dsv4_cuda_comp_args ca = {};
+    struct dsv4_cuda_comp_args ca = comp_args(cb, B);
 
     STEP(lin(cb, &L->c_wkv, t->xn, c->dim, B, t->cc, coff * hd, false, ln));
     STEP(lin_same_x(cb, &L->c_wgate, t->xn, c->dim, B, t->cz, coff * hd, ln));
@@ -522,32 +554,30 @@ static int compress(const struct cuda_backend *cb, const struct step_layer *L, i
     ca.norm = L->c_norm;
     ca.ratio = L->ratio;
     ca.d = hd;
-    ca.rd = c->rope_dim;
     ca.overlap = L->csa;
-    ca.fp8 = cb->fp8;
-    ca.kvf = cb->kvf;
     ca.indexer = false;
-    ca.eps = (float)c->rms_norm_eps;
-    ca.inv_freq = t->inv_comp;
-    ca.pos = t->in + 2 * B;
-    ca.slot = t->in + B;
-    ca.first = t->in + 3 * B;
-    ca.last = t->in + 4 * B;
     ca.state = reinterpret_cast<float *>(cb->caches + L->cache.cstate);
-    ca.state_slot_stride = cb->slot_bytes / 4;
     ca.entries = cb->caches + L->cache.comp;
-    ca.entries_slot_stride = cb->slot_bytes;
     ca.entry_bytes = dsv4_cuda_kv_entry_bytes(hd, c->rope_dim, cb->kvf);
-    STEP(dsv4_cuda_compressor(&ca, B, ln->s));
-    if (!L->csa)
-        return 0;
+    return dsv4_cuda_compressor(&ca, B, ln->s);
+}
+
+/* A CSA layer's indexer compressor (its keys into the slot's key cache) and weights_proj, from xn on
+ * lane `ln`: independent of compress(), so the two run on lanes of their own. */
+static int compress_index(const struct cuda_backend *cb, const struct step_layer *L, int B, const struct lane *ln)
+{
+    const struct dsv4_config *c = cb->cfg;
+    const struct step_buf *t = &cb->b;
     const int nI = c->index_n_heads, dI = c->index_head_dim;
-    STEP(lin_same_x(cb, &L->ic_wkv, t->xn, c->dim, B, t->ic, 2 * dI, ln));   /* x as c_wkv left it */
+    struct dsv4_cuda_comp_args ca = comp_args(cb, B);
+
+    STEP(lin(cb, &L->ic_wkv, t->xn, c->dim, B, t->ic, 2 * dI, false, ln));
     STEP(lin_same_x(cb, &L->ic_wgate, t->xn, c->dim, B, t->iz, 2 * dI, ln));
     ca.c = t->ic;
     ca.z = t->iz;
     ca.ape = L->ic_ape;
     ca.norm = L->ic_norm;
+    ca.ratio = L->ratio;
     ca.d = dI;
     ca.overlap = true;
     ca.indexer = true;
@@ -611,13 +641,14 @@ static int norm_qr(struct cuda_backend *cb, const struct step_layer *L, int B, c
 }
 
 /* Main lane: q (wq_a, norm, wq_b, RoPE) and this position's KV into the window. Side lane, from xn:
- * compress(), then index_select() once the main lane has normalized qr. Attention joins them. The
- * output projection's result is left pending in *psub for sublayer_post. */
+ * compress(). Index lane (CSA layers), from xn: compress_index(), then index_select() once the main
+ * lane has normalized qr. Attention joins them. The output projection's result is left pending in
+ * *psub for sublayer_post. */
 /* prepared: sublayer_pre left xn prepared for wq_a in the main lane's workspace. */
 static int attention(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared,
                      struct dsv4_cuda_pending *psub)
 {
-    const struct lane *m = &cb->ln[0], *sd = &cb->ln[1];
+    const struct lane *m = &cb->ln[0], *sd = &cb->ln[1], *ix = &cb->ln[2];
     const cudaStream_t s = m->s;
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
@@ -632,18 +663,24 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
         STEP(lane_wait(cb, sd, m, cb->ev_fork));
         STEP(compress(cb, L, B, sd));
     }
+    if (L->csa) {
+        STEP(lane_wait(cb, ix, m, cb->ev_fork));
+        STEP(compress_index(cb, L, B, ix));
+    }
     STEP(lin_pend(cb, &L->wq_a, t->xn, NULL, c->dim, B, t->qr, c->q_lora_rank, prepared, m, &pqr));
     STEP(lin_pend(cb, &L->wkv, t->xn, NULL, c->dim, B, t->kv, hd, true, m, &pkv));
     STEP(norm_qr(cb, L, B, &pqr, &qb_prepared));
     if (L->csa) {
-        STEP(lane_wait(cb, sd, m, cb->ev_fork));
-        STEP(index_select(cb, L, B, sd));
+        STEP(lane_wait(cb, ix, m, cb->ev_fork));
+        STEP(index_select(cb, L, B, ix));
     }
     STEP(lin_x(cb, &L->wq_b, t->qr, c->q_lora_rank, B, t->q, (int64_t)H * hd, false, qb_prepared, m));
     STEP(dsv4_cuda_rmsnorm_rope(t->q, NULL, NULL, B * H, hd, eps, H, rd, pos, inv, t->q, s));
     STEP(dsv4_cuda_rmsnorm_rope(t->kv, &pkv, L->kv_norm, B, hd, eps, 1, rd, pos, inv, t->kv, s));
     if (L->ratio)
         STEP(lane_wait(cb, m, sd, cb->ev_join));
+    if (L->csa)
+        STEP(lane_wait(cb, m, ix, cb->ev_join));
 
     struct dsv4_cuda_att_args a = {};
     a.H = H;
@@ -928,6 +965,7 @@ static int draft_launches(struct cuda_backend *cb, int B, bool later, cudaStream
     float *X0 = t->X, *X20 = t->X2;
     cb->ln[0].s = s;
     cb->ln[1].s = cb->branches ? cb->side : s;
+    cb->ln[2].s = cb->branches ? cb->indexer : s;
     int rc;
     if (later) {
         rc = dsv4_cuda_spec_tokens(t->dtok, B, t->in, s);
@@ -959,6 +997,7 @@ static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStre
     float *X0 = t->X, *X20 = t->X2;
     cb->ln[0].s = s;
     cb->ln[1].s = cb->branches ? cb->side : s;
+    cb->ln[2].s = cb->branches ? cb->indexer : s;
     int rc = dsv4_cuda_embed(&cb->embed, t->in, B, c->hc_mult, t->X, s);
     for (int l = 0; rc == 0 && l < c->n_layers; l++)
         rc = layer_launches(cb, &cb->L[l], B, s);
@@ -1253,6 +1292,8 @@ static void op_destroy(struct dsv4_backend *b)
         cudaEventDestroy(cb->ev_join);
     if (cb->side)
         cudaStreamDestroy(cb->side);
+    if (cb->indexer)
+        cudaStreamDestroy(cb->indexer);
     dsv4_cuda_prefix_free(cb->prefix);
     dsv4_cuda_dev_destroy(cb->dev);
     free(cb->L);
@@ -1655,8 +1696,11 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     cb->ln[0].xq = cb->b.xq;
     cb->ln[1].gemm = &cb->b.gemm2;
     cb->ln[1].xq = cb->b.xq2;
+    cb->ln[2].gemm = &cb->b.gemm3;
+    cb->ln[2].xq = cb->b.xq3;
     if (cb->branches) {
         DSV4_CUDA_TRY(cudaStreamCreateWithFlags(&cb->side, cudaStreamNonBlocking));
+        DSV4_CUDA_TRY(cudaStreamCreateWithFlags(&cb->indexer, cudaStreamNonBlocking));
         DSV4_CUDA_TRY(cudaEventCreateWithFlags(&cb->ev_fork, cudaEventDisableTiming));
         DSV4_CUDA_TRY(cudaEventCreateWithFlags(&cb->ev_join, cudaEventDisableTiming));
     }
