@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /* Sampling on the device (kernels/sample.h), engine/serve/sampler.c step by step.
  *
- * Work split: each row is a thread block cluster of C blocks (C = 8, 4, 2 or 1 by the launch's
- * row count, so the chip stays full; one block where the running image predates clusters). A row is
+ * Work split: each row is a thread block cluster of C blocks (C = 16, 8, 4, 2 or 1 by the launch's
+ * row count, so the chip stays full; 16 only where the device allows clusters past the portable 8,
+ * as the H200 does; one block where the running image predates clusters). A row is
  * read in "tiles": SAMPLE_TILES contiguous runs of ids, split evenly over the row's blocks; tile t of
  * a block is handled by warp t % SAMPLE_WARPS, each lane loading 4 consecutive logits a step (16-byte
  * loads, a warp covers 128 ids). Reductions go over warps, then over the row's blocks through
@@ -38,7 +39,8 @@
 #define SAMPLE_WARPS (SAMPLE_THREADS / DSV4_CUDA_WARP)
 #define SAMPLE_STEP (DSV4_CUDA_WARP * 4)        /* ids a warp covers per load step */
 #define SAMPLE_TILES 1024                       /* tiles per row, all blocks together */
-#define SAMPLE_CLUSTER_MAX 8                    /* blocks per row: the portable cluster size */
+#define SAMPLE_CLUSTER_MAX 16                   /* blocks per row where non-portable clusters are allowed */
+#define SAMPLE_CLUSTER_PORTABLE 8               /* blocks per row elsewhere: the portable cluster size */
 #define SAMPLE_BINS 2048
 #define SAMPLE_BINS_PER_LOGIT 64.0f             /* 2048 bins cover 32 logits below the max */
 #define SAMPLE_LIST DSV4_SAMPLE_LIST_MAX        /* sampling boundary-bin keys (a power of two) */
@@ -1178,7 +1180,12 @@ extern "C" int dsv4_sample_prepare(void)
      * PTX, whose kernel uses one block per row) */
     int cmax = 1;
     if (cluster_launch && fa.ptxVersion >= 90) {
-        for (int c = SAMPLE_CLUSTER_MAX; c > 1 && cmax == 1; c /= 2) {
+        /* past the portable size only where the device takes it (cudaOccupancyMaxActiveClusters
+         * below says whether such a cluster fits at all) */
+        const bool big = cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+                         cudaSuccess;
+        (void)cudaGetLastError();
+        for (int c = big ? SAMPLE_CLUSTER_MAX : SAMPLE_CLUSTER_PORTABLE; c > 1 && cmax == 1; c /= 2) {
             cudaLaunchConfig_t cfg = {};
             cudaLaunchAttribute at;
             int n = 0;
