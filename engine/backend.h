@@ -164,6 +164,10 @@ struct dsv4_backend {
     /* Drafts per step the backend verifies, set at create: opts.spec_tokens when the checkpoint has
      * an MTP block and the backend implements draft/verify/accept, else 0 (no speculation). */
     int spec_tokens;
+    /* Devices the slots are dealt out over, set at create: slot groups of consecutive slots, group g
+     * of n holding dsv4_ep_slots(max_batch, n, g) of them (doc/MULTIGPU.md, "Request placement").
+     * 0 or 1: one group. A request stays in the slot, so on the device, it was admitted to. */
+    int slot_groups;
     void *impl;
 };
 

@@ -22,6 +22,23 @@ static int batch_bucket(int n)
     return b;
 }
 
+/* A free slot for an admitted request (one exists): the first free slot of the group with the fewest
+ * occupied slots among those with room, ties to the lower group (doc/MULTIGPU.md, "Request
+ * placement"); with one group, the first free slot. */
+static int place(const struct dsv4_sched *s)
+{
+    int best = -1;
+    for (int g = 0; g < s->n_groups; g++) {
+        const int size = s->group_end[g] - (g ? s->group_end[g - 1] : 0);
+        if (s->group_used[g] < size && (best < 0 || s->group_used[g] < s->group_used[best]))
+            best = g;
+    }
+    int slot = best > 0 ? s->group_end[best - 1] : 0;
+    while (s->slot_req[slot] >= 0)
+        slot++;
+    return slot;
+}
+
 /* Under the lock: end cancelled (and, past a drain's grace, all) requests, then admit FIFO. */
 static void admit(struct dsv4_sched *s, uint64_t t)
 {
@@ -68,11 +85,10 @@ static void admit(struct dsv4_sched *s, uint64_t t)
         if (s->queue_head < 0)
             s->queue_tail = -1;
         s->n_queued--;
-        int slot = 0;
-        while (s->slot_req[slot] >= 0)
-            slot++;
+        const int slot = place(s);
         s->slot_req[slot] = i;
         s->n_slots_used++;
+        s->group_used[sched_slot_group(s, slot)]++;
         q->slot = slot;
         q->out = s->free_out;
         s->free_out = s->outs[q->out].next_free;

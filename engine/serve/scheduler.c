@@ -130,6 +130,10 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     if (lim.max_unreleased < 0 || lim.max_unreleased > lim.max_requests)
         return dsv4_error_set(-EINVAL, "scheduler max_unreleased %d: must be in [0, max_requests %d]",
                               lim.max_unreleased, lim.max_requests);
+    const int groups = b->slot_groups ? b->slot_groups : 1;
+    if (groups < 1 || groups > DSV4_EP_MAX_GPUS || groups > max_batch)
+        return dsv4_error_set(-EINVAL, "scheduler: the backend deals its %d slots over %d devices: need 1 to %d "
+                              "devices and a slot each", max_batch, groups, DSV4_EP_MAX_GPUS);
 
     struct dsv4_sched *s = calloc(1, sizeof(*s));
     if (!s)
@@ -142,6 +146,11 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
     s->vocab = vocab;
     s->max_batch = max_batch;
     s->max_context = max_context;
+    s->n_groups = groups;
+    for (int g = 0, end = 0; g < groups; g++) {
+        end += dsv4_ep_slots(max_batch, groups, g);
+        s->group_end[g] = end;
+    }
     s->eos = b->weights->cfg.eos_id;
     s->lim = lim;
     s->event_fd = -1;

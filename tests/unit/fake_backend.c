@@ -270,6 +270,7 @@ int fake_backend_create(const struct fake_backend_opts *fo, const struct dsv4_ba
     b->ops = &f->ops;
     b->weights = &f->w;
     b->opts = *opts;
+    b->slot_groups = fo->slot_groups;
     b->impl = f;
     *ret = b;
     return 0;

@@ -23,6 +23,7 @@ struct fake_backend_opts {
     bool fail_fatal;            /* fail_after's failure is -ENOTRECOVERABLE (a sticky device error, as
                                  * the CUDA backend reports one), and every call after it fails too */
     int prefill_us_per_token;   /* > 0: a prefill call sleeps that long per token (a measurable rate) */
+    int slot_groups;            /* dsv4_backend.slot_groups: devices the slots are dealt out over (0: one) */
 };
 
 int fake_backend_create(const struct fake_backend_opts *fo, const struct dsv4_backend_opts *opts,

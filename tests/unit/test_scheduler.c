@@ -62,10 +62,10 @@ void *__wrap_realloc(void *p, size_t n)
 #define OUT_MAX 512
 #define TEXT_MAX 4096
 
-static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 0 };  /* EOS never wins */
-static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0, false, false, 0 };      /* EOS like any */
+static const struct fake_backend_opts FAKE_LONG = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 0, 0 };  /* EOS never wins */
+static const struct fake_backend_opts FAKE_EOS = { VOCAB, EOS, 0.0f, 6.0f, 0, false, false, 0, 0 };      /* EOS like any */
 /* The same, sampling inside the backend (ops->sample), as the CUDA backend does. */
-static const struct fake_backend_opts FAKE_EOS_DEVICE = { VOCAB, EOS, 0.0f, 6.0f, 0, true, false, 0 };
+static const struct fake_backend_opts FAKE_EOS_DEVICE = { VOCAB, EOS, 0.0f, 6.0f, 0, true, false, 0, 0 };
 
 struct outcome {
     bool finished;
@@ -574,7 +574,7 @@ static void test_limits(void **state)
 /* EOS and stop_token_ids end a request with STOP; the token counts, its text does not. */
 static void test_stop_tokens(void **state)
 {
-    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0, false, false, 0 };
+    const struct fake_backend_opts eos_first = { VOCAB, EOS, 100.0f, 6.0f, 0, false, false, 0, 0 };
     struct env e;
     env_open(&e, &eos_first, 1, 64, 64, 4);
     int32_t prompt[6] = { 5, 6, 7, 8, 9, 10 };
@@ -655,6 +655,77 @@ static void test_cancel(void **state)
     env_close(&e);
 }
 
+/* A backend whose slots are dealt out over devices (slot groups): each admitted request goes to the
+ * group with the fewest occupied slots (ties: the lower one), to that group's first free slot, and
+ * stays there; a group count the slots cannot hold is refused at create. */
+static void test_slot_groups(void **state)
+{
+    (void)state;
+    struct fake_backend_opts fo = FAKE_LONG;
+    fo.slot_groups = 2;
+    struct env e;
+    env_open(&e, &fo, 5, 512, 64, 16);      /* slots 0-2 the first group, 3-4 the second */
+    static int32_t prompt[10];
+    uint64_t st = 11;
+    random_prompt(&st, prompt, 10);
+    static struct outcome o[6];
+    for (int i = 0; i < 3; i++) {
+        struct dsv4_sched_request rq = make_request(prompt, 10, 400, i);
+        submit(&e, &rq, &o[i]);
+    }
+    for (int i = 0; i < 3; i++)
+        step(e.s);
+    /* admitted in order: group 0 (empty, lower), group 1 (0 against 1), group 0 (1 against 1) */
+    const int64_t first[5] = { 1, 1, 0, 1, 0 };
+    for (int slot = 0; slot < 5; slot++)
+        assert_int_equal(fake_backend_position(e.b, slot) > 0, first[slot]);
+    const int64_t pos3 = fake_backend_position(e.b, 3);
+    step(e.s);
+    assert_true(fake_backend_position(e.b, 3) > pos3);     /* request 1 decodes where it was placed */
+
+    /* request 1 (slot 3) ends: group 1 is empty, so the next goes there, then again to group 1
+     * (1 against 2), then to group 0's last slot (2 against 2) */
+    assert_int_equal(dsv4_sched_cancel(e.s, o[1].id), 0);
+    step(e.s);
+    assert_true(o[1].finished);
+    assert_int_equal(fake_backend_position(e.b, 3), 0);
+    struct dsv4_sched_request rq = make_request(prompt, 10, 400, 3);
+    submit(&e, &rq, &o[3]);
+    step(e.s);
+    assert_true(fake_backend_position(e.b, 3) > 0);
+    assert_int_equal(fake_backend_position(e.b, 2), 0);
+    assert_int_equal(fake_backend_position(e.b, 4), 0);
+    rq = make_request(prompt, 10, 400, 4);
+    submit(&e, &rq, &o[4]);
+    step(e.s);
+    assert_true(fake_backend_position(e.b, 4) > 0);
+    assert_int_equal(fake_backend_position(e.b, 2), 0);
+    rq = make_request(prompt, 10, 400, 5);
+    submit(&e, &rq, &o[5]);
+    step(e.s);
+    assert_true(fake_backend_position(e.b, 2) > 0);
+    struct dsv4_sched_stats stt;
+    dsv4_sched_get_stats(e.s, &stt);
+    assert_int_equal(stt.slots_in_use, 5);
+    for (int i = 0; i < 6; i++)
+        if (!o[i].finished)
+            assert_int_equal(dsv4_sched_cancel(e.s, o[i].id), 0);
+    step(e.s);
+    env_close(&e);
+
+    /* more groups than slots */
+    struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = 64 };
+    struct dsv4_backend *b;
+    struct dsv4_sched *s;
+    fo.slot_groups = 3;
+    assert_int_equal(fake_backend_create(&fo, &bo, &b), 0);
+    struct dsv4_sched_limits lim = { .prefill_budget = 16, .max_requests = 4, .max_output_tokens = 32,
+                                     .detok = { fake_token_bytes, NULL } };
+    assert_int_equal(dsv4_sched_create(b, NULL, &lim, &s), -EINVAL);
+    assert_non_null(strstr(dsv4_error_message(), "3 devices"));
+    dsv4_backend_destroy(b);
+}
+
 /* A long prompt arriving while others decode: every step still decodes every running sequence,
  * and no prefill call exceeds the budget. */
 static void test_prefill_interleave(void **state)
@@ -701,7 +772,7 @@ static void pause_ms(int ms)
  * request runs is the loop's gap, and a pause once nothing runs is nobody's. */
 static void test_engine_time(void **state)
 {
-    const struct fake_backend_opts fo = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 100 };
+    const struct fake_backend_opts fo = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 100, 0 };
     static int32_t prompt[60];
     static struct outcome o[1];
     struct dsv4_sched_stats st;
@@ -738,7 +809,7 @@ static void test_engine_time(void **state)
  * own overhead shows in the rate); with nothing decoding, the whole budget. */
 static void test_decode_stall(void **state)
 {
-    const struct fake_backend_opts fo = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 100 };
+    const struct fake_backend_opts fo = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 100, 0 };
     const int budget = 1024, fit = 20 * 1000 / 100;
     static int32_t prompt[1500];
     static struct outcome o[6];
@@ -1063,7 +1134,7 @@ static void test_tokenizer_text(void **state)
     if (r < 0)
         fail_msg("tokenizer: %s", dsv4_error_message());
 
-    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0, false, false, 0 };
+    const struct fake_backend_opts fo = { 258, 256, -2.0f, 3.0f, 0, false, false, 0, 0 };
     struct dsv4_backend_opts bo = { .max_batch = 2, .max_context = 256 };
     struct dsv4_backend *b;
     assert_int_equal(fake_backend_create(&fo, &bo, &b), 0);
@@ -1110,7 +1181,7 @@ static void test_tokenizer_text(void **state)
  * the next requests run (here the failure is injected once 30 tokens went in). */
 static void test_backend_error(void **state)
 {
-    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30, false, false, 0 };
+    const struct fake_backend_opts failing = { VOCAB, EOS, -100.0f, 6.0f, 30, false, false, 0, 0 };
     struct env e;
     env_open(&e, &failing, 2, 128, 64, 8);
     int32_t prompt[10] = { 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
@@ -1157,7 +1228,7 @@ static void *run_thread(void *arg)
  * queued, with that error; new ones are refused; the engine thread's loop returns the error. */
 static void test_backend_fatal(void **state)
 {
-    const struct fake_backend_opts faulty = { VOCAB, EOS, -100.0f, 6.0f, 40, false, true, 0 };
+    const struct fake_backend_opts faulty = { VOCAB, EOS, -100.0f, 6.0f, 40, false, true, 0, 0 };
     struct env e;
     env_open(&e, &faulty, 2, 128, 64, 8);
     int32_t prompt[10] = { 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
@@ -1377,6 +1448,7 @@ int main(void)
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_stop_tokens),
         cmocka_unit_test(test_cancel),
+        cmocka_unit_test(test_slot_groups),
         cmocka_unit_test(test_prefill_interleave),
         cmocka_unit_test(test_decode_stall),
         cmocka_unit_test(test_drain),
