@@ -103,7 +103,6 @@ void sched_unlink_finished(struct dsv4_sched *s)
         q->state = REQ_FINISHED;
         s->slot_req[q->slot] = -1;
         s->n_slots_used--;
-        s->group_used[sched_slot_group(s, q->slot)]--;
         q->slot = -1;
         s->st.finished[q->result.finish]++;
         s->st.unreleased++;

@@ -101,7 +101,6 @@ struct dsv4_sched {
     int n_slots_used;
     int n_groups;                   /* the backend's slot groups (devices), 1..DSV4_EP_MAX_GPUS */
     int group_end[DSV4_EP_MAX_GPUS];    /* group g: slots [g ? group_end[g - 1] : 0, group_end[g]) */
-    int group_used[DSV4_EP_MAX_GPUS];   /* its occupied slots */
     int *running;                   /* [max_batch] record indices, admission order */
     int n_running;
     uint32_t *counts;               /* [max_batch, V] output counts per slot */
@@ -175,15 +174,6 @@ static inline uint64_t sched_backend_time(struct dsv4_sched *s, uint64_t t0)
     const uint64_t ns = sched_now_ns() - t0;
     s->step_backend_ns += ns;
     return ns;
-}
-
-/* The slot group (device) slot belongs to. */
-static inline int sched_slot_group(const struct dsv4_sched *s, int slot)
-{
-    int g = 0;
-    while (slot >= s->group_end[g])
-        g++;
-    return g;
 }
 
 /* sched_emit.c (engine thread) */

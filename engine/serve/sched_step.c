@@ -27,15 +27,20 @@ static int batch_bucket(int n)
  * placement"); with one group, the first free slot. */
 static int place(const struct dsv4_sched *s)
 {
-    int best = -1;
-    for (int g = 0; g < s->n_groups; g++) {
-        const int size = s->group_end[g] - (g ? s->group_end[g - 1] : 0);
-        if (s->group_used[g] < size && (best < 0 || s->group_used[g] < s->group_used[best]))
-            best = g;
+    int slot = -1, best_used = 0;
+    for (int g = 0, begin = 0; g < s->n_groups; begin = s->group_end[g++]) {
+        int used = 0, free_slot = -1;
+        for (int i = begin; i < s->group_end[g]; i++) {
+            if (s->slot_req[i] >= 0)
+                used++;
+            else if (free_slot < 0)
+                free_slot = i;
+        }
+        if (free_slot >= 0 && (slot < 0 || used < best_used)) {
+            slot = free_slot;
+            best_used = used;
+        }
     }
-    int slot = best > 0 ? s->group_end[best - 1] : 0;
-    while (s->slot_req[slot] >= 0)
-        slot++;
     return slot;
 }
 
@@ -88,7 +93,6 @@ static void admit(struct dsv4_sched *s, uint64_t t)
         const int slot = place(s);
         s->slot_req[slot] = i;
         s->n_slots_used++;
-        s->group_used[sched_slot_group(s, slot)]++;
         q->slot = slot;
         q->out = s->free_out;
         s->free_out = s->outs[q->out].next_free;
