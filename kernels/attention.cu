@@ -319,7 +319,6 @@ static_assert(ATT_MIN_RUN == ATT_MMA_KEYS, "a short row's run fills one tile");
 #define ATT_MMA_ENTRY_ALIGN 8       /* bytes: entries and slot strides, for 8-byte loads */
 #define ATT_MMA_DEC_BATCH 8         /* entry chunks a thread has in flight while decoding a tile */
 #define ATT_COMB_THREADS 256        /* combine: dims a thread <= MAX_HEAD_DIM / this; rope pairs <= this */
-#define ATT_WHOLE_HEADS 16          /* heads a whole-row block: one m16 tile */
 #define ATT_QS_HEADS 32             /* most heads a split block stages the queries of (att_stage_q) */
 
 static_assert(ATT_MMA_OWN % 2 == 0, "value fragments are loaded for pairs of n8 tiles");
@@ -827,70 +826,112 @@ attention_mma_kernel(const struct dsv4_cuda_att_args a)
     }
 }
 
-/* grid (B, 1, ceil(H / 16)), for the rows of a prefill chunk: a block takes 16 heads of row b and
- * every one of the row's DSV4_CUDA_ATT_SPLITS runs in split order (att_key_run, the partition of
- * the split launch), computes each exactly as a split's block does (att_mma_run at one m16 tile,
- * whose arithmetic per head is that of any grouping), folds it into (M, L, acc) as the combine
- * folds the partials (att_fold_scales, att_fold_value: thread-private, each thread holding the
- * running max and sum of its fragments' two heads) and writes the output as the combine does
- * (att_out_pair): the split launch's bits with no partials and no combine launch. A row has at
- * most 2 runs (sliding), 10 (CSA: 128 window + 512 picks) or 2 plus one per 8k tokens up to 16
- * (HCA); the 64 rows of a slice make 256 blocks at 64 heads. The block's queries are split into
- * their bf16 terms once (att_stage_q) and read by ldmatrix in every run, where a split block loads
- * and splits them per k-step (each of the four key-pair groups again, each tile again). o and acc
- * are 32 floats a thread each at one m16 tile (one block an SM; two blocks an SM spilled at 128).
- * Shared memory att_qs_smem(hd, 16). */
+/* grid (B, 1, ceil(H / (16 MT))), for the rows of a prefill chunk: a block takes 16 MT heads of row
+ * b and every one of the row's DSV4_CUDA_ATT_SPLITS runs in split order (att_key_run, the partition
+ * of the split launch), computes each exactly as a split's block does (att_mma_run: a head's
+ * arithmetic is that of any grouping), folds it into (M, L, acc) as the combine folds the partials
+ * (att_fold_scales, att_fold_value) and writes the output as the combine does (att_out_pair): the
+ * split launch's bits with no partials and no combine launch. A row has at most 2 runs (sliding), 10
+ * (CSA: 128 window + 512 picks) or 2 plus one per 8k tokens up to 16 (HCA).
+ *
+ * Why MT up to 4 (all 64 heads of V4-Flash a block): a tile's entries are decoded once for every head
+ * of the block, and the value fragments of P V serve MT m16 tiles, so 64 heads a block decode and
+ * load a row's keys once where 16 did four times. The queries come from global memory per k-step
+ * (as the split kernel's 64-head blocks load them); o is MT x 32 floats a thread in registers, and
+ * the running acc the same count in shared memory, each thread its own words (no conflicts, no
+ * barrier): [MT x ATT_MMA_OWN x 4][ATT_MMA_THREADS] f32, after att_mma_smem's carve. A head's fold
+ * state (M, L) and a run's scales (ca, cr) are computed once a head by thread h and read by the
+ * threads holding its fragments (the function of the same inputs, so the same bits as each thread
+ * folding its own copy). One block an SM. Shared memory att_whole_smem(hd, MT). */
+static __host__ __device__ size_t att_whole_accbytes(int mt)
+{
+    return (size_t)mt * ATT_MMA_OWN * 4 * ATT_MMA_THREADS * sizeof(float);
+}
+
+static __host__ __device__ size_t att_whole_smem(int hd, int mt)
+{
+    return att_mma_smem(hd) + att_whole_accbytes(mt) + 4 * ATT_MMA_HEADS * sizeof(float);
+}
+
+template <int MT>
 __global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
 attention_mma_whole_kernel(const struct dsv4_cuda_att_args a, const float *__restrict__ sink,
                            const float *__restrict__ inv_freq, float *__restrict__ out)
 {
     dsv4_pdl_enter();
     extern __shared__ __align__(16) uint8_t att_sm[];
-    const att_mma_smem_ptrs p = att_mma_carve(att_sm, a.hd, ATT_WHOLE_HEADS);
-    const int hd = a.hd, b = blockIdx.x, h0 = blockIdx.z * ATT_WHOLE_HEADS;
-    const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP, g = lane / 4, t = lane % 4;
+    const att_mma_smem_ptrs p = att_mma_carve(att_sm, a.hd, 0);
+    float *acc_s = reinterpret_cast<float *>(att_sm + att_mma_smem(a.hd));
+    float *M_s = acc_s + att_whole_accbytes(MT) / sizeof(float), *L_s = M_s + ATT_MMA_HEADS;
+    float *ca_s = L_s + ATT_MMA_HEADS, *cr_s = ca_s + ATT_MMA_HEADS;
+    const int hd = a.hd, b = blockIdx.x, h0 = blockIdx.z * 16 * MT, tid = threadIdx.x;
+    const int mts = min(MT, (a.H - h0 + 15) / 16);
+    const int warp = tid / DSV4_CUDA_WARP, lane = tid % DSV4_CUDA_WARP, g = lane / 4, t = lane % 4;
     const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
-    const int ha = h0 + g, hb = ha + 8;
-    float o[1][ATT_MMA_OWN][4], acc[ATT_MMA_OWN][4];
-    /* the fold's state of heads ha and hb; heads past H (a last tile's zero queries) fold a 0 sink */
-    float Ma = ha < a.H ? sink[ha] : 0.0f, Mb = hb < a.H ? sink[hb] : 0.0f, La = 1.0f, Lb = 1.0f;
+    float o[MT][ATT_MMA_OWN][4];
 
+    /* acc word (mt, i, c) of this thread */
+#define ACC(mt, i, c) acc_s[(((mt) * ATT_MMA_OWN + (i)) * 4 + (c)) * ATT_MMA_THREADS + tid]
 #pragma unroll
-    for (int i = 0; i < ATT_MMA_OWN; i++)
-        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-    att_stage_q(a, b, h0, ATT_WHOLE_HEADS, p.q_s);
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < ATT_MMA_OWN; i++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                ACC(mt, i, c) = 0.0f;
+    /* a head's fold starts from its sink; heads past H (a last tile's zero queries) fold a 0 sink */
+    if (tid < 16 * MT) {
+        M_s[tid] = h0 + tid < a.H ? sink[h0 + tid] : 0.0f;
+        L_s[tid] = 1.0f;
+    }
+    att_prefetch_q(a, b, h0);
 #pragma unroll 1
     for (int split = 0; split < DSV4_CUDA_ATT_SPLITS; split++) {
         const att_run r = att_key_run(a, b, split, DSV4_CUDA_ATT_SPLITS);
         if (r.k0 >= r.k1)               /* an empty run: the combine skips its m = -inf */
             continue;
-        att_mma_run<1, true>(a, b, h0, 1, r, p, o);
-        float ca_a, cr_a, ca_b, cr_b;
-        att_fold_scales(Ma, La, p.m_s[g], p.l_s[g], ca_a, cr_a);
-        att_fold_scales(Mb, Lb, p.m_s[g + 8], p.l_s[g + 8], ca_b, cr_b);
+        att_mma_run<MT, false>(a, b, h0, mts, r, p, o);    /* its barriers also publish M_s, L_s */
+        if (tid < 16 * mts)
+            att_fold_scales(M_s[tid], L_s[tid], p.m_s[tid], p.l_s[tid], ca_s[tid], cr_s[tid]);
+        __syncthreads();
 #pragma unroll
-        for (int i = 0; i < ATT_MMA_OWN; i++) {
-            acc[i][0] = att_fold_value(acc[i][0], o[0][i][0], ca_a, cr_a);
-            acc[i][1] = att_fold_value(acc[i][1], o[0][i][1], ca_a, cr_a);
-            acc[i][2] = att_fold_value(acc[i][2], o[0][i][2], ca_b, cr_b);
-            acc[i][3] = att_fold_value(acc[i][3], o[0][i][3], ca_b, cr_b);
+        for (int mt = 0; mt < MT; mt++) {
+            if (mt < mts) {
+                const float caa = ca_s[16 * mt + g], cra = cr_s[16 * mt + g];
+                const float cab = ca_s[16 * mt + g + 8], crb = cr_s[16 * mt + g + 8];
+#pragma unroll
+                for (int i = 0; i < ATT_MMA_OWN; i++) {
+                    ACC(mt, i, 0) = att_fold_value(ACC(mt, i, 0), o[mt][i][0], caa, cra);
+                    ACC(mt, i, 1) = att_fold_value(ACC(mt, i, 1), o[mt][i][1], caa, cra);
+                    ACC(mt, i, 2) = att_fold_value(ACC(mt, i, 2), o[mt][i][2], cab, crb);
+                    ACC(mt, i, 3) = att_fold_value(ACC(mt, i, 3), o[mt][i][3], cab, crb);
+                }
+            }
         }
-        __syncthreads();                /* m_s, l_s read: the next run may reset them */
+        __syncthreads();                /* m_s, l_s, ca_s, cr_s read: the next run may reset them */
     }
 
     const int ps = a.pos[b];
 #pragma unroll
-    for (int i = 0; i < ATT_MMA_OWN; i++) {
-        if (i < nown) {
-            const int d = 8 * (warp + ATT_MMA_WARPS * i) + 2 * t;
-            if (ha < a.H)
-                *reinterpret_cast<float2 *>(out + ((int64_t)b * a.H + ha) * hd + d) =
-                    att_out_pair(acc[i][0], acc[i][1], La, d, hd, a.rd, inv_freq, ps);
-            if (hb < a.H)
-                *reinterpret_cast<float2 *>(out + ((int64_t)b * a.H + hb) * hd + d) =
-                    att_out_pair(acc[i][2], acc[i][3], Lb, d, hd, a.rd, inv_freq, ps);
+    for (int mt = 0; mt < MT; mt++) {
+        const int ha = h0 + 16 * mt + g, hb = ha + 8;
+        if (mt >= mts)
+            continue;
+        const float La = L_s[16 * mt + g], Lb = L_s[16 * mt + g + 8];
+#pragma unroll
+        for (int i = 0; i < ATT_MMA_OWN; i++) {
+            if (i < nown) {
+                const int d = 8 * (warp + ATT_MMA_WARPS * i) + 2 * t;
+                if (ha < a.H)
+                    *reinterpret_cast<float2 *>(out + ((int64_t)b * a.H + ha) * hd + d) =
+                        att_out_pair(ACC(mt, i, 0), ACC(mt, i, 1), La, d, hd, a.rd, inv_freq, ps);
+                if (hb < a.H)
+                    *reinterpret_cast<float2 *>(out + ((int64_t)b * a.H + hb) * hd + d) =
+                        att_out_pair(ACC(mt, i, 2), ACC(mt, i, 3), Lb, d, hd, a.rd, inv_freq, ps);
+            }
         }
     }
+#undef ACC
 }
 
 /* grid (B, H), ATT_COMB_THREADS threads, thread i the output dims (2i, 2i + 1) (a RoPE pair when
@@ -945,10 +986,11 @@ size_t dsv4_cuda_attention_smem(int hd)
     return f > m ? f : m;
 }
 
-/* The most heads a block stages the queries of on this device, for the head_dim last prepared
- * (dsv4_cuda_attention_prepare): ATT_QS_HEADS, 16, or 0 where att_qs_smem fits neither; whole rows
- * need 16. */
-static int att_qs_heads;
+/* For the head_dim last prepared (dsv4_cuda_attention_prepare): the most heads a split block stages
+ * the queries of on this device (ATT_QS_HEADS, 16, or 0 where att_qs_smem fits neither), and the m16
+ * tiles of a whole-row block (ATT_MMA_MT, 2 or 1: the most whose att_whole_smem fits; 0: none, rows
+ * take the splits). */
+static int att_qs_heads, att_whole_mt;
 
 int dsv4_cuda_attention_prepare(int hd)
 {
@@ -966,13 +1008,22 @@ int dsv4_cuda_attention_prepare(int hd)
     DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)att_mma_smem(hd)));
     att_qs_heads = att_qs_smem(hd, ATT_QS_HEADS) <= (size_t)optin ? ATT_QS_HEADS
-                   : att_qs_smem(hd, ATT_WHOLE_HEADS) <= (size_t)optin ? ATT_WHOLE_HEADS : 0;
-    if (att_qs_heads) {
+                   : att_qs_smem(hd, 16) <= (size_t)optin ? 16 : 0;
+    if (att_qs_heads)
         DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)att_qs_smem(hd, att_qs_heads)));
-        DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)att_qs_smem(hd, ATT_WHOLE_HEADS)));
-    }
+    att_whole_mt = att_whole_smem(hd, ATT_MMA_MT) <= (size_t)optin ? ATT_MMA_MT
+                   : att_whole_smem(hd, 2) <= (size_t)optin ? 2 : att_whole_smem(hd, 1) <= (size_t)optin ? 1 : 0;
+    if (att_whole_mt >= 1)
+        DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)att_whole_smem(hd, 1)));
+    if (att_whole_mt >= 2)
+        DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)att_whole_smem(hd, 2)));
+    if (att_whole_mt >= ATT_MMA_MT)
+        DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel<ATT_MMA_MT>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)att_whole_smem(hd, ATT_MMA_MT)));
     return 0;
 }
 
@@ -1034,7 +1085,7 @@ static int att_heads_per_block(const struct dsv4_cuda_att_args *a, int batch)
 
 /* Whether a launch asking for whole rows (a->whole) gets them: DSV4_CUDA_ATT_WHOLE=0 keeps the
  * splits and their combine for every launch, to compare the two; a device whose blocks cannot hold
- * att_qs_smem(hd, 16) keeps them too (the same bits either way). */
+ * att_whole_smem(hd, 1) keeps them too (the same bits either way). */
 static bool att_whole_allowed(void)
 {
     static int allowed = -1;
@@ -1042,7 +1093,12 @@ static bool att_whole_allowed(void)
         struct dsv4_cuda_switches sw;
         allowed = dsv4_cuda_switches_read(&sw) < 0 ? 1 : sw.att_whole;
     }
-    return allowed && att_qs_heads >= ATT_WHOLE_HEADS;
+    return allowed && att_whole_mt > 0;
+}
+
+int dsv4_cuda_attention_whole_heads(void)
+{
+    return att_whole_allowed() ? 16 * att_whole_mt : 0;
 }
 
 bool dsv4_cuda_attention_whole(const struct dsv4_cuda_att_args *a)
@@ -1065,10 +1121,19 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
         return dsv4_error_set(-EINVAL, "attention: the step's own entries are read by whole rows only, with "
                               "each row's first position, %d-byte aligned", ATT_MMA_ENTRY_ALIGN);
     if (dsv4_cuda_attention_whole(a)) {
+        /* the caller's grouping (a test's), at most what the device holds; else the most it holds */
+        const int want = a->heads_per_block ? a->heads_per_block / 16 : ATT_MMA_MT;
+        const int mt = want < att_whole_mt ? want : att_whole_mt;
         struct dsv4_cuda_att_args k = *a;
-        k.heads_per_block = ATT_WHOLE_HEADS;
-        dsv4_launch(attention_mma_whole_kernel, dim3(batch, 1, (a->H + ATT_WHOLE_HEADS - 1) / ATT_WHOLE_HEADS),
-                    ATT_MMA_THREADS, att_qs_smem(a->hd, ATT_WHOLE_HEADS), s, k, d_sink, d_inv_freq, d_o);
+        k.heads_per_block = 16 * mt;
+        const dim3 grid(batch, 1, (a->H + k.heads_per_block - 1) / k.heads_per_block);
+        const size_t smem = att_whole_smem(a->hd, mt);
+        if (mt == ATT_MMA_MT)
+            dsv4_launch(attention_mma_whole_kernel<ATT_MMA_MT>, grid, ATT_MMA_THREADS, smem, s, k, d_sink, d_inv_freq, d_o);
+        else if (mt == 2)
+            dsv4_launch(attention_mma_whole_kernel<2>, grid, ATT_MMA_THREADS, smem, s, k, d_sink, d_inv_freq, d_o);
+        else
+            dsv4_launch(attention_mma_whole_kernel<1>, grid, ATT_MMA_THREADS, smem, s, k, d_sink, d_inv_freq, d_o);
         DSV4_CUDA_LAUNCHED("attention_mma_whole");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_WHOLE);
         return 0;

@@ -59,7 +59,7 @@ extern "C" const char *dsv4_cuda_variant_name(enum dsv4_cuda_variant v)
     case DSV4_CUDA_V_INDEXER_FMA: return "indexer_scores_fma_thread_per_entry";
     case DSV4_CUDA_V_EXPERTS_FP4_FMA: return "experts_fp4_grouped_swiglu_fma_warprow";
     case DSV4_CUDA_V_GEMM_FP8_WGMMA: return "gemm_fp8_f16wgmma_tma_rows128x64_prefill";
-    case DSV4_CUDA_V_ATTENTION_WHOLE: return "attention_mma_bf16_hilo_heads16_keys64_whole_row_q_smem";
+    case DSV4_CUDA_V_ATTENTION_WHOLE: return "attention_mma_bf16_hilo_keys64_whole_row";
     case DSV4_CUDA_V_GEMM_DIRECT: return "gemm_mma_rows128_batch8_weights_in_registers";
     case DSV4_CUDA_V_GEMM_WGMMA_DECODE: return "gemm_fp8_bf16hilo_wgmma_tma_rows128_batch9to64_splitk";
     case DSV4_CUDA_V_EXPERTS_FP4_WGMMA: return "experts_fp4_grouped_swiglu_bf16wgmma_rows128_prefill_n8to64";
@@ -774,9 +774,10 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     vlog(dev, log, log_ctx, true, "op mhc pre: %s (blocks of 1024 columns per token, Sinkhorn in registers), "
          "post: thread-per-value", dsv4_cuda_variant_name(DSV4_CUDA_V_MHC_PRE));
     vlog(dev, log, log_ctx, true, "op attention: %s (FP8 entries) / %s (f32 entries), %d key splits, sinks, "
-         "online combine + inverse RoPE; prefill chunks %s", dsv4_cuda_variant_name(DSV4_CUDA_V_ATTENTION_MMA),
-         dsv4_cuda_variant_name(DSV4_CUDA_V_ATTENTION_F32), DSV4_CUDA_ATT_SPLITS,
-         dsv4_cuda_variant_name(DSV4_CUDA_V_ATTENTION_WHOLE));
+         "online combine + inverse RoPE; prefill chunks %s (%d heads a block; 0: the splits)",
+         dsv4_cuda_variant_name(DSV4_CUDA_V_ATTENTION_MMA), dsv4_cuda_variant_name(DSV4_CUDA_V_ATTENTION_F32),
+         DSV4_CUDA_ATT_SPLITS, dsv4_cuda_variant_name(DSV4_CUDA_V_ATTENTION_WHOLE),
+         dsv4_cuda_attention_whole_heads());
     vlog(dev, log, log_ctx, true, "op sampling: on the device, one block per row (DSV4_CUDA_SAMPLE=0: on the host)");
     vlog(dev, log, log_ctx, true, "op compressor: block-per-row emission (pool from the step's rows + the slot's "
          "ring, norm, RoPE, FP8/FP4), then ring refresh");

@@ -70,9 +70,9 @@ struct dsv4_cuda_att_args {
      * its own); 0: DSV4_CUDA_ATT_HEADS, or by batch (dsv4_cuda_attention) */
     int heads_per_block;
     /* FP8 kernel: each block takes every key run of its row in turn and writes the output, no
-     * partials and no combine (attention_mma_whole_kernel, 16 heads a block whatever
-     * heads_per_block says; the same bits as the splits). For the rows of a prefill chunk, which
-     * fill the chip without splitting them; DSV4_CUDA_ATT_WHOLE=0 turns it off. */
+     * partials and no combine (attention_mma_whole_kernel, heads_per_block heads a block or, at 0,
+     * the most the device's shared memory holds; the same bits as the splits). For the rows of a
+     * prefill chunk, which fill the chip without splitting them; DSV4_CUDA_ATT_WHOLE=0 turns it off. */
     bool whole;
     /* whole rows: the step's own entries [B, entry_bytes] (dsv4_cuda_kv_store with no slots) and
      * first [B] (each row's run's first position): a window key at or after first[b] is read from
@@ -86,6 +86,9 @@ struct dsv4_cuda_att_args {
 /* Whether dsv4_cuda_attention runs a's rows whole (a->whole, FP8 entries, the device and the
  * switch allowing): then a->own may be set, and a->part is not used. */
 bool dsv4_cuda_attention_whole(const struct dsv4_cuda_att_args *a);
+/* Heads a whole-row block takes by default on this device (64, 32 or 16; 0: rows take the splits),
+ * for the head_dim last prepared: for the boot log. */
+int dsv4_cuda_attention_whole_heads(void);
 size_t dsv4_cuda_attention_smem(int hd);
 /* Raise the attention kernel's shared-memory limit (boot, before any capture). */
 int dsv4_cuda_attention_prepare(int hd);

@@ -15,7 +15,8 @@
  *     them as the combine does) bit-identical to the split launch and its combine on the same rows,
  *     for every case above (FP8 entries: sliding, HCA with up to 16 runs of two tiles, CSA, 4 to
  *     128 heads, head_dim 32 to 512); hence within the bound too, and equal to every grouping of
- *     heads of the split launch and to each row alone. f32 entries ignore a.whole (the same bits).
+ *     heads of the split launch and to each row alone; so is every grouping of heads a whole-row
+ *     block takes (16, 32, 64: the device's largest by default). f32 entries ignore a.whole.
  *     Whole rows reading their own position from the step's own entries (a.own) give the same bits
  *     with the rings' copies of those entries replaced by decoys (which, read, change every row).
  *   - the launch counted under the variant that ran (FP8 entries: DSV4_CUDA_V_ATTENTION_MMA, whole
@@ -457,26 +458,31 @@ static void check_case(const struct att_case *c)
         }
         free(outg);
     }
-    /* whole rows: the split launch's bits (f32 entries: the whole flag changes nothing) */
+    /* whole rows: the split launch's bits (f32 entries: the whole flag changes nothing), with the
+     * launcher's grouping of heads (0) and each one a whole-row block can take */
     const enum dsv4_cuda_variant whole = c->kvf == DSV4_KV_FP8 ? DSV4_CUDA_V_ATTENTION_WHOLE : DSV4_CUDA_V_ATTENTION_F32;
-    const uint64_t n_whole = dsv4_cuda_variant_launches(whole);
     struct dsv4_cuda_att_args aw = a;
     aw.whole = true;
-    DSV4_OK(dsv4_cuda_attention_once(&aw, B, f.d_sink, f.d_inv, d_ow, NULL));
-    assert_int_equal(dsv4_cuda_variant_launches(whole), n_whole + 1);
-    outw = gt_host_from(d_ow, (size_t)B * row_n);
-    for (int b = 0; b < B; b++) {
-        if (memcmp(outw + (size_t)b * row_n, out + (size_t)b * row_n, row_n * sizeof(float)) != 0) {
-            size_t at = 0;
-            while (memcmp(outw + (size_t)b * row_n + at, out + (size_t)b * row_n + at, sizeof(float)) == 0)
-                at++;
-            printf("#   row %d (pos %d, %d keys) whole differs from the splits: head %zu dim %zu: %.9g against "
-                   "%.9g\n", b, c->pos[b], f.nk[b], at / hd, at % hd, outw[(size_t)b * row_n + at],
-                   out[(size_t)b * row_n + at]);
-            differ_whole++;
+    for (int g = 0; g <= 64; g = g ? 2 * g : 16) {
+        const uint64_t n_whole = dsv4_cuda_variant_launches(whole);
+        aw.heads_per_block = g;
+        DSV4_OK(dsv4_cuda_attention_once(&aw, B, f.d_sink, f.d_inv, d_ow, NULL));
+        assert_int_equal(dsv4_cuda_variant_launches(whole), n_whole + 1);
+        outw = gt_host_from(d_ow, (size_t)B * row_n);
+        for (int b = 0; b < B; b++) {
+            if (memcmp(outw + (size_t)b * row_n, out + (size_t)b * row_n, row_n * sizeof(float)) != 0) {
+                size_t at = 0;
+                while (memcmp(outw + (size_t)b * row_n + at, out + (size_t)b * row_n + at, sizeof(float)) == 0)
+                    at++;
+                printf("#   row %d (pos %d, %d keys) whole (%d heads a block) differs from the splits: head %zu "
+                       "dim %zu: %.9g against %.9g\n", b, c->pos[b], f.nk[b], g, at / hd, at % hd,
+                       outw[(size_t)b * row_n + at], out[(size_t)b * row_n + at]);
+                differ_whole++;
+            }
         }
+        free(outw);
     }
-    free(outw);
+    aw.heads_per_block = 0;
     if (c->kvf == DSV4_KV_FP8)
         differ_own = check_own_entries(&f, &aw, out);
     /* each row alone: bit-identical to its place in the batch */
