@@ -78,6 +78,14 @@ long dsv4_oai_job_read(struct dsv4_oai_job *j, char *buf, size_t max)
     return n;
 }
 
+/* Cancel every choice dsv4d works on for the job. Lock held. */
+static void cancel_choices(struct dsv4_oai_job *j)
+{
+    for (unsigned i = 0; i < DSV4_OAI_MAX_CHOICES; i++)
+        if (j->cli[i])
+            dsv4_client_cancel(j->cli[i]);
+}
+
 void dsv4_oai_job_detach(struct dsv4_oai_job *j, bool client_left)
 {
     pthread_mutex_lock(&j->lock);
@@ -86,8 +94,7 @@ void dsv4_oai_job_detach(struct dsv4_oai_job *j, bool client_left)
     j->suspended = false;
     if (client_left && !j->done) {
         j->client_left = true;
-        if (j->cli)
-            dsv4_client_cancel(j->cli);
+        cancel_choices(j);
     }
     pthread_mutex_unlock(&j->lock);
 }
@@ -97,8 +104,7 @@ void dsv4_oai_jobs_cancel_all(struct dsv4_oai_server *s)
     pthread_mutex_lock(&s->lock);
     for (struct dsv4_oai_job *j = s->jobs; j; j = j->next) {
         pthread_mutex_lock(&j->lock);
-        if (j->cli)
-            dsv4_client_cancel(j->cli);
+        cancel_choices(j);
         pthread_mutex_unlock(&j->lock);
     }
     pthread_mutex_unlock(&s->lock);

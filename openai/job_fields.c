@@ -92,10 +92,9 @@ int oai_parse_common(struct oai_gen_request *g, uint32_t default_max_tokens, str
         }
     }
     n = 1;
-    if ((rc = oai_opt_int(root, "n", 1, 1, &n, NULL, b))) {
-        snprintf(b->msg, sizeof(b->msg), "n: only one choice per request is supported (n must be 1)");
+    if ((rc = oai_opt_int(root, "n", 1, DSV4_OAI_MAX_CHOICES, &n, NULL, b)))
         return rc;
-    }
+    g->n = (int)n;
     n = 1;
     if ((rc = oai_opt_int(root, "best_of", 1, 1, &n, NULL, b)))
         return rc;

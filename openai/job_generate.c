@@ -20,14 +20,21 @@
 /* What a log-probability of -inf is written as (JSON has no infinity; OpenAI's API uses this). */
 #define LOGPROB_FLOOR -9999.0
 
+struct choices;
+
+/* One choice of a request: its dsv4d request and what it has produced. */
 struct gen {
     struct dsv4_oai_job *j;
     struct oai_gen_request *g;
+    struct choices *all;
+    int index;                     /* the choice: its index in the response */
+    struct dsv4_client_generate_params p;  /* g->p with the choice's seed */
     bool chat;
     bool thinking;
     char id[64];
     char model[256];
     json_int_t created;
+    struct dsv4_client *c;         /* the choice's connection to dsv4d */
     struct dsv4_client *aux;       /* detokenizes logprob alternatives */
     struct dsv4_reply *reply;      /* chat only */
     bool role_sent;
@@ -37,6 +44,20 @@ struct gen {
     json_t *logprobs;              /* chat: [entries]; completions: the legacy object */
     size_t text_offset;
     int err;
+    /* the outcome */
+    bool failed;                   /* rc (a libdsv4client error of errc doing what), err, or res says so */
+    int rc;
+    const char *what;
+    struct dsv4_client *errc;
+    struct dsv4_client_result res;
+    const char *finish;            /* the finish_reason, once the choice ended well */
+};
+
+/* The choices of one request, run concurrently (choice 0 on the job's thread). */
+struct choices {
+    int n;
+    bool failed;                   /* a choice failed: the others stop at their next token (j->lock) */
+    struct gen G[DSV4_OAI_MAX_CHOICES];
 };
 
 static void random_id(char *out, size_t n, const char *prefix)
@@ -141,7 +162,7 @@ static int on_reply(const struct dsv4_reply_event *ev, void *user)
     return 0;
 }
 
-static json_t *chunk_base(struct gen *G)
+static json_t *chunk_base(const struct gen *G)
 {
     json_t *o = json_pack("{s:s,s:s,s:I,s:s}", "id", G->id, "object", G->chat ? "chat.completion.chunk" : "text_completion",
                           "created", G->created, "model", G->model);
@@ -171,13 +192,14 @@ static void stream_chunk(struct gen *G, const char *finish, json_t *logprobs)
             json_decref(delta);
             return;
         }
-        choice = json_pack("{s:i,s:o,s:o,s:o}", "index", 0, "delta", delta, "logprobs",
+        choice = json_pack("{s:i,s:o,s:o,s:o}", "index", G->index, "delta", delta, "logprobs",
                            logprobs ? json_pack("{s:o}", "content", logprobs) : json_null(), "finish_reason",
                            finish ? json_string(finish) : json_null());
     } else {
         if (!G->content.len && !finish && !logprobs)
             return;
-        choice = json_pack("{s:i,s:s%,s:o,s:o}", "index", 0, "text", G->content.p ? G->content.p : "", G->content.len,
+        choice = json_pack("{s:i,s:s%,s:o,s:o}", "index", G->index, "text", G->content.p ? G->content.p : "",
+                           G->content.len,
                            "logprobs", logprobs ? logprobs : json_null(), "finish_reason",
                            finish ? json_string(finish) : json_null());
     }
@@ -193,7 +215,7 @@ static int on_token(const struct dsv4_client_token *tok, void *user)
     struct gen *G = user;
     struct dsv4_oai_job *j = G->j;
     pthread_mutex_lock(&j->lock);
-    bool alive = oai_client_alive(j);
+    bool alive = oai_client_alive(j) && !G->all->failed;
     pthread_mutex_unlock(&j->lock);
     if (!alive)
         return 1;   /* cancels the request in dsv4d */
@@ -231,73 +253,132 @@ static const char *finish_reason(const struct gen *G, const struct dsv4_client_r
     return "stop";
 }
 
-static json_t *usage(const struct dsv4_client_result *res)
+/* usage: the prompt once (every choice reads the same one), the completion tokens of every choice. */
+static json_t *usage(const struct choices *A)
 {
-    return json_pack("{s:i,s:i,s:i,s:{s:i}}", "prompt_tokens", (int)res->prompt_tokens, "completion_tokens",
-                     (int)res->completion_tokens, "total_tokens", (int)(res->prompt_tokens + res->completion_tokens),
-                     "prompt_tokens_details", "cached_tokens", (int)res->cached_tokens);
+    const struct dsv4_client_result *r0 = &A->G[0].res;
+    int completion = 0;
+    for (int i = 0; i < A->n; i++)
+        completion += (int)A->G[i].res.completion_tokens;
+    return json_pack("{s:i,s:i,s:i,s:{s:i}}", "prompt_tokens", (int)r0->prompt_tokens, "completion_tokens",
+                     completion, "total_tokens", (int)r0->prompt_tokens + completion, "prompt_tokens_details",
+                     "cached_tokens", (int)r0->cached_tokens);
 }
 
-/* Run the generation and respond (streamed or whole). */
-static void generate(struct gen *G, struct dsv4_client *c)
+/* A choice that cannot go on: the others stop at their next token. */
+static void choice_failed(struct gen *G, int rc, const char *what, struct dsv4_client *errc)
+{
+    G->failed = true;
+    G->rc = rc;
+    G->what = what;
+    G->errc = errc;
+    pthread_mutex_lock(&G->j->lock);
+    G->all->failed = true;
+    pthread_mutex_unlock(&G->j->lock);
+}
+
+/* A connection to dsv4d for choice G into *ret; false (the failure recorded) when there is none. */
+static bool choice_connect(struct gen *G, struct dsv4_client **ret)
+{
+    const struct dsv4_oai_config *cfg = G->j->srv->cfg;
+    if (!(*ret = dsv4_client_new())) {
+        choice_failed(G, -ENOMEM, "connecting", NULL);
+        return false;
+    }
+    int rc = dsv4_client_connect(*ret, cfg->socket, cfg->dsv4d_timeout_ms);
+    if (rc < 0) {
+        choice_failed(G, rc, "connecting", *ret);
+        return false;
+    }
+    dsv4_client_set_timeout(*ret, cfg->dsv4d_timeout_ms);
+    return true;
+}
+
+/* Run one choice: connect (and a second time for the text of logprob alternatives), generate, and
+ * when streamed send its last chunks. Failures are recorded in G, answered by respond(). */
+static void run_choice(struct gen *G)
 {
     struct dsv4_oai_job *j = G->j;
-    struct dsv4_client_result res = {0};
 
+    if (!choice_connect(G, &G->c) || (G->p.logprobs >= 0 && !choice_connect(G, &G->aux)))
+        return;
+    oai_model_name(j, G->c, G->model, sizeof(G->model));
     pthread_mutex_lock(&j->lock);
-    j->cli = c;
-    bool left = j->client_left;
+    j->cli[G->index] = G->c;
+    bool stop = j->client_left || G->all->failed;
     pthread_mutex_unlock(&j->lock);
-    int rc = left ? -ECANCELED : dsv4_client_generate_stream(c, &G->g->p, on_token, G, &res);
+    int rc = stop ? 0 : dsv4_client_generate_stream(G->c, &G->p, on_token, G, &G->res);
     pthread_mutex_lock(&j->lock);
-    j->cli = NULL;
-    left = j->client_left;
+    j->cli[G->index] = NULL;
     pthread_mutex_unlock(&j->lock);
-    if (left) {
-        pthread_mutex_lock(&j->srv->lock);
-        j->srv->disconnects++;
-        pthread_mutex_unlock(&j->srv->lock);
-        dsv4_oai_log(LOG_INFO, "%s: the client left; dsv4d's request was cancelled", G->id);
+    if (stop)
+        G->res.finish_reason = DSV4_CLIENT_FINISH_CANCELLED;
+    if (rc < 0) {
+        choice_failed(G, rc, "generating", G->c);
+        return;
     }
+    if (G->err || G->res.finish_reason == DSV4_CLIENT_FINISH_ERROR) {
+        choice_failed(G, 0, NULL, NULL);
+        return;
+    }
+    if (G->chat)
+        dsv4_reply_finish(G->reply);
+    G->finish = finish_reason(G, &G->res);
+    if (G->g->stream && G->res.finish_reason != DSV4_CLIENT_FINISH_CANCELLED) {
+        stream_chunk(G, NULL, NULL);   /* what the end released */
+        stream_chunk(G, G->finish, NULL);
+    }
+}
 
-    bool streaming;
+static void *choice_main(void *arg)
+{
+    run_choice(arg);
+    return NULL;
+}
+
+/* The whole response, the stream's end, or the first failed choice's error. */
+static void respond(struct choices *A)
+{
+    struct dsv4_oai_job *j = A->G[0].j;
+    const struct gen *F = NULL;
+    for (int i = 0; i < A->n && !F; i++)
+        if (A->G[i].failed)
+            F = &A->G[i];
+
     pthread_mutex_lock(&j->lock);
-    streaming = j->head_ready && j->stream;
+    bool streaming = j->head_ready && j->stream;
     pthread_mutex_unlock(&j->lock);
-    if (rc < 0 || G->err || res.finish_reason == DSV4_CLIENT_FINISH_ERROR) {
-        if (!streaming) {
-            if (rc < 0 && rc != -ECANCELED)
-                oai_respond_client_error(j, c, rc, "generating");
-            else
-                oai_respond_error(j, 500, "server_error", NULL, NULL,
-                              res.error_message ? res.error_message : "generation failed");
+    if (F) {
+        const char *msg = F->res.error_message ? F->res.error_message
+                          : F->rc < 0 && F->errc ? dsv4_client_error_message(F->errc)
+                          : F->rc == -ENOMEM || F->err == -ENOMEM ? "out of memory" : "generation failed";
+        if (!streaming && F->rc < 0 && F->errc) {
+            oai_respond_client_error(j, F->errc, F->rc, F->what);
+        } else if (!streaming) {
+            oai_respond_error(j, 500, "server_error", NULL, NULL, msg);
         } else {
-            char *e = dsv4_oai_error_json("server_error", NULL, NULL, "%s",
-                                          res.error_message ? res.error_message
-                                          : rc < 0 ? dsv4_client_error_message(c) : "generation failed");
+            char *e = dsv4_oai_error_json("server_error", NULL, NULL, "%s", msg);
             if (e)
                 oai_stream_event(j, e);
             free(e);
             oai_stream_event(j, "[DONE]");
         }
-        dsv4_client_result_clear(&res);
         return;
     }
-    if (G->chat)
-        dsv4_reply_finish(G->reply);
-    const char *finish = finish_reason(G, &res);
-
-    if (G->g->stream) {
-        stream_chunk(G, NULL, NULL);   /* what the end released */
-        stream_chunk(G, finish, NULL);
-        if (G->g->include_usage) {
-            json_t *o = chunk_base(G);
+    const struct gen *G0 = &A->G[0];
+    if (G0->g->stream) {
+        if (G0->g->include_usage) {
+            json_t *o = chunk_base(G0);
             json_object_set_new(o, "choices", json_array());
-            json_object_set_new(o, "usage", usage(&res));
+            json_object_set_new(o, "usage", usage(A));
             oai_stream_json(j, o);
         }
         oai_stream_event(j, "[DONE]");
-    } else {
+        return;
+    }
+    json_t *list = json_array();
+    for (int i = 0; i < A->n && list; i++) {
+        const struct gen *G = &A->G[i];
         json_t *choice;
         if (G->chat) {
             bool calls = json_array_size(G->calls) > 0;
@@ -309,43 +390,97 @@ static void generate(struct gen *G, struct dsv4_client *c)
                                     json_stringn(G->reasoning.p ? G->reasoning.p : "", G->reasoning.len));
             if (calls)
                 json_object_set(msg, "tool_calls", G->calls);
-            choice = json_pack("{s:i,s:o,s:o,s:s}", "index", 0, "message", msg, "logprobs",
+            choice = json_pack("{s:i,s:o,s:o,s:s}", "index", G->index, "message", msg, "logprobs",
                                G->logprobs ? json_pack("{s:O,s:n}", "content", G->logprobs, "refusal") : json_null(),
-                               "finish_reason", finish);
+                               "finish_reason", G->finish);
         } else {
-            choice = json_pack("{s:i,s:s%,s:O?,s:s}", "index", 0, "text", G->content.p ? G->content.p : "",
-                               G->content.len, "logprobs", G->logprobs, "finish_reason", finish);
+            choice = json_pack("{s:i,s:s%,s:O?,s:s}", "index", G->index, "text", G->content.p ? G->content.p : "",
+                               G->content.len, "logprobs", G->logprobs, "finish_reason", G->finish);
         }
-        json_t *o = json_pack("{s:s,s:s,s:I,s:s,s:[o],s:o}", "id", G->id, "object",
-                              G->chat ? "chat.completion" : "text_completion", "created", G->created, "model", G->model,
-                              "choices", choice, "usage", usage(&res));
-        oai_respond_json(j, 200, o);
+        json_array_append_new(list, choice);
     }
-    dsv4_client_result_clear(&res);
+    json_t *o = json_pack("{s:s,s:s,s:I,s:s,s:o,s:o}", "id", G0->id, "object",
+                          G0->chat ? "chat.completion" : "text_completion", "created", G0->created, "model", G0->model,
+                          "choices", list, "usage", usage(A));
+    oai_respond_json(j, 200, o);
 }
 
-/* Connect to dsv4d (*c, closed by the caller), and a second time for the text of logprob
- * alternatives when aux, then generate; a failure is answered. */
-static void connect_and_generate(struct gen *G, bool aux, struct dsv4_client **c)
+/* Run the request's choices (choice i sampling with seed + i when a seed is given), concurrently,
+ * then answer. */
+static void generate(struct choices *A)
 {
-    struct dsv4_oai_job *j = G->j;
+    struct dsv4_oai_job *j = A->G[0].j;
+    pthread_t t[DSV4_OAI_MAX_CHOICES];
+    bool started[DSV4_OAI_MAX_CHOICES] = {false};
 
-    if (oai_connect_dsv4d(j, j->srv->cfg->dsv4d_timeout_ms, c) < 0)
-        return;
-    if (aux && oai_connect_dsv4d(j, j->srv->cfg->dsv4d_timeout_ms, &G->aux) < 0)
-        return;
-    oai_model_name(j, *c, G->model, sizeof(G->model));
-    generate(G, *c);
+    for (int i = 1; i < A->n; i++) {
+        int rc = pthread_create(&t[i], NULL, choice_main, &A->G[i]);
+        started[i] = rc == 0;
+        if (rc)
+            choice_failed(&A->G[i], -rc, "starting a thread for a choice", NULL);
+    }
+    run_choice(&A->G[0]);
+    for (int i = 1; i < A->n; i++)
+        if (started[i])
+            pthread_join(t[i], NULL);
+
+    pthread_mutex_lock(&j->lock);
+    bool left = j->client_left;
+    pthread_mutex_unlock(&j->lock);
+    if (left) {
+        pthread_mutex_lock(&j->srv->lock);
+        j->srv->disconnects++;
+        pthread_mutex_unlock(&j->srv->lock);
+        dsv4_oai_log(LOG_INFO, "%s: the client left; dsv4d's request was cancelled", A->G[0].id);
+    }
+    respond(A);
 }
 
-static void gen_clear(struct gen *G)
+static void choices_free(struct choices *A)
 {
-    dsv4_client_close(G->aux);
-    dsv4_reply_free(G->reply);
-    dsv4_buf_free(&G->content);
-    dsv4_buf_free(&G->reasoning);
-    json_decref(G->calls);
-    json_decref(G->logprobs);
+    for (int i = 0; A && i < A->n; i++) {
+        struct gen *G = &A->G[i];
+        dsv4_client_close(G->c);
+        dsv4_client_close(G->aux);
+        dsv4_reply_free(G->reply);
+        dsv4_buf_free(&G->content);
+        dsv4_buf_free(&G->reasoning);
+        json_decref(G->calls);
+        json_decref(G->logprobs);
+        dsv4_client_result_clear(&G->res);
+    }
+    free(A);
+}
+
+/* The request's choices from G0 (its shared fields set): each with its own seed, reply parser and
+ * buffers. NULL with the error answered. */
+static struct choices *choices_new(const struct gen *G0, bool tools, bool logprobs)
+{
+    struct choices *A = calloc(1, sizeof(*A));
+    if (!A) {
+        oai_respond_error(G0->j, 500, "server_error", NULL, NULL, "out of memory");
+        return NULL;
+    }
+    A->n = G0->g->n;
+    for (int i = 0; i < A->n; i++) {
+        struct gen *G = &A->G[i];
+        *G = *G0;
+        G->all = A;
+        G->index = i;
+        G->p = G0->g->p;
+        if (G->p.has_seed)
+            G->p.seed += (uint64_t)i;
+        G->calls = json_array();
+        G->logprobs = !logprobs ? NULL : G->chat ? json_array() : new_completion_logprobs();
+        if (!G->calls || (logprobs && !G->logprobs) ||
+            (G->chat && dsv4_reply_new(G->thinking, tools, on_reply, G, &G->reply) < 0)) {
+            A->n = i + 1;
+            choices_free(A);
+            oai_respond_error(G0->j, 500, "server_error", NULL, NULL, "out of memory");
+            return NULL;
+        }
+    }
+    return A;
 }
 
 void oai_run_chat(struct dsv4_oai_job *j)
@@ -358,7 +493,7 @@ void oai_run_chat(struct dsv4_oai_job *j)
     json_t *tools = NULL;
     const char **ptrs = NULL;
     size_t *lens = NULL;
-    struct dsv4_client *c = NULL;
+    struct choices *A = NULL;
     bool lp = false;
     json_int_t top = 0;
     char err[512];
@@ -410,20 +545,13 @@ void oai_run_chat(struct dsv4_oai_job *j)
     G.thinking = ro.thinking;
     G.created = (json_int_t)time(NULL);
     random_id(G.id, sizeof(G.id), "chatcmpl-");
-    G.calls = json_array();
-    if (lp)
-        G.logprobs = json_array();
-    if (dsv4_reply_new(ro.thinking, tools != NULL, on_reply, &G, &G.reply) < 0 || !G.calls) {
-        oai_respond_error(j, 500, "server_error", NULL, NULL, "out of memory");
-        goto out;
-    }
-    connect_and_generate(&G, lp, &c);
+    if ((A = choices_new(&G, tools != NULL, lp)))
+        generate(A);
     goto out;
 bad_request:
     oai_respond_bad(j, &b);
 out:
-    dsv4_client_close(c);
-    gen_clear(&G);
+    choices_free(A);
     free(ptrs);
     free(lens);
     dsv4_parts_free(&parts);
@@ -436,7 +564,7 @@ void oai_run_completions(struct dsv4_oai_job *j)
     struct oai_gen_request g = {.logprobs = -1};
     struct gen G = {.j = j, .g = &g};
     struct oai_bad b = {0};
-    struct dsv4_client *c = NULL;
+    struct choices *A = NULL;
     int32_t *ids = NULL;
     json_int_t lp = -1;
     bool echo = false;
@@ -480,7 +608,7 @@ void oai_run_completions(struct dsv4_oai_job *j)
         json_array_foreach(prompt, i, v) {
             if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX) {
                 oai_bad(&b, "prompt", "prompt must be a string or an array of token ids (a batch of several prompts is "
-                    "not supported: n is 1)");
+                    "not supported; n asks for several choices)");
                 goto bad_request;
             }
             ids[i] = (int32_t)json_integer_value(v);
@@ -494,17 +622,13 @@ void oai_run_completions(struct dsv4_oai_job *j)
     g.p.logprobs = (int)lp;
     G.created = (json_int_t)time(NULL);
     random_id(G.id, sizeof(G.id), "cmpl-");
-    if (lp >= 0 && !g.stream && !(G.logprobs = new_completion_logprobs())) {
-        oai_respond_error(j, 500, "server_error", NULL, NULL, "out of memory");
-        goto out;
-    }
-    connect_and_generate(&G, lp >= 0, &c);
+    if ((A = choices_new(&G, false, lp >= 0 && !g.stream)))
+        generate(A);
     goto out;
 bad_request:
     oai_respond_bad(j, &b);
 out:
-    dsv4_client_close(c);
-    gen_clear(&G);
+    choices_free(A);
     free(ids);
     json_decref(g.root);
 }

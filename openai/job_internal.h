@@ -40,7 +40,7 @@ struct dsv4_oai_job {
     bool client_left;
     unsigned status;
     struct dsv4_buf out;
-    struct dsv4_client *cli;     /* while dsv4d works for this job: what cancel needs */
+    struct dsv4_client *cli[DSV4_OAI_MAX_CHOICES];  /* while dsv4d works for a choice: what cancel needs */
     struct dsv4_oai_job *prev, *next;
 };
 
@@ -83,6 +83,7 @@ int oai_opt_bool(const json_t *root, const char *key, bool *v, struct oai_bad *b
 struct oai_gen_request {
     json_t *root;
     bool stream, include_usage;
+    int n;                         /* choices, 1 .. DSV4_OAI_MAX_CHOICES: choice i samples with seed + i */
     int logprobs;                  /* -1 off; else top alternatives per token */
     struct dsv4_client_generate_params p;
     const char *stop[DSV4_CLIENT_MAX_STOP];

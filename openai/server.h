@@ -32,6 +32,7 @@
 #define DSV4_OAI_MAX_QUICK_JOBS 16u                 /* /health, /metrics, /v1/models in flight */
 #define DSV4_OAI_DEFAULT_DSV4D_TIMEOUT_MS 600000    /* longest wait for one answer frame of dsv4d */
 #define DSV4_OAI_MAX_MESSAGES 4096u                 /* chat messages (dsv4d's own limit on messages) */
+#define DSV4_OAI_MAX_CHOICES 16u                    /* n: choices a request asks for (a dsv4d request and a thread each) */
 #define DSV4_OAI_MAX_API_KEY 4096u
 
 struct dsv4_oai_config {

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: MIT
 """dsv4-openai end to end, with the official `openai` package as the client, on dsv4d serving
 models/default on the CPU backend: models, health, chat (whole and streamed, usage in the stream, stop
-strings, seeds, logprobs, thinking mode), completions (text and token ids), errors, the bearer key,
+strings, seeds, logprobs, thinking mode, n choices), completions (text and token ids, n), errors, the bearer key,
 metrics, raw SSE framing through `curl -N`, prompt token counts against DeepSeek's encoding fixtures,
 DSML tool calls (whole and streamed) from a scripted dsv4d, a client leaving mid-stream (the slot is
 freed), 16 concurrent streams against one at a time, and hostile HTTP (huge Content-Length, a chunked
@@ -129,19 +129,68 @@ try:
     chunks = list(front.client.completions.create(model="default", prompt=ids, max_tokens=4, temperature=0, stream=True))
     t.ok("".join(x.choices[0].text for x in chunks) == ref["text"], "completions: streamed", chunks)
 
+    # ---- n choices: choice i is the reply a request with seed + i gets; usage counts the prompt once
+    kw = dict(temperature=1.0, seed=4242, max_tokens=12)
+    r = chat(front, "Hello", n=3, logprobs=True, **kw)
+    singles = [chat(front, "Hello", temperature=1.0, seed=4242 + i, max_tokens=12, logprobs=True) for i in range(3)]
+    texts = [x.choices[0].message.content for x in singles]
+    t.ok([x.index for x in r.choices] == [0, 1, 2] and [x.message.content for x in r.choices] == texts
+         and [x.finish_reason for x in r.choices] == [x.choices[0].finish_reason for x in singles]
+         and len(set(texts)) > 1, "n=3: choice i is the reply of seed + i (the three differ)",
+         (r.choices, [x.choices[0] for x in singles]))
+    t.ok([[y.logprob for y in x.logprobs.content] for x in r.choices]
+         == [[y.logprob for y in x.choices[0].logprobs.content] for x in singles],
+         "n=3: each choice has its own logprobs", r.choices)
+    t.ok(r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+         and r.usage.completion_tokens == sum(x.usage.completion_tokens for x in singles)
+         and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens,
+         "n=3: usage counts the prompt once and every choice's completion tokens", (r.usage, [x.usage for x in singles]))
+    chunks = list(front.client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hello"}],
+                                                       n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    got, finishes, first = ["", "", ""], [[], [], []], [None, None, None]
+    for x in chunks[:-1]:
+        for ch in x.choices:
+            if first[ch.index] is None:
+                first[ch.index] = ch.delta.role
+            got[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finishes[ch.index].append(ch.finish_reason)
+    t.ok(got == texts and finishes == [[x.choices[0].finish_reason] for x in singles] and first == ["assistant"] * 3,
+         "n=3 streamed: each index's deltas make its reply, role first, one finish_reason each", (got, finishes, first))
+    t.ok(chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+         and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens and all(x.usage is None for x in chunks[:-1]),
+         "n=3 streamed: one usage chunk last, for every choice", [str(x) for x in chunks[-2:]])
+    p = "The capital of France is"
+    r = front.client.completions.create(model="default", prompt=p, max_tokens=6, temperature=1.0, seed=99, n=2)
+    singles = [front.client.completions.create(model="default", prompt=p, max_tokens=6, temperature=1.0, seed=99 + i)
+               for i in range(2)]
+    t.ok([x.index for x in r.choices] == [0, 1] and [x.text for x in r.choices] == [x.choices[0].text for x in singles],
+         "completions, n=2: choice i is the completion of seed + i", (r.choices, [x.choices[0] for x in singles]))
+
     # ---- errors
     try:
-        chat(front, "x", n=2)
-        t.ok(False, "n=2 is refused")
+        chat(front, "x", n=17)
+        t.ok(False, "n=17 is refused")
     except openai.BadRequestError as e:
-        t.ok(e.status_code == 400 and e.body["param"] == "n" and "n must be 1" in e.body["message"],
-             "n=2 is refused with 400 naming n", e.body)
+        t.ok(e.status_code == 400 and e.body["param"] == "n" and "[1, 16]" in e.body["message"],
+             "n above 16 is refused with 400 naming n and the range", e.body)
+    try:
+        front.client.completions.create(model="default", prompt="x", max_tokens=2, best_of=2)
+        t.ok(False, "best_of=2 is refused")
+    except openai.BadRequestError as e:
+        t.ok(e.status_code == 400 and e.body["param"] == "best_of", "best_of other than 1 is refused", e.body)
     try:
         chat(front, "word " * 3000)
         t.ok(False, "a prompt longer than the context is refused")
     except openai.BadRequestError as e:
         t.ok(e.body["code"] == "context_length_exceeded", "a prompt longer than the context: 400 context_length_exceeded",
              e.body)
+    try:
+        chat(front, "word " * 3000, n=4)
+        t.ok(False, "a prompt longer than the context is refused for 4 choices")
+    except openai.BadRequestError as e:
+        t.ok(e.body["code"] == "context_length_exceeded", "4 choices of a prompt longer than the context: one 400 "
+             "context_length_exceeded", e.body)
 
     # ---- prompt tokens of V4 renderings (tools, tool results, thinking) = the model tokenizer on DeepSeek's string
     from tokenizers import Tokenizer

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: MIT
-"""dsv4-openai under stress: a client that leaves mid-stream (or mid-wait) frees its dsv4d slot;
+"""dsv4-openai under stress: a client that leaves mid-stream (or mid-wait) frees its dsv4d slot (every slot
+of a request of several choices);
 hostile HTTP (a huge Content-Length, a chunked body without end, bodies that are not JSON, wrong types
 in every field, 500 idle connections, a header sent one byte a second, an oversized header) leaves it
 serving; and DSML tool calls, whole and streamed, from a scripted dsv4d that also shows the prompt
@@ -41,24 +42,26 @@ def post(front, body, path="/v1/chat/completions"):
             "Content-Length: %d\r\n\r\n" % (path, KEY, len(data))).encode() + data
 
 
-def leave_mid_request(t, front, c, stream):
-    """Send a long generation, leave once dsv4d works on it, check the slot is freed early."""
+def leave_mid_request(t, front, c, stream, n=1):
+    """Send a long generation of n choices, leave once dsv4d works on them, check the slots are freed early."""
     st0 = wait_stats(c, lambda s: s["slots_busy"] == 0)
     s = socket.create_connection(("127.0.0.1", front.port), timeout=TIMEOUT)
-    s.sendall(post(front, {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3000, "stream": stream}))
+    s.sendall(post(front, {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3000, "stream": stream,
+                           "n": n}))
     if stream:
         got = b""
         while b"data: " not in got:
             got += s.recv(4096)
-    st1 = wait_stats(c, lambda x: x["slots_busy"] == 1)
+    st1 = wait_stats(c, lambda x: x["slots_busy"] == n)
     s.close()
     st2 = wait_stats(c, lambda x: x["slots_busy"] == 0)
-    what = "streamed" if stream else "whole"
-    t.ok(st1["slots_busy"] == 1 and st2["slots_busy"] == 0
-         and st2["requests_cancelled"] == st0["requests_cancelled"] + 1
-         and st2["generated_tokens_total"] - st0["generated_tokens_total"] < 3000,
-         "a client leaving a %s request cancels it in dsv4d: the slot is free, %d of 3000 tokens made" %
-         (what, st2["generated_tokens_total"] - st0["generated_tokens_total"]), (st0, st1, st2, front.log_text()))
+    what = ("streamed" if stream else "whole") + ("" if n == 1 else " %d-choice" % n)
+    t.ok(st1["slots_busy"] == n and st2["slots_busy"] == 0
+         and st2["requests_cancelled"] == st0["requests_cancelled"] + n
+         and st2["generated_tokens_total"] - st0["generated_tokens_total"] < 3000 * n,
+         "a client leaving a %s request cancels it in dsv4d: the slots are free, %d of %d tokens made" %
+         (what, st2["generated_tokens_total"] - st0["generated_tokens_total"], 3000 * n),
+         (st0, st1, st2, front.log_text()))
 
 
 def status_of(response):
@@ -144,8 +147,10 @@ try:
     # ---- leaving
     leave_mid_request(t, front, c, stream=True)
     leave_mid_request(t, front, c, stream=False)
+    leave_mid_request(t, front, c, stream=True, n=3)
     _, _, body = http(front, "GET", "/metrics")
-    t.ok("dsv4_openai_disconnects_total 2" in body.decode(), "metrics count the two clients that left", body)
+    t.ok("dsv4_openai_disconnects_total 3" in body.decode(), "metrics count the three clients that left (a request "
+         "of several choices once)", body)
 
     # ---- hostile HTTP
     r = raw(front, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
