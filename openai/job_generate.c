@@ -349,9 +349,17 @@ static void respond(struct choices *A)
     bool streaming = j->head_ready && j->stream;
     pthread_mutex_unlock(&j->lock);
     if (F) {
-        const char *msg = F->res.error_message ? F->res.error_message
-                          : F->rc < 0 && F->errc ? dsv4_client_error_message(F->errc)
-                          : F->rc == -ENOMEM || F->err == -ENOMEM ? "out of memory" : "generation failed";
+        char buf[256];
+        const char *msg = "generation failed";
+        if (F->res.error_message)
+            msg = F->res.error_message;
+        else if (F->rc < 0 && F->errc)
+            msg = dsv4_client_error_message(F->errc);
+        else if (F->rc < 0 || F->err < 0) {
+            snprintf(buf, sizeof(buf), "%s%s%s", F->what ? F->what : "", F->what ? ": " : "",
+                     strerror(F->rc < 0 ? -F->rc : -F->err));
+            msg = buf;
+        }
         if (!streaming && F->rc < 0 && F->errc) {
             oai_respond_client_error(j, F->errc, F->rc, F->what);
         } else if (!streaming) {
@@ -431,7 +439,8 @@ static void generate(struct choices *A)
         pthread_mutex_lock(&j->srv->lock);
         j->srv->disconnects++;
         pthread_mutex_unlock(&j->srv->lock);
-        dsv4_oai_log(LOG_INFO, "%s: the client left; dsv4d's request was cancelled", A->G[0].id);
+        dsv4_oai_log(LOG_INFO, "%s: the client left; dsv4d's request%s cancelled", A->G[0].id,
+                     A->n > 1 ? "s were" : " was");
     }
     respond(A);
 }
