@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* Chat and completions (openai/job_internal.h): the request rendered, generated through dsv4d, and
- * answered whole or streamed in OpenAI's chunks (content, reasoning, tool calls, logprobs, usage). */
+ * answered whole or streamed in OpenAI's chunks (content, reasoning, tool calls, logprobs, usage).
+ * A request of n choices is n dsv4d requests on n connections, run at the same time. */
 #include "build-config.h"
 
 #include <errno.h>
