@@ -193,6 +193,8 @@ static enum MHD_Result answer_job(struct dsv4_oai_server *s, struct MHD_Connecti
 
 /* ---- requests ----------------------------------------------------------------------------------- */
 
+#define MODEL_PREFIX "/v1/models/"
+
 static bool route_of(const char *method, const char *url, enum dsv4_oai_route *ret, bool *ret_post)
 {
     static const struct { const char *path; bool post; enum dsv4_oai_route route; } routes[] = {
@@ -208,6 +210,11 @@ static bool route_of(const char *method, const char *url, enum dsv4_oai_route *r
             *ret_post = routes[i].post;
             return true;
         }
+    if (strncmp(url, MODEL_PREFIX, strlen(MODEL_PREFIX)) == 0 && url[strlen(MODEL_PREFIX)]) {
+        *ret = DSV4_OAI_ROUTE_MODEL;     /* the rest of the path is the model's id, which may hold '/' */
+        *ret_post = false;
+        return true;
+    }
     (void)method;
     return false;
 }
@@ -242,7 +249,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (!route_of(method, url, &route, &post))
             return queue_error(s, conn, MHD_HTTP_NOT_FOUND, "invalid_request_error", "not_found",
                                "no such endpoint; this server has POST /v1/chat/completions, POST /v1/completions, "
-                               "GET /v1/models, GET /health and GET /metrics");
+                               "GET /v1/models, GET /v1/models/{model}, GET /health and GET /metrics");
         if (strcmp(method, post ? "POST" : "GET") != 0)
             return queue_error(s, conn, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed",
                                post ? "this endpoint takes POST" : "this endpoint takes GET");
@@ -266,6 +273,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (!rq)
             return MHD_NO;
         rq->route = route;
+        if (route == DSV4_OAI_ROUTE_MODEL && dsv4_buf_puts(&rq->body, url + strlen(MODEL_PREFIX)) < 0) {
+            free(rq);
+            return MHD_NO;
+        }
         const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
         rq->cs = ci ? ci->socket_context : NULL;
         pthread_mutex_lock(&s->lock);

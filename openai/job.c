@@ -118,6 +118,7 @@ static void *job_main(void *arg)
     case DSV4_OAI_ROUTE_CHAT: oai_run_chat(j); break;
     case DSV4_OAI_ROUTE_COMPLETIONS: oai_run_completions(j); break;
     case DSV4_OAI_ROUTE_MODELS: oai_run_models(j); break;
+    case DSV4_OAI_ROUTE_MODEL: oai_run_model(j); break;
     case DSV4_OAI_ROUTE_HEALTH: oai_run_health(j); break;
     case DSV4_OAI_ROUTE_METRICS: oai_run_metrics(j); break;
     case DSV4_OAI_N_ROUTES: break;

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* Models, health and metrics (openai/job_internal.h): what dsv4d says of itself, in OpenAI's and
+/* Models (the list, one by id), health and metrics (openai/job_internal.h): what dsv4d says of itself, in OpenAI's and
  * Prometheus's forms. */
 #include "build-config.h"
 
@@ -8,11 +8,23 @@
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
 #include "openai/job_internal.h"
 #include "openai/log.h"
 
-void oai_run_models(struct dsv4_oai_job *j)
+#define MODEL_ID_ECHO 128       /* bytes of an unknown model id a 404 repeats */
+
+/* The model object of the one model dsv4d serves. */
+static json_t *model_object(const char *name, const struct dsv4_client_info *info)
+{
+    return json_pack("{s:s,s:s,s:I,s:s,s:I}", "id", name, "object", "model", "created", (json_int_t)time(NULL),
+                     "owned_by", "dsv4d", "max_model_len", (json_int_t)info->max_context);
+}
+
+/* GET /v1/models (list), or GET /v1/models/{model} (one: j->body holds {model}) */
+static void run_models(struct dsv4_oai_job *j, bool one)
 {
     struct dsv4_client *c;
     const struct dsv4_client_info *info;
@@ -24,11 +36,33 @@ void oai_run_models(struct dsv4_oai_job *j)
         oai_respond_client_error(j, c, rc, "hello");
     } else {
         oai_model_name(j, c, name, sizeof(name));
-        oai_respond_json(j, 200, json_pack("{s:s,s:[{s:s,s:s,s:I,s:s,s:I}]}", "object", "list", "data", "id", name, "object",
-                                       "model", "created", (json_int_t)time(NULL), "owned_by", "dsv4d", "max_model_len",
-                                       (json_int_t)info->max_context));
+        if (!one) {
+            oai_respond_json(j, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", model_object(name, info)));
+        } else if (j->body_len == strlen(name) && memcmp(j->body, name, j->body_len) == 0) {
+            oai_respond_json(j, 200, model_object(name, info));
+        } else {
+            /* the asked id in the message, its bytes outside printable ASCII as '?' (JSON wants UTF-8) */
+            char asked[MODEL_ID_ECHO + 1];
+            size_t n = j->body_len < MODEL_ID_ECHO ? j->body_len : MODEL_ID_ECHO;
+            for (size_t i = 0; i < n; i++)
+                asked[i] = (unsigned char)j->body[i] >= 0x20 && (unsigned char)j->body[i] < 0x7f ? j->body[i] : '?';
+            asked[n] = 0;
+            oai_respond(j, 404, dsv4_oai_error_json("invalid_request_error", "model", "model_not_found",
+                                                    "the model '%s%s' does not exist; this server serves '%s'", asked,
+                                                    j->body_len > n ? "..." : "", name));
+        }
     }
     dsv4_client_close(c);
+}
+
+void oai_run_models(struct dsv4_oai_job *j)
+{
+    run_models(j, false);
+}
+
+void oai_run_model(struct dsv4_oai_job *j)
+{
+    run_models(j, true);
 }
 
 void oai_run_health(struct dsv4_oai_job *j)
@@ -126,7 +160,8 @@ void oai_run_metrics(struct dsv4_oai_job *j)
         dsv4_buf_printf(&b, "dsv4d_decode_batch_size_bucket{le=\"+Inf\"} %" PRIu64 "\n"
                         "dsv4d_decode_batch_size_count %" PRIu64 "\n", st.decode_steps, st.decode_steps);
     }
-    static const char *const route_names[] = {"chat_completions", "completions", "models", "health", "metrics"};
+    static const char *const route_names[] = {"chat_completions", "completions", "models", "models_retrieve", "health",
+                                              "metrics"};
     pthread_mutex_lock(&s->lock);
     dsv4_buf_printf(&b, "# HELP dsv4_openai_requests_total HTTP requests by endpoint\n"
                     "# TYPE dsv4_openai_requests_total counter\n");

@@ -102,6 +102,7 @@ int oai_parse_tools(const json_t *root, json_t **ret_tools, struct oai_bad *b);
 void oai_run_chat(struct dsv4_oai_job *j);
 void oai_run_completions(struct dsv4_oai_job *j);
 void oai_run_models(struct dsv4_oai_job *j);
+void oai_run_model(struct dsv4_oai_job *j);
 void oai_run_health(struct dsv4_oai_job *j);
 void oai_run_metrics(struct dsv4_oai_job *j);
 

@@ -56,6 +56,7 @@ enum dsv4_oai_route {
     DSV4_OAI_ROUTE_CHAT,
     DSV4_OAI_ROUTE_COMPLETIONS,
     DSV4_OAI_ROUTE_MODELS,
+    DSV4_OAI_ROUTE_MODEL,       /* GET /v1/models/{model}: the job's body holds {model} */
     DSV4_OAI_ROUTE_HEALTH,
     DSV4_OAI_ROUTE_METRICS,
     DSV4_OAI_N_ROUTES,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: MIT
 """dsv4-openai end to end, with the official `openai` package as the client, on dsv4d serving
-models/default on the CPU backend: models, health, chat (whole and streamed, usage in the stream, stop
+models/default on the CPU backend: models (the list and one by id), health, chat (whole and streamed, usage in the stream, stop
 strings, seeds, logprobs, thinking mode, n choices), completions (text and token ids, n), errors, the bearer key,
 metrics, raw SSE framing through `curl -N`, prompt token counts against DeepSeek's encoding fixtures,
 DSML tool calls (whole and streamed) from a scripted dsv4d, a client leaving mid-stream (the slot is
@@ -37,6 +37,22 @@ try:
     # ---- models, health, auth, metrics
     models = front.client.models.list()
     t.ok([m.id for m in models.data] == ["default"], "GET /v1/models lists the model dsv4d serves", models)
+    m = front.client.models.retrieve("default")
+    t.ok(m.id == "default" and m.object == "model" and m.owned_by == "dsv4d",
+         "GET /v1/models/default: the model object", m)
+    for other in ["gpt-4o", "deepseek-ai/DeepSeek-V4-Flash"]:
+        try:
+            front.client.models.retrieve(other)
+            t.ok(False, "GET /v1/models/%s is refused" % other)
+        except openai.NotFoundError as e:
+            t.ok(e.status_code == 404 and e.body["code"] == "model_not_found" and other in e.body["message"]
+                 and "'default'" in e.body["message"],
+                 "GET /v1/models/%s: 404 model_not_found naming the model served" % other, e.body)
+    status, _, body = http(front, "GET", "/v1/models/%FF%C3%A9x")
+    t.ok(status == 404 and "'???x'" in json.loads(body)["error"]["message"],
+         "an id that is not UTF-8 is repeated with its odd bytes as '?'", body)
+    status, _, _ = http(front, "POST", "/v1/models/default")
+    t.ok(status == 405, "POST /v1/models/default: 405", status)
     status, _, body = http(front, "GET", "/health", key=None)
     t.ok(status == 200 and json.loads(body)["status"] == "ready", "GET /health needs no key and says ready", body)
     bad_client = openai.OpenAI(base_url=front.base + "/v1", api_key="sk-wrong", max_retries=0)
