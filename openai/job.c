@@ -11,9 +11,6 @@
 
 #include "openai/job_internal.h"
 
-/* Worker thread stack: JSON parsing recurses at most jansson's depth limit. */
-#define WORKER_STACK (2u << 20)
-
 void dsv4_oai_job_ref(struct dsv4_oai_job *j)
 {
     pthread_mutex_lock(&j->lock);
@@ -185,7 +182,7 @@ int dsv4_oai_job_start(struct dsv4_oai_job *j, void *conn, int client_fd)
     pthread_mutex_unlock(&s->lock);
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&attr, WORKER_STACK);
+    pthread_attr_setstacksize(&attr, DSV4_OAI_WORKER_STACK);
     int rc = pthread_create(&t, &attr, job_main, j);
     pthread_attr_destroy(&attr);
     if (rc == 0)

@@ -421,13 +421,17 @@ static void generate(struct choices *A)
     struct dsv4_oai_job *j = A->G[0].j;
     pthread_t t[DSV4_OAI_MAX_CHOICES];
     bool started[DSV4_OAI_MAX_CHOICES] = {false};
+    pthread_attr_t attr;
 
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, DSV4_OAI_WORKER_STACK);
     for (int i = 1; i < A->n; i++) {
-        int rc = pthread_create(&t[i], NULL, choice_main, &A->G[i]);
+        int rc = pthread_create(&t[i], &attr, choice_main, &A->G[i]);
         started[i] = rc == 0;
         if (rc)
             choice_failed(&A->G[i], -rc, "starting a thread for a choice", NULL);
     }
+    pthread_attr_destroy(&attr);
     run_choice(&A->G[0]);
     for (int i = 1; i < A->n; i++)
         if (started[i])

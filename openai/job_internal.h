@@ -19,6 +19,9 @@
 #include "openai/render.h"
 #include "openai/server.h"
 
+/* A job's thread, and each further choice's: JSON parsing recurses at most jansson's depth limit. */
+#define DSV4_OAI_WORKER_STACK (2u << 20)
+
 /* How long a health, metrics or models request waits for dsv4d. */
 #define QUICK_TIMEOUT_MS 5000
 
