@@ -44,20 +44,31 @@ void oai_respond_client_error(struct dsv4_oai_job *j, struct dsv4_client *c, int
     oai_respond_error(j, 503, "server_error", NULL, "dsv4d_unavailable", msg);
 }
 
-int oai_connect_dsv4d(struct dsv4_oai_job *j, int timeout_ms, struct dsv4_client **ret)
+int oai_dsv4d_open(const struct dsv4_oai_config *cfg, int timeout_ms, struct dsv4_client **ret)
 {
     struct dsv4_client *c = dsv4_client_new();
-    if (!c) {
-        oai_respond_error(j, 500, "server_error", NULL, NULL, "out of memory");
+    *ret = c;
+    if (!c)
         return -ENOMEM;
-    }
-    int rc = dsv4_client_connect(c, j->srv->cfg->socket, timeout_ms);
+    int rc = dsv4_client_connect(c, cfg->socket, timeout_ms);
+    if (rc < 0)
+        return rc;
+    dsv4_client_set_timeout(c, timeout_ms);
+    return 0;
+}
+
+int oai_connect_dsv4d(struct dsv4_oai_job *j, int timeout_ms, struct dsv4_client **ret)
+{
+    struct dsv4_client *c;
+    int rc = oai_dsv4d_open(j->srv->cfg, timeout_ms, &c);
     if (rc < 0) {
-        oai_respond_client_error(j, c, rc, "connecting");
+        if (c)
+            oai_respond_client_error(j, c, rc, "connecting");
+        else
+            oai_respond_error(j, 500, "server_error", NULL, NULL, "out of memory");
         dsv4_client_close(c);
         return rc;
     }
-    dsv4_client_set_timeout(c, timeout_ms);
     *ret = c;
     return 0;
 }

@@ -281,18 +281,10 @@ static void choice_failed(struct gen *G, int rc, const char *what, struct dsv4_c
 /* A connection to dsv4d for choice G into *ret; false (the failure recorded) when there is none. */
 static bool choice_connect(struct gen *G, struct dsv4_client **ret)
 {
-    const struct dsv4_oai_config *cfg = G->j->srv->cfg;
-    if (!(*ret = dsv4_client_new())) {
-        choice_failed(G, -ENOMEM, "connecting", NULL);
-        return false;
-    }
-    int rc = dsv4_client_connect(*ret, cfg->socket, cfg->dsv4d_timeout_ms);
-    if (rc < 0) {
+    const int rc = oai_dsv4d_open(G->j->srv->cfg, G->j->srv->cfg->dsv4d_timeout_ms, ret);
+    if (rc < 0)
         choice_failed(G, rc, "connecting", *ret);
-        return false;
-    }
-    dsv4_client_set_timeout(*ret, cfg->dsv4d_timeout_ms);
-    return true;
+    return rc == 0;
 }
 
 /* Run one choice: connect (and a second time for the text of logprob alternatives), generate, and

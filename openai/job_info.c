@@ -3,7 +3,6 @@
  * Prometheus's forms. */
 #include "build-config.h"
 
-#include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -67,13 +66,11 @@ void oai_run_model(struct dsv4_oai_job *j)
 
 void oai_run_health(struct dsv4_oai_job *j)
 {
-    struct dsv4_client *c = dsv4_client_new();
+    struct dsv4_client *c;
     struct dsv4_client_health h;
-    int rc = c ? dsv4_client_connect(c, j->srv->cfg->socket, QUICK_TIMEOUT_MS) : -ENOMEM;
-    if (rc == 0) {
-        dsv4_client_set_timeout(c, QUICK_TIMEOUT_MS);
+    int rc = oai_dsv4d_open(j->srv->cfg, QUICK_TIMEOUT_MS, &c);
+    if (rc == 0)
         rc = dsv4_client_health(c, &h);
-    }
     if (rc < 0)
         oai_respond_json(j, 503, json_pack("{s:s,s:s}", "status", "unavailable", "reason",
                                        c ? dsv4_client_error_message(c) : "out of memory"));
@@ -92,15 +89,13 @@ static void metric(struct dsv4_buf *b, const char *name, const char *type, const
 void oai_run_metrics(struct dsv4_oai_job *j)
 {
     struct dsv4_oai_server *s = j->srv;
-    struct dsv4_client *c = dsv4_client_new();
+    struct dsv4_client *c;
     struct dsv4_client_stats st;
     struct dsv4_client_health h;
     struct dsv4_buf b = {0};
-    int rc = c ? dsv4_client_connect(c, s->cfg->socket, QUICK_TIMEOUT_MS) : -ENOMEM;
-    if (rc == 0) {
-        dsv4_client_set_timeout(c, QUICK_TIMEOUT_MS);
+    int rc = oai_dsv4d_open(s->cfg, QUICK_TIMEOUT_MS, &c);
+    if (rc == 0)
         rc = dsv4_client_stats(c, &st);
-    }
     if (rc == 0)
         rc = dsv4_client_health(c, &h);
     metric(&b, "dsv4d_up", "gauge", "1 when dsv4d answered this scrape", rc == 0);

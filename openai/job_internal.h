@@ -62,7 +62,10 @@ void oai_stream_json(struct dsv4_oai_job *j, json_t *o);
 /* job_dsv4d.c */
 /* Answer the error rc of a libdsv4client call doing `what` (a dsv4d code maps to its HTTP status). */
 void oai_respond_client_error(struct dsv4_oai_job *j, struct dsv4_client *c, int rc, const char *what);
-/* A connection to dsv4d, or an answered error and -errno. */
+/* A connection to dsv4d, its answers waited for up to timeout_ms, into *ret: 0, or -errno with *ret
+ * the client whose message says why (NULL when there was no memory for one; the caller closes it). */
+int oai_dsv4d_open(const struct dsv4_oai_config *cfg, int timeout_ms, struct dsv4_client **ret);
+/* The same, or an answered error and -errno. */
 int oai_connect_dsv4d(struct dsv4_oai_job *j, int timeout_ms, struct dsv4_client **ret);
 /* The model name requests and responses carry: configured, or dsv4d's (asked once). */
 void oai_model_name(struct dsv4_oai_job *j, struct dsv4_client *c, char *out, size_t n);
