@@ -452,26 +452,32 @@ static __device__ __forceinline__ void att_decode_tile(const struct dsv4_cuda_at
 }
 
 /* Phase 2: s_s [16 mts, ntp] = scale * Q K^T. Warp w: heads [16 mt, +16) (mt = (w % 4) % mts), the
- * key pairs (two n8 tiles) below ntp of its group (w % 4) / mts, over half kh = w / 4 of head_dim's
- * k-steps (at 64 heads a block one group takes every pair; at 16, four share them): a split's run is
- * mostly a few dozen keys, so halving the keys would idle half the warps, while halving head_dim
- * halves every warp's query loads and splits (measured ~10% faster at V4-Flash shapes). Half kh = 0 is stored first and
- * half kh = 1 added to it after a barrier: a fixed order. Query fragments come from global memory
- * ATT_MMA_QPF k-steps ahead, split into ATT_MMA_QTERMS bf16 terms, or with QS by ldmatrix from those
- * terms staged once in q_s [QTERMS, q_heads, kstr] by att_stage_q, the same values (so one split of
- * each value a block, where the warps of a half would each split what they share, every tile);
- * each k-step's MMAs accumulate from zero and are added to the score with a rounded f32 add. Every
- * thread must call it. */
-template <bool QS>
+ * key pairs (two n8 tiles) of its group (w % 4) / mts, over half kh = w / 4 of head_dim's k-steps:
+ * a split's run is mostly a few dozen keys, so halving the keys would idle half the warps, while
+ * halving head_dim halves every warp's query loads and splits (measured ~10% faster at V4-Flash
+ * shapes). G = ATT_MMA_MT / mts groups share the tile's ATT_MMA_PAIRS pairs, group pg taking pairs
+ * pg, pg + G, ... (at 64 heads a block one group takes every pair; at 16, four take one each); a
+ * pair's arithmetic is the same whichever warp does it. G is a template argument so that a warp's
+ * pairs are a fixed, unrolled set: their fragment loads and MMA chains interleave, where a runtime
+ * test per pair (pr % G, pr < pairs) made each pair a branch of its own and serialized the chains
+ * (ncu: 46% of a whole-row block's samples in this phase, mostly dependency waits). A warp computes
+ * all its pairs whatever the tile's length (key rows past ntp hold an earlier tile's keys or
+ * nothing, and their scores are never stored). Half kh = 0 is stored first and half kh = 1 added to
+ * it after a barrier: a fixed order. Query fragments come from global memory ATT_MMA_QPF k-steps
+ * ahead, split into ATT_MMA_QTERMS bf16 terms, or with QS by ldmatrix from those terms staged once
+ * in q_s [QTERMS, q_heads, kstr] by att_stage_q, the same values (so one split of each value a
+ * block, where the warps of a half would each split what they share, every tile); each k-step's
+ * MMAs accumulate from zero, in term order, and are added to the score with a rounded f32 add.
+ * Every thread must call it. */
+template <bool QS, int G>
 static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_args &a, int b, int h0, int mts,
                                                   int ntp, const __nv_bfloat16 *k_s, int kstr,
                                                   const __nv_bfloat16 *q_s, int q_heads, float *s_s)
 {
+    constexpr int NP = ATT_MMA_PAIRS / G;      /* pairs a warp */
+    static_assert(ATT_MMA_PAIRS % G == 0, "groups share the pairs evenly");
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP;
-    /* with fewer m16 tiles than ATT_MMA_MT (16 or 32 heads a block) the warps a half has to spare
-     * share the key pairs: G groups, group pg taking pairs pg, pg + G, ... (a pair's arithmetic is
-     * the same whichever warp does it) */
-    const int wq = warp % ATT_MMA_MT, kh = warp / ATT_MMA_MT, G = ATT_MMA_MT / mts;
+    const int wq = warp % ATT_MMA_MT, kh = warp / ATT_MMA_MT;
     const int g = lane / 4, t = lane % 4, mt = wq % mts, pg = wq / mts;
     const int hd = a.hd, nks = hd / 16, half = (nks + 1) / 2;
     const int k_lo = 16 * kh * half, k_hi = 16 * min(nks, (kh + 1) * half), pairs = ntp / 16;
@@ -482,16 +488,18 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
     const float *qa = a.q + ((int64_t)b * a.H + (va ? ha : 0)) * hd + 2 * t;
     const float *qb = a.q + ((int64_t)b * a.H + (vb ? hb : 0)) * hd + 2 * t;
     /* B fragments by ldmatrix: matrices (keys +0..7, dims +0..7), (+0..7, +8..15), (+8..15, +0..7),
-     * (+8..15, +8..15) of a pair; lane l addresses row l % 8 of matrix l / 8 */
-    const __nv_bfloat16 *kl = k_s + ((lane & 7) + ((lane >> 4) << 3)) * kstr + ((lane >> 3) & 1) * 8;
+     * (+8..15, +8..15) of a pair; lane l addresses row l % 8 of matrix l / 8; this warp's first pair */
+    const __nv_bfloat16 *kl = k_s + (16 * (act ? pg : 0) + (lane & 7) + ((lane >> 4) << 3)) * kstr + ((lane >> 3) & 1) * 8;
     /* QS: A fragments by ldmatrix from the staged terms: matrices (heads +0..7, dims +0..7), (+8..15,
      * +0..7), (+0..7, +8..15), (+8..15, +8..15), the register path's t0, t1, t2, t3 */
     const __nv_bfloat16 *ql = q_s + (16 * mt + (lane & 15)) * kstr + (lane >> 4) * 8;
     const float2 zero = make_float2(0.0f, 0.0f);
-    float acc[2 * ATT_MMA_PAIRS][4];
+    float acc[NP][2][4];
 #pragma unroll
-    for (int i = 0; i < 2 * ATT_MMA_PAIRS; i++)
-        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int i = 0; i < NP; i++)
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+            acc[i][0][c] = acc[i][1][c] = 0.0f;
 
     for (int k0 = act ? k_lo : k_hi; k0 < k_hi; k0 += 16 * ATT_MMA_QPF) {
         float2 xq[ATT_MMA_QPF][4];      /* without QS: the query values of the next k-steps */
@@ -511,11 +519,15 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
             const int k = k0 + 16 * u;
             if (k >= k_hi)
                 break;
+            uint32_t kf[NP][4];
+#pragma unroll
+            for (int i = 0; i < NP; i++)
+                att_ldsm_x4(kf[i], kl + i * G * 16 * kstr + k);
             uint32_t qf[ATT_MMA_QTERMS][4];
             if constexpr (QS) {
 #pragma unroll
-                for (int i = 0; i < ATT_MMA_QTERMS; i++)
-                    att_ldsm_x4(qf[i], ql + i * q_heads * kstr + k);
+                for (int x = 0; x < ATT_MMA_QTERMS; x++)
+                    att_ldsm_x4(qf[x], ql + x * q_heads * kstr + k);
             } else {
                 uint32_t t0[ATT_MMA_QTERMS], t1[ATT_MMA_QTERMS], t2[ATT_MMA_QTERMS], t3[ATT_MMA_QTERMS];
                 att_split<ATT_MMA_QTERMS>(xq[u][0].x, xq[u][0].y, t0);
@@ -523,48 +535,50 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
                 att_split<ATT_MMA_QTERMS>(xq[u][2].x, xq[u][2].y, t2);
                 att_split<ATT_MMA_QTERMS>(xq[u][3].x, xq[u][3].y, t3);
 #pragma unroll
-                for (int i = 0; i < ATT_MMA_QTERMS; i++) {
-                    qf[i][0] = t0[i];
-                    qf[i][1] = t1[i];
-                    qf[i][2] = t2[i];
-                    qf[i][3] = t3[i];
+                for (int x = 0; x < ATT_MMA_QTERMS; x++) {
+                    qf[x][0] = t0[x];
+                    qf[x][1] = t1[x];
+                    qf[x][2] = t2[x];
+                    qf[x][3] = t3[x];
                 }
             }
+            float part[NP][2][4] = {};
 #pragma unroll
-            for (int pr = 0; pr < ATT_MMA_PAIRS; pr++) {
-                if (pr < pairs && pr % G == pg) {
-                    uint32_t kf[4];
-                    float part[2][4] = {};
-                    att_ldsm_x4(kf, kl + pr * 16 * kstr + k);
+            for (int x = 0; x < ATT_MMA_QTERMS; x++)
 #pragma unroll
-                    for (int i = 0; i < ATT_MMA_QTERMS; i++) {
-                        dsv4_mma_bf16(part[0], qf[i], kf[0], kf[1]);
-                        dsv4_mma_bf16(part[1], qf[i], kf[2], kf[3]);
-                    }
-#pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        acc[2 * pr][c] += part[0][c];
-                        acc[2 * pr + 1][c] += part[1][c];
-                    }
+                for (int i = 0; i < NP; i++) {
+                    dsv4_mma_bf16(part[i][0], qf[x], kf[i][0], kf[i][1]);
+                    dsv4_mma_bf16(part[i][1], qf[x], kf[i][2], kf[i][3]);
                 }
-            }
+#pragma unroll
+            for (int i = 0; i < NP; i++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    acc[i][0][c] += part[i][0][c];
+                    acc[i][1][c] += part[i][1][c];
+                }
         }
     }
     /* C fragment: rows g, g + 8, keys 2t, 2t+1 of each n8 tile; half 0 stores, half 1 adds and scales */
     for (int h = 0; h < 2; h++) {
         if (act && kh == h) {
 #pragma unroll
-            for (int n = 0; n < 2 * ATT_MMA_PAIRS; n++) {
-                if (n / 2 < pairs && (n / 2) % G == pg) {
-                    float2 *s0 = reinterpret_cast<float2 *>(s_s + (16 * mt + g) * ATT_MMA_SSTR + 8 * n + 2 * t);
+            for (int i = 0; i < NP; i++) {
+                const int pr = pg + G * i;
+                if (pr >= pairs)
+                    continue;
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    float2 *s0 = reinterpret_cast<float2 *>(s_s + (16 * mt + g) * ATT_MMA_SSTR + 8 * (2 * pr + j) + 2 * t);
                     float2 *s1 = reinterpret_cast<float2 *>(reinterpret_cast<float *>(s0) + 8 * ATT_MMA_SSTR);
+                    const float *c = acc[i][j];
                     if (h == 0) {
-                        *s0 = make_float2(acc[n][0], acc[n][1]);
-                        *s1 = make_float2(acc[n][2], acc[n][3]);
+                        *s0 = make_float2(c[0], c[1]);
+                        *s1 = make_float2(c[2], c[3]);
                     } else {
                         const float2 x0 = *s0, x1 = *s1;
-                        *s0 = make_float2((x0.x + acc[n][0]) * a.scale, (x0.y + acc[n][1]) * a.scale);
-                        *s1 = make_float2((x1.x + acc[n][2]) * a.scale, (x1.y + acc[n][3]) * a.scale);
+                        *s0 = make_float2((x0.x + c[0]) * a.scale, (x0.y + c[1]) * a.scale);
+                        *s1 = make_float2((x1.x + c[2]) * a.scale, (x1.y + c[3]) * a.scale);
                     }
                 }
             }
@@ -572,6 +586,29 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
         if (h == 0)
             __syncthreads();
     }
+}
+
+/* att_scores for the block's mts m16 tiles: G = ATT_MMA_MT / mts (1, 2 or 4; mts = 3 leaves one
+ * warp of each half idle), at least MIN_G (a block of MT m16 tiles never has more). */
+template <bool QS, int MIN_G>
+static __device__ __forceinline__ void att_scores_for(const struct dsv4_cuda_att_args &a, int b, int h0, int mts,
+                                                      int ntp, const __nv_bfloat16 *k_s, int kstr,
+                                                      const __nv_bfloat16 *q_s, int q_heads, float *s_s)
+{
+    const int G = ATT_MMA_MT / mts;
+    if constexpr (MIN_G <= 1) {
+        if (G == 1) {
+            att_scores<QS, 1>(a, b, h0, mts, ntp, k_s, kstr, q_s, q_heads, s_s);
+            return;
+        }
+    }
+    if constexpr (MIN_G <= 2) {
+        if (G == 2) {
+            att_scores<QS, 2>(a, b, h0, mts, ntp, k_s, kstr, q_s, q_heads, s_s);
+            return;
+        }
+    }
+    att_scores<QS, ATT_MMA_MT>(a, b, h0, mts, ntp, k_s, kstr, q_s, q_heads, s_s);
 }
 
 /* Phase 3: online softmax over the tile's nt keys, four threads a head (keys 2q + 8i, +1). Leaves
@@ -634,17 +671,20 @@ static __device__ __forceinline__ void att_softmax(int nt, int ntp, int mts, flo
 
 /* Phase 4: o = alpha o + P V for the warp's output dims 8 (w + 8 i), i < nown, every m16 tile.
  * Value fragments by ldmatrix.trans from the key tile (keys [keys, dims] row-major is the
- * column-major B the MMA wants for V); probability fragments by ldmatrix from P's terms. */
-template <int MT>
-static __device__ __forceinline__ void att_pv(float (&o)[MT][ATT_MMA_OWN][4], int hd, int ntp, int mts,
-                                              const __nv_bfloat16 *k_s, int kstr, const __nv_bfloat16 *p_s,
-                                              const float *al_s)
+ * column-major B the MMA wants for V); probability fragments by ldmatrix from P's terms. A k-step
+ * issues term 0's MMAs for all of an m16 tile's n8 tiles, then term 1's: each output's order is the
+ * same (term 0, then term 1), and consecutive MMAs do not wait on each other. FULL (every m16 tile
+ * live and nown = ATT_MMA_OWN, as at V4's shapes) drops the per-tile predicates, which also let
+ * ptxas route every accumulation through one temporary register and so chain them all. */
+template <int MT, bool FULL>
+static __device__ __forceinline__ void att_pv_tiles(float (&o)[MT][ATT_MMA_OWN][4], int nown, int ntp, int mts,
+                                                    const __nv_bfloat16 *k_s, int kstr, const __nv_bfloat16 *p_s,
+                                                    const float *al_s)
 {
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP, g = lane / 4;
-    const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
-        if (mt < mts) {
+        if (FULL || mt < mts) {
             const float aa = al_s[16 * mt + g], ab = al_s[16 * mt + g + 8];
 #pragma unroll
             for (int i = 0; i < ATT_MMA_OWN; i++) {
@@ -665,8 +705,8 @@ static __device__ __forceinline__ void att_pv(float (&o)[MT][ATT_MMA_OWN][4], in
         uint32_t vf[ATT_MMA_OWN][2];
 #pragma unroll
         for (int i = 0; i < ATT_MMA_OWN; i += 2) {
-            if (i < nown) {
-                const int ti = second && i + 1 < nown ? i + 1 : i;
+            if (FULL || i < nown) {
+                const int ti = FULL || (second && i + 1 < nown) ? i + second : i;
                 uint32_t r[4];
                 att_ldsm_x4_trans(r, vl + k * kstr + 8 * ATT_MMA_WARPS * ti);
                 vf[i][0] = r[0];
@@ -677,20 +717,33 @@ static __device__ __forceinline__ void att_pv(float (&o)[MT][ATT_MMA_OWN][4], in
         }
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
-            if (mt < mts) {
+            if (FULL || mt < mts) {
                 uint32_t pf[ATT_MMA_PTERMS][4];
 #pragma unroll
                 for (int x = 0; x < ATT_MMA_PTERMS; x++)
                     att_ldsm_x4(pf[x], p_s + (x * ATT_MMA_HEADS + 16 * mt) * ATT_MMA_PSTR + prow + k);
 #pragma unroll
-                for (int i = 0; i < ATT_MMA_OWN; i++)
-                    if (i < nown)
+                for (int x = 0; x < ATT_MMA_PTERMS; x++)
 #pragma unroll
-                        for (int x = 0; x < ATT_MMA_PTERMS; x++)
+                    for (int i = 0; i < ATT_MMA_OWN; i++)
+                        if (FULL || i < nown)
                             dsv4_mma_bf16(o[mt][i], pf[x], vf[i][0], vf[i][1]);
             }
         }
     }
+}
+
+template <int MT>
+static __device__ __forceinline__ void att_pv(float (&o)[MT][ATT_MMA_OWN][4], int hd, int ntp, int mts,
+                                              const __nv_bfloat16 *k_s, int kstr, const __nv_bfloat16 *p_s,
+                                              const float *al_s)
+{
+    const int warp = threadIdx.x / DSV4_CUDA_WARP;
+    const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
+    if (nown == ATT_MMA_OWN && mts == MT)
+        att_pv_tiles<MT, true>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
+    else
+        att_pv_tiles<MT, false>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
 }
 
 /* The shared-memory carve of attention_mma_smem (and of att_qs_smem: q_s past it, q_heads heads). */
@@ -774,7 +827,7 @@ static __device__ __forceinline__ void att_mma_run(const struct dsv4_cuda_att_ar
         __syncthreads();                /* also: the last tile's P V is done with k_s and P */
         att_decode_tile(a, p.e_s, nt, ntp, p.k_s, kstr);
         __syncthreads();
-        att_scores<QS>(a, b, h0, mts, ntp, p.k_s, kstr, p.q_s, p.q_heads, p.s_s);
+        att_scores_for<QS, ATT_MMA_MT / MT>(a, b, h0, mts, ntp, p.k_s, kstr, p.q_s, p.q_heads, p.s_s);
         __syncthreads();
         att_softmax(nt, ntp, mts, p.s_s, p.p_s, p.m_s, p.l_s, p.al_s);
         att_pv(o, a.hd, ntp, mts, p.k_s, kstr, p.p_s, p.al_s);
