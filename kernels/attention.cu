@@ -427,6 +427,17 @@ static __device__ __forceinline__ uint4 att_decode8(const att_chunk &c, bool rop
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+/* (key, chunk) of the chunk ATT_MMA_THREADS further on, cpr chunks a key */
+static __device__ __forceinline__ void att_step_chunk(int &j, int &col, int dj, int dcol, int cpr)
+{
+    j += dj;
+    col += dcol;
+    if (col >= cpr) {
+        col -= cpr;
+        j++;
+    }
+}
+
 /* Phase 1: keys [ntp, hd] bf16 of the tile's nt entries; rows nt .. ntp-1 zero (P is 0 there, and
  * 0 x garbage could be NaN). Bound by load latency when a split has one tile: a thread loads
  * ATT_MMA_DEC_BATCH chunks (clamped to valid entries), then decodes and stores them. */
@@ -434,21 +445,80 @@ static __device__ __forceinline__ void att_decode_tile(const struct dsv4_cuda_at
                                                        int nt, int ntp, __nv_bfloat16 *k_s, int kstr)
 {
     const int cpr = a.hd / ATT_MMA_VEC, n = ntp * cpr, nope = a.hd - a.rd;
+    /* chunk c (this thread's: tid, tid + ATT_MMA_THREADS, ...) is chunk `col` of key j; both are
+     * stepped along (cpr <= ATT_MMA_THREADS), not divided out of c for every chunk */
+    const int dj = ATT_MMA_THREADS / cpr, dcol = ATT_MMA_THREADS % cpr;
+    int j = threadIdx.x / cpr, col = threadIdx.x % cpr;
     for (int c0 = threadIdx.x; c0 < n; c0 += ATT_MMA_DEC_BATCH * ATT_MMA_THREADS) {
         att_chunk ch[ATT_MMA_DEC_BATCH];
+        int js = j, cs = col;
 #pragma unroll
         for (int u = 0; u < ATT_MMA_DEC_BATCH; u++) {
-            const int c = c0 + u * ATT_MMA_THREADS, j = min(c / cpr, nt - 1);
-            ch[u] = att_load8(e_s[j], (c % cpr) * ATT_MMA_VEC, a.hd, a.rd);
+            ch[u] = att_load8(e_s[min(js, nt - 1)], cs * ATT_MMA_VEC, a.hd, a.rd);
+            att_step_chunk(js, cs, dj, dcol, cpr);
         }
 #pragma unroll
         for (int u = 0; u < ATT_MMA_DEC_BATCH; u++) {
-            const int c = c0 + u * ATT_MMA_THREADS, j = c / cpr, d = (c % cpr) * ATT_MMA_VEC;
-            if (c < n)
+            const int d = col * ATT_MMA_VEC;
+            if (c0 + u * ATT_MMA_THREADS < n)
                 *reinterpret_cast<uint4 *>(k_s + j * kstr + d) =
                     j < nt ? att_decode8(ch[u], d >= nope) : make_uint4(0u, 0u, 0u, 0u);
+            att_step_chunk(j, col, dj, dcol, cpr);
         }
     }
+}
+
+/* KU consecutive k-steps from k of att_scores' warp: its NP = ATT_MMA_PAIRS / G key pairs (the
+ * first at kl, the next G pairs on), each step's query terms from xq[u] or (QS) from q_s at ql. Each
+ * step's MMAs accumulate from zero in term order and are added to acc in step order; the MMAs are
+ * issued term by term across all steps and pairs, so that none waits on the one before it. */
+template <bool QS, int G, int KU>
+static __device__ __forceinline__ void att_score_steps(int k, const float2 (*xq)[4], const __nv_bfloat16 *kl,
+                                                       const __nv_bfloat16 *ql, int q_heads, int kstr,
+                                                       float (&acc)[ATT_MMA_PAIRS / G][2][4])
+{
+    constexpr int NP = ATT_MMA_PAIRS / G;
+    uint32_t kf[KU][NP][4], qf[KU][ATT_MMA_QTERMS][4];
+#pragma unroll
+    for (int u = 0; u < KU; u++) {
+#pragma unroll
+        for (int i = 0; i < NP; i++)
+            att_ldsm_x4(kf[u][i], kl + i * G * 16 * kstr + k + 16 * u);
+        if constexpr (QS) {
+#pragma unroll
+            for (int x = 0; x < ATT_MMA_QTERMS; x++)
+                att_ldsm_x4(qf[u][x], ql + x * q_heads * kstr + k + 16 * u);
+        } else {
+            uint32_t t[4][ATT_MMA_QTERMS];
+#pragma unroll
+            for (int f = 0; f < 4; f++)
+                att_split<ATT_MMA_QTERMS>(xq[u][f].x, xq[u][f].y, t[f]);
+#pragma unroll
+            for (int x = 0; x < ATT_MMA_QTERMS; x++)
+#pragma unroll
+                for (int f = 0; f < 4; f++)
+                    qf[u][x][f] = t[f][x];
+        }
+    }
+    float part[KU][NP][2][4] = {};
+#pragma unroll
+    for (int x = 0; x < ATT_MMA_QTERMS; x++)
+#pragma unroll
+        for (int u = 0; u < KU; u++)
+#pragma unroll
+            for (int i = 0; i < NP; i++) {
+                dsv4_mma_bf16(part[u][i][0], qf[u][x], kf[u][i][0], kf[u][i][1]);
+                dsv4_mma_bf16(part[u][i][1], qf[u][x], kf[u][i][2], kf[u][i][3]);
+            }
+#pragma unroll
+    for (int u = 0; u < KU; u++)
+#pragma unroll
+        for (int i = 0; i < NP; i++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                acc[i][0][c] += part[u][i][0][c];
+                acc[i][1][c] += part[u][i][1][c];
+            }
 }
 
 /* Phase 2: s_s [16 mts, ntp] = scale * Q K^T. Warp w: heads [16 mt, +16) (mt = (w % 4) % mts), the
@@ -475,7 +545,7 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
                                                   const __nv_bfloat16 *q_s, int q_heads, float *s_s)
 {
     constexpr int NP = ATT_MMA_PAIRS / G;      /* pairs a warp */
-    static_assert(ATT_MMA_PAIRS % G == 0, "groups share the pairs evenly");
+    constexpr int KU = NP >= ATT_MMA_PAIRS ? 1 : ATT_MMA_QPF;     /* k-steps whose MMAs interleave */
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP;
     const int wq = warp % ATT_MMA_MT, kh = warp / ATT_MMA_MT;
     const int g = lane / 4, t = lane % 4, mt = wq % mts, pg = wq / mts;
@@ -514,49 +584,15 @@ static __device__ __forceinline__ void att_scores(const struct dsv4_cuda_att_arg
                 xq[u][3] = in && vb ? __ldg(reinterpret_cast<const float2 *>(qb + k + 8)) : zero;
             }
         }
+        if (KU > 1 && k0 + 16 * ATT_MMA_QPF <= k_hi) {
+            att_score_steps<QS, G, KU>(k0, xq, kl, ql, q_heads, kstr, acc);
+        } else {
 #pragma unroll
-        for (int u = 0; u < ATT_MMA_QPF; u++) {
-            const int k = k0 + 16 * u;
-            if (k >= k_hi)
-                break;
-            uint32_t kf[NP][4];
-#pragma unroll
-            for (int i = 0; i < NP; i++)
-                att_ldsm_x4(kf[i], kl + i * G * 16 * kstr + k);
-            uint32_t qf[ATT_MMA_QTERMS][4];
-            if constexpr (QS) {
-#pragma unroll
-                for (int x = 0; x < ATT_MMA_QTERMS; x++)
-                    att_ldsm_x4(qf[x], ql + x * q_heads * kstr + k);
-            } else {
-                uint32_t t0[ATT_MMA_QTERMS], t1[ATT_MMA_QTERMS], t2[ATT_MMA_QTERMS], t3[ATT_MMA_QTERMS];
-                att_split<ATT_MMA_QTERMS>(xq[u][0].x, xq[u][0].y, t0);
-                att_split<ATT_MMA_QTERMS>(xq[u][1].x, xq[u][1].y, t1);
-                att_split<ATT_MMA_QTERMS>(xq[u][2].x, xq[u][2].y, t2);
-                att_split<ATT_MMA_QTERMS>(xq[u][3].x, xq[u][3].y, t3);
-#pragma unroll
-                for (int x = 0; x < ATT_MMA_QTERMS; x++) {
-                    qf[x][0] = t0[x];
-                    qf[x][1] = t1[x];
-                    qf[x][2] = t2[x];
-                    qf[x][3] = t3[x];
-                }
+            for (int u = 0; u < ATT_MMA_QPF; u++) {
+                if (k0 + 16 * u >= k_hi)
+                    break;
+                att_score_steps<QS, G, 1>(k0 + 16 * u, xq + u, kl, ql, q_heads, kstr, acc);
             }
-            float part[NP][2][4] = {};
-#pragma unroll
-            for (int x = 0; x < ATT_MMA_QTERMS; x++)
-#pragma unroll
-                for (int i = 0; i < NP; i++) {
-                    dsv4_mma_bf16(part[i][0], qf[x], kf[i][0], kf[i][1]);
-                    dsv4_mma_bf16(part[i][1], qf[x], kf[i][2], kf[i][3]);
-                }
-#pragma unroll
-            for (int i = 0; i < NP; i++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    acc[i][0][c] += part[i][0][c];
-                    acc[i][1][c] += part[i][1][c];
-                }
         }
     }
     /* C fragment: rows g, g + 8, keys 2t, 2t+1 of each n8 tile; half 0 stores, half 1 adds and scales */
@@ -673,17 +709,19 @@ static __device__ __forceinline__ void att_softmax(int nt, int ntp, int mts, flo
  * Value fragments by ldmatrix.trans from the key tile (keys [keys, dims] row-major is the
  * column-major B the MMA wants for V); probability fragments by ldmatrix from P's terms. A k-step
  * issues term 0's MMAs for all of an m16 tile's n8 tiles, then term 1's: each output's order is the
- * same (term 0, then term 1), and consecutive MMAs do not wait on each other. FULL (every m16 tile
- * live and nown = ATT_MMA_OWN, as at V4's shapes) drops the per-tile predicates, which also let
- * ptxas route every accumulation through one temporary register and so chain them all. */
-template <int MT, bool FULL>
+ * same (term 0, then term 1), and consecutive MMAs do not wait on each other. MTS > 0: the block's
+ * m16 tiles are known (mts = MTS) and nown = ATT_MMA_OWN (head_dim 512: V4's shapes), so no MMA is
+ * predicated; predicated ones (MTS = 0, other shapes) let ptxas route every accumulation through one
+ * temporary register, which chains them all. */
+template <int MT, int MTS>
 static __device__ __forceinline__ void att_pv_tiles(float (&o)[MT][ATT_MMA_OWN][4], int nown, int ntp, int mts,
                                                     const __nv_bfloat16 *k_s, int kstr, const __nv_bfloat16 *p_s,
                                                     const float *al_s)
 {
+    constexpr bool FULL = MTS > 0;
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP, g = lane / 4;
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
+    for (int mt = 0; mt < (FULL ? MTS : MT); mt++) {
         if (FULL || mt < mts) {
             const float aa = al_s[16 * mt + g], ab = al_s[16 * mt + g + 8];
 #pragma unroll
@@ -716,7 +754,7 @@ static __device__ __forceinline__ void att_pv_tiles(float (&o)[MT][ATT_MMA_OWN][
             }
         }
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
+        for (int mt = 0; mt < (FULL ? MTS : MT); mt++) {
             if (FULL || mt < mts) {
                 uint32_t pf[ATT_MMA_PTERMS][4];
 #pragma unroll
@@ -733,7 +771,7 @@ static __device__ __forceinline__ void att_pv_tiles(float (&o)[MT][ATT_MMA_OWN][
     }
 }
 
-template <int MT>
+template <int MT, bool QS>
 static __device__ __forceinline__ void att_pv(float (&o)[MT][ATT_MMA_OWN][4], int hd, int ntp, int mts,
                                               const __nv_bfloat16 *k_s, int kstr, const __nv_bfloat16 *p_s,
                                               const float *al_s)
@@ -741,9 +779,11 @@ static __device__ __forceinline__ void att_pv(float (&o)[MT][ATT_MMA_OWN][4], in
     const int warp = threadIdx.x / DSV4_CUDA_WARP;
     const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
     if (nown == ATT_MMA_OWN && mts == MT)
-        att_pv_tiles<MT, true>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
+        att_pv_tiles<MT, MT>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
+    else if (QS && nown == ATT_MMA_OWN && mts == 1)     /* the 16-head split blocks of small batches */
+        att_pv_tiles<MT, 1>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
     else
-        att_pv_tiles<MT, false>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
+        att_pv_tiles<MT, 0>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
 }
 
 /* The shared-memory carve of attention_mma_smem (and of att_qs_smem: q_s past it, q_heads heads). */
@@ -830,7 +870,7 @@ static __device__ __forceinline__ void att_mma_run(const struct dsv4_cuda_att_ar
         att_scores_for<QS, ATT_MMA_MT / MT>(a, b, h0, mts, ntp, p.k_s, kstr, p.q_s, p.q_heads, p.s_s);
         __syncthreads();
         att_softmax(nt, ntp, mts, p.s_s, p.p_s, p.m_s, p.l_s, p.al_s);
-        att_pv(o, a.hd, ntp, mts, p.k_s, kstr, p.p_s, p.al_s);
+        att_pv<MT, QS>(o, a.hd, ntp, mts, p.k_s, kstr, p.p_s, p.al_s);
     }
 }
 
