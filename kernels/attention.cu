@@ -1085,6 +1085,17 @@ size_t dsv4_cuda_attention_smem(int hd)
  * take the splits). */
 static int att_qs_heads, att_whole_mt;
 
+/* The whole-row kernel of mt m16 tiles (1, 2 or ATT_MMA_MT), for both its shared-memory attribute
+ * and its launch */
+typedef void (*att_whole_fn)(const struct dsv4_cuda_att_args, const float *, const float *, float *);
+static att_whole_fn att_whole_kernel(int mt)
+{
+    static_assert(ATT_MMA_MT == 4, "the whole-row kernels are instantiated for 1, 2 and 4 m16 tiles");
+    return mt == ATT_MMA_MT ? attention_mma_whole_kernel<ATT_MMA_MT>
+           : mt == 2        ? attention_mma_whole_kernel<2>
+                            : attention_mma_whole_kernel<1>;
+}
+
 int dsv4_cuda_attention_prepare(int hd)
 {
     int dev, optin;
@@ -1105,18 +1116,14 @@ int dsv4_cuda_attention_prepare(int hd)
     if (att_qs_heads)
         DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)att_qs_smem(hd, att_qs_heads)));
-    att_whole_mt = att_whole_smem(hd, ATT_MMA_MT) <= (size_t)optin ? ATT_MMA_MT
-                   : att_whole_smem(hd, 2) <= (size_t)optin ? 2 : att_whole_smem(hd, 1) <= (size_t)optin ? 1 : 0;
-    if (att_whole_mt >= 1)
-        DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)att_whole_smem(hd, 1)));
-    if (att_whole_mt >= 2)
-        DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)att_whole_smem(hd, 2)));
-    if (att_whole_mt >= ATT_MMA_MT)
-        DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_whole_kernel<ATT_MMA_MT>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)att_whole_smem(hd, ATT_MMA_MT)));
+    att_whole_mt = 0;
+    for (int mt : { ATT_MMA_MT, 2, 1 })
+        if (!att_whole_mt && att_whole_smem(hd, mt) <= (size_t)optin)
+            att_whole_mt = mt;
+    for (int mt : { 1, 2, ATT_MMA_MT })
+        if (mt <= att_whole_mt)
+            DSV4_CUDA_TRY(cudaFuncSetAttribute(att_whole_kernel(mt), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)att_whole_smem(hd, mt)));
     return 0;
 }
 
@@ -1221,12 +1228,7 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
         k.heads_per_block = 16 * mt;
         const dim3 grid(batch, 1, (a->H + k.heads_per_block - 1) / k.heads_per_block);
         const size_t smem = att_whole_smem(a->hd, mt);
-        if (mt == ATT_MMA_MT)
-            dsv4_launch(attention_mma_whole_kernel<ATT_MMA_MT>, grid, ATT_MMA_THREADS, smem, s, k, d_sink, d_inv_freq, d_o);
-        else if (mt == 2)
-            dsv4_launch(attention_mma_whole_kernel<2>, grid, ATT_MMA_THREADS, smem, s, k, d_sink, d_inv_freq, d_o);
-        else
-            dsv4_launch(attention_mma_whole_kernel<1>, grid, ATT_MMA_THREADS, smem, s, k, d_sink, d_inv_freq, d_o);
+        dsv4_launch(att_whole_kernel(mt), grid, ATT_MMA_THREADS, smem, s, k, d_sink, d_inv_freq, d_o);
         DSV4_CUDA_LAUNCHED("attention_mma_whole");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_WHOLE);
         return 0;
