@@ -290,7 +290,7 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
  * each warp splitting what it loads. A split's run of up to ATT_MMA_KEYS keys is
  * one tile and reads them once, as the f32 kernel did; that covers 1024 keys a row (CSA's 128 + 512,
  * HCA below ~115k tokens). Shared memory at hd 512: keys 66.5 KB + S/P 18 KB + 1.3 KB = 86.3 KB.
- * 231-246 registers a thread (no spills on sm_80/90a/100a/120a) allow one block per SM, so within a
+ * 253-255 registers a thread (no spills on sm_90a/100a/120a) allow one block per SM, so within a
  * block nothing overlaps (a run is one or two tiles); the other SMs' blocks carry the traffic.
  * Entries are read with plain loads: the decode needs them in registers anyway, and cp.async would
  * need a raw staging tile (37 KB) that does not fit beside the rest.
