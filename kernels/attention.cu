@@ -446,7 +446,7 @@ static __device__ __forceinline__ void att_decode_tile(const struct dsv4_cuda_at
 {
     const int cpr = a.hd / ATT_MMA_VEC, n = ntp * cpr, nope = a.hd - a.rd;
     /* chunk c (this thread's: tid, tid + ATT_MMA_THREADS, ...) is chunk `col` of key j; both are
-     * stepped along (cpr <= ATT_MMA_THREADS), not divided out of c for every chunk */
+     * stepped along (dcol < cpr, so one carry a step), not divided out of c for every chunk */
     const int dj = ATT_MMA_THREADS / cpr, dcol = ATT_MMA_THREADS % cpr;
     int j = threadIdx.x / cpr, col = threadIdx.x % cpr;
     for (int c0 = threadIdx.x; c0 < n; c0 += ATT_MMA_DEC_BATCH * ATT_MMA_THREADS) {
