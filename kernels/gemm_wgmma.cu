@@ -152,13 +152,14 @@ static __device__ __forceinline__ void wg_issue(const uint8_t *st, int r0, int r
         dsv4_wgmma_pin(blk[j]);
     }
     dsv4_wgmma_fence();
+    const uint64_t xdesc = dsv4_wgmma_desc_sw128(xs);
 #pragma unroll
     for (int s = 0; s < STEPS; s++) {
         /* fp8: steps 0-3 in the first 64-value half, 4-7 in the second; bf16: one half a plane */
-        const uint8_t *b = xs + (s >> 2) * wg_half(N) + (s & 3) * 32;
-        dsv4_wgmma<N, MODE == GEMM_BF16>(blk, af[s], dsv4_wgmma_desc_sw128(b));
+        const uint32_t b = (s >> 2) * wg_half(N) + (s & 3) * 32;
+        dsv4_wgmma<N, MODE == GEMM_BF16>(blk, af[s], dsv4_wgmma_desc_at(xdesc, b));
         if (MODE != GEMM_FP8)
-            dsv4_wgmma<N, MODE == GEMM_BF16>(blk, af[s], dsv4_wgmma_desc_sw128(b + wg_plane(MODE, N)));
+            dsv4_wgmma<N, MODE == GEMM_BF16>(blk, af[s], dsv4_wgmma_desc_at(xdesc, b + wg_plane(MODE, N)));
     }
     dsv4_wgmma_commit();
 }

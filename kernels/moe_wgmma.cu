@@ -126,6 +126,7 @@ static __device__ __forceinline__ void mw_pass(const moe_tc_args &a, const struc
             load(ls, kt + STAGES - 1);
         dsv4_cp_async_commit();
         const uint8_t *st = ring + rs * SB;
+        const uint64_t xdesc = dsv4_wgmma_desc_sw128(st);
         const uint4 w0 = dsv4_lds128(st + WOFF + r0 * MOE_TC_WROW + t * 16);
         const uint4 w1 = dsv4_lds128(st + WOFF + r1 * MOE_TC_WROW + t * 16);
         const uint32_t s0 = st[SOFF + r0 * 4 + t], s1 = st[SOFF + r1 * 4 + t];
@@ -156,7 +157,7 @@ static __device__ __forceinline__ void mw_pass(const moe_tc_args &a, const struc
 #pragma unroll
             for (int m = 0; m < 2; m++) {
                 const int step = 2 * i + m;
-                dsv4_wgmma<N, true>(acc, fa[m], dsv4_wgmma_desc_sw128(st + (step >> 2) * mw_half(N) + (step & 3) * 32));
+                dsv4_wgmma<N, true>(acc, fa[m], dsv4_wgmma_desc_at(xdesc, (step >> 2) * mw_half(N) + (step & 3) * 32));
             }
             dsv4_wgmma_commit();
         }
