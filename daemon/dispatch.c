@@ -796,6 +796,13 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
                 st.kernels[st.n_kernels++] = experts[i];
             }
         }
+        char fetch[160];
+        if (ss.backend.expert_fetch) {
+            snprintf(fetch, sizeof(fetch), "host experts fetched ahead: %.3f GiB copied into device slots, %.3f GiB "
+                     "of them read there", ss.backend.expert_fetch_copied / 1073741824.0,
+                     ss.backend.expert_fetch_used / 1073741824.0);
+            st.kernels[st.n_kernels++] = fetch;
+        }
         /* ss lives until the reply is encoded: kernels[0] points into it. */
         reply_encoded(c, dsv4_proto_encode_stats_result(&c->out, msg->msgid, &st));
         return;

@@ -74,6 +74,8 @@ struct dsv4_backend_stats {
     uint64_t embed_bytes_host;  /* the token embedding in pinned host memory (CUDA, with experts there too) */
     int expert_layers;                          /* layers in the arrays below (CUDA; 0 on the CPU) */
     uint16_t experts_gpu_by_layer[DSV4_MAX_LAYERS], experts_host_by_layer[DSV4_MAX_LAYERS];
+    bool expert_fetch;          /* decode steps fetch predicted host experts ahead into device slots (CUDA) */
+    uint64_t expert_fetch_copied, expert_fetch_used;    /* bytes copied into the slots, bytes read from them */
 };
 
 struct dsv4_backend;

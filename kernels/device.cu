@@ -101,6 +101,11 @@ struct dsv4_cuda_dev {
     uint8_t *host_dev;          /* the same bytes as kernels address them */
     size_t host_size, host_used;
     uint64_t *route_counts;     /* [n_layers * n_experts] tokens routed to each expert (route_stats.cu) */
+    struct dsv4_cuda_fetch fetch;       /* host experts fetched ahead (expert_fetch.cu); slots NULL: off */
+    size_t fetch_bytes;                 /* the arena's share for it (0: off) */
+    const char *fetch_off;              /* why it is off while experts live on the host */
+    struct dsv4_cuda_expert fetch_proto;        /* a host expert's table entry: the slots' shapes */
+    int fetch_proto_layer;              /* its layer, -1 none yet */
     void *caches;               /* per-slot caches, official layout (used by the decode step) */
     char variants[DEV_VARIANTS_MAX];
 };
@@ -121,6 +126,7 @@ struct walker {
     bool with_mtp;              /* the MTP block too (the backend speculates with it) */
     bool quant_act;             /* fp8 numerics: routed experts take quantized activations */
     bool ex_tiles;              /* the walked layer's experts are stored in k-tile blocks, wherever they live */
+    bool all_tiled;             /* pass 1: every movable layer's are, FP4 [moe_inter, dim] (fetching ahead needs it) */
 };
 
 static size_t align_up(size_t n)
@@ -208,6 +214,8 @@ static int walk_layer(struct walker *wk, int li, const struct dsv4_layer *L)
      * layer (li n_layers) has a table too, always on the GPU */
     const bool movable = li >= 0 && li < c->n_layers && experts_uniform(c, f);
     wk->ex_tiles = movable && dsv4_cuda_moe_tiles(f->w1[0].fmt, c->dim, (int)f->w1[0].out, wk->quant_act);
+    if (movable)
+        wk->all_tiled &= wk->ex_tiles && f->w1[0].fmt == DSV4_W_FP4 && f->w1[0].out == c->moe_inter;
     for (int e = 0; f->w1 && f->w2 && f->w3 && e < c->n_experts; e++) {
         wk->ex_layer = movable ? li : -1;
         wk->ex_expert = e;
@@ -449,6 +457,10 @@ static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f
             return dsv4_error_set(-ENOENT, "cuda: layer %d expert %d was not uploaded", layer, e);
         }
         tab[e] = { d1->lin, d3->lin, d2->lin };
+        if (dev->fetch_proto_layer < 0 && dsv4_placement_on_host(dev->place, layer, e)) {
+            dev->fetch_proto = tab[e];
+            dev->fetch_proto_layer = layer;
+        }
     }
     ex->tiled = wk->ex_tiles;
     int rc = carve(dev, sizeof(*tab) * c->n_experts, &d_tab);
@@ -487,6 +499,130 @@ static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), v
         log(ctx, line);
 }
 
+/* ---- host experts fetched ahead (expert_fetch.cu) ---- */
+
+static int fetch_chunks(const struct dsv4_config *c)
+{
+    return 2 * (c->moe_inter / DSV4_CUDA_TILE_ROWS) + c->dim / DSV4_CUDA_TILE_ROWS;
+}
+
+/* The decode expert kernels' tiles in chunks (f may be NULL); false when the masks cannot hold them. */
+static bool fetch_tiles(const struct dsv4_config *c, struct dsv4_cuda_fetch *f)
+{
+    int up_rows, down_rows;
+    dsv4_cuda_moe_decode_tiles(&up_rows, &down_rows);
+    if (up_rows % DSV4_CUDA_TILE_ROWS || down_rows % DSV4_CUDA_TILE_ROWS || c->moe_inter % up_rows ||
+        c->dim % down_rows || c->moe_inter / up_rows > DSV4_CUDA_FETCH_TILES_MAX ||
+        c->dim / down_rows > DSV4_CUDA_FETCH_TILES_MAX)
+        return false;
+    if (f) {
+        f->up_tile_blocks = up_rows / DSV4_CUDA_TILE_ROWS;
+        f->down_tile_blocks = down_rows / DSV4_CUDA_TILE_ROWS;
+        f->up_tiles = c->moe_inter / up_rows;
+        f->down_tiles = c->dim / down_rows;
+    }
+    return true;
+}
+
+/* The arena's share for fetching host experts ahead: two sets of slots of an expert's bytes (the
+ * movable experts are alike: all_tiled), their chunk flags, the slot table, which experts live on the
+ * host, the step counter and byte counters, the prediction's logits, choices and weights, the redirect
+ * entries of every layer's experts and which of them are set. 0 and *why when
+ * decode steps cannot fetch. */
+static size_t fetch_plan_bytes(const struct walker *wk, const struct dsv4_backend_opts *o, uint64_t expert,
+                               const char **why)
+{
+    const struct dsv4_config *c = wk->cfg;
+    struct dsv4_cuda_switches sw;
+    const size_t sets = 2 * DSV4_CUDA_FETCH_SLOTS;
+    *why = NULL;
+    if (dsv4_cuda_switches_read(&sw) < 0 || !sw.expert_fetch)
+        *why = "DSV4_CUDA_EXPERT_FETCH=0";
+    else if (!sw.branches)
+        *why = "DSV4_CUDA_BRANCHES=0: one stream, so a copy could not overlap the attention";
+    else if (!wk->all_tiled)
+        *why = "the routed experts are not FP4 in k-tile blocks on the tensor-core kernels (fp8 numerics)";
+    else if (c->n_layers > DSV4_CUDA_FETCH_LAYERS_MAX)
+        *why = "more layers than the fetch tag holds";
+    else if (!fetch_tiles(c, NULL))
+        *why = "more expert tiles than the fetch masks hold";
+    if (*why)
+        return 0;
+    return sets * (expert + align_up(sizeof(uint64_t) * (size_t)fetch_chunks(c))) +
+           align_up(sets * sizeof(struct dsv4_cuda_fetch_slot)) + align_up((size_t)c->n_layers * c->n_experts) +
+           align_up(3 * sizeof(uint64_t)) + align_up(sizeof(float) * (size_t)DSV4_CUDA_FETCH_ROWS_MAX * c->n_experts) +
+           2 * align_up(sizeof(int32_t) * (size_t)DSV4_CUDA_FETCH_ROWS_MAX * c->n_experts_per_tok) +
+           align_up(sizeof(struct dsv4_cuda_fetch_redirect) * (size_t)c->n_layers * c->n_experts) +
+           align_up(sizeof(int32_t) * (size_t)c->n_layers * DSV4_CUDA_FETCH_SLOTS);
+}
+
+/* Carve and fill what fetch_plan_bytes counted, from a host expert's table entry (its shapes). */
+static int fetch_build(struct dsv4_cuda_dev *dev, const struct dsv4_config *c, const struct dsv4_backend_opts *o)
+{
+    struct dsv4_cuda_fetch *f = &dev->fetch;
+    const int sets = 2 * DSV4_CUDA_FETCH_SLOTS, E = c->n_experts;
+    struct dsv4_cuda_fetch_slot slot[2 * DSV4_CUDA_FETCH_SLOTS];
+    void *p = NULL;
+
+    if (!dev->fetch_bytes)
+        return 0;
+    if (dev->fetch_proto_layer < 0) {
+        dev->fetch_off = "no routed expert was placed in host memory";
+        return 0;
+    }
+    f->n_layers = c->n_layers;
+    f->n_experts = E;
+    f->rows = o->max_batch < DSV4_CUDA_FETCH_ROWS_MAX ? o->max_batch : DSV4_CUDA_FETCH_ROWS_MAX;
+    f->up_blocks = c->moe_inter / DSV4_CUDA_TILE_ROWS;
+    f->chunks = fetch_chunks(c);
+    fetch_tiles(c, f);
+    for (int s = 0; s < sets; s++) {
+        struct dsv4_cuda_linear *lin[3] = { &slot[s].ex.w1, &slot[s].ex.w3, &slot[s].ex.w2 };
+        slot[s].ex = dev->fetch_proto;
+        for (int m = 0; m < 3; m++) {
+            WALK(carve(dev, (size_t)lin[m]->out * (size_t)lin[m]->in / 2, &p));
+            lin[m]->w = p;
+            WALK(carve(dev, (size_t)lin[m]->out * (size_t)lin[m]->in / 32, &p));
+            lin[m]->scale = static_cast<const uint8_t *>(p);
+        }
+        WALK(carve(dev, sizeof(uint64_t) * (size_t)f->chunks, &p));
+        DSV4_CUDA_TRY(cudaMemset(p, 0, sizeof(uint64_t) * (size_t)f->chunks));
+        slot[s].done = static_cast<uint64_t *>(p);
+        slot[s].cancel = 0;
+        slot[s].expert = -1;
+    }
+    WALK(carve(dev, sizeof(slot), &p));
+    DSV4_CUDA_TRY(cudaMemcpy(p, slot, sizeof(slot), cudaMemcpyHostToDevice));
+    f->slots = static_cast<struct dsv4_cuda_fetch_slot *>(p);
+    std::unique_ptr<uint8_t[]> on_host(new (std::nothrow) uint8_t[(size_t)c->n_layers * E]());
+    if (!on_host)
+        return dsv4_error_set(-ENOMEM, "cuda: host expert table of %d layers", c->n_layers);
+    for (int l = 0; l < c->n_layers; l++)
+        for (int e = 0; dev->layer_movable[l] && e < E; e++)
+            on_host[(size_t)l * E + e] = dsv4_placement_on_host(dev->place, l, e);
+    WALK(carve(dev, (size_t)c->n_layers * E, &p));
+    DSV4_CUDA_TRY(cudaMemcpy(p, on_host.get(), (size_t)c->n_layers * E, cudaMemcpyHostToDevice));
+    f->on_host = static_cast<const uint8_t *>(p);
+    WALK(carve(dev, 3 * sizeof(uint64_t), &p));
+    DSV4_CUDA_TRY(cudaMemset(p, 0, 3 * sizeof(uint64_t)));
+    f->step = static_cast<uint64_t *>(p);
+    f->counters = reinterpret_cast<unsigned long long *>(f->step + 1);
+    WALK(carve(dev, sizeof(float) * (size_t)f->rows * E, &p));
+    f->logits = static_cast<float *>(p);
+    WALK(carve(dev, sizeof(int32_t) * (size_t)f->rows * c->n_experts_per_tok, &p));
+    f->pidx = static_cast<int32_t *>(p);
+    WALK(carve(dev, sizeof(float) * (size_t)f->rows * c->n_experts_per_tok, &p));
+    f->pw = static_cast<float *>(p);
+    const size_t rb = sizeof(struct dsv4_cuda_fetch_redirect) * (size_t)c->n_layers * E;
+    WALK(carve(dev, rb, &p));
+    DSV4_CUDA_TRY(cudaMemset(p, 0, rb));
+    f->redirect = static_cast<struct dsv4_cuda_fetch_redirect *>(p);
+    WALK(carve(dev, sizeof(int32_t) * (size_t)c->n_layers * DSV4_CUDA_FETCH_SLOTS, &p));
+    DSV4_CUDA_TRY(cudaMemset(p, 0xff, sizeof(int32_t) * (size_t)c->n_layers * DSV4_CUDA_FETCH_SLOTS));
+    f->redirected = static_cast<int32_t *>(p);
+    return 0;
+}
+
 /* Pass 1 gave the dense bytes (wk->bytes), the embedding's and each layer's movable expert bytes;
  * `rest` is what the caches, workspaces and prefix pool take. Decide where each expert lives and
  * make the host allocation for those that go there (the only one: nothing is allocated after boot).
@@ -498,8 +634,11 @@ static int plan_experts(struct dsv4_cuda_dev *dev, struct walker *wk, const stru
 {
     const struct dsv4_config *c = wk->cfg;
     const size_t need = wk->bytes + wk->embed_bytes + rest + DSV4_CUDA_GPU_MARGIN;
-    for (int l = 0; l < c->n_layers; l++)
+    uint64_t expert = 0;
+    for (int l = 0; l < c->n_layers; l++) {
         wk->expert_bytes[l] /= (uint64_t)c->n_experts;      /* the experts of a movable layer are alike */
+        expert = wk->expert_bytes[l] > expert ? wk->expert_bytes[l] : expert;
+    }
     struct dsv4_placement_req req = {};
     req.n_layers = c->n_layers;
     req.n_experts = c->n_experts;
@@ -514,6 +653,13 @@ static int plan_experts(struct dsv4_cuda_dev *dev, struct walker *wk, const stru
         dev->place = NULL;
         dev->embed_on_host = true;
         req.gpu_budget += wk->embed_bytes;
+        WALK(dsv4_placement_plan(&req, &dev->place));
+    }
+    /* with experts on the host, decode steps fetch some ahead into slots: their bytes come first */
+    if (dev->place->offload && (dev->fetch_bytes = fetch_plan_bytes(wk, o, expert, &dev->fetch_off)) > 0) {
+        dsv4_placement_free(dev->place);
+        dev->place = NULL;
+        req.gpu_budget = req.gpu_budget > dev->fetch_bytes ? req.gpu_budget - dev->fetch_bytes : 0;
         WALK(dsv4_placement_plan(&req, &dev->place));
     }
     dev->layer_movable = static_cast<bool *>(calloc((size_t)c->n_layers + 1, sizeof(bool)));
@@ -582,6 +728,13 @@ static void log_placement(struct dsv4_cuda_dev *dev, void (*log)(void *, const c
         dsv4_placement_layers_text(st.experts_gpu_by_layer, st.experts_host_by_layer, l0, n, line, sizeof(line));
         vlog(dev, log, ctx, false, "cuda: experts gpu/host by layer:%s", line);
     }
+    if (dev->fetch.slots)
+        vlog(dev, log, ctx, true, "cuda: decode steps fetch host experts ahead: 2 sets of %d slots (%.1f MiB), "
+             "the router's prediction from each layer's attention input, copied while the attention runs "
+             "(DSV4_CUDA_EXPERT_FETCH=0: in place only)", DSV4_CUDA_FETCH_SLOTS, dev->fetch_bytes / 1048576.0);
+    else
+        vlog(dev, log, ctx, true, "cuda: host experts are read in place only, not fetched ahead: %s",
+             dev->fetch_off ? dev->fetch_off : "nothing to fetch");
 }
 
 /* Which compiled image of the kernels the device runs: written by the device itself. */
@@ -674,6 +827,8 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     wk.embed = &w->embed;
     wk.with_mtp = w->n_mtp > 0 && w->mtp[0].layer.ratio == 0 && dsv4_cuda_step_spec_tokens(c, o) > 0;
     wk.quant_act = o->numerics == DSV4_NUMERICS_FP8;
+    wk.all_tiled = true;
+    dev->fetch_proto_layer = -1;
     std::unique_ptr<uint64_t[]> expert_bytes(new (std::nothrow) uint64_t[c->n_layers + 1]());
     if (!expert_bytes)
         return dsv4_error_set(-ENOMEM, "cuda: expert sizes of %d layers", c->n_layers);
@@ -696,7 +851,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
                               wk.bytes / DEV_GIB, cache / DEV_GIB, o->max_batch, o->max_context, ws / DEV_GIB,
                               prefix / DEV_GIB, DSV4_CUDA_GPU_MARGIN / DEV_GIB);
     WALK(plan_experts(dev, &wk, o, cache + ws + prefix + counts, free_b));
-    dev->arena_size = fixed + (dev->embed_on_host ? 0 : wk.embed_bytes) + dev->place->gpu_bytes;
+    dev->arena_size = fixed + (dev->embed_on_host ? 0 : wk.embed_bytes) + dev->place->gpu_bytes + dev->fetch_bytes;
     DSV4_CUDA_TRY(cudaMalloc(&p, dev->arena_size));
     dev->stats.device_allocs++;
     dev->arena = static_cast<uint8_t *>(p);
@@ -724,6 +879,7 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     WALK(carve(dev, counts, &p));
     dev->route_counts = static_cast<uint64_t *>(p);
     DSV4_CUDA_TRY(cudaMemsetAsync(p, 0, counts, dev->stream));
+    WALK(fetch_build(dev, c, o));
     WALK(carve(dev, cache, &dev->caches));
     DSV4_CUDA_TRY(cudaMemsetAsync(dev->caches, 0, cache, dev->stream));
     WALK(carve(dev, lt_ws, &dev->lt_workspace));
@@ -895,6 +1051,21 @@ extern "C" int dsv4_cuda_dev_read_route_counts(const struct dsv4_cuda_dev *dev, 
     /* the step's streams are non-blocking: the counts are those of the steps finished so far */
     DSV4_CUDA_TRY(cudaMemcpy(counts, dev->route_counts, sizeof(uint64_t) * (size_t)dev->n_layers *
                              (size_t)dev->experts_per_layer, cudaMemcpyDeviceToHost));
+    return 0;
+}
+
+extern "C" const struct dsv4_cuda_fetch *dsv4_cuda_dev_fetch(const struct dsv4_cuda_dev *dev)
+{
+    return dev->fetch.slots ? &dev->fetch : NULL;
+}
+
+extern "C" int dsv4_cuda_dev_fetch_counts(const struct dsv4_cuda_dev *dev, uint64_t *copied, uint64_t *used)
+{
+    uint64_t v[2] = { 0, 0 };
+    if (dev->fetch.slots)
+        DSV4_CUDA_TRY(cudaMemcpy(v, dev->fetch.counters, sizeof(v), cudaMemcpyDeviceToHost));
+    *copied = v[0];
+    *used = v[1];
     return 0;
 }
 

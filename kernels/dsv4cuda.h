@@ -70,9 +70,73 @@ static inline struct dsv4_cuda_linear dsv4_cuda_linear_rows(const struct dsv4_cu
 #define DSV4_CUDA_TILE_BYTES (DSV4_CUDA_TILE_ROWS * 64)
 #define DSV4_CUDA_TILE_SCALE_BYTES (DSV4_CUDA_TILE_ROWS * 4)
 
+#define DSV4_CUDA_TILE_KT 128      /* K values of a k-tile: 64 bytes of a row */
+
 struct dsv4_cuda_expert {
     struct dsv4_cuda_linear w1, w3, w2;
 };
+
+/* Host experts fetched ahead into device slots in decode steps (kernels/expert_fetch.cu has the
+ * protocol). Two sets of DSV4_CUDA_FETCH_SLOTS slots, set l % 2 for layer l: a layer copies at most
+ * that many of its predicted host experts (one is the common case at batch 1: 6 of 256 experts routed
+ * and ~7% on the host for the whole Flash; each slot costs an expert's bytes of GPU memory). */
+#define DSV4_CUDA_FETCH_SLOTS 2
+#define DSV4_CUDA_FETCH_LAYERS_MAX 255      /* the tag keeps the layer in 8 bits */
+#define DSV4_CUDA_FETCH_TILES_MAX 128       /* decode expert tiles of a matrix the masks hold (Flash 64, Pro 112) */
+/* Steps of up to this many rows fetch ahead. A larger batch routes to most of a layer's host experts
+ * and reads them through the whole MoE sublayer, so the link is busy anyway, and the union of its
+ * rows' predictions is spread over more experts than the slots hold: measured at 16 and 64 rows on
+ * the 4-layer Flash, fetching there slowed the step. */
+#define DSV4_CUDA_FETCH_ROWS_MAX 8
+
+struct dsv4_cuda_fetch_slot {
+    struct dsv4_cuda_expert ex;     /* the slot's device copy: the host experts' shapes, k-tile blocks */
+    uint64_t *done;                 /* [chunks]: the tag chunk c was copied for */
+    uint64_t cancel;                /* the tag whose copy stops at its next chunk */
+    int32_t expert;                 /* the expert the set's current copy takes, -1 none */
+};
+
+/* One expert of a layer, as the decode expert kernels find it: tiles whose bit is set read the slot's
+ * bytes (w1, w3, w2 and their scales, the table's layout), the others where the table points. */
+struct dsv4_cuda_fetch_redirect {
+    const void *w[3];
+    const uint8_t *s[3];
+    uint64_t up[DSV4_CUDA_FETCH_TILES_MAX / 64];        /* gate_up tiles */
+    uint64_t down[DSV4_CUDA_FETCH_TILES_MAX / 64];      /* down tiles */
+};
+
+struct dsv4_cuda_fetch {
+    struct dsv4_cuda_fetch_slot *slots;     /* device [2 * DSV4_CUDA_FETCH_SLOTS] */
+    const uint8_t *on_host;                 /* device [n_layers, n_experts]: 1 where the expert lives on the host */
+    uint64_t *step;                         /* device: decode steps so far that fetched */
+    unsigned long long *counters;           /* device [2]: bytes copied, bytes resolve pointed the expert kernels at */
+    float *logits;                          /* device [rows, n_experts]: the prediction's router logits */
+    int32_t *pidx;                          /* device [rows, topk]: its choices */
+    float *pw;                              /* device [rows, topk]: their weights (the router writes them) */
+    struct dsv4_cuda_fetch_redirect *redirect;  /* device [n_layers, n_experts], all clear but what resolve set */
+    int32_t *redirected;                    /* device [n_layers, DSV4_CUDA_FETCH_SLOTS]: the experts it set, -1 */
+    int n_layers, n_experts;
+    int rows;                               /* the most rows a step fetches for: max_batch, at most
+                                             * DSV4_CUDA_FETCH_ROWS_MAX */
+    int up_blocks;                          /* DSV4_CUDA_TILE_ROWS-row blocks of w1 (and of w3): I / 32 */
+    int chunks;                             /* an expert's: 2 up_blocks + D / 32 */
+    int up_tile_blocks, down_tile_blocks;   /* blocks a decode gate_up / down tile reads (of each matrix) */
+    int up_tiles, down_tiles;               /* tiles of a decode gate_up / down launch, <= DSV4_CUDA_FETCH_TILES_MAX */
+};
+
+#ifdef __CUDACC__
+/* A copy's tag: the step (dsv4_cuda_fetch.step) and the layer; 0 is no copy's. */
+static inline __host__ __device__ uint64_t dsv4_cuda_fetch_tag(uint64_t step, int layer)
+{
+    return step << 8 | (uint64_t)(layer + 1);
+}
+
+static inline __host__ __device__ struct dsv4_cuda_fetch_slot *dsv4_cuda_fetch_set(const struct dsv4_cuda_fetch *f,
+                                                                                   int layer)
+{
+    return f->slots + (layer % 2) * DSV4_CUDA_FETCH_SLOTS;
+}
+#endif
 
 struct dsv4_cuda_experts {
     int n_experts, dim, inter;  /* E, D, I */
@@ -82,6 +146,9 @@ struct dsv4_cuda_experts {
     bool tiled;                 /* every expert of the table in k-tile blocks, none otherwise: only the
                                  * tensor-core path may run them */
     const struct dsv4_cuda_expert *d_table;     /* [E], in device memory */
+    /* decode steps of a layer that fetches host experts ahead (the caller sets it; NULL: none): [E]
+     * where the decode expert kernels read each expert's tiles (dsv4_cuda_fetch_resolve) */
+    const struct dsv4_cuda_fetch_redirect *fetch_redirect;
 };
 
 /* Whether experts of this format and shape, with activations quantized (fp8 numerics) or not, run on
@@ -173,6 +240,11 @@ void dsv4_cuda_dev_get_stats(const struct dsv4_cuda_dev *dev, struct dsv4_cuda_d
 const struct dsv4_cuda_linear *dsv4_cuda_dev_linear(const struct dsv4_cuda_dev *dev, const char *name);
 /* Device copy of a host linear of w (matched by its checkpoint bytes and shape); NULL if absent. */
 const struct dsv4_cuda_linear *dsv4_cuda_dev_linear_for(const struct dsv4_cuda_dev *dev, const struct dsv4_linear *host);
+/* Host experts fetched ahead in decode steps (kernels/expert_fetch.cu): NULL when off (no expert on the
+ * host, or what fetch_plan_bytes in device.cu refuses, named in the boot log). fetch_counts: bytes
+ * copied into slots and bytes the expert kernels read from them, over the steps finished so far. */
+const struct dsv4_cuda_fetch *dsv4_cuda_dev_fetch(const struct dsv4_cuda_dev *dev);
+int dsv4_cuda_dev_fetch_counts(const struct dsv4_cuda_dev *dev, uint64_t *copied, uint64_t *used);
 /* Where each routed expert lives (engine/model/placement.h), decided at create. */
 const struct dsv4_placement *dsv4_cuda_dev_placement(const struct dsv4_cuda_dev *dev);
 /* The backend stats' expert fields: experts and bytes on each side, and per layer. */
@@ -372,6 +444,24 @@ const char *dsv4_cuda_moe_wgmma_why_not(void);
  * not pad_slot (a bucket's padding rows) with e among d_idx[b, 0..topk). */
 int dsv4_cuda_route_count(const int32_t *d_idx, int batch, int topk, const int32_t *d_slot, int pad_slot,
                           uint64_t *d_counts, void *stream);
+
+/* Host experts fetched ahead (kernels/expert_fetch.cu; f from dsv4_cuda_dev_fetch). fetch_step: the
+ * step counter, once per step before its first fetch. fetch_predict: d_logits [B, E] = the layer's
+ * router gate (BF16) on d_xn [B, D], the attention's input. fetch_copy: after the router kernel made
+ * d_pidx [B, K] from those logits, the first DSV4_CUDA_FETCH_SLOTS predicted host experts into the
+ * layer's set, copied chunk by chunk (ex: the layer's experts, in k-tile blocks). fetch_resolve: on
+ * the main lane after the layer's router made d_idx [B, K], stops that copy at its next chunk and
+ * points the layer's redirect entries of the routed slot experts at the tiles already copied. */
+int dsv4_cuda_fetch_step(const struct dsv4_cuda_fetch *f, void *stream);
+int dsv4_cuda_fetch_predict(const struct dsv4_cuda_fetch *f, int layer, const struct dsv4_cuda_linear *gate,
+                            const float *d_xn, int B, float *d_logits, void *stream);
+int dsv4_cuda_fetch_copy(const struct dsv4_cuda_fetch *f, int layer, const struct dsv4_cuda_experts *ex,
+                         const int32_t *d_pidx, int B, int K, void *stream);
+int dsv4_cuda_fetch_resolve(const struct dsv4_cuda_fetch *f, int layer, const int32_t *d_idx, int B, int K,
+                            void *stream);
+/* The rows of one decode expert tile (moe.cu's one-tile kernels): gate_up tiles take up_rows rows of w1
+ * and of w3, down tiles down_rows rows of w2. */
+void dsv4_cuda_moe_decode_tiles(int *up_rows, int *down_rows);
 
 /* d_h[b, i] = silu(min(g, L)) * clamp(u, -L, L) for g = d_gate[b, i], u = d_up[b, i] (shared expert);
  * d_pgate / d_pup (may be NULL): g / u pending there (struct dsv4_cuda_pending). */

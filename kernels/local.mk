@@ -3,7 +3,7 @@
 # Programs that link libdsv4engine.la and want the CUDA backend add $(DSV4_CUDA_LDADD) to their LDADD
 # (empty without CUDA) and $(DSV4_CUDA_CPPFLAGS) to their CFLAGS (defines nothing without CUDA).
 
-DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/gemv.cu kernels/gemm.cu kernels/gemm_wgmma.cu kernels/gemm_direct.cu kernels/indexer.cu kernels/sample.cu kernels/moe.cu kernels/moe_wgmma.cu kernels/norm.cu kernels/attention.cu \
+DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/expert_fetch.cu kernels/gemv.cu kernels/gemm.cu kernels/gemm_wgmma.cu kernels/gemm_direct.cu kernels/indexer.cu kernels/sample.cu kernels/moe.cu kernels/moe_wgmma.cu kernels/norm.cu kernels/attention.cu \
 	kernels/compressor.cu kernels/step.cu kernels/mhc.cu kernels/embed.cu kernels/prefix.cu kernels/fault.cu \
 	kernels/route_stats.cu kernels/spec.cu
 DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/cuda_fault.cuh kernels/kernels_internal.h kernels/kv_entry.cuh kernels/index_key.cuh kernels/sample.h kernels/mma.cuh kernels/norm_row.cuh kernels/gemm_tile.cuh kernels/wgmma.cuh \

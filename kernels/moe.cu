@@ -466,17 +466,18 @@ static __device__ __forceinline__ void tc_tile(const uint8_t *st, int wo0, int w
 
 /* One pass of a CTA of WARPS warps: n (<= 8 NT) tokens of the group, rows rowoff[] of the
  * activations, outputs to pairs pid[]; TILED: the table's experts are in k-tile blocks
- * (dsv4_cuda_experts.tiled), else row-major. */
+ * (dsv4_cuda_experts.tiled), else row-major; ov: the tile's bytes in a fetch slot instead. */
 template <int MODE, int NT, bool TILED, int WARPS>
-static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struct dsv4_cuda_expert *ex, int n,
-                                               uint8_t *smem, const int64_t *rowoff, const int32_t *pid)
+static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struct dsv4_cuda_expert *ex,
+                                               const tc_over &ov, int n, uint8_t *smem, const int64_t *rowoff,
+                                               const int32_t *pid)
 {
     constexpr int STAGES = tc_stages(NT, WARPS), SB = tc_stage_bytes(NT, WARPS), THREADS = tc_threads(WARPS);
     constexpr int ROWS = tc_rows(WARPS), WB = ROWS * MOE_TC_WROW, XOFF = WB + ROWS * 4;
     const int tid = threadIdx.x, warp = tid / DSV4_CUDA_WARP, lane = tid % DSV4_CUDA_WARP;
     const int g = lane >> 2, t = lane & 3, tile = blockIdx.x, nk = a.nk;
     const int r0 = warp * 16 + g, r1 = r0 + 8;
-    const tc_wsrc wsrc = tc_weight_src<MODE, WARPS, TILED>(ex, tile, nk);
+    const tc_wsrc wsrc = tc_weight_src<MODE, WARPS, TILED>(ex, tile, nk, ov);
     int xo[4];
     float acc[NT][4];
 #pragma unroll
@@ -547,6 +548,23 @@ static __device__ __forceinline__ void tc_pass(const moe_tc_args &a, const struc
         }
 }
 
+/* Where a decode CTA reads its expert's tile from: the fetch slot the layer's resolve found this
+ * tile's bytes copied to (kernels/expert_fetch.cu), else where the table points (host memory for a
+ * host expert). Read with the table entry, in the same round: no latency before the weights. */
+template <int MODE>
+static __device__ __forceinline__ tc_over tc_redirect(const struct dsv4_cuda_fetch_redirect *r, int tile)
+{
+    tc_over ov;
+    const uint64_t *mask = MODE == MOE_UP ? r->up : r->down;
+    ov.on = mask[tile / 64] >> (tile % 64) & 1;
+#pragma unroll
+    for (int m = 0; m < 3; m++) {
+        ov.w[m] = static_cast<const uint8_t *>(r->w[m]);
+        ov.s[m] = r->s[m];
+    }
+    return ov;
+}
+
 /* grid (I / tc_up_rows or D / tc_rows, min(pairs, E)), tc_threads(tc_warps(MAXNT)) threads; the ring
  * (tc_ring_bytes) in static shared memory for MAXNT 1, else in dynamic shared memory of the size
  * dsv4_cuda_moe_prepare allowed. MAXNT 1 (decode steps): only the one-tile pass is
@@ -570,7 +588,9 @@ moe_tc_kernel(const moe_tc_args a)
 
     if (gi >= a.groups[0])
         return;
-    const struct dsv4_cuda_expert *ex = &a.table[a.groups[1 + gi]];
+    const int e = a.groups[1 + gi];
+    const struct dsv4_cuda_expert *ex = &a.table[e];
+    const tc_over ov = MAXNT == 1 && a.redirect ? tc_redirect<MODE>(a.redirect + e, blockIdx.x) : tc_over{};
     const int32_t *list = a.groups + 2 + 2 * a.pairs;
     const int beg = a.groups[1 + a.pairs + gi], end = a.groups[2 + a.pairs + gi];
 
@@ -586,13 +606,13 @@ moe_tc_kernel(const moe_tc_args a)
         }
         __syncthreads();
         if (MAXNT == 1 || n <= 8)
-            tc_pass<MODE, 1, TILED, WARPS>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 1, TILED, WARPS>(a, ex, ov, n, smem, rowoff, pid);
         else if (n <= 16)
-            tc_pass<MODE, 2, TILED, WARPS>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 2, TILED, WARPS>(a, ex, ov, n, smem, rowoff, pid);
         else if (n <= 32)
-            tc_pass<MODE, 4, TILED, WARPS>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 4, TILED, WARPS>(a, ex, ov, n, smem, rowoff, pid);
         else
-            tc_pass<MODE, 8, TILED, WARPS>(a, ex, n, smem, rowoff, pid);
+            tc_pass<MODE, 8, TILED, WARPS>(a, ex, ov, n, smem, rowoff, pid);
     }
 }
 
@@ -805,6 +825,8 @@ static int launch_experts_tc(const struct dsv4_cuda_experts *ex, int topk, int p
     a.nk = ex->dim / MOE_TC_KT;
     a.y = ws->d_h;
     a.ldy = ex->inter;
+    if (one)
+        a.redirect = ex->fetch_redirect;
     if (wg)
         moe_wgmma_launch(MOE_UP, ex->tiled, dim3(ex->inter / tc_up_rows(warps), slots), a, s);
     else
@@ -845,6 +867,12 @@ __global__ void moe_combine_kernel(const float *__restrict__ out, const int32_t 
             acc += w[p] * out[p * dim + d];
     }
     y[i] = add ? acc + pending_at(padd, add, i) : acc;
+}
+
+extern "C" void dsv4_cuda_moe_decode_tiles(int *up_rows, int *down_rows)
+{
+    *up_rows = tc_up_rows(MOE_TC_WARPS);
+    *down_rows = tc_rows(MOE_TC_WARPS);
 }
 
 extern "C" int dsv4_cuda_moe_routed(const struct dsv4_cuda_experts *ex, const float *d_x, int batch, int topk,

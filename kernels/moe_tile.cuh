@@ -38,6 +38,8 @@ struct moe_tc_args {
     float limit;                /* SwiGLU clamp (gate_up) */
     float *y;                   /* gate_up: h [pairs, ldy] f32; down: out [pairs, ldy] */
     int64_t ldy;
+    /* decode steps of a layer that fetches ahead: [E] where each expert's tiles are (NULL: the table) */
+    const struct dsv4_cuda_fetch_redirect *redirect;
 };
 
 static __device__ __forceinline__ float swiglu(float g, float u, float limit)
@@ -182,8 +184,25 @@ struct tc_wsrc {
     int64_t wkt, skt;
 };
 
+/* A decode CTA's tile read from a fetch slot (kernels/expert_fetch.cu) instead of where the table
+ * points: w / s the slot's bases of w1, w3 and w2 (the table's layout), on: this tile's bytes are
+ * there. */
+struct tc_over {
+    const uint8_t *w[3], *s[3];
+    bool on;
+};
+
+/* The slot's base of the matrix shared-memory row sr of a tile comes from (tc_row's w1, w3 or w2),
+ * weights or scales; selected, not indexed, so that tc_over stays in registers. */
+template <int MODE>
+static __device__ __forceinline__ const uint8_t *tc_over_base(const uint8_t *const (&b)[3], int sr)
+{
+    return MODE == MOE_UP ? (sr % 16 < 8 ? b[0] : b[1]) : b[2];
+}
+
 template <int MODE, int WARPS, bool TILED>
-static __device__ __forceinline__ tc_wsrc tc_weight_src(const struct dsv4_cuda_expert *ex, int tile, int nk)
+static __device__ __forceinline__ tc_wsrc tc_weight_src(const struct dsv4_cuda_expert *ex, int tile, int nk,
+                                                        const tc_over &ov = tc_over{})
 {
     const int tid = threadIdx.x;
     tc_wsrc src;
@@ -198,14 +217,15 @@ static __device__ __forceinline__ tc_wsrc tc_weight_src(const struct dsv4_cuda_e
         const int64_t at = TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_BYTES +
                                        (row % DSV4_CUDA_TILE_ROWS) * MOE_TC_WROW
                                  : row * (W->row_stride / 2);
-        src.w[q] = static_cast<const uint8_t *>(W->w) + at + (i % 4) * 16;
+        src.w[q] = (ov.on ? tc_over_base<MODE>(ov.w, i / 4) : static_cast<const uint8_t *>(W->w)) + at + (i % 4) * 16;
     }
     if (tid < tc_rows(WARPS)) {
         int64_t row;
         const struct dsv4_cuda_linear *W = tc_row<MODE, WARPS>(ex, tile, tid, &row);
-        src.s = W->scale + (TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_SCALE_BYTES +
-                                        (row % DSV4_CUDA_TILE_ROWS) * 4
-                                  : row * W->scale_stride);
+        const uint8_t *base = ov.on ? tc_over_base<MODE>(ov.s, tid) : W->scale;
+        src.s = base + (TILED ? (row / DSV4_CUDA_TILE_ROWS) * nk * DSV4_CUDA_TILE_SCALE_BYTES +
+                                    (row % DSV4_CUDA_TILE_ROWS) * 4
+                              : row * W->scale_stride);
     }
     return src;
 }

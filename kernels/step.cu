@@ -56,6 +56,8 @@ struct step_layer {
     const int32_t *tid2eid;
     struct dsv4_cuda_experts ex;
     uint64_t *route_counts;     /* [E] tokens routed to each expert (kernels/route_stats.cu) */
+    int index;                  /* in the model (n_layers: the MTP block) */
+    bool fetch;                 /* decode steps fetch its predicted host experts ahead (kernels/expert_fetch.cu) */
     struct dsv4_cuda_layer_cache cache;
 };
 
@@ -117,6 +119,11 @@ struct cuda_backend {
     bool branches;              /* DSV4_CUDA_BRANCHES=0: every launch on the main stream */
     cudaStream_t side, indexer;
     cudaEvent_t ev_fork, ev_join;
+    /* host experts fetched ahead: the device's slots (NULL: off) and the lane that predicts and copies;
+     * ev_fetched marks the prediction's read of xn, which the main lane's next write of xn waits for */
+    const struct dsv4_cuda_fetch *fetch;
+    struct lane fl;
+    cudaEvent_t ev_fetched;
     int64_t max_entries;
     int64_t *pos;               /* host: tokens in each slot */
     int32_t *h_in;
@@ -762,7 +769,9 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
  * which the routed experts' combine adds as it writes sub. The linears' results pending in decode
  * steps are summed by their readers: the router, SwiGLU, the combine. */
 /* prepared: sublayer_pre left xn prepared for the gate in the main lane's workspace. */
-static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared)
+/* fetch: the layer fetched ahead (fetch_ahead): after the router, resolve stops the copy and points the
+ * expert kernels at what it copied. */
+static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared, bool fetch)
 {
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
@@ -785,6 +794,10 @@ static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool 
                           L->hash ? L->tid2eid : NULL, t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
     if (L->route_counts)    /* the MTP block's routing is not counted */
         STEP(dsv4_cuda_route_count(t->ridx, B, K, t->in + B, cb->slots - 1, L->route_counts, s));
+    if (fetch) {
+        STEP(dsv4_cuda_fetch_resolve(cb->fetch, L->index, t->ridx, B, K, s));
+        ex.fetch_redirect = cb->fetch->redirect + (int64_t)L->index * c->n_experts;
+    }
     ex.quant_act = cb->fp8 && (ex.fmt == DSV4_W_FP8 || ex.fmt == DSV4_W_FP4);
     const float *x = t->xn;
     if (ex.quant_act) {
@@ -865,16 +878,50 @@ static int sublayer_post(struct cuda_backend *cb, int B, const struct dsv4_cuda_
     return 0;
 }
 
+/* Whether a step of B rows fetches ahead: up to the fetch's rows (DSV4_CUDA_FETCH_ROWS_MAX). */
+static bool step_fetches(const struct cuda_backend *cb, int B)
+{
+    return cb->fetch && B <= cb->fetch->rows;
+}
+
+static bool fetching(const struct cuda_backend *cb, const struct step_layer *L, int B)
+{
+    return step_fetches(cb, B) && L->fetch;
+}
+
+/* The fetch lane, from the attention's xn: the layer's router on it (logits, then the router kernel's
+ * choices), the predicted host experts copied into the layer's slots until the main lane's resolve
+ * stops the copy (moe). The main lane writes xn again only after ev_fetched (sublayer_pre). */
+static int fetch_ahead(struct cuda_backend *cb, const struct step_layer *L, int B)
+{
+    const struct dsv4_cuda_fetch *f = cb->fetch;
+    const struct dsv4_config *c = cb->cfg;
+    struct step_buf *t = &cb->b;
+    const struct dsv4_cuda_pending none = {};
+    STEP(lane_wait(cb, &cb->fl, &cb->ln[0], cb->ev_fork));
+    STEP(dsv4_cuda_fetch_predict(f, L->index, &L->gate, t->xn, B, f->logits, cb->fl.s));
+    DSV4_CUDA_TRY(cudaEventRecord(cb->ev_fetched, cb->fl.s));
+    STEP(dsv4_cuda_router(f->logits, &none, B, c->n_experts, c->n_experts_per_tok, L->hash ? NULL : L->gate_bias,
+                          L->hash ? L->tid2eid : NULL, t->in, (float)c->routed_scaling_factor, f->pidx, f->pw,
+                          cb->fl.s));
+    return dsv4_cuda_fetch_copy(f, L->index, &L->ex, f->pidx, B, c->n_experts_per_tok, cb->fl.s);
+}
+
 /* One layer's launches for B rows (t->in as they read it). */
 static int layer_launches(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
 {
     bool pa, pf;    /* xn prepared for wq_a, for the gate */
     struct dsv4_cuda_pending psub;      /* the attention's output */
+    const bool fetch = fetching(cb, L, B);
     STEP(sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, &L->wq_a, B, s, &pa));
+    if (fetch)
+        STEP(fetch_ahead(cb, L, B));
     STEP(attention(cb, L, B, pa, &psub));
     STEP(sublayer_post(cb, B, &psub, s));
+    if (fetch)
+        DSV4_CUDA_TRY(cudaStreamWaitEvent(s, cb->ev_fetched, 0));
     STEP(sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, &L->gate, B, s, &pf));
-    STEP(moe(cb, L, B, pf));
+    STEP(moe(cb, L, B, pf, fetch));
     return sublayer_post(cb, B, NULL, s);
 }
 
@@ -998,9 +1045,14 @@ static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStre
     cb->ln[0].s = s;
     cb->ln[1].s = cb->branches ? cb->side : s;
     cb->ln[2].s = cb->branches ? cb->indexer : s;
-    int rc = dsv4_cuda_embed(&cb->embed, t->in, B, c->hc_mult, t->X, s);
+    const bool fetch = step_fetches(cb, B);
+    int rc = fetch ? dsv4_cuda_fetch_step(cb->fetch, s) : 0;
+    if (rc == 0)
+        rc = dsv4_cuda_embed(&cb->embed, t->in, B, c->hc_mult, t->X, s);
     for (int l = 0; rc == 0 && l < c->n_layers; l++)
         rc = layer_launches(cb, &cb->L[l], B, s);
+    if (rc == 0 && fetch)       /* the last copy was stopped by its resolve: this joins at once */
+        rc = lane_wait(cb, &cb->ln[0], &cb->fl, cb->ev_join);
     /* the head's rows: from head_from on (a prefill chunk's last row, or every row) */
     const int Bh = B - head_from;
     const float *Xh = t->X + (int64_t)head_from * c->hc_mult * c->dim;
@@ -1262,6 +1314,9 @@ static void op_get_stats(const struct dsv4_backend *b, struct dsv4_backend_stats
     ret->graph_captures = cb->captures;
     ret->bytes_reserved = st.cache_bytes + st.workspace_bytes + st.prefix_bytes;
     dsv4_cuda_dev_expert_stats(cb->dev, ret);
+    ret->expert_fetch = cb->fetch != NULL;
+    if (cb->fetch && dsv4_cuda_dev_fetch_counts(cb->dev, &ret->expert_fetch_copied, &ret->expert_fetch_used) < 0)
+        ret->expert_fetch_copied = ret->expert_fetch_used = 0;
     snprintf(ret->variant, sizeof(ret->variant),
              "cuda %.24s, %.32s, %s numerics, KV %s, %d graphs, %d streams, sampling on %s, prefill chunk %d%s",
              st.kernel_build, st.device_name, cb->fp8 ? "fp8" : "exact",
@@ -1294,6 +1349,10 @@ static void op_destroy(struct dsv4_backend *b)
         cudaStreamDestroy(cb->side);
     if (cb->indexer)
         cudaStreamDestroy(cb->indexer);
+    if (cb->fl.s)
+        cudaStreamDestroy(cb->fl.s);
+    if (cb->ev_fetched)
+        cudaEventDestroy(cb->ev_fetched);
     dsv4_cuda_prefix_free(cb->prefix);
     dsv4_cuda_dev_destroy(cb->dev);
     free(cb->L);
@@ -1503,6 +1562,7 @@ static int map_layer(struct cuda_backend *cb, int i, const struct dsv4_layer *h,
     const struct dsv4_attn *a = &h->attn;
     const struct dsv4_ffn *f = &h->ffn;
     L->ratio = h->ratio;
+    L->index = i;
     L->csa = h->ratio > 0 && h->ratio == c->csa_ratio;
     L->hash = f->type == DSV4_MLP_HASH;
     STEP(dev_lin(cb, &h->hc_attn.fn, &L->hc_attn_fn, true));
@@ -1722,6 +1782,14 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
         return dsv4_error_set(-ENOENT, "cuda: the final norm or hc_head vectors are missing on the device");
     for (int i = 0; i < c->n_layers; i++)
         STEP(map_layer(cb, i, &w->layers[i], &cb->L[i]));
+    cb->fetch = cb->branches ? dsv4_cuda_dev_fetch(cb->dev) : NULL;
+    if (cb->fetch) {
+        const struct dsv4_placement *pl = dsv4_cuda_dev_placement(cb->dev);
+        DSV4_CUDA_TRY(cudaStreamCreateWithFlags(&cb->fl.s, cudaStreamNonBlocking));
+        DSV4_CUDA_TRY(cudaEventCreateWithFlags(&cb->ev_fetched, cudaEventDisableTiming));
+        for (int i = 0; i < c->n_layers; i++)   /* the prediction reads a BF16 router (the release's) */
+            cb->L[i].fetch = pl->host_experts[i] > 0 && cb->L[i].ex.tiled && cb->L[i].gate.fmt == DSV4_W_BF16;
+    }
     if (cb->spec) {     /* the MTP block: its layer's tables at index n_layers, not counted */
         const struct dsv4_mtp *m = &w->mtp[0];
         const int64_t win = cb->mtp_L.cache.win;

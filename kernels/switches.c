@@ -39,6 +39,7 @@ static const struct sw_def table[] = {
     SW("DSV4_CUDA_MOE_WGMMA", SW_BOOL, moe_wgmma),
     SW("DSV4_CUDA_ATT_HEADS", SW_HEADS, att_heads),
     SW("DSV4_CUDA_ATT_WHOLE", SW_BOOL, att_whole),
+    SW("DSV4_CUDA_EXPERT_FETCH", SW_BOOL, expert_fetch),
     SW("DSV4_CUDA_LOG", SW_BOOL, log),
 };
 #undef SW
@@ -48,7 +49,7 @@ static const struct dsv4_cuda_switches defaults = {
     .graphs = true, .gemm = true, .gemm_stages = 4, .gemm_wgmma = true, .gemm_wgmma_decode = true,
     .gemm_direct = true, .gemm_prefetch_kb = DSV4_CUDA_PREFETCH_KB_DEFAULT,
     .pdl = true, .sample = true, .moe_mma = true, .branches = true, .moe_tiles = true, .moe_wgmma = true, .att_heads = 0,
-    .att_whole = true, .log = false,
+    .att_whole = true, .expert_fetch = true, .log = false,
 };
 
 /* One variable's value into its field; -EINVAL naming what is allowed. */

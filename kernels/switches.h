@@ -33,6 +33,8 @@ struct dsv4_cuda_switches {
     bool moe_wgmma;             /* DSV4_CUDA_MOE_WGMMA: prefill chunks' routed experts on wgmma (sm_90a; 0: mma.sync) */
     int att_heads;              /* DSV4_CUDA_ATT_HEADS: heads an FP8 attention block takes (0: by batch) */
     bool att_whole;             /* DSV4_CUDA_ATT_WHOLE: prefill chunks' attention a block per row (0: splits) */
+    bool expert_fetch;          /* DSV4_CUDA_EXPERT_FETCH: decode steps fetch predicted host experts ahead
+                                 * (kernels/expert_fetch.cu; 0: host experts read in place only) */
     bool log;                   /* DSV4_CUDA_LOG: the boot log on stderr */
 };
 
@@ -42,7 +44,7 @@ int dsv4_cuda_switches_read(struct dsv4_cuda_switches *ret);
 
 /* "DSV4_CUDA_GRAPHS=1 DSV4_CUDA_GEMM=1 ..." for the boot log; truncated to len (a buffer of
  * DSV4_CUDA_SWITCH_LINE holds it whole). */
-#define DSV4_CUDA_SWITCH_LINE 384
+#define DSV4_CUDA_SWITCH_LINE 512
 void dsv4_cuda_switches_describe(const struct dsv4_cuda_switches *sw, char *buf, size_t len);
 
 /* The table's variable names, for the documentation check: i in [0, dsv4_cuda_switch_count()). */

@@ -858,6 +858,8 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         /* the serving path: each step's tokens are the ones it sampled, as in the daemon */
         for (int s = 0; s < B; s++)
             toks[s] = random_token(V);
+        struct dsv4_backend_stats f0, f1;
+        b->ops->get_stats(b, &f0);
         for (int step = 0; step < BENCH_STEPS + 1; step++) {
             const bool prof = profile == PROFILE_DECODE && i == 0 && step == BENCH_STEPS / 2;
             if (prof)
@@ -891,6 +893,11 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
                 host += st.experts_host_by_layer[l] * (1.0 - pow(1.0 - K / E, B)) * expert;
             printf("%-34s %5d %10s %12.3f %10.2f %7.2f %8.0f\n", "  of which from host memory", B, "", host / 1e6,
                    host / (h2d_gbs * 1e3), step_us / (host / (h2d_gbs * 1e3)), host / (step_us * 1e3));
+            b->ops->get_stats(b, &f1);
+            if (f1.expert_fetch)    /* kernels/expert_fetch.cu; DSV4_CUDA_EXPERT_FETCH=0 turns it off */
+                printf("# fetched ahead a step: %.3f MB copied into device slots, %.3f MB of them read there\n",
+                       (double)(f1.expert_fetch_copied - f0.expert_fetch_copied) / (BENCH_STEPS + 1) / 1e6,
+                       (double)(f1.expert_fetch_used - f0.expert_fetch_used) / (BENCH_STEPS + 1) / 1e6);
         }
         time_decode_to_host(b, B, slots, toks, logits, us);
         snprintf(what, sizeof(what), "  the same, logits to the host");

@@ -11,6 +11,8 @@
  *   - the counts written to a routing-statistics file and read back place the most routed experts on
  *     the GPU: same logits again, and no more routed pairs reach host memory than with the even
  *     placement on the same traffic;
+ *   - host experts fetched ahead into device slots (a synthetic model whose experts run on the tensor-core
+ *     kernels): the same logits again, and the expert kernels read from the slots;
  *   - expert_offload = off with a host share is refused. */
 #include "build-config.h"
 
@@ -294,6 +296,92 @@ static void test_hot_placement(void **state)
     free(eb);
 }
 
+/* default-fp8's config with experts twice as wide (moe_inter 256: a multiple of 128, so fp8 numerics run
+ * them on the tensor-core kernels in k-tile blocks, which fetching ahead needs) and synthetic weights,
+ * written into dir (a mkdtemp template). */
+static void write_synthetic(char *dir)
+{
+    char path[1024], cfg[8192];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof(path), "%s/models/default-fp8/config.json", DSV4_SRCDIR);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    const size_t n = fread(cfg, 1, sizeof(cfg) - 1, f);
+    fclose(f);
+    cfg[n] = 0;
+    char *at = strstr(cfg, "\"moe_inter_dim\": 96,");
+    assert_non_null(at);
+    memcpy(at, "\"moe_inter_dim\":256,", strlen("\"moe_inter_dim\":256,"));
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    assert_non_null(f = fopen(path, "w"));
+    assert_int_equal(fwrite(cfg, 1, n, f), n);
+    fclose(f);
+    snprintf(path, sizeof(path), "%s/synthetic.json", dir);
+    assert_non_null(f = fopen(path, "w"));
+    fputs("{\"seed\": 7}\n", f);
+    fclose(f);
+}
+
+static void remove_synthetic(const char *dir)
+{
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    unlink(path);
+    snprintf(path, sizeof(path), "%s/synthetic.json", dir);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* Host experts fetched ahead into device slots (kernels/expert_fetch.cu): the logits stay those of the
+ * all-GPU step bit for bit, and the expert kernels really read from the slots (stats count the bytes
+ * copied and the bytes read there); with DSV4_CUDA_EXPERT_FETCH=0 nothing is copied. */
+static void test_fetch_ahead(void **state)
+{
+    const int share = 50;
+    char dir[] = "/tmp/dsv4-test-fetch-XXXXXX";
+    struct dsv4_weights *w = NULL;
+    struct dsv4_backend *a = NULL, *b = NULL;
+    struct dsv4_backend_opts oa = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = DSV4_NUMERICS_FP8,
+                                    .expert_offload = DSV4_EXPERT_OFFLOAD_OFF };
+    struct dsv4_backend_opts ob = oa;
+    struct dsv4_backend_stats sa, sb;
+    struct traffic t;
+
+    write_synthetic(dir);
+    DSV4_OK(dsv4_weights_load(dir, &w));
+    const struct dsv4_config *c = &w->cfg;
+    assert_int_equal(c->moe_inter, 256);
+    ob.expert_offload = DSV4_EXPERT_OFFLOAD_ON;
+    ob.expert_host_share = share;
+    DSV4_OK(dsv4_backend_cuda_create(w, &oa, &a));
+    DSV4_OK(dsv4_backend_cuda_create(w, &ob, &b));
+    a->ops->get_stats(a, &sa);
+    b->ops->get_stats(b, &sb);
+    assert_false(sa.expert_fetch);
+    assert_true(sb.expert_fetch);
+    assert_true(sb.experts_host > 0);
+    make_traffic(&t, c->vocab_size);
+    run_both(a, b, &t, c->vocab_size);
+    b->ops->get_stats(b, &sb);
+    printf("# fetched ahead: %llu bytes copied into slots, %llu read from them\n",
+           (unsigned long long)sb.expert_fetch_copied, (unsigned long long)sb.expert_fetch_used);
+    assert_true(sb.expert_fetch_used > 0);
+    assert_true(sb.expert_fetch_used <= sb.expert_fetch_copied);
+    dsv4_backend_destroy(b);
+
+    setenv("DSV4_CUDA_EXPERT_FETCH", "0", 1);
+    DSV4_OK(dsv4_backend_cuda_create(w, &ob, &b));
+    unsetenv("DSV4_CUDA_EXPERT_FETCH");
+    b->ops->get_stats(b, &sb);
+    assert_false(sb.expert_fetch);
+    dsv4_backend_destroy(b);
+
+    dsv4_backend_destroy(a);
+    dsv4_weights_free(w);
+    free_traffic(&t);
+    remove_synthetic(dir);
+}
+
 static void test_off_with_share_refused(void **state)
 {
     struct dsv4_weights *w = NULL;
@@ -314,6 +402,7 @@ int main(void)
         cmocka_unit_test(test_release_exact),
         cmocka_unit_test(test_f32_all_host),
         cmocka_unit_test(test_hot_placement),
+        cmocka_unit_test(test_fetch_ahead),
         cmocka_unit_test(test_off_with_share_refused),
     };
     return gt_main(tests, sizeof(tests) / sizeof(tests[0]));

@@ -33,7 +33,7 @@ static void test_defaults(void **state)
     clear_env();
     assert_int_equal(dsv4_cuda_switches_read(&sw), 0);
     assert_true(sw.graphs && sw.gemm && sw.gemm_wgmma && sw.pdl && sw.sample && sw.moe_mma && sw.branches && sw.moe_tiles &&
-                sw.att_whole);
+                sw.att_whole && sw.expert_fetch);
     assert_false(sw.log);
     assert_int_equal(sw.gemm_stages, 4);
     assert_int_equal(sw.gemm_prefetch_kb, DSV4_CUDA_PREFETCH_KB_DEFAULT);
@@ -58,7 +58,9 @@ static void test_values(void **state)
     setenv("DSV4_CUDA_ATT_HEADS", "16", 1);
     setenv("DSV4_CUDA_GEMM_WGMMA", "0", 1);
     setenv("DSV4_CUDA_ATT_WHOLE", "0", 1);
+    setenv("DSV4_CUDA_EXPERT_FETCH", "0", 1);
     assert_int_equal(dsv4_cuda_switches_read(&sw), 0);
+    assert_false(sw.expert_fetch);
     assert_false(sw.gemm_wgmma);
     assert_false(sw.att_whole);
     assert_int_equal(sw.att_heads, 16);
