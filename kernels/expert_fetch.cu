@@ -91,9 +91,9 @@ __global__ void fetch_step_kernel(uint64_t *step)
 }
 
 /* logits [B, E] = gate [E, D] (bf16) . xn [B, D], B <= DSV4_CUDA_FETCH_ROWS_MAX: a warp per expert,
- * each lane 8 values of the row at a time against every row of x, so the gate row is read once and
- * sixteen 16-byte loads a lane are in flight at Flash's D. Only a prediction reads the logits (which
- * experts to copy), so f32 sums in any order will do. */
+ * each lane 8 values of the row at a time (one 16-byte load, four iterations unrolled) against every
+ * row of x, so the gate row is read once. Only a prediction reads the logits (which experts to copy),
+ * so f32 sums in any order will do. */
 __global__ void __launch_bounds__(FETCH_PREDICT_WARPS * DSV4_CUDA_WARP)
 fetch_predict_kernel(const __nv_bfloat16 *__restrict__ gate, int64_t ldg, const float *__restrict__ xn, int B, int D,
                      int E, float *__restrict__ logits)
