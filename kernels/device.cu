@@ -501,6 +501,9 @@ static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), v
 
 /* ---- host experts fetched ahead (expert_fetch.cu) ---- */
 
+static_assert(DSV4_CUDA_FETCH_AHEAD_SWITCH_MAX == DSV4_CUDA_FETCH_AHEAD_MAX,
+              "DSV4_CUDA_EXPERT_FETCH's range is the layers a prediction may cover");
+
 static int fetch_chunks(const struct dsv4_config *c)
 {
     return 2 * (c->moe_inter / DSV4_CUDA_TILE_ROWS) + c->dim / DSV4_CUDA_TILE_ROWS;
@@ -524,17 +527,17 @@ static bool fetch_tiles(const struct dsv4_config *c, struct dsv4_cuda_fetch *f)
     return true;
 }
 
-/* The arena's share for fetching host experts ahead: two sets of slots of an expert's bytes (the
- * movable experts are alike: all_tiled), their chunk flags, the slot table, which experts live on the
- * host, the step counter and byte counters, the prediction's logits, choices and weights, the redirect
- * entries of every layer's experts and which of them are set. 0 and *why when
- * decode steps cannot fetch. */
+/* The arena's share for fetching host experts ahead: DSV4_CUDA_FETCH_SETS sets of slots of an
+ * expert's bytes (the movable experts are alike: all_tiled), their chunk flags, the slot table and the
+ * jobs, which experts live on the host, the counters and stop words, the predictions' logits, the
+ * redirect entries of every layer's experts and which of them are set. 0 and *why when decode steps
+ * cannot fetch. */
 static size_t fetch_plan_bytes(const struct walker *wk, const struct dsv4_backend_opts *o, uint64_t expert,
                                const char **why)
 {
     const struct dsv4_config *c = wk->cfg;
     struct dsv4_cuda_switches sw;
-    const size_t sets = 2 * DSV4_CUDA_FETCH_SLOTS;
+    const size_t slots = DSV4_CUDA_FETCH_SETS * DSV4_CUDA_FETCH_SLOTS;
     *why = NULL;
     if (dsv4_cuda_switches_read(&sw) < 0 || !sw.expert_fetch)
         *why = "DSV4_CUDA_EXPERT_FETCH=0";
@@ -543,15 +546,17 @@ static size_t fetch_plan_bytes(const struct walker *wk, const struct dsv4_backen
     else if (!wk->all_tiled)
         *why = "the routed experts are not FP4 in k-tile blocks on the tensor-core kernels (fp8 numerics)";
     else if (c->n_layers > DSV4_CUDA_FETCH_LAYERS_MAX)
-        *why = "more layers than the fetch tag holds";
+        *why = "more layers than the fetch tags hold";
+    else if (c->n_experts > 0xffff)
+        *why = "more experts a layer than the slot keys hold";
     else if (!fetch_tiles(c, NULL))
         *why = "more expert tiles than the fetch masks hold";
     if (*why)
         return 0;
-    return sets * (expert + align_up(sizeof(uint64_t) * (size_t)fetch_chunks(c))) +
-           align_up(sets * sizeof(struct dsv4_cuda_fetch_slot)) + align_up((size_t)c->n_layers * c->n_experts) +
-           align_up(3 * sizeof(uint64_t)) + align_up(sizeof(float) * (size_t)DSV4_CUDA_FETCH_ROWS_MAX * c->n_experts) +
-           2 * align_up(sizeof(int32_t) * (size_t)DSV4_CUDA_FETCH_ROWS_MAX * c->n_experts_per_tok) +
+    return slots * (expert + align_up(sizeof(uint32_t) * (size_t)fetch_chunks(c))) +
+           align_up(slots * sizeof(struct dsv4_cuda_fetch_slot)) + align_up(slots * sizeof(struct dsv4_cuda_fetch_job)) +
+           align_up((size_t)c->n_layers * c->n_experts) + align_up(DSV4_CUDA_FETCH_WORDS * sizeof(unsigned long long)) +
+           align_up(sizeof(float) * DSV4_CUDA_FETCH_AHEAD_MAX * DSV4_CUDA_FETCH_ROWS_MAX * (size_t)c->n_experts) +
            align_up(sizeof(struct dsv4_cuda_fetch_redirect) * (size_t)c->n_layers * c->n_experts) +
            align_up(sizeof(int32_t) * (size_t)c->n_layers * DSV4_CUDA_FETCH_SLOTS);
 }
@@ -560,8 +565,9 @@ static size_t fetch_plan_bytes(const struct walker *wk, const struct dsv4_backen
 static int fetch_build(struct dsv4_cuda_dev *dev, const struct dsv4_config *c, const struct dsv4_backend_opts *o)
 {
     struct dsv4_cuda_fetch *f = &dev->fetch;
-    const int sets = 2 * DSV4_CUDA_FETCH_SLOTS, E = c->n_experts;
-    struct dsv4_cuda_fetch_slot slot[2 * DSV4_CUDA_FETCH_SLOTS];
+    const int n_slots = DSV4_CUDA_FETCH_SETS * DSV4_CUDA_FETCH_SLOTS, E = c->n_experts;
+    struct dsv4_cuda_fetch_slot slot[DSV4_CUDA_FETCH_SETS * DSV4_CUDA_FETCH_SLOTS];
+    struct dsv4_cuda_switches sw;
     void *p = NULL;
 
     if (!dev->fetch_bytes)
@@ -570,13 +576,16 @@ static int fetch_build(struct dsv4_cuda_dev *dev, const struct dsv4_config *c, c
         dev->fetch_off = "no routed expert was placed in host memory";
         return 0;
     }
+    if (dsv4_cuda_switches_read(&sw) < 0)
+        return -EINVAL;
     f->n_layers = c->n_layers;
     f->n_experts = E;
+    f->ahead = sw.expert_fetch;
     f->rows = o->max_batch < DSV4_CUDA_FETCH_ROWS_MAX ? o->max_batch : DSV4_CUDA_FETCH_ROWS_MAX;
     f->up_blocks = c->moe_inter / DSV4_CUDA_TILE_ROWS;
     f->chunks = fetch_chunks(c);
     fetch_tiles(c, f);
-    for (int s = 0; s < sets; s++) {
+    for (int s = 0; s < n_slots; s++) {
         struct dsv4_cuda_linear *lin[3] = { &slot[s].ex.w1, &slot[s].ex.w3, &slot[s].ex.w2 };
         slot[s].ex = dev->fetch_proto;
         for (int m = 0; m < 3; m++) {
@@ -585,15 +594,17 @@ static int fetch_build(struct dsv4_cuda_dev *dev, const struct dsv4_config *c, c
             WALK(carve(dev, (size_t)lin[m]->out * (size_t)lin[m]->in / 32, &p));
             lin[m]->scale = static_cast<const uint8_t *>(p);
         }
-        WALK(carve(dev, sizeof(uint64_t) * (size_t)f->chunks, &p));
-        DSV4_CUDA_TRY(cudaMemset(p, 0, sizeof(uint64_t) * (size_t)f->chunks));
-        slot[s].done = static_cast<uint64_t *>(p);
-        slot[s].cancel = 0;
-        slot[s].expert = -1;
+        WALK(carve(dev, sizeof(uint32_t) * (size_t)f->chunks, &p));
+        DSV4_CUDA_TRY(cudaMemset(p, 0, sizeof(uint32_t) * (size_t)f->chunks));
+        slot[s].done = static_cast<uint32_t *>(p);
+        slot[s].key = 0;
     }
     WALK(carve(dev, sizeof(slot), &p));
     DSV4_CUDA_TRY(cudaMemcpy(p, slot, sizeof(slot), cudaMemcpyHostToDevice));
     f->slots = static_cast<struct dsv4_cuda_fetch_slot *>(p);
+    WALK(carve(dev, n_slots * sizeof(struct dsv4_cuda_fetch_job), &p));
+    DSV4_CUDA_TRY(cudaMemset(p, 0xff, n_slots * sizeof(struct dsv4_cuda_fetch_job)));
+    f->jobs = static_cast<struct dsv4_cuda_fetch_job *>(p);
     std::unique_ptr<uint8_t[]> on_host(new (std::nothrow) uint8_t[(size_t)c->n_layers * E]());
     if (!on_host)
         return dsv4_error_set(-ENOMEM, "cuda: host expert table of %d layers", c->n_layers);
@@ -603,16 +614,11 @@ static int fetch_build(struct dsv4_cuda_dev *dev, const struct dsv4_config *c, c
     WALK(carve(dev, (size_t)c->n_layers * E, &p));
     DSV4_CUDA_TRY(cudaMemcpy(p, on_host.get(), (size_t)c->n_layers * E, cudaMemcpyHostToDevice));
     f->on_host = static_cast<const uint8_t *>(p);
-    WALK(carve(dev, 3 * sizeof(uint64_t), &p));
-    DSV4_CUDA_TRY(cudaMemset(p, 0, 3 * sizeof(uint64_t)));
-    f->step = static_cast<uint64_t *>(p);
-    f->counters = reinterpret_cast<unsigned long long *>(f->step + 1);
-    WALK(carve(dev, sizeof(float) * (size_t)f->rows * E, &p));
+    WALK(carve(dev, DSV4_CUDA_FETCH_WORDS * sizeof(unsigned long long), &p));
+    DSV4_CUDA_TRY(cudaMemset(p, 0, DSV4_CUDA_FETCH_WORDS * sizeof(unsigned long long)));
+    f->words = static_cast<unsigned long long *>(p);
+    WALK(carve(dev, sizeof(float) * DSV4_CUDA_FETCH_AHEAD_MAX * DSV4_CUDA_FETCH_ROWS_MAX * (size_t)E, &p));
     f->logits = static_cast<float *>(p);
-    WALK(carve(dev, sizeof(int32_t) * (size_t)f->rows * c->n_experts_per_tok, &p));
-    f->pidx = static_cast<int32_t *>(p);
-    WALK(carve(dev, sizeof(float) * (size_t)f->rows * c->n_experts_per_tok, &p));
-    f->pw = static_cast<float *>(p);
     const size_t rb = sizeof(struct dsv4_cuda_fetch_redirect) * (size_t)c->n_layers * E;
     WALK(carve(dev, rb, &p));
     DSV4_CUDA_TRY(cudaMemset(p, 0, rb));
@@ -729,9 +735,10 @@ static void log_placement(struct dsv4_cuda_dev *dev, void (*log)(void *, const c
         vlog(dev, log, ctx, false, "cuda: experts gpu/host by layer:%s", line);
     }
     if (dev->fetch.slots)
-        vlog(dev, log, ctx, true, "cuda: decode steps fetch host experts ahead: 2 sets of %d slots (%.1f MiB), "
-             "the router's prediction from each layer's attention input, copied while the attention runs "
-             "(DSV4_CUDA_EXPERT_FETCH=0: in place only)", DSV4_CUDA_FETCH_SLOTS, dev->fetch_bytes / 1048576.0);
+        vlog(dev, log, ctx, true, "cuda: decode steps fetch host experts ahead: %d sets of %d slots (%.1f MiB), "
+             "each layer's attention input predicting the routing of %d layer%s from it, copied while the link "
+             "is idle (DSV4_CUDA_EXPERT_FETCH=N sets N, 0: in place only)", DSV4_CUDA_FETCH_SETS,
+             DSV4_CUDA_FETCH_SLOTS, dev->fetch_bytes / 1048576.0, dev->fetch.ahead, dev->fetch.ahead > 1 ? "s" : "");
     else
         vlog(dev, log, ctx, true, "cuda: host experts are read in place only, not fetched ahead: %s",
              dev->fetch_off ? dev->fetch_off : "nothing to fetch");
@@ -1063,7 +1070,7 @@ extern "C" int dsv4_cuda_dev_fetch_counts(const struct dsv4_cuda_dev *dev, uint6
 {
     uint64_t v[2] = { 0, 0 };
     if (dev->fetch.slots)
-        DSV4_CUDA_TRY(cudaMemcpy(v, dev->fetch.counters, sizeof(v), cudaMemcpyDeviceToHost));
+        DSV4_CUDA_TRY(cudaMemcpy(v, dev->fetch.words + DSV4_CUDA_FETCH_COPIED, sizeof(v), cudaMemcpyDeviceToHost));
     *copied = v[0];
     *used = v[1];
     return 0;

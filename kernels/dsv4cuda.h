@@ -77,11 +77,17 @@ struct dsv4_cuda_expert {
 };
 
 /* Host experts fetched ahead into device slots in decode steps (kernels/expert_fetch.cu has the
- * protocol). Two sets of DSV4_CUDA_FETCH_SLOTS slots, set l % 2 for layer l: a layer copies at most
- * that many of its predicted host experts (one is the common case at batch 1: 6 of 256 experts routed
- * and ~7% on the host for the whole Flash; each slot costs an expert's bytes of GPU memory). */
+ * protocol). When a layer's attention input is ready, the routers of that layer and of the next
+ * dsv4_cuda_fetch.ahead - 1 ones predict their routing from it, and up to DSV4_CUDA_FETCH_SLOTS
+ * predicted host experts of each are copied into that layer's set of slots (set l % SETS for layer l;
+ * one expert is the common case at batch 1: 6 of 256 experts routed and ~7% on the host for the whole
+ * Flash; each slot costs an expert's bytes of GPU memory). A slot keeps what it holds until a later
+ * prediction needs it, so an expert routed again finds its bytes still there. */
 #define DSV4_CUDA_FETCH_SLOTS 2
-#define DSV4_CUDA_FETCH_LAYERS_MAX 255      /* the tag keeps the layer in 8 bits */
+#define DSV4_CUDA_FETCH_AHEAD_MAX 3         /* layers one prediction covers, at most (the switch's range) */
+#define DSV4_CUDA_FETCH_SETS DSV4_CUDA_FETCH_AHEAD_MAX  /* a layer's prediction writes the sets of its targets,
+                                                         * none of which the expert kernels still read */
+#define DSV4_CUDA_FETCH_LAYERS_MAX 255      /* the copy tags keep the layer in 8 bits */
 #define DSV4_CUDA_FETCH_TILES_MAX 128       /* decode expert tiles of a matrix the masks hold (Flash 64, Pro 112) */
 /* Steps of up to this many rows fetch ahead. A larger batch routes to most of a layer's host experts
  * and reads them through the whole MoE sublayer, so the link is busy anyway, and the union of its
@@ -91,9 +97,30 @@ struct dsv4_cuda_expert {
 
 struct dsv4_cuda_fetch_slot {
     struct dsv4_cuda_expert ex;     /* the slot's device copy: the host experts' shapes, k-tile blocks */
-    uint64_t *done;                 /* [chunks]: the tag chunk c was copied for */
-    uint64_t cancel;                /* the tag whose copy stops at its next chunk */
-    int32_t expert;                 /* the expert the set's current copy takes, -1 none */
+    uint32_t *done;                 /* [chunks]: the key (dsv4_cuda_fetch_key) whose bytes chunk c holds, 0 none */
+    uint32_t key;                   /* the layer and expert the slot holds or is being filled with, 0 none */
+};
+
+/* A copy's work item: slot (index into dsv4_cuda_fetch.slots, -1 none) to fill with key's expert. */
+struct dsv4_cuda_fetch_job {
+    int32_t slot;
+    uint32_t key;
+};
+
+/* One layer a prediction covers: its router (BF16 gate [E, D], row stride ldg; the selection bias, or
+ * the hash table for a hash layer) and its expert table (sources of the copy). */
+struct dsv4_cuda_fetch_target {
+    const void *gate;
+    int64_t ldg;
+    const float *bias;
+    const int32_t *tid2eid;
+    const struct dsv4_cuda_expert *table;
+    int layer;
+};
+
+struct dsv4_cuda_fetch_targets {
+    struct dsv4_cuda_fetch_target t[DSV4_CUDA_FETCH_AHEAD_MAX];
+    int n;
 };
 
 /* One expert of a layer, as the decode expert kernels find it: tiles whose bit is set read the slot's
@@ -105,17 +132,27 @@ struct dsv4_cuda_fetch_redirect {
     uint64_t down[DSV4_CUDA_FETCH_TILES_MAX / 64];      /* down tiles */
 };
 
+/* dsv4_cuda_fetch.words */
+enum {
+    DSV4_CUDA_FETCH_STEP,           /* decode steps so far that fetched */
+    DSV4_CUDA_FETCH_COPIED,         /* bytes copied into slots */
+    DSV4_CUDA_FETCH_USED,           /* bytes the resolves pointed the expert kernels at */
+    DSV4_CUDA_FETCH_CANCEL,         /* copies launched with a tag up to this one stop at their next chunk */
+    DSV4_CUDA_FETCH_RESOLVED,       /* layers whose tag is up to this one are resolved: no more chunks for them */
+    DSV4_CUDA_FETCH_WORDS
+};
+
 struct dsv4_cuda_fetch {
-    struct dsv4_cuda_fetch_slot *slots;     /* device [2 * DSV4_CUDA_FETCH_SLOTS] */
+    struct dsv4_cuda_fetch_slot *slots;     /* device [DSV4_CUDA_FETCH_SETS * DSV4_CUDA_FETCH_SLOTS] */
+    struct dsv4_cuda_fetch_job *jobs;       /* device [DSV4_CUDA_FETCH_AHEAD_MAX * DSV4_CUDA_FETCH_SLOTS]: the
+                                             * current copy's, target by target */
     const uint8_t *on_host;                 /* device [n_layers, n_experts]: 1 where the expert lives on the host */
-    uint64_t *step;                         /* device: decode steps so far that fetched */
-    unsigned long long *counters;           /* device [2]: bytes copied, bytes resolve pointed the expert kernels at */
-    float *logits;                          /* device [rows, n_experts]: the prediction's router logits */
-    int32_t *pidx;                          /* device [rows, topk]: its choices */
-    float *pw;                              /* device [rows, topk]: their weights (the router writes them) */
+    unsigned long long *words;              /* device [DSV4_CUDA_FETCH_WORDS] */
+    float *logits;                          /* device [ahead, rows, n_experts]: the predictions' router logits */
     struct dsv4_cuda_fetch_redirect *redirect;  /* device [n_layers, n_experts], all clear but what resolve set */
     int32_t *redirected;                    /* device [n_layers, DSV4_CUDA_FETCH_SLOTS]: the experts it set, -1 */
     int n_layers, n_experts;
+    int ahead;                              /* layers one prediction covers (DSV4_CUDA_EXPERT_FETCH) */
     int rows;                               /* the most rows a step fetches for: max_batch, at most
                                              * DSV4_CUDA_FETCH_ROWS_MAX */
     int up_blocks;                          /* DSV4_CUDA_TILE_ROWS-row blocks of w1 (and of w3): I / 32 */
@@ -125,16 +162,24 @@ struct dsv4_cuda_fetch {
 };
 
 #ifdef __CUDACC__
-/* A copy's tag: the step (dsv4_cuda_fetch.step) and the layer; 0 is no copy's. */
-static inline __host__ __device__ uint64_t dsv4_cuda_fetch_tag(uint64_t step, int layer)
+/* A step's tag for layer l: the step (words[STEP]) and the layer, increasing through a step and from
+ * one step to the next, so that "stop everything up to here" is one atomicMax; 0 is no layer's. */
+static inline __host__ __device__ unsigned long long dsv4_cuda_fetch_tag(unsigned long long step, int layer)
 {
-    return step << 8 | (uint64_t)(layer + 1);
+    return step << 8 | (unsigned long long)(layer + 1);
+}
+
+/* What a slot holds: the layer and expert (weights never change, so bytes once copied for a key stay
+ * right for it until the slot takes another key); 0 is nothing. */
+static inline __host__ __device__ uint32_t dsv4_cuda_fetch_key(int layer, int expert)
+{
+    return (uint32_t)(layer + 1) << 16 | (uint32_t)expert;
 }
 
 static inline __host__ __device__ struct dsv4_cuda_fetch_slot *dsv4_cuda_fetch_set(const struct dsv4_cuda_fetch *f,
                                                                                    int layer)
 {
-    return f->slots + (layer % 2) * DSV4_CUDA_FETCH_SLOTS;
+    return f->slots + (layer % DSV4_CUDA_FETCH_SETS) * DSV4_CUDA_FETCH_SLOTS;
 }
 #endif
 
@@ -446,17 +491,23 @@ int dsv4_cuda_route_count(const int32_t *d_idx, int batch, int topk, const int32
                           uint64_t *d_counts, void *stream);
 
 /* Host experts fetched ahead (kernels/expert_fetch.cu; f from dsv4_cuda_dev_fetch). fetch_step: the
- * step counter, once per step before its first fetch. fetch_predict: d_logits [B, E] = the layer's
- * router gate (BF16) on d_xn [B, D], the attention's input. fetch_copy: after the router kernel made
- * d_pidx [B, K] from those logits, the first DSV4_CUDA_FETCH_SLOTS predicted host experts into the
- * layer's set, copied chunk by chunk (ex: the layer's experts, in k-tile blocks). fetch_resolve: on
- * the main lane after the layer's router made d_idx [B, K], stops that copy at its next chunk and
- * points the layer's redirect entries of the routed slot experts at the tiles already copied. */
+ * step counter, once per step before its first fetch. fetch_predict, on the fetch lane when layer's
+ * attention input d_xn [B, D] is ready: stops every earlier copy at its next chunk, and writes the
+ * router logits of each target (tg: layer and the next ones that fetch, up to f->ahead) into
+ * f->logits. fetch_plan: each target's top-K from those logits (or its hash table on d_tokens [B]),
+ * its first DSV4_CUDA_FETCH_SLOTS host experts kept in or assigned to its set's slots, the slots still
+ * to fill as the jobs. fetch_copy, on the copy lane after the plan: the jobs' chunks, target by
+ * target. fetch_resolve: on the main lane after the layer's router made d_idx [B, K] (and after the
+ * plan that covered the layer): the layer's chunks no longer copied, its redirect entries pointed at
+ * the routed slot experts' tiles already copied, and the copy stopped when a routed host expert must
+ * still be read in place (the link is then the layer's). */
 int dsv4_cuda_fetch_step(const struct dsv4_cuda_fetch *f, void *stream);
-int dsv4_cuda_fetch_predict(const struct dsv4_cuda_fetch *f, int layer, const struct dsv4_cuda_linear *gate,
-                            const float *d_xn, int B, float *d_logits, void *stream);
-int dsv4_cuda_fetch_copy(const struct dsv4_cuda_fetch *f, int layer, const struct dsv4_cuda_experts *ex,
-                         const int32_t *d_pidx, int B, int K, void *stream);
+int dsv4_cuda_fetch_predict(const struct dsv4_cuda_fetch *f, int layer, const struct dsv4_cuda_fetch_targets *tg,
+                            const float *d_xn, int B, int D, void *stream);
+int dsv4_cuda_fetch_plan(const struct dsv4_cuda_fetch *f, int layer, const struct dsv4_cuda_fetch_targets *tg,
+                         const int32_t *d_tokens, int B, int K, void *stream);
+int dsv4_cuda_fetch_copy(const struct dsv4_cuda_fetch *f, int layer, const struct dsv4_cuda_fetch_targets *tg,
+                         void *stream);
 int dsv4_cuda_fetch_resolve(const struct dsv4_cuda_fetch *f, int layer, const int32_t *d_idx, int B, int K,
                             void *stream);
 /* The rows of one decode expert tile (moe.cu's one-tile kernels): gate_up tiles take up_rows rows of w1

@@ -7,7 +7,7 @@ DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/expert_fetch.cu kernels/gemv.cu 
 	kernels/compressor.cu kernels/step.cu kernels/mhc.cu kernels/embed.cu kernels/prefix.cu kernels/fault.cu \
 	kernels/route_stats.cu kernels/spec.cu
 DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/cuda_fault.cuh kernels/kernels_internal.h kernels/kv_entry.cuh kernels/index_key.cuh kernels/sample.h kernels/mma.cuh kernels/norm_row.cuh kernels/gemm_tile.cuh kernels/wgmma.cuh \
-	kernels/pending.cuh kernels/prefix.h kernels/moe_tile.cuh
+	kernels/pending.cuh kernels/prefix.h kernels/moe_tile.cuh kernels/route_score.cuh
 EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES) kernels/NOTES.md
 
 GPU_TEST_COMMON = tests/gpu/gpu_test.h

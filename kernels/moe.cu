@@ -25,6 +25,7 @@
 #include "kernels/mma.cuh"
 #include "kernels/moe_tile.cuh"
 #include "kernels/pending.cuh"
+#include "kernels/route_score.cuh"
 #include "kernels/switches.h"
 
 #define MOE_ROWS 8              /* warps (weight rows) per block */
@@ -32,11 +33,6 @@
 #define MOE_MAX_EXPERTS 1024    /* router and grouping keep per-expert arrays in shared memory */
 #define ROUTER_THREADS_PENDING 256   /* a token's scores from pending logits (sums over up to 32 splits):
                                      * one logit a thread; else one warp reads them */
-
-static __device__ __forceinline__ float sqrt_softplus(float l)
-{
-    return sqrtf(l > 20.0f ? l : log1pf(expf(l)));
-}
 
 /* One block per token (a warp, or ROUTER_THREADS_PENDING threads for pending logits). Shared: scores
  * [E], selection values [E], made by the whole block; then warp 0 chooses. Lane j keeps the j-th choice
@@ -56,7 +52,7 @@ router_kernel(const float *__restrict__ logits, const dsv4_cuda_pending pl, int 
     int mine = -1;          /* lane j < topk: choice j */
 
     for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
-        score[e] = sqrt_softplus(pending_at(pl, logits, (int64_t)b * n_experts + e));
+        score[e] = dsv4_route_score(pending_at(pl, logits, (int64_t)b * n_experts + e));
         sel[e] = score[e] + (bias ? bias[e] : 0.0f);
     }
     __syncthreads();

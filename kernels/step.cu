@@ -119,11 +119,15 @@ struct cuda_backend {
     bool branches;              /* DSV4_CUDA_BRANCHES=0: every launch on the main stream */
     cudaStream_t side, indexer;
     cudaEvent_t ev_fork, ev_join;
-    /* host experts fetched ahead: the device's slots (NULL: off) and the lane that predicts and copies;
-     * ev_fetched marks the prediction's read of xn, which the main lane's next write of xn waits for */
+    /* host experts fetched ahead: the device's slots (NULL: off), the lane that predicts and plans and
+     * the lane that copies. ev_fetched marks a plan (after the prediction's read of xn): the main
+     * lane waits for it before it writes xn again and before the layer's resolve; ev_copied marks a
+     * copy, which the next plan waits for. fetch_lanes: this step's launches used them (joined at
+     * its end). */
     const struct dsv4_cuda_fetch *fetch;
-    struct lane fl;
-    cudaEvent_t ev_fetched;
+    struct lane fl, fc;
+    cudaEvent_t ev_fetched, ev_copied;
+    bool fetch_lanes;
     int64_t max_entries;
     int64_t *pos;               /* host: tokens in each slot */
     int32_t *h_in;
@@ -889,22 +893,42 @@ static bool fetching(const struct cuda_backend *cb, const struct step_layer *L, 
     return step_fetches(cb, B) && L->fetch;
 }
 
-/* The fetch lane, from the attention's xn: the layer's router on it (logits, then the router kernel's
- * choices), the predicted host experts copied into the layer's slots until the main lane's resolve
- * stops the copy (moe). The main lane writes xn again only after ev_fetched (sublayer_pre). */
-static int fetch_ahead(struct cuda_backend *cb, const struct step_layer *L, int B)
+/* The fetch lanes at layer l, from the attention's xn: the routers of l and of the next layers that
+ * fetch (up to f->ahead from l) predict on xn, the plan keeps or assigns their slots, and the copy
+ * lane fills them (kernels/expert_fetch.cu has the order that keeps slots still while read).
+ * *launched: false when no layer in reach has host experts. */
+static int fetch_ahead(struct cuda_backend *cb, int l, int B, bool *launched)
 {
     const struct dsv4_cuda_fetch *f = cb->fetch;
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
-    const struct dsv4_cuda_pending none = {};
+    struct dsv4_cuda_fetch_targets tg = {};
+    *launched = false;
+    for (int i = l; i < l + f->ahead && i < c->n_layers; i++) {
+        const struct step_layer *T = &cb->L[i];
+        if (!T->fetch)
+            continue;
+        struct dsv4_cuda_fetch_target *x = &tg.t[tg.n++];
+        x->gate = T->gate.w;
+        x->ldg = T->gate.row_stride;
+        x->bias = T->hash ? NULL : T->gate_bias;
+        x->tid2eid = T->hash ? T->tid2eid : NULL;
+        x->table = T->ex.d_table;
+        x->layer = i;
+    }
+    if (!tg.n)
+        return 0;
     STEP(lane_wait(cb, &cb->fl, &cb->ln[0], cb->ev_fork));
-    STEP(dsv4_cuda_fetch_predict(f, L->index, &L->gate, t->xn, B, f->logits, cb->fl.s));
-    DSV4_CUDA_TRY(cudaEventRecord(cb->ev_fetched, cb->fl.s));
-    STEP(dsv4_cuda_router(f->logits, &none, B, c->n_experts, c->n_experts_per_tok, L->hash ? NULL : L->gate_bias,
-                          L->hash ? L->tid2eid : NULL, t->in, (float)c->routed_scaling_factor, f->pidx, f->pw,
-                          cb->fl.s));
-    return dsv4_cuda_fetch_copy(f, L->index, &L->ex, f->pidx, B, c->n_experts_per_tok, cb->fl.s);
+    STEP(dsv4_cuda_fetch_predict(f, l, &tg, t->xn, B, c->dim, cb->fl.s));
+    if (cb->fetch_lanes)    /* the last copy, stopped by the prediction: the plan rewrites its jobs */
+        DSV4_CUDA_TRY(cudaStreamWaitEvent(cb->fl.s, cb->ev_copied, 0));
+    STEP(dsv4_cuda_fetch_plan(f, l, &tg, t->in, B, c->n_experts_per_tok, cb->fl.s));
+    STEP(lane_wait(cb, &cb->fc, &cb->fl, cb->ev_fetched));
+    STEP(dsv4_cuda_fetch_copy(f, l, &tg, cb->fc.s));
+    DSV4_CUDA_TRY(cudaEventRecord(cb->ev_copied, cb->fc.s));
+    cb->fetch_lanes = true;
+    *launched = true;
+    return 0;
 }
 
 /* One layer's launches for B rows (t->in as they read it). */
@@ -913,12 +937,13 @@ static int layer_launches(struct cuda_backend *cb, const struct step_layer *L, i
     bool pa, pf;    /* xn prepared for wq_a, for the gate */
     struct dsv4_cuda_pending psub;      /* the attention's output */
     const bool fetch = fetching(cb, L, B);
+    bool planned = false;
     STEP(sublayer_pre(cb, &L->hc_attn_fn, L->hca_base, L->hca_scale, L->attn_norm, &L->wq_a, B, s, &pa));
-    if (fetch)
-        STEP(fetch_ahead(cb, L, B));
+    if (step_fetches(cb, B) && L->index < cb->cfg->n_layers)
+        STEP(fetch_ahead(cb, L->index, B, &planned));
     STEP(attention(cb, L, B, pa, &psub));
     STEP(sublayer_post(cb, B, &psub, s));
-    if (fetch)
+    if (planned)
         DSV4_CUDA_TRY(cudaStreamWaitEvent(s, cb->ev_fetched, 0));
     STEP(sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, &L->gate, B, s, &pf));
     STEP(moe(cb, L, B, pf, fetch));
@@ -1046,13 +1071,17 @@ static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStre
     cb->ln[1].s = cb->branches ? cb->side : s;
     cb->ln[2].s = cb->branches ? cb->indexer : s;
     const bool fetch = step_fetches(cb, B);
+    cb->fetch_lanes = false;
     int rc = fetch ? dsv4_cuda_fetch_step(cb->fetch, s) : 0;
     if (rc == 0)
         rc = dsv4_cuda_embed(&cb->embed, t->in, B, c->hc_mult, t->X, s);
     for (int l = 0; rc == 0 && l < c->n_layers; l++)
         rc = layer_launches(cb, &cb->L[l], B, s);
-    if (rc == 0 && fetch)       /* the last copy was stopped by its resolve: this joins at once */
+    /* the last copy's targets are all resolved by now: it has left them, so this joins at once */
+    if (rc == 0 && cb->fetch_lanes)
         rc = lane_wait(cb, &cb->ln[0], &cb->fl, cb->ev_join);
+    if (rc == 0 && cb->fetch_lanes)
+        rc = lane_wait(cb, &cb->ln[0], &cb->fc, cb->ev_join);
     /* the head's rows: from head_from on (a prefill chunk's last row, or every row) */
     const int Bh = B - head_from;
     const float *Xh = t->X + (int64_t)head_from * c->hc_mult * c->dim;
@@ -1351,8 +1380,12 @@ static void op_destroy(struct dsv4_backend *b)
         cudaStreamDestroy(cb->indexer);
     if (cb->fl.s)
         cudaStreamDestroy(cb->fl.s);
+    if (cb->fc.s)
+        cudaStreamDestroy(cb->fc.s);
     if (cb->ev_fetched)
         cudaEventDestroy(cb->ev_fetched);
+    if (cb->ev_copied)
+        cudaEventDestroy(cb->ev_copied);
     dsv4_cuda_prefix_free(cb->prefix);
     dsv4_cuda_dev_destroy(cb->dev);
     free(cb->L);
@@ -1786,9 +1819,14 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     if (cb->fetch) {
         const struct dsv4_placement *pl = dsv4_cuda_dev_placement(cb->dev);
         DSV4_CUDA_TRY(cudaStreamCreateWithFlags(&cb->fl.s, cudaStreamNonBlocking));
+        DSV4_CUDA_TRY(cudaStreamCreateWithFlags(&cb->fc.s, cudaStreamNonBlocking));
         DSV4_CUDA_TRY(cudaEventCreateWithFlags(&cb->ev_fetched, cudaEventDisableTiming));
-        for (int i = 0; i < c->n_layers; i++)   /* the prediction reads a BF16 router (the release's) */
-            cb->L[i].fetch = pl->host_experts[i] > 0 && cb->L[i].ex.tiled && cb->L[i].gate.fmt == DSV4_W_BF16;
+        DSV4_CUDA_TRY(cudaEventCreateWithFlags(&cb->ev_copied, cudaEventDisableTiming));
+        for (int i = 0; i < c->n_layers; i++) {     /* the prediction reads a BF16 router [E, D] (the release's) */
+            const struct dsv4_cuda_linear *g = &cb->L[i].gate;
+            cb->L[i].fetch = pl->host_experts[i] > 0 && cb->L[i].ex.tiled && g->fmt == DSV4_W_BF16 &&
+                             g->out == c->n_experts && g->in == c->dim;
+        }
     }
     if (cb->spec) {     /* the MTP block: its layer's tables at index n_layers, not counted */
         const struct dsv4_mtp *m = &w->mtp[0];

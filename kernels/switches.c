@@ -14,6 +14,7 @@ enum sw_kind {
     SW_STAGES,      /* "2" or "4" */
     SW_KB,          /* 0..DSV4_CUDA_PREFETCH_KB_MAX */
     SW_HEADS,       /* "0" (by batch), "16", "32" or "64" */
+    SW_AHEAD,       /* "0" (off) .. DSV4_CUDA_FETCH_AHEAD_SWITCH_MAX */
 };
 
 struct sw_def {
@@ -39,7 +40,7 @@ static const struct sw_def table[] = {
     SW("DSV4_CUDA_MOE_WGMMA", SW_BOOL, moe_wgmma),
     SW("DSV4_CUDA_ATT_HEADS", SW_HEADS, att_heads),
     SW("DSV4_CUDA_ATT_WHOLE", SW_BOOL, att_whole),
-    SW("DSV4_CUDA_EXPERT_FETCH", SW_BOOL, expert_fetch),
+    SW("DSV4_CUDA_EXPERT_FETCH", SW_AHEAD, expert_fetch),
     SW("DSV4_CUDA_LOG", SW_BOOL, log),
 };
 #undef SW
@@ -49,7 +50,7 @@ static const struct dsv4_cuda_switches defaults = {
     .graphs = true, .gemm = true, .gemm_stages = 4, .gemm_wgmma = true, .gemm_wgmma_decode = true,
     .gemm_direct = true, .gemm_prefetch_kb = DSV4_CUDA_PREFETCH_KB_DEFAULT,
     .pdl = true, .sample = true, .moe_mma = true, .branches = true, .moe_tiles = true, .moe_wgmma = true, .att_heads = 0,
-    .att_whole = true, .expert_fetch = true, .log = false,
+    .att_whole = true, .expert_fetch = DSV4_CUDA_EXPERT_FETCH_DEFAULT, .log = false,
 };
 
 /* One variable's value into its field; -EINVAL naming what is allowed. */
@@ -84,6 +85,13 @@ static int parse(const struct sw_def *d, const char *v, struct dsv4_cuda_switche
                                   "64", d->name, v);
         *(int *)field = atoi(v);
         return 0;
+    case SW_AHEAD:
+        if (strlen(v) != 1 || v[0] < '0' || v[0] > '0' + DSV4_CUDA_FETCH_AHEAD_SWITCH_MAX)
+            return dsv4_error_set(-EINVAL, "%s=%s: the value must be 0 (host experts read in place only) or the "
+                                  "layers one prediction covers, 1 to %d (default %d)", d->name, v,
+                                  DSV4_CUDA_FETCH_AHEAD_SWITCH_MAX, DSV4_CUDA_EXPERT_FETCH_DEFAULT);
+        *(int *)field = v[0] - '0';
+        return 0;
     }
     return dsv4_error_set(-EINVAL, "%s: unknown switch kind", d->name);
 }
@@ -110,7 +118,8 @@ void dsv4_cuda_switches_describe(const struct dsv4_cuda_switches *sw, char *buf,
     for (int i = 0; i < N_SW && at < len; i++) {
         const char *field = (const char *)sw + table[i].off;
         long long v = table[i].kind == SW_BOOL ? *(const bool *)field
-                    : table[i].kind == SW_STAGES || table[i].kind == SW_HEADS ? *(const int *)field
+                    : table[i].kind == SW_STAGES || table[i].kind == SW_HEADS || table[i].kind == SW_AHEAD
+                        ? *(const int *)field
                     : (long long)*(const int64_t *)field;
         int n = snprintf(buf + at, len - at, "%s%s=%lld", i ? " " : "", table[i].name, v);
         if (n < 0)

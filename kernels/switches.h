@@ -16,6 +16,8 @@ extern "C" {
 
 #define DSV4_CUDA_PREFETCH_KB_DEFAULT 8192
 #define DSV4_CUDA_PREFETCH_KB_MAX (1 << 20)     /* 1 GiB */
+#define DSV4_CUDA_FETCH_AHEAD_SWITCH_MAX 3      /* = DSV4_CUDA_FETCH_AHEAD_MAX (kernels/dsv4cuda.h) */
+#define DSV4_CUDA_EXPERT_FETCH_DEFAULT 3
 
 struct dsv4_cuda_switches {
     bool graphs;                /* DSV4_CUDA_GRAPHS: replay captured graphs (0: eager launches) */
@@ -33,8 +35,9 @@ struct dsv4_cuda_switches {
     bool moe_wgmma;             /* DSV4_CUDA_MOE_WGMMA: prefill chunks' routed experts on wgmma (sm_90a; 0: mma.sync) */
     int att_heads;              /* DSV4_CUDA_ATT_HEADS: heads an FP8 attention block takes (0: by batch) */
     bool att_whole;             /* DSV4_CUDA_ATT_WHOLE: prefill chunks' attention a block per row (0: splits) */
-    bool expert_fetch;          /* DSV4_CUDA_EXPERT_FETCH: decode steps fetch predicted host experts ahead
-                                 * (kernels/expert_fetch.cu; 0: host experts read in place only) */
+    int expert_fetch;           /* DSV4_CUDA_EXPERT_FETCH: decode steps fetch predicted host experts ahead
+                                 * (kernels/expert_fetch.cu), each prediction covering this many layers
+                                 * (0: host experts read in place only) */
     bool log;                   /* DSV4_CUDA_LOG: the boot log on stderr */
 };
 

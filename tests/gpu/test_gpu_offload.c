@@ -12,7 +12,8 @@
  *     the GPU: same logits again, and no more routed pairs reach host memory than with the even
  *     placement on the same traffic;
  *   - host experts fetched ahead into device slots (a synthetic model whose experts run on the tensor-core
- *     kernels): the same logits again, and the expert kernels read from the slots;
+ *     kernels), predictions of one layer and of three: the same logits again through steps of 1, 4
+ *     and 64 rows, and the expert kernels read from the slots;
  *   - expert_offload = off with a host share is refused. */
 #include "build-config.h"
 
@@ -332,12 +333,40 @@ static void remove_synthetic(const char *dir)
     rmdir(dir);
 }
 
-/* Host experts fetched ahead into device slots (kernels/expert_fetch.cu): the logits stay those of the
- * all-GPU step bit for bit, and the expert kernels really read from the slots (stats count the bytes
- * copied and the bytes read there); with DSV4_CUDA_EXPERT_FETCH=0 nothing is copied. */
+/* `steps` decode steps of slots 0 .. rows - 1 through both backends from random tokens on, then each
+ * backend's greedy token: steps small enough to fetch ahead, and enough of them that slots are kept,
+ * reassigned and found again. */
+static void decode_rows_both(struct dsv4_backend *a, struct dsv4_backend *b, int V, int rows, int steps)
+{
+    float *la = malloc(sizeof(float) * (size_t)rows * V), *lb = malloc(sizeof(float) * (size_t)rows * V);
+    int32_t tok[BATCH];
+    int slots[BATCH];
+    assert_non_null(la);
+    assert_non_null(lb);
+    for (int i = 0; i < rows; i++) {
+        slots[i] = i;
+        tok[i] = (int32_t)(2 + gt_u64() % (uint64_t)(V - 2));
+    }
+    for (int s = 0; s < steps; s++) {
+        DSV4_OK(a->ops->decode(a, rows, slots, tok, la));
+        DSV4_OK(b->ops->decode(b, rows, slots, tok, lb));
+        same_logits(la, lb, (size_t)rows * V, rows == 1 ? "fetching decode step, 1 row" : "fetching decode step, 4 rows",
+                    s);
+        for (int i = 0; i < rows; i++)
+            tok[i] = (int32_t)argmax(la + (size_t)i * V, V);
+    }
+    free(la);
+    free(lb);
+}
+
+/* Host experts fetched ahead into device slots (kernels/expert_fetch.cu), each prediction covering one
+ * layer (DSV4_CUDA_EXPERT_FETCH=1) and the default (the layer and the next two): the logits stay those
+ * of the all-GPU step bit for bit, and the expert kernels really read from the slots (stats count the
+ * bytes copied and the bytes read there); with DSV4_CUDA_EXPERT_FETCH=0 nothing is copied. */
 static void test_fetch_ahead(void **state)
 {
     const int share = 50;
+    static const char *const ahead[] = { "1", NULL };      /* NULL: the default */
     char dir[] = "/tmp/dsv4-test-fetch-XXXXXX";
     struct dsv4_weights *w = NULL;
     struct dsv4_backend *a = NULL, *b = NULL;
@@ -353,21 +382,31 @@ static void test_fetch_ahead(void **state)
     assert_int_equal(c->moe_inter, 256);
     ob.expert_offload = DSV4_EXPERT_OFFLOAD_ON;
     ob.expert_host_share = share;
-    DSV4_OK(dsv4_backend_cuda_create(w, &oa, &a));
-    DSV4_OK(dsv4_backend_cuda_create(w, &ob, &b));
-    a->ops->get_stats(a, &sa);
-    b->ops->get_stats(b, &sb);
-    assert_false(sa.expert_fetch);
-    assert_true(sb.expert_fetch);
-    assert_true(sb.experts_host > 0);
-    make_traffic(&t, c->vocab_size);
-    run_both(a, b, &t, c->vocab_size);
-    b->ops->get_stats(b, &sb);
-    printf("# fetched ahead: %llu bytes copied into slots, %llu read from them\n",
-           (unsigned long long)sb.expert_fetch_copied, (unsigned long long)sb.expert_fetch_used);
-    assert_true(sb.expert_fetch_used > 0);
-    assert_true(sb.expert_fetch_used <= sb.expert_fetch_copied);
-    dsv4_backend_destroy(b);
+    for (size_t v = 0; v < sizeof(ahead) / sizeof(ahead[0]); v++) {
+        if (ahead[v])
+            setenv("DSV4_CUDA_EXPERT_FETCH", ahead[v], 1);
+        DSV4_OK(dsv4_backend_cuda_create(w, &oa, &a));
+        DSV4_OK(dsv4_backend_cuda_create(w, &ob, &b));
+        unsetenv("DSV4_CUDA_EXPERT_FETCH");
+        a->ops->get_stats(a, &sa);
+        b->ops->get_stats(b, &sb);
+        assert_false(sa.expert_fetch);
+        assert_true(sb.expert_fetch);
+        assert_true(sb.experts_host > 0);
+        make_traffic(&t, c->vocab_size);
+        run_both(a, b, &t, c->vocab_size);
+        decode_rows_both(a, b, c->vocab_size, 1, 12);
+        decode_rows_both(a, b, c->vocab_size, 4, 12);
+        b->ops->get_stats(b, &sb);
+        printf("# fetched ahead, DSV4_CUDA_EXPERT_FETCH=%s: %llu bytes copied into slots, %llu read from them\n",
+               ahead[v] ? ahead[v] : "(default)", (unsigned long long)sb.expert_fetch_copied,
+               (unsigned long long)sb.expert_fetch_used);
+        assert_true(sb.expert_fetch_copied > 0);
+        assert_true(sb.expert_fetch_used > 0);
+        dsv4_backend_destroy(b);
+        dsv4_backend_destroy(a);
+        free_traffic(&t);
+    }
 
     setenv("DSV4_CUDA_EXPERT_FETCH", "0", 1);
     DSV4_OK(dsv4_backend_cuda_create(w, &ob, &b));
@@ -376,9 +415,7 @@ static void test_fetch_ahead(void **state)
     assert_false(sb.expert_fetch);
     dsv4_backend_destroy(b);
 
-    dsv4_backend_destroy(a);
     dsv4_weights_free(w);
-    free_traffic(&t);
     remove_synthetic(dir);
 }
 

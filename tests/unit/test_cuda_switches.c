@@ -70,8 +70,10 @@ static void test_values(void **state)
     assert_int_equal(sw.gemm_stages, 2);
     assert_int_equal(sw.gemm_prefetch_kb, 0);
     setenv("DSV4_CUDA_GEMM_PREFETCH_KB", "1048576", 1);
+    setenv("DSV4_CUDA_EXPERT_FETCH", "2", 1);
     assert_int_equal(dsv4_cuda_switches_read(&sw), 0);
     assert_int_equal(sw.gemm_prefetch_kb, 1048576);
+    assert_int_equal(sw.expert_fetch, 2);
     clear_env();
 }
 
@@ -85,6 +87,8 @@ static void test_refused(void **state)
         { "DSV4_CUDA_GEMM_PREFETCH_KB", "8M", "0 to" }, { "DSV4_CUDA_LOG", "yes", "0 or 1" },
         { "DSV4_CUDA_GEMM_WGMMA", "on", "0 or 1" },
         { "DSV4_CUDA_ATT_HEADS", "8", "16, 32 or 64" }, { "DSV4_CUDA_ATT_HEADS", "128", "16, 32 or 64" },
+        { "DSV4_CUDA_EXPERT_FETCH", "4", "1 to 3" },   { "DSV4_CUDA_EXPERT_FETCH", "on", "1 to 3" },
+        { "DSV4_CUDA_EXPERT_FETCH", "", "1 to 3" },
     };
     struct dsv4_cuda_switches sw;
     (void)state;
