@@ -531,7 +531,7 @@ static bool fetch_tiles(const struct dsv4_config *c, struct dsv4_cuda_fetch *f)
  * expert's bytes (the movable experts are alike: all_tiled), their chunk flags, the slot table and the
  * jobs, which experts live on the host, the counters and stop words, the predictions' logits, the
  * redirect entries of every layer's experts and which of them are set. 0 and *why when decode steps
- * cannot fetch. */
+ * cannot fetch; else the layers a prediction covers (DSV4_CUDA_EXPERT_FETCH) go to the device's fetch. */
 static size_t fetch_plan_bytes(const struct walker *wk, const struct dsv4_backend_opts *o, uint64_t expert,
                                const char **why)
 {
@@ -553,6 +553,7 @@ static size_t fetch_plan_bytes(const struct walker *wk, const struct dsv4_backen
         *why = "more expert tiles than the fetch masks hold";
     if (*why)
         return 0;
+    wk->dev->fetch.ahead = sw.expert_fetch;
     return slots * (expert + align_up(sizeof(uint32_t) * (size_t)fetch_chunks(c))) +
            align_up(slots * sizeof(struct dsv4_cuda_fetch_slot)) + align_up(slots * sizeof(struct dsv4_cuda_fetch_job)) +
            align_up((size_t)c->n_layers * c->n_experts) + align_up(DSV4_CUDA_FETCH_WORDS * sizeof(unsigned long long)) +
@@ -567,7 +568,6 @@ static int fetch_build(struct dsv4_cuda_dev *dev, const struct dsv4_config *c, c
     struct dsv4_cuda_fetch *f = &dev->fetch;
     const int n_slots = DSV4_CUDA_FETCH_SETS * DSV4_CUDA_FETCH_SLOTS, E = c->n_experts;
     struct dsv4_cuda_fetch_slot slot[DSV4_CUDA_FETCH_SETS * DSV4_CUDA_FETCH_SLOTS];
-    struct dsv4_cuda_switches sw;
     void *p = NULL;
 
     if (!dev->fetch_bytes)
@@ -576,14 +576,9 @@ static int fetch_build(struct dsv4_cuda_dev *dev, const struct dsv4_config *c, c
         dev->fetch_off = "no routed expert was placed in host memory";
         return 0;
     }
-    if (dsv4_cuda_switches_read(&sw) < 0)
-        return -EINVAL;
     f->n_layers = c->n_layers;
     f->n_experts = E;
-    f->ahead = sw.expert_fetch;
     f->rows = o->max_batch < DSV4_CUDA_FETCH_ROWS_MAX ? o->max_batch : DSV4_CUDA_FETCH_ROWS_MAX;
-    f->up_blocks = c->moe_inter / DSV4_CUDA_TILE_ROWS;
-    f->chunks = fetch_chunks(c);
     fetch_tiles(c, f);
     for (int s = 0; s < n_slots; s++) {
         struct dsv4_cuda_linear *lin[3] = { &slot[s].ex.w1, &slot[s].ex.w3, &slot[s].ex.w2 };
@@ -594,8 +589,8 @@ static int fetch_build(struct dsv4_cuda_dev *dev, const struct dsv4_config *c, c
             WALK(carve(dev, (size_t)lin[m]->out * (size_t)lin[m]->in / 32, &p));
             lin[m]->scale = static_cast<const uint8_t *>(p);
         }
-        WALK(carve(dev, sizeof(uint32_t) * (size_t)f->chunks, &p));
-        DSV4_CUDA_TRY(cudaMemset(p, 0, sizeof(uint32_t) * (size_t)f->chunks));
+        WALK(carve(dev, sizeof(uint32_t) * (size_t)dsv4_cuda_fetch_chunks(f), &p));
+        DSV4_CUDA_TRY(cudaMemset(p, 0, sizeof(uint32_t) * (size_t)dsv4_cuda_fetch_chunks(f)));
         slot[s].done = static_cast<uint32_t *>(p);
         slot[s].key = 0;
     }
@@ -737,7 +732,7 @@ static void log_placement(struct dsv4_cuda_dev *dev, void (*log)(void *, const c
     if (dev->fetch.slots)
         vlog(dev, log, ctx, true, "cuda: decode steps fetch host experts ahead: %d sets of %d slots (%.1f MiB), "
              "each layer's attention input predicting the routing of %d layer%s from it, copied while the link "
-             "is idle (DSV4_CUDA_EXPERT_FETCH=N sets N, 0: in place only)", DSV4_CUDA_FETCH_SETS,
+             "is idle (DSV4_CUDA_EXPERT_FETCH: the layers a prediction covers, 0: in place only)", DSV4_CUDA_FETCH_SETS,
              DSV4_CUDA_FETCH_SLOTS, dev->fetch_bytes / 1048576.0, dev->fetch.ahead, dev->fetch.ahead > 1 ? "s" : "");
     else
         vlog(dev, log, ctx, true, "cuda: host experts are read in place only, not fetched ahead: %s",

@@ -89,11 +89,13 @@ struct dsv4_cuda_expert {
                                                          * none of which the expert kernels still read */
 #define DSV4_CUDA_FETCH_LAYERS_MAX 255      /* the copy tags keep the layer in 8 bits */
 #define DSV4_CUDA_FETCH_TILES_MAX 128       /* decode expert tiles of a matrix the masks hold (Flash 64, Pro 112) */
-/* Steps of up to this many rows fetch ahead. A larger batch routes to most of a layer's host experts
- * and reads them through the whole MoE sublayer, so the link is busy anyway, and the union of its
- * rows' predictions is spread over more experts than the slots hold: measured at 16 and 64 rows on
- * the 4-layer Flash, fetching there slowed the step. */
-#define DSV4_CUDA_FETCH_ROWS_MAX 8
+/* Steps of up to this many rows fetch ahead. A larger batch routes to several of a layer's host
+ * experts and reads them through the whole MoE sublayer, so the link is busy anyway, and the union of
+ * its rows' predictions is spread over more experts than the slots hold, so copies of the wrong ones
+ * take the link from the reads: on the 4-layer Flash with 10% of its experts on the host a step of 8
+ * rows was 0.7-2.1% slower fetching than reading in place, and 2.0-2.7% slower fetching three layers
+ * ahead than one, in two runs each; 4 rows and fewer gain (kernels/NOTES.md). */
+#define DSV4_CUDA_FETCH_ROWS_MAX 4
 
 struct dsv4_cuda_fetch_slot {
     struct dsv4_cuda_expert ex;     /* the slot's device copy: the host experts' shapes, k-tile blocks */
@@ -155,13 +157,23 @@ struct dsv4_cuda_fetch {
     int ahead;                              /* layers one prediction covers (DSV4_CUDA_EXPERT_FETCH) */
     int rows;                               /* the most rows a step fetches for: max_batch, at most
                                              * DSV4_CUDA_FETCH_ROWS_MAX */
-    int up_blocks;                          /* DSV4_CUDA_TILE_ROWS-row blocks of w1 (and of w3): I / 32 */
-    int chunks;                             /* an expert's: 2 up_blocks + D / 32 */
     int up_tile_blocks, down_tile_blocks;   /* blocks a decode gate_up / down tile reads (of each matrix) */
     int up_tiles, down_tiles;               /* tiles of a decode gate_up / down launch, <= DSV4_CUDA_FETCH_TILES_MAX */
 };
 
 #ifdef __CUDACC__
+/* DSV4_CUDA_TILE_ROWS-row blocks of w1 (and of w3): I / 32 */
+static inline __host__ __device__ int dsv4_cuda_fetch_up_blocks(const struct dsv4_cuda_fetch *f)
+{
+    return f->up_tiles * f->up_tile_blocks;
+}
+
+/* an expert's chunks: 2 up_blocks + D / 32 */
+static inline __host__ __device__ int dsv4_cuda_fetch_chunks(const struct dsv4_cuda_fetch *f)
+{
+    return 2 * dsv4_cuda_fetch_up_blocks(f) + f->down_tiles * f->down_tile_blocks;
+}
+
 /* A step's tag for layer l: the step (words[STEP]) and the layer, increasing through a step and from
  * one step to the next, so that "stop everything up to here" is one atomicMax; 0 is no layer's. */
 static inline __host__ __device__ unsigned long long dsv4_cuda_fetch_tag(unsigned long long step, int layer)

@@ -243,8 +243,9 @@ fetch_plan_kernel(const struct dsv4_cuda_fetch f, const struct dsv4_cuda_fetch_t
         }
     }
     __syncthreads();
-    for (int i = tid; i < S * f.chunks; i += blockDim.x) {
-        const int r = i / f.chunks, c = i % f.chunks;
+    const int chunks = dsv4_cuda_fetch_chunks(&f);
+    for (int i = tid; i < S * chunks; i += blockDim.x) {
+        const int r = i / chunks, c = i % chunks;
         if (slot_of[r] >= 0 && set[slot_of[r]].done[c] != key[r])
             atomicOr(&missing[r], 1);
     }
@@ -268,6 +269,7 @@ fetch_copy_kernel(const struct dsv4_cuda_fetch f, const struct dsv4_cuda_fetch_t
     __shared__ int what;
     dsv4_pdl_enter();
     const unsigned long long step = f.words[DSV4_CUDA_FETCH_STEP], tag = dsv4_cuda_fetch_tag(step, layer);
+    const int chunks = dsv4_cuda_fetch_chunks(&f), up_blocks = dsv4_cuda_fetch_up_blocks(&f);
     for (int j = 0; j < tg.n * DSV4_CUDA_FETCH_SLOTS; j++) {
         const struct dsv4_cuda_fetch_job job = f.jobs[j];
         if (job.slot < 0)
@@ -276,7 +278,7 @@ fetch_copy_kernel(const struct dsv4_cuda_fetch f, const struct dsv4_cuda_fetch_t
         const unsigned long long ttag = dsv4_cuda_fetch_tag(step, T->layer);
         struct dsv4_cuda_fetch_slot *sl = f.slots + job.slot;
         const struct dsv4_cuda_expert *src = &T->table[job.key & 0xffffu];
-        for (int c = blockIdx.x; c < f.chunks; c += gridDim.x) {
+        for (int c = blockIdx.x; c < chunks; c += gridDim.x) {
             if (threadIdx.x == 0) {
                 const unsigned long long cancel = load_relaxed(f.words + DSV4_CUDA_FETCH_CANCEL);
                 const unsigned long long resolved = load_relaxed(f.words + DSV4_CUDA_FETCH_RESOLVED);
@@ -291,7 +293,7 @@ fetch_copy_kernel(const struct dsv4_cuda_fetch f, const struct dsv4_cuda_fetch_t
                 break;
             fetch_chunk k = {};
             if (w == COPY) {
-                k = chunk_at(src, &sl->ex, c, f.up_blocks);
+                k = chunk_at(src, &sl->ex, c, up_blocks);
                 copy_bytes(k.dw, k.w, k.wb);
                 copy_bytes(k.ds, k.s, k.sb);
             }
@@ -320,6 +322,7 @@ fetch_resolve_kernel(const struct dsv4_cuda_fetch f, int layer, const int32_t *_
     __shared__ int in_place;
     dsv4_pdl_enter();
     const int tid = threadIdx.x, E = f.n_experts, tiles = f.up_tiles + f.down_tiles;
+    const int up_blocks = dsv4_cuda_fetch_up_blocks(&f);
     const unsigned long long tag = dsv4_cuda_fetch_tag(f.words[DSV4_CUDA_FETCH_STEP], layer);
     const struct dsv4_cuda_fetch_slot *set = dsv4_cuda_fetch_set(&f, layer);
     struct dsv4_cuda_fetch_redirect *red = f.redirect + (int64_t)layer * E;
@@ -352,7 +355,7 @@ fetch_resolve_kernel(const struct dsv4_cuda_fetch f, int layer, const int32_t *_
             continue;
         const bool is_up = t < f.up_tiles;
         const int tt = is_up ? t : t - f.up_tiles;
-        const int c0 = is_up ? 2 * tt * f.up_tile_blocks : 2 * f.up_blocks + tt * f.down_tile_blocks;
+        const int c0 = is_up ? 2 * tt * f.up_tile_blocks : 2 * up_blocks + tt * f.down_tile_blocks;
         const int n = is_up ? 2 * f.up_tile_blocks : f.down_tile_blocks;
         bool ok = true;
         for (int c = c0; c < c0 + n; c++) {

@@ -157,23 +157,38 @@ static void load(const char *dir, struct dsv4_weights **w)
     DSV4_OK(dsv4_weights_load(path, w));
 }
 
+/* The options of the backend with share % of each layer's experts forced into host memory (placed by
+ * counts where given, else evenly). */
+static struct dsv4_backend_opts host_opts(enum dsv4_numerics num, int share, const uint64_t *counts)
+{
+    const struct dsv4_backend_opts o = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = num,
+                                         .expert_offload = DSV4_EXPERT_OFFLOAD_ON, .expert_host_share = share,
+                                         .expert_counts = counts };
+    return o;
+}
+
+/* The pair each test compares: *a with every expert on the GPU, *b as host_opts places them. */
+static void boot_pair(const struct dsv4_weights *w, enum dsv4_numerics num, int share, const uint64_t *counts,
+                      struct dsv4_backend **a, struct dsv4_backend **b)
+{
+    const struct dsv4_backend_opts oa = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = num,
+                                          .expert_offload = DSV4_EXPERT_OFFLOAD_OFF };
+    const struct dsv4_backend_opts ob = host_opts(num, share, counts);
+    DSV4_OK(dsv4_backend_cuda_create(w, &oa, a));
+    DSV4_OK(dsv4_backend_cuda_create(w, &ob, b));
+}
+
 static void check_offload(const char *dir, enum dsv4_numerics num, int share)
 {
     struct dsv4_weights *w = NULL;
     struct dsv4_backend *a = NULL, *b = NULL;
-    struct dsv4_backend_opts oa = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = num,
-                                    .expert_offload = DSV4_EXPERT_OFFLOAD_OFF };
-    struct dsv4_backend_opts ob = oa;
     struct dsv4_backend_stats sa, sb;
     struct traffic t;
 
     load(dir, &w);
     const struct dsv4_config *c = &w->cfg;
     const int L = c->n_layers, E = c->n_experts;
-    ob.expert_offload = DSV4_EXPERT_OFFLOAD_ON;
-    ob.expert_host_share = share;
-    DSV4_OK(dsv4_backend_cuda_create(w, &oa, &a));
-    DSV4_OK(dsv4_backend_cuda_create(w, &ob, &b));
+    boot_pair(w, num, share, NULL, &a, &b);
     a->ops->get_stats(a, &sa);
     b->ops->get_stats(b, &sb);
     const uint32_t want_host = (uint32_t)(L * ((E * share + 99) / 100));
@@ -233,19 +248,13 @@ static void test_hot_placement(void **state)
     const int share = 50;
     struct dsv4_weights *w = NULL;
     struct dsv4_backend *a = NULL, *b = NULL, *h = NULL;
-    struct dsv4_backend_opts oa = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = DSV4_NUMERICS_FP8,
-                                    .expert_offload = DSV4_EXPERT_OFFLOAD_OFF };
-    struct dsv4_backend_opts ob = oa;
     struct traffic t;
     char path[256];
 
     load("models/default-fp8", &w);
     const struct dsv4_config *c = &w->cfg;
     const int L = c->n_layers, E = c->n_experts;
-    ob.expert_offload = DSV4_EXPERT_OFFLOAD_ON;
-    ob.expert_host_share = share;
-    DSV4_OK(dsv4_backend_cuda_create(w, &oa, &a));
-    DSV4_OK(dsv4_backend_cuda_create(w, &ob, &b));
+    boot_pair(w, DSV4_NUMERICS_FP8, share, NULL, &a, &b);
     make_traffic(&t, c->vocab_size);
     run_both(a, b, &t, c->vocab_size);
     uint64_t *cal = calloc((size_t)L * E, sizeof(*cal)), *back = calloc((size_t)L * E, sizeof(*back));
@@ -280,9 +289,7 @@ static void test_hot_placement(void **state)
 
     /* the same traffic on a fresh pair: the all-GPU backend again, and one placed by the counts */
     dsv4_backend_destroy(a);
-    ob.expert_counts = back;
-    DSV4_OK(dsv4_backend_cuda_create(w, &oa, &a));
-    DSV4_OK(dsv4_backend_cuda_create(w, &ob, &h));
+    boot_pair(w, DSV4_NUMERICS_FP8, share, back, &a, &h);
     struct dsv4_backend_stats sh;
     h->ops->get_stats(h, &sh);
     assert_int_equal(sh.experts_host, (uint32_t)(L * ((E * share + 99) / 100)));
@@ -370,9 +377,7 @@ static void test_fetch_ahead(void **state)
     char dir[] = "/tmp/dsv4-test-fetch-XXXXXX";
     struct dsv4_weights *w = NULL;
     struct dsv4_backend *a = NULL, *b = NULL;
-    struct dsv4_backend_opts oa = { .max_batch = BATCH, .max_context = MAX_CTX, .numerics = DSV4_NUMERICS_FP8,
-                                    .expert_offload = DSV4_EXPERT_OFFLOAD_OFF };
-    struct dsv4_backend_opts ob = oa;
+    const struct dsv4_backend_opts ob = host_opts(DSV4_NUMERICS_FP8, share, NULL);
     struct dsv4_backend_stats sa, sb;
     struct traffic t;
 
@@ -380,13 +385,10 @@ static void test_fetch_ahead(void **state)
     DSV4_OK(dsv4_weights_load(dir, &w));
     const struct dsv4_config *c = &w->cfg;
     assert_int_equal(c->moe_inter, 256);
-    ob.expert_offload = DSV4_EXPERT_OFFLOAD_ON;
-    ob.expert_host_share = share;
     for (size_t v = 0; v < sizeof(ahead) / sizeof(ahead[0]); v++) {
         if (ahead[v])
             setenv("DSV4_CUDA_EXPERT_FETCH", ahead[v], 1);
-        DSV4_OK(dsv4_backend_cuda_create(w, &oa, &a));
-        DSV4_OK(dsv4_backend_cuda_create(w, &ob, &b));
+        boot_pair(w, DSV4_NUMERICS_FP8, share, NULL, &a, &b);
         unsetenv("DSV4_CUDA_EXPERT_FETCH");
         a->ops->get_stats(a, &sa);
         b->ops->get_stats(b, &sb);
