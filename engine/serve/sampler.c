@@ -402,13 +402,19 @@ int dsv4_sampler_sample(struct dsv4_sampler *s, const struct dsv4_sampling *p, c
         chosen = -1;
         for (int i = 0; i < n; i++) {
             double pi = s->p[idx[i]];
-            if (pi <= 0.0)
-                continue;
+            if (!(pi > 0.0))
+                continue;       /* NaN too: exp(inf - inf) of an overflowed logit */
             chosen = idx[i];    /* the last positive one, if rounding leaves acc <= target */
             acc += pi;
             if (acc > target)
                 break;
         }
+        /* A temperature or repetition penalty small enough to carry the working logits past the
+         * float range leaves every probability 0 or NaN (the device sampler fails the same rows). */
+        if (chosen < 0)
+            return dsv4_error_set(-EDOM, "sampler: no token has a positive probability: temperature %g and "
+                                  "repetition_penalty %g take the logits out of float range (temperature 0 "
+                                  "is greedy)", p->temperature, p->repetition_penalty);
     }
     ret->token = chosen;
     ret->logprob = (float)((double)logits[chosen] - lse);

@@ -17,7 +17,9 @@
  *   9. min_p m (0 = off): drop kept tokens whose probability is below m * (largest probability).
  *  10. draw: u in [0, 1) from Philox4x32-10 keyed by (seed, output index); walk the kept tokens in
  *      ascending id, accumulating renormalized probability, and take the first whose running sum
- *      exceeds u (the last kept token if rounding leaves none).
+ *      exceeds u (the last kept token if rounding leaves none). -EDOM when no kept token has a
+ *      positive probability (a temperature or repetition penalty that carries a logit past the
+ *      float range).
  * The result depends only on the row, the params, the history counts, the seed and the output index:
  * never on the batch or the slot.
  *

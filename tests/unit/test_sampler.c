@@ -359,6 +359,48 @@ static void test_bad_rows(void **state)
     assert_int_equal(dsv4_sampler_create(0, &s), -EINVAL);
 }
 
+/* A temperature or repetition penalty small enough to carry the working logits past the float range
+ * (both pass validation: finite and > 0) leaves no token with a positive probability: the row fails
+ * with -EDOM, as the device sampler's does, rather than drawing no token (-1) or a NaN one. */
+static void test_overflowing_rows(void **state)
+{
+    const int V = 4;
+    const float logits[4] = { 5.0f, 3.0f, 0.0f, -1.0f };
+    struct dsv4_sampler *s;
+    assert_int_equal(dsv4_sampler_create(V, &s), 0);
+    struct dsv4_sampling p;
+    struct dsv4_sample smp;
+    const float min_ps[2] = { 0.0f, 0.1f };
+    for (int i = 0; i < 2; i++) {
+        dsv4_sampling_defaults(&p);
+        p.temperature = 1e-40f;     /* 1 / T is +inf in float */
+        p.min_p = min_ps[i];
+        assert_int_equal(dsv4_sampling_validate(&p), 0);
+        smp.token = 77;
+        assert_int_equal(dsv4_sampler_sample(s, &p, logits, NULL, 1, 0, &smp), -EDOM);
+        dsv4_sampling_defaults(&p);
+        p.temperature = 1e-38f;     /* 1 / T is finite, 5 / T is not */
+        p.min_p = min_ps[i];
+        assert_int_equal(dsv4_sampler_sample(s, &p, logits, NULL, 1, 0, &smp), -EDOM);
+        /* l / r overflows for the seen positive logits */
+        const uint32_t counts[4] = { 0 };
+        const uint8_t seen[1] = { 0x3 };
+        const struct dsv4_sampler_history hist = { counts, seen };
+        dsv4_sampling_defaults(&p);
+        p.repetition_penalty = 1e-40f;
+        p.min_p = min_ps[i];
+        assert_int_equal(dsv4_sampling_validate(&p), 0);
+        assert_int_equal(dsv4_sampler_sample(s, &p, logits, &hist, 1, 0, &smp), -EDOM);
+    }
+    /* a tiny temperature that stays in range is still sampled (the largest logit, with certainty) */
+    dsv4_sampling_defaults(&p);
+    p.temperature = 1e-3f;
+    p.min_p = 0.1f;
+    assert_int_equal(dsv4_sampler_sample(s, &p, logits, NULL, 1, 0, &smp), 0);
+    assert_int_equal(smp.token, 0);
+    dsv4_sampler_destroy(s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -369,6 +411,7 @@ int main(void)
         cmocka_unit_test(test_large_nucleus),
         cmocka_unit_test(test_greedy_and_logprobs),
         cmocka_unit_test(test_bad_rows),
+        cmocka_unit_test(test_overflowing_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
