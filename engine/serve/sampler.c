@@ -148,11 +148,12 @@ static inline uint32_t float_key(float f)
 }
 
 /* Sort ids[0..n), given in ascending id, best first by ranks_before: a stable LSD radix sort on the
- * inverted value key (4 passes of 8 bits) keeps equal values in ascending id. a, b: [n] scratch. */
+ * inverted value key (4 passes of 8 bits) keeps equal values in ascending id. -0 is keyed as +0
+ * (adding +0 makes it so): they are equal to ranks_before. a, b: [n] scratch. */
 static void sort_best_first(const float *v, int32_t *ids, int n, uint64_t *a, uint64_t *b)
 {
     for (int i = 0; i < n; i++)
-        a[i] = ((uint64_t)~float_key(v[ids[i]]) << 32) | (uint32_t)ids[i];
+        a[i] = ((uint64_t)~float_key(v[ids[i]] + 0.0f) << 32) | (uint32_t)ids[i];
     for (int shift = 32; shift < 64; shift += 8) {
         int count[257] = { 0 };
         for (int i = 0; i < n; i++)

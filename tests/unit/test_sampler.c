@@ -401,6 +401,36 @@ static void test_overflowing_rows(void **state)
     dsv4_sampler_destroy(s);
 }
 
+/* -0.0 and +0.0 are the same logit: a tie, which every step breaks towards the lower id (top_p's
+ * ranking included, so that it keeps what top_k keeps). */
+static void test_signed_zero_ties(void **state)
+{
+    const int V = 4;
+    const float logits[4] = { -0.0f, 0.0f, -30.0f, -30.0f };
+    struct dsv4_sampler *s;
+    assert_int_equal(dsv4_sampler_create(V, &s), 0);
+    struct dsv4_sampling p;
+    struct dsv4_sample smp;
+    for (uint64_t i = 0; i < 64; i++) {
+        dsv4_sampling_defaults(&p);
+        p.top_k = 1;
+        assert_int_equal(dsv4_sampler_sample(s, &p, logits, NULL, 5, i, &smp), 0);
+        assert_int_equal(smp.token, 0);
+        dsv4_sampling_defaults(&p);
+        p.top_p = 0.4f;     /* one of the two tied tokens reaches it */
+        assert_int_equal(dsv4_sampler_sample(s, &p, logits, NULL, 5, i, &smp), 0);
+        assert_int_equal(smp.token, 0);
+        p.temperature = 0.5f;
+        assert_int_equal(dsv4_sampler_sample(s, &p, logits, NULL, 5, i, &smp), 0);
+        assert_int_equal(smp.token, 0);
+    }
+    dsv4_sampling_defaults(&p);
+    p.temperature = 0.0f;
+    assert_int_equal(dsv4_sampler_sample(s, &p, logits, NULL, 5, 0, &smp), 0);
+    assert_int_equal(smp.token, 0);
+    dsv4_sampler_destroy(s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -412,6 +442,7 @@ int main(void)
         cmocka_unit_test(test_greedy_and_logprobs),
         cmocka_unit_test(test_bad_rows),
         cmocka_unit_test(test_overflowing_rows),
+        cmocka_unit_test(test_signed_zero_ties),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
