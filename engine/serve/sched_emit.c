@@ -261,10 +261,22 @@ void sched_take_token(struct dsv4_sched *s, struct sched_req *q, const struct ds
     if (why != DSV4_FINISH_NONE && why != DSV4_FINISH_ERROR && q->n_raw) {
         unsigned char raw[4];
         int n_raw;
+        const size_t flushed_from = res->text_len;
         if (utf8_append(o->text, (size_t)s->lim.max_output_bytes, &res->text_len, q->raw, q->n_raw, true,
                         raw, &n_raw) < 0 && why != DSV4_FINISH_STOP)
             why = DSV4_FINISH_LENGTH;
         q->n_raw = 0;
+        /* The U+FFFD that ends the text may complete a stop string: cut before it as anywhere else
+         * (a stop token, matched first, stays the reason). */
+        int which = -1;
+        int64_t at = find_stop(q, o->text, res->text_len, flushed_from, &which);
+        if (at >= 0) {
+            res->text_len = (size_t)at;
+            if (why != DSV4_FINISH_STOP) {
+                why = DSV4_FINISH_STOP;
+                res->stop_string = which;
+            }
+        }
     }
     size_t safe = res->text_len;
     if (why == DSV4_FINISH_NONE) {

@@ -516,6 +516,66 @@ static void test_stop_holdback_per_event(void **state)
     env_close(&e);
 }
 
+/* The last token of a request may leave an incomplete UTF-8 sequence, which the end of the text
+ * shows as U+FFFD: that character is text like any other, so a stop string it completes stops the
+ * request there (text cut before it), as when a token's own bytes complete one. */
+static void test_stop_string_in_final_flush(void **state)
+{
+    static const char *const stops[1] = { "\xEF\xBF\xBD" };     /* U+FFFD */
+    uint64_t st = 41;
+    int found = 0;
+    for (int attempt = 0; attempt < 60 && found < 3; attempt++) {
+        int32_t prompt[10];
+        random_prompt(&st, prompt, 10);
+        struct dsv4_sched_request rq = make_request(prompt, 10, 120, 0);
+        struct env e;
+        env_open(&e, &FAKE_LONG, 1, 256, 64, 4);
+        static struct outcome base;
+        submit(&e, &rq, &base);
+        run_all(&e, &base, 1);
+        /* the first token that starts a sequence only a later token completes (0xC3, or E2 82),
+         * with nothing shown as U+FFFD before it */
+        char bytes[TEXT_MAX];
+        size_t len = 0;
+        int k = -1;
+        for (int i = 0; i < base.res.n_tokens && k < 0; i++) {
+            const int32_t t = base.res_tokens[i];
+            if (t == 29 || t == 31) {
+                k = i;
+                break;
+            }
+            len += (size_t)fake_token_bytes(NULL, t, bytes + len, sizeof(bytes) - len);
+            size_t ll;
+            char *lossy = dsv4_utf8_lossy(bytes, len, &ll);
+            const bool bad = memmem(lossy, ll, stops[0], 3) != NULL;
+            free(lossy);
+            if (bad)
+                break;
+        }
+        if (k < 0) {
+            env_close(&e);
+            continue;
+        }
+        found++;
+        /* ending right after that token: its bytes become the U+FFFD that completes the stop string */
+        rq.max_tokens = k + 1;
+        rq.stop = stops;
+        rq.n_stop = 1;
+        static struct outcome o;
+        submit(&e, &rq, &o);
+        run_all(&e, &o, 1);
+        assert_int_equal(o.res.n_tokens, k + 1);
+        assert_int_equal(o.res.finish, DSV4_FINISH_STOP);
+        assert_int_equal(o.res.stop_string, 0);
+        assert_int_equal(o.res.text_len, len);
+        assert_memory_equal(o.res_text, bytes, len);
+        assert_int_equal(o.stream_len, len);
+        assert_memory_equal(o.stream, bytes, len);
+        env_close(&e);
+    }
+    assert_true(found >= 3);
+}
+
 static void test_limits(void **state)
 {
     struct env e;
@@ -1445,6 +1505,7 @@ int main(void)
         cmocka_unit_test(test_batch_invariance),
         cmocka_unit_test(test_stop_strings),
         cmocka_unit_test(test_stop_holdback_per_event),
+        cmocka_unit_test(test_stop_string_in_final_flush),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_stop_tokens),
         cmocka_unit_test(test_cancel),
