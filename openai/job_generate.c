@@ -303,11 +303,23 @@ static void run_choice(struct gen *G)
     int rc = stop ? 0 : dsv4_client_generate_stream(G->c, &G->p, on_token, G, &G->res);
     pthread_mutex_lock(&j->lock);
     j->cli[G->index] = NULL;
+    bool asked = j->client_left || G->all->failed;   /* a cancel this request wanted */
     pthread_mutex_unlock(&j->lock);
     if (stop)
         G->res.finish_reason = DSV4_CLIENT_FINISH_CANCELLED;
     if (rc < 0) {
         choice_failed(G, rc, "generating", G->c);
+        return;
+    }
+    if (G->res.finish_reason == DSV4_CLIENT_FINISH_CANCELLED && !asked) {
+        /* dsv4d draining (or this server stopping) cut the reply short: an error, not a reply that
+         * looks whole with finish_reason "stop". */
+        pthread_mutex_lock(&j->srv->lock);
+        bool stopping = j->srv->stopping;
+        pthread_mutex_unlock(&j->srv->lock);
+        choice_failed(G, -ECANCELED, stopping ? "this server is shutting down; the generation was cancelled"
+                                              : "dsv4d cancelled the generation (it is shutting down); retry later",
+                      NULL);
         return;
     }
     if (G->err || G->res.finish_reason == DSV4_CLIENT_FINISH_ERROR) {
@@ -344,7 +356,10 @@ static void respond(struct choices *A)
     if (F) {
         char buf[256];
         const char *msg = "generation failed";
-        if (F->res.error_message)
+        const bool cut = F->rc == -ECANCELED;   /* what says why */
+        if (cut)
+            msg = F->what;
+        else if (F->res.error_message)
             msg = F->res.error_message;
         else if (F->rc < 0 && F->errc)
             msg = dsv4_client_error_message(F->errc);
@@ -356,9 +371,9 @@ static void respond(struct choices *A)
         if (!streaming && F->rc < 0 && F->errc) {
             oai_respond_client_error(j, F->errc, F->rc, F->what);
         } else if (!streaming) {
-            oai_respond_error(j, 500, "server_error", NULL, NULL, msg);
+            oai_respond_error(j, cut ? 503 : 500, "server_error", NULL, cut ? "cancelled" : NULL, msg);
         } else {
-            char *e = dsv4_oai_error_json("server_error", NULL, NULL, "%s", msg);
+            char *e = dsv4_oai_error_json("server_error", NULL, cut ? "cancelled" : NULL, "%s", msg);
             if (e)
                 oai_stream_event(j, e);
             free(e);

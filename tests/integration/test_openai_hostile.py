@@ -5,7 +5,7 @@ of a request of several choices);
 hostile HTTP (a huge Content-Length, a chunked body without end, bodies that are not JSON, wrong types
 in every field, 500 idle connections, a header sent one byte a second, an oversized header) leaves it
 serving; and DSML tool calls, whole and streamed, from a scripted dsv4d that also shows the prompt
-parts the front sends."""
+parts the front sends and cancels a generation as a draining dsv4d does."""
 
 import json
 import os
@@ -119,13 +119,17 @@ class ScriptedDsv4d:
                 self.send(conn, [1, msgid, {"code": 200, "name": "unknown_method", "message": "scripted"}, None])
                 continue
             self.requests.append(p)
-            # The reply in pieces that cut its markers anywhere, as tokens do.
+            # The reply in pieces that cut its markers anywhere, as tokens do. A user saying DRAIN gets what
+            # a draining dsv4d gives: half the reply, then finish_reason cancelled.
             pieces = [REPLY[i:i + 7] for i in range(0, len(REPLY), 7)]
+            finish = "stop"
+            if any("DRAIN" in x for x in p.get("prompt_parts", [])):
+                pieces, finish = pieces[:len(pieces) // 2], "cancelled"
             if p.get("stream"):
                 for i, piece in enumerate(pieces):
                     self.send(conn, [2, "token", [{"msgid": msgid, "token": i, "text": piece}]])
-            self.send(conn, [1, msgid, None, {"text": REPLY, "tokens": tokens_bin(list(range(len(pieces)))),
-                                              "finish_reason": "stop",
+            self.send(conn, [1, msgid, None, {"text": "".join(pieces), "tokens": tokens_bin(list(range(len(pieces)))),
+                                              "finish_reason": finish,
                                               "usage": {"prompt_tokens": 42, "completion_tokens": len(pieces),
                                                         "total_tokens": 42 + len(pieces)}}])
 
@@ -297,6 +301,21 @@ try:
     r = fake_front.client.chat.completions.create(model="scripted", messages=case["messages"])
     t.ok(r.choices[0].message.tool_calls is None and r.choices[0].message.content == REPLY
          and r.choices[0].finish_reason == "stop", "without tools, DSML in the reply is only text", r)
+
+    # ---- dsv4d cancelling a generation nobody asked to stop (it drains): an error, never a reply cut short
+    drain = [{"role": "user", "content": "DRAIN"}]
+    status, _, out = http(fake_front, "POST", "/v1/chat/completions", {"model": "scripted", "messages": drain})
+    err = json.loads(out).get("error", {}) if out.startswith(b"{") else {}
+    t.ok(status == 503 and err.get("type") == "server_error" and err.get("code") == "cancelled"
+         and "dsv4d" in err.get("message", ""), "dsv4d cancels a whole request (draining): 503, not a reply cut short",
+         (status, out))
+    status, _, out = http(fake_front, "POST", "/v1/chat/completions", {"model": "scripted", "messages": drain,
+                                                                       "stream": True})
+    events = [e[6:] for e in out.decode().split("\n\n") if e.startswith("data: ")]
+    last = json.loads(events[-2]) if len(events) >= 2 and events[-2].startswith("{") else {}
+    t.ok(status == 200 and events[-1] == "[DONE]" and last.get("error", {}).get("code") == "cancelled"
+         and '"finish_reason":"stop"' not in out.decode(),
+         "dsv4d cancels a streamed request (draining): the stream ends with an error, no finish_reason stop", out)
 finally:
     for f in (front, fake_front):
         if f:
