@@ -37,6 +37,7 @@ struct gen {
     json_int_t created;
     struct dsv4_client *c;         /* the choice's connection to dsv4d */
     struct dsv4_client *aux;       /* detokenizes logprob alternatives */
+    int aux_rc;                    /* aux's first failure: the logprobs would be wrong, the choice fails */
     struct dsv4_reply *reply;      /* chat only */
     bool role_sent;
     /* the current stream chunk's delta (chat), or the whole reply (not streamed) */
@@ -77,13 +78,20 @@ static json_t *logprob_value(float lp)
     return json_real(isfinite(lp) ? (double)lp : LOGPROB_FLOOR);
 }
 
-/* The text of one id, for logprobs (U+FFFD where the id holds part of a character). */
+/* The text of one id, for logprobs (U+FFFD where the id holds part of a character). A failure is
+ * kept in G->aux_rc: dsv4d may close aux, which has no generate in flight, as one idle connection
+ * too many (its max_idle_per_uid), and every text after that would be "". */
 static json_t *token_text(struct gen *G, int32_t id)
 {
     char *text = NULL;
     size_t len = 0;
-    if (!G->aux || dsv4_client_detokenize(G->aux, &id, 1, &text, &len) < 0)
+    if (!G->aux)
         return json_string("");
+    int rc = G->aux_rc ? G->aux_rc : dsv4_client_detokenize(G->aux, &id, 1, &text, &len);
+    if (rc < 0) {
+        G->aux_rc = rc;
+        return json_string("");
+    }
     json_t *s = json_stringn(text, len);
     free(text);
     return s ? s : json_string("");
@@ -232,6 +240,10 @@ static int on_token(const struct dsv4_client_token *tok, void *user)
         if (!G->g->stream)
             lp = NULL;
     }
+    if (G->aux_rc) {
+        json_decref(G->g->stream ? lp : NULL);
+        return 1;   /* run_choice() answers the failure */
+    }
     G->text_offset += tok->text_len;
     int rc = G->chat ? dsv4_reply_feed(G->reply, tok->text, tok->text_len)
                      : dsv4_buf_put(&G->content, tok->text, tok->text_len);
@@ -309,6 +321,11 @@ static void run_choice(struct gen *G)
         G->res.finish_reason = DSV4_CLIENT_FINISH_CANCELLED;
     if (rc < 0) {
         choice_failed(G, rc, "generating", G->c);
+        return;
+    }
+    if (G->aux_rc) {
+        choice_failed(G, G->aux_rc, "detokenizing logprobs on a second connection (dsv4d counts it against "
+                      "max_idle_per_uid: it has no generate in flight)", G->aux);
         return;
     }
     if (G->res.finish_reason == DSV4_CLIENT_FINISH_CANCELLED && !asked) {

@@ -139,7 +139,7 @@ class ScriptedDsv4d:
 
 tmp = tempfile.TemporaryDirectory(prefix="dsv4-openai-hostile-")
 d = Daemon(args=["--max-batch", "4", "--max-context", "4096"], model=MODEL, tokenizer=False, endless=True)
-front = fake_front = fake = None
+front = fake_front = fake = idle_front = d2 = None
 try:
     t.ok(d.start(), "dsv4d is ready (models/default, end of sentence disabled: answers run to max_tokens)",
          d.log_text())
@@ -316,13 +316,34 @@ try:
     t.ok(status == 200 and events[-1] == "[DONE]" and last.get("error", {}).get("code") == "cancelled"
          and '"finish_reason":"stop"' not in out.decode(),
          "dsv4d cancels a streamed request (draining): the stream ends with an error, no finish_reason stop", out)
+
+    # ---- logprobs' second connection (it detokenizes the alternatives) has no generate in flight: dsv4d
+    # closes it as one idle connection too many (max_idle_per_uid), and the choice fails rather than
+    # answer token texts that are ""
+    d2 = Daemon(args=["--max-batch", "4", "--max-context", "2048", "--max_idle_per_uid", "1"], model=MODEL,
+                tokenizer=False, endless=True)
+    t.ok(d2.start(), "a dsv4d with max_idle_per_uid 1 is ready", d2.log_text())
+    idle_front = Front(d2.sock_path, tmp.name)
+    t.ok(idle_front.wait_ready(), "dsv4-openai is up in front of it", idle_front.log_text())
+    status, _, out = http(idle_front, "POST", "/v1/chat/completions",
+                          {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1500, "n": 2,
+                           "logprobs": True, "top_logprobs": 1})
+    body = json.loads(out) if out.startswith(b"{") else {}
+    empty = [sum(1 for e in (c.get("logprobs") or {}).get("content", []) if e["token"] == "")
+             for c in body.get("choices", [])]
+    t.ok(status == 503 and "max_idle_per_uid" in body.get("error", {}).get("message", ""),
+         "dsv4d closing a choice's logprobs connection: 503 naming why, not logprobs with empty tokens (%s)" % empty,
+         (status, out[:600]))
 finally:
-    for f in (front, fake_front):
+    for f in (front, fake_front, idle_front):
         if f:
             rc = f.stop()
             t.ok(rc == 0, "dsv4-openai stops cleanly", (rc, f.log_text()[-3000:]))
     if fake:
         fake.close()
+    if d2:
+        d2.stop()
+        d2.close()
     d.stop()
     d.close()
 t.done()
