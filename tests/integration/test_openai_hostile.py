@@ -319,9 +319,9 @@ try:
 
     # ---- logprobs' second connection (it detokenizes the alternatives) has no generate in flight: dsv4d
     # closes it as one idle connection too many (max_idle_per_uid), and the choice fails rather than
-    # answer token texts that are ""
+    # answer token texts that are "". Not socket-activated: the activating connection would be idle too.
     d2 = Daemon(args=["--max-batch", "4", "--max-context", "2048", "--max_idle_per_uid", "1"], model=MODEL,
-                tokenizer=False, endless=True)
+                tokenizer=False, endless=True, activation=False)
     t.ok(d2.start(), "a dsv4d with max_idle_per_uid 1 is ready", d2.log_text())
     idle_front = Front(d2.sock_path, tmp.name)
     t.ok(idle_front.wait_ready(), "dsv4-openai is up in front of it", idle_front.log_text())
