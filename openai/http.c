@@ -329,6 +329,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     }
     size_t len = rq->body.len;
     rq->job = dsv4_oai_job_new(s, rq->route, dsv4_buf_steal(&rq->body), len);
+    if (rq->job) {
+        pthread_mutex_lock(&s->lock);
+        s->responding++;   /* until on_completed() */
+        pthread_mutex_unlock(&s->lock);
+    }
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (!rq->job || dsv4_oai_job_start(rq->job, conn, ci ? ci->connect_fd : -1) < 0)
         return queue_error(s, conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "server_error", NULL,
@@ -339,6 +344,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe)
 {
+    struct dsv4_oai_server *s = cls;
     struct request *rq = *con_cls;
     if (!rq) {
         /* Answered from its headers alone: the next request's deadline starts now. */
@@ -349,6 +355,10 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     if (rq->job) {
         dsv4_oai_job_detach(rq->job, toe != MHD_REQUEST_TERMINATED_COMPLETED_OK);
         dsv4_oai_job_unref(rq->job);
+        pthread_mutex_lock(&s->lock);
+        s->responding--;
+        pthread_cond_broadcast(&s->idle);
+        pthread_mutex_unlock(&s->lock);
     }
     set_receiving(rq->cs, true);   /* the next request on this connection has its own deadline */
     dsv4_buf_free(&rq->body);
@@ -411,6 +421,11 @@ void dsv4_oai_http_stop(struct dsv4_oai_server *s, unsigned grace_s)
     while (s->jobs && pthread_cond_timedwait(&s->idle, &s->lock, &t) == 0)
         ;
     bool left = s->jobs != NULL;
+    /* A job that ended has resumed its connection with the last of its response (a stream's error
+     * event and end): let libmicrohttpd send it, which stopping now would cut. No job touches a
+     * connection any more, so stopping after the grace is safe whatever is still unsent. */
+    while (!left && s->responding && pthread_cond_timedwait(&s->idle, &s->lock, &t) == 0)
+        ;
     pthread_mutex_unlock(&s->lock);
     if (left)
         dsv4_oai_log(LOG_WARNING, "jobs still running after %u s; stopping anyway", grace_s);

@@ -69,8 +69,9 @@ struct dsv4_oai_server {
     const struct dsv4_oai_config *cfg;
     struct MHD_Daemon *mhd;
     pthread_mutex_t lock;             /* everything below */
-    pthread_cond_t idle;              /* signalled when a job ends */
+    pthread_cond_t idle;              /* signalled when a job or a job's response ends */
     struct dsv4_oai_job *jobs;        /* running jobs (for shutdown) */
+    unsigned responding;              /* requests with a job whose response has not ended (shutdown waits) */
     unsigned generations, quick_jobs; /* in flight, against the limits */
     bool stopping;
     uint64_t requests[DSV4_OAI_N_ROUTES];

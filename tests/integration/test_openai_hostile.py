@@ -260,6 +260,37 @@ try:
     t.ok(r.choices[0].message.content.startswith("391") and front.proc.poll() is None,
          "after all of it the front still serves", r.choices[0].message)
 
+    # ---- stopping (SIGTERM) with a whole and a streamed request in flight: each ends cleanly with an error
+    # (the stream with its error event, [DONE] and the chunked body's end) before the connections close
+    whole = socket.create_connection(("127.0.0.1", front.port), timeout=TIMEOUT)
+    streamed = socket.create_connection(("127.0.0.1", front.port), timeout=TIMEOUT)
+    msgs = [{"role": "user", "content": "Hello"}]
+    whole.sendall(post(front, {"messages": msgs, "max_tokens": 3000}))
+    streamed.sendall(post(front, {"messages": msgs, "max_tokens": 3000, "stream": True}))
+    got = {whole: b"", streamed: b""}
+    while b"data: " not in got[streamed]:
+        got[streamed] += streamed.recv(4096)
+    wait_stats(c, lambda x: x["slots_busy"] == 2)
+    front.proc.terminate()
+    for s in (whole, streamed):
+        try:
+            while True:
+                b = s.recv(65536)
+                if not b:
+                    break
+                got[s] += b
+        except (socket.timeout, ConnectionError):
+            pass
+        s.close()
+    t.ok(status_of(got[whole]) == 503 and b'"code":"cancelled"' in got[whole],
+         "stopping: a whole request in flight gets 503 cancelled", got[whole][-400:])
+    t.ok(b'"code":"cancelled"' in got[streamed] and got[streamed].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"),
+         "stopping: a stream in flight ends with an error event, [DONE] and the chunked body's end",
+         got[streamed][-400:])
+    rc = front.proc.wait(timeout=TIMEOUT)
+    t.ok(rc == 0, "dsv4-openai stops cleanly with requests in flight", (rc, front.log_text()[-3000:]))
+    front = None
+
     # ---- DSML tool calls from a scripted dsv4d
     fake = ScriptedDsv4d(os.path.join(tmp.name, "scripted.sock"))
     fake_front = Front(fake.path, tmp.name, ["--model-name", "scripted"])
