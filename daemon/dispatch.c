@@ -390,6 +390,20 @@ static int queued_now(struct dsv4_dispatch *d)
     return d->n_pending + st.queued;
 }
 
+/* A request that stays in flight (a generate, a tokenize on the prompt worker) holds its msgid and
+ * one of the connection's max_requests_per_conn places until it is answered. */
+static int admit_in_flight(struct dsv4_dispatch *d, const struct dsv4_conn *c, uint32_t msgid,
+                           struct dsv4_proto_error *err)
+{
+    if (duplicate_msgid(c, msgid))
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_DUPLICATE_MSGID, "msgid %u is already in flight on this "
+                                    "connection", msgid);
+    if (c->n_requests >= d->cfg->max_requests_per_conn)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_REQUESTS, "%d requests in flight on this connection "
+                                    "(max_requests_per_conn = %d)", c->n_requests, d->cfg->max_requests_per_conn);
+    return 0;
+}
+
 /* The checks that need no tokenizing, in the order a client can act on them. */
 static int admit_generate(struct dsv4_dispatch *d, struct dsv4_conn *c, uint32_t msgid,
                           const struct dsv4_proto_generate *gen, struct dsv4_proto_error *err)
@@ -401,12 +415,9 @@ static int admit_generate(struct dsv4_dispatch *d, struct dsv4_conn *c, uint32_t
         return dsv4_proto_error_set(err, DSV4_PROTO_E_INTERNAL, "%s; dsv4d is exiting to be restarted", d->reason);
     if (*d->state == DSV4_SERVER_DRAINING || *d->state == DSV4_SERVER_EXITING)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_DRAINING, "the server is shutting down; retry later");
-    if (duplicate_msgid(c, msgid))
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_DUPLICATE_MSGID, "msgid %u is already in flight on this "
-                                    "connection", msgid);
-    if (c->n_requests >= d->cfg->max_requests_per_conn)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_REQUESTS, "%d requests in flight on this connection "
-                                    "(max_requests_per_conn = %d)", c->n_requests, d->cfg->max_requests_per_conn);
+    int r = admit_in_flight(d, c, msgid, err);
+    if (r < 0)
+        return r;
     if (queued_now(d) >= d->cfg->max_queued)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_QUEUE_FULL, "%d requests are waiting for a slot "
                                     "(max_queued = %d)", queued_now(d), d->cfg->max_queued);
@@ -645,9 +656,13 @@ static void do_tokenize(struct dsv4_dispatch *d, struct dsv4_conn *c, const stru
     if (dsv4_proto_decode_tokenize(msg, &req, &err) < 0) {
         reply_error(c, msg->msgid, &err);
     } else if (tokenize_text_bytes(&req) > DSV4_PROMPT_INLINE_BYTES) {
-        /* As for generate: a large text is encoded on the prompt worker, answered when it is done. */
-        struct dsv4_request *r = request_new(d, c, msg->msgid);
-        if (!r) {
+        /* As for generate: a large text is encoded on the prompt worker, answered when it is done. It
+         * holds its text meanwhile, so it counts against the connection's requests in flight: a client
+         * pipelining large texts faster than the worker encodes them is refused, not buffered. */
+        struct dsv4_request *r;
+        if (admit_in_flight(d, c, msg->msgid, &err) < 0) {
+            reply_error(c, msg->msgid, &err);
+        } else if (!(r = request_new(d, c, msg->msgid))) {
             dsv4_conn_send_error(c, msg->msgid, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
         } else {
             r->tokenize_only = true;

@@ -9,7 +9,7 @@ import struct
 import threading
 import time
 
-from dsv4d_harness import (BOS, LONG_PROMPT, TIMEOUT, Client, Closed, Daemon, Tap, bin_tokens, text_tokens,
+from dsv4d_harness import (BOS, LONG_PROMPT, TAGS, TIMEOUT, Client, Closed, Daemon, Tap, bin_tokens, text_tokens,
                            tokens_bin)
 
 import msgpack  # after the harness, which skips the test when it is missing
@@ -335,6 +335,52 @@ try:
     err, res = witness2.call("generate", {"prompt": "hello", "max_tokens": 2, "temperature": 0.0})
     t.ok(err is None, "clients leaving while their prompts are tokenized harm no one", err)
     witness2.close()
+    c.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+# ---- a tokenize encoded on the prompt worker is a request in flight --------------------------------
+# It holds its text until the worker is done: without the per-connection bound a client pipelining
+# large texts made the daemon hold every one of them at once (40 x 4 MiB: 200 MB with a bound of 2).
+d = Daemon(activation=False, args=["--max-context", "256", "--max-requests-per-conn", "2"], endless=True)
+try:
+    t.ok(d.start(), "dsv4d with max_requests_per_conn = 2 becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    busy = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 200, "stream": True})
+    c.recv()
+    err, res = c.response(c.request("tokenize", {"text": "w" * (64 << 10)}, msgid=busy))
+    t.ok(err is not None and err["code"] == 210,
+         "a large tokenize with the msgid of a generate in flight gets duplicate_msgid (210)", (err, res and "ids"))
+    c.request("cancel", {"msgid": busy})
+
+    tag = TAGS[2]
+    text = tag * ((1 << 20) // len(tag.encode("utf-8")))
+    N = 16
+    flood = Client(d.sock_path)
+    answers = {}
+
+    def read_flood():
+        try:
+            while len(answers) < N:
+                m = flood.recv()
+                if m[0] == 1:
+                    answers[m[1]] = m[2] if m[2] is not None else len(bin_tokens(m[3]["tokens"]))
+        except (Closed, OSError):
+            pass
+    reader = threading.Thread(target=read_flood)
+    reader.start()
+    flood.send_raw(b"".join(request("tokenize", {"text": text, "add_bos": False}, msgid=100 + k) for k in range(N)))
+    reader.join(TIMEOUT)
+    refused = [e for e in answers.values() if isinstance(e, dict)]
+    served = [n for n in answers.values() if not isinstance(n, dict)]
+    t.ok(len(answers) == N and refused and all(e["code"] == 402 and "max_requests_per_conn = 2" in e["message"]
+                                               for e in refused),
+         "%d large tokenize texts pipelined: those past max_requests_per_conn get too_many_requests (402)" % N,
+         {k: v if isinstance(v, dict) else "%d ids" % v for k, v in answers.items()})
+    t.ok(served and all(n == len(text) // len(tag) for n in served), "  and the ones taken are encoded exactly",
+         served)
+    flood.close()
     c.close()
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:
