@@ -63,10 +63,17 @@ void dsv4_log(int level, const char *fmt, ...)
     va_end(ap);
     if (r < 0)
         return;
+    size_t text = n;
     n += (size_t)r;
     /* Truncated lines keep their newline; one write keeps concurrent lines whole. */
     if (n > sizeof(line) - 2)
         n = sizeof(line) - 2;
+    /* Messages quote client text (a hello's client name, a refused field's name): a control character
+     * in it must not end the line, or journald files what follows as an entry of the client's chosen
+     * priority ("\n<0>..."). */
+    for (size_t i = text; i < n; i++)
+        if ((unsigned char)line[i] < 0x20 || line[i] == 0x7f)
+            line[i] = ' ';
     line[n++] = '\n';
     for (size_t off = 0; off < n;) {
         ssize_t w = write(STDERR_FILENO, line + off, n - off);

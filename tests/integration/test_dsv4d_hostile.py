@@ -145,6 +145,18 @@ try:
     err, h = c.call("health")
     t.ok(err is None and h["status"] == "ready", "the connection that sent every bad request is still served")
 
+    # Client text reaches the log (hello's client name; at debug level the field names of refused
+    # requests): a line break in it must not start a line of its own, which journald would file as
+    # an entry at the priority the client wrote.
+    forged = "<0>forged emergency"
+    err, _ = c.call("hello", {"protocol": 1, "client": "probe\n" + forged + "\r\n<3>forged error"})
+    c.send_raw(gen({"prompt": "hi", "x\n" + forged: 1}, msgid=8))
+    c.response(8)
+    lines = d.log_text().splitlines()
+    t.ok(err is None and not any(line.startswith(("<0>forged", "<3>forged")) for line in lines) and
+         sum("forged emergency" in line for line in lines) == 2,
+         "client text with line breaks stays on its log line", [line for line in lines if "forged" in line])
+
     # A second request with the msgid of one still in flight.
     mid = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 200, "temperature": 0.0,
                                  "stream": True})
