@@ -15,6 +15,9 @@
 #include "engine/error.h"
 
 #define DSV4_CONN_ACCEPTS_PER_WAKEUP 64
+/* Out of descriptors (or kernel memory) with nothing of ours to close, as when other processes fill
+ * the system's file table: accepting is tried again this often. */
+#define DSV4_CONN_ACCEPT_RETRY_USEC 1000000ull
 #define DSV4_CONN_PEER_GROUPS_MAX 256
 
 static int conn_io(sd_event_source *src, int fd, uint32_t revents, void *userdata);
@@ -66,6 +69,21 @@ static void set_accepting(struct dsv4_conns *cs, bool on)
     cs->accept_paused = !on;
 }
 
+/* Stop accepting while descriptors are short: a closing connection resumes it, and so does the retry
+ * timer, since the shortage may not be ours (with no connection open, none would ever close). */
+static void pause_accepting(struct dsv4_conns *cs)
+{
+    set_accepting(cs, false);
+    sd_event_source_set_time(cs->accept_retry_src, dsv4_now_ns() / 1000 + DSV4_CONN_ACCEPT_RETRY_USEC);
+    sd_event_source_set_enabled(cs->accept_retry_src, SD_EVENT_ONESHOT);
+}
+
+static void resume_accepting(struct dsv4_conns *cs)
+{
+    if (cs->accept_paused && !cs->accept_stopped && !cs->refuse_code)
+        set_accepting(cs, true);
+}
+
 /* max_idle_per_uid: a connection is idle once it has had no generate request in flight for this
  * long, so a client's fresh connection (its first request on the way) and a busy pool are not. */
 #define DSV4_CONN_IDLE_AFTER_NS 1000000000ull
@@ -97,8 +115,9 @@ static int conn_accept(struct dsv4_conns *cs, int listen_fd)
             if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED)
                 return 0;
             if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-                dsv4_log_warning("accept: %m; not accepting until a connection closes");
-                set_accepting(cs, false);
+                dsv4_log_warning("accept: %m; not accepting for %llu s or until a connection closes",
+                                 DSV4_CONN_ACCEPT_RETRY_USEC / 1000000);
+                pause_accepting(cs);
                 return 0;
             }
             dsv4_log_err("accept: %m");
@@ -233,8 +252,7 @@ void dsv4_conn_close(struct dsv4_conn *c, const char *why)
     cs->zombies = c;
     if (cs->reap_src)
         sd_event_source_set_enabled(cs->reap_src, SD_EVENT_ONESHOT);
-    if (cs->accept_paused && !cs->accept_stopped && !cs->refuse_code)
-        set_accepting(cs, true);
+    resume_accepting(cs);
     cs->hooks.closed(cs->hooks.userdata, c);
 }
 
@@ -488,6 +506,12 @@ static int on_reap(sd_event_source *src, void *userdata)
     return 0;
 }
 
+static int on_accept_retry(sd_event_source *src, uint64_t usec, void *userdata)
+{
+    resume_accepting(userdata);
+    return 0;
+}
+
 int dsv4_conns_init(struct dsv4_conns *cs, sd_event *event, const struct dsv4_settings *cfg,
                     const struct dsv4_conn_hooks *hooks)
 {
@@ -501,6 +525,10 @@ int dsv4_conns_init(struct dsv4_conns *cs, sd_event *event, const struct dsv4_se
     if (r < 0)
         return dsv4_error_set(r, "sd_event_add_defer: %s", strerror(-r));
     sd_event_source_set_enabled(cs->reap_src, SD_EVENT_OFF);
+    r = sd_event_add_time(event, &cs->accept_retry_src, CLOCK_MONOTONIC, 0, 0, on_accept_retry, cs);
+    if (r < 0)
+        return dsv4_error_set(r, "sd_event_add_time: %s", strerror(-r));
+    sd_event_source_set_enabled(cs->accept_retry_src, SD_EVENT_OFF);
     return 0;
 }
 
@@ -539,4 +567,5 @@ void dsv4_conns_done(struct dsv4_conns *cs)
     for (int i = 0; i < cs->n_listen; i++)
         cs->listen_src[i] = sd_event_source_disable_unref(cs->listen_src[i]);
     cs->reap_src = sd_event_source_disable_unref(cs->reap_src);
+    cs->accept_retry_src = sd_event_source_disable_unref(cs->accept_retry_src);
 }

@@ -66,7 +66,8 @@ struct dsv4_conns {
     int n;
     uint64_t next_id;
     uint64_t accepted_total, refused_total;
-    bool accept_paused;                 /* out of file descriptors: resumes when one closes */
+    bool accept_paused;                 /* out of file descriptors: resumes when one closes, or on retry */
+    sd_event_source *accept_retry_src;  /* resumes a paused accept with no connection left to close */
     bool accept_stopped;                /* dsv4_conns_stop_accepting(): never resumes */
     int refuse_code;                    /* nonzero: every new connection is told this and closed */
     const char *refuse_message;

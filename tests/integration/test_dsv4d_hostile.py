@@ -4,6 +4,8 @@
 msgid, the connection staying usable) or, for framing errors, an `error` notification and a closed
 connection, while a witness client on another connection keeps being served."""
 
+import os
+import resource
 import socket
 import struct
 import threading
@@ -393,6 +395,34 @@ try:
     t.ok(served and all(n == len(text) // len(tag) for n in served), "  and the ones taken are encoded exactly",
          served)
     flood.close()
+    c.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
+# ---- out of file descriptors with no connection open: accepting resumes once there are some --------
+d = Daemon(activation=False, args=["--max-context", "256"])
+try:
+    t.ok(d.start(), "dsv4d becomes ready", d.log_text())
+    # Its descriptor limit lowered to the lowest free descriptor: the next accept fails with EMFILE, as
+    # when the shortage is someone else's (ENFILE) and no connection of dsv4d's own can close.
+    used = {int(fd) for fd in os.listdir("/proc/%d/fd" % d.proc.pid)}
+    limits = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (min(set(range(len(used) + 1)) - used), limits[1]))
+    c = Client(d.sock_path, timeout=30)
+    c.request("health", {}, msgid=5)
+    deadline = time.monotonic() + TIMEOUT
+    while "accept: Too many open files" not in d.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t.ok("accept: Too many open files" in d.log_text(), "with no descriptor left the accept fails and is logged",
+         d.log_text()[-1000:])
+    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, limits)
+    try:
+        err, h = c.response(5)
+    except (Closed, OSError) as e:
+        err, h = e, None
+    t.ok(err is None and h["status"] == "ready", "once descriptors are available again, the waiting client is served",
+         (err, d.log_text()[-1000:]))
     c.close()
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:
