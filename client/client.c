@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -174,26 +175,33 @@ int dsv4_client_connect(struct dsv4_client *c, const char *path, int timeout_ms)
     if (strlen(path) >= sizeof(sa.sun_path))
         return fail(c, -EINVAL, "socket path %s is longer than %zu bytes", path, sizeof(sa.sun_path) - 1);
     memcpy(sa.sun_path, path, strlen(path) + 1);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return fail(c, -errno, "socket: %s", strerror(errno));
-    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
-        int e = errno;
-        /* AF_UNIX answers EAGAIN when the listen backlog is full: wait for room */
-        if (e == EAGAIN || e == EINPROGRESS) {
-            int64_t deadline = timeout_ms > 0 ? now_ms() + timeout_ms : -1;
-            int rc = wait_fd(fd, POLLOUT, deadline);
-            socklen_t len = sizeof(e);
-            if (rc == 0 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &len) == 0 && e == 0)
-                goto connected;
-            if (rc < 0)
-                e = -rc;
+    /* AF_UNIX refuses a non-blocking connect with EAGAIN while the listen backlog is full and leaves
+     * the socket unconnected, with nothing to poll for. A blocking connect waits for room, for at
+     * most SO_SNDTIMEO (then EAGAIN); connect_fd makes the socket non-blocking afterwards. */
+    int64_t deadline = timeout_ms > 0 ? now_ms() + timeout_ms : -1;
+    for (;;) {
+        int e = 0;
+        if (deadline >= 0) {
+            int64_t left = deadline - now_ms();
+            struct timeval tv = { .tv_sec = left / 1000, .tv_usec = (left % 1000) * 1000 };
+            if (left <= 0)
+                e = ETIMEDOUT;
+            else if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0)
+                e = errno;
         }
+        if (e == 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
+            break;
+        if (e == 0)
+            e = errno == EAGAIN ? ETIMEDOUT : errno;
+        if (e == EINTR)
+            continue;   /* interrupted while waiting for room: still unconnected, try again */
         close(fd);
         return fail(c, -e, "connecting to %s: %s%s", path, strerror(e),
                     e == ENOENT || e == ECONNREFUSED ? " (is dsv4d running? see systemctl status dsv4d.socket)" : "");
     }
-connected:
     return dsv4_client_connect_fd(c, fd);
 }
 

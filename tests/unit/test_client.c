@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 #include <cmocka.h>
@@ -625,6 +626,65 @@ static void test_misbehaving_servers(void **state)
     dsv4_client_close(NULL);
 }
 
+/* A listener whose backlog is full: dsv4_client_connect waits for room (or gives up at its timeout)
+ * instead of returning a socket that is not connected. */
+struct backlog {
+    int listen_fd;
+    int delay_ms;
+    struct server s;
+};
+
+static void *backlog_main(void *arg)
+{
+    struct backlog *b = arg;
+    nanosleep(&(struct timespec){ b->delay_ms / 1000, (long)(b->delay_ms % 1000) * 1000000L }, NULL);
+    int filler = accept(b->listen_fd, NULL, NULL);   /* room for the client's connection */
+    assert_true(filler >= 0);
+    b->s.fd = accept(b->listen_fd, NULL, NULL);
+    close(filler);
+    if (b->s.fd >= 0)
+        server_main(&b->s);
+    return NULL;
+}
+
+static void test_connect_backlog_full(void **state)
+{
+    char dir[] = "/tmp/dsv4-client-test-XXXXXX";
+    char path[108];
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof(path), "%s/s", dir);
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int l = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_true(l >= 0);
+    assert_int_equal(bind(l, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(listen(l, 0), 0);
+    /* backlog 0 holds one connection nobody accepted: the next one finds it full */
+    int filler = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_int_equal(connect(filler, (struct sockaddr *)&sa, sizeof(sa)), 0);
+
+    struct dsv4_client *c = dsv4_client_new();
+    struct dsv4_client_health h;
+    assert_int_equal(dsv4_client_connect(c, path, 100), -ETIMEDOUT);
+    assert_non_null(strstr(dsv4_client_error_message(c), path));
+    assert_int_equal(dsv4_client_health(c, &h), -ENOTCONN);
+
+    /* room comes within the timeout: connected, and the connection serves */
+    struct backlog b = { .listen_fd = l, .delay_ms = 100, .s = { .how = SERVE, .seed = fresh_seed() } };
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, backlog_main, &b), 0);
+    assert_int_equal(dsv4_client_connect(c, path, 10000), 0);
+    dsv4_client_set_timeout(c, 10000);
+    assert_int_equal(dsv4_client_health(c, &h), 0);
+    assert_int_equal(h.status, b.s.seed % 3);
+    dsv4_client_close(c);
+    pthread_join(th, NULL);
+    close(filler);
+    close(l);
+    unlink(path);
+    rmdir(dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -635,6 +695,7 @@ int main(void)
         cmocka_unit_test(test_server_error),
         cmocka_unit_test(test_tokens),
         cmocka_unit_test(test_misbehaving_servers),
+        cmocka_unit_test(test_connect_backlog_full),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
