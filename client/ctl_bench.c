@@ -500,7 +500,8 @@ int ctl_bench_run(const struct ctl_bench_opts *o, FILE *out, FILE *progress, cha
     /* Prompt ids avoid the low ids (BOS, EOS, chat tags on the small models) and the top 1/16 of
      * the vocabulary, where the release keeps its special tokens and padding. */
     const int32_t V = (int32_t)info->vocab_size, lo = V >= 64 ? 16 : 1, hi = V - V / 16;
-    const uint32_t need = o->prompt_tokens + (o->gp.max_tokens ? o->gp.max_tokens : 1);
+    /* 64-bit: --max-tokens goes up to 2^32 - 1, and a sum that wrapped would pass the check */
+    const uint64_t need = (uint64_t)o->prompt_tokens + (o->gp.max_tokens ? o->gp.max_tokens : 1);
     if (hi <= lo) {
         set_err(err, err_len, "bench: the model's vocabulary (%d ids) is too small for random prompts", V);
         rc = -EINVAL;

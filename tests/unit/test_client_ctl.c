@@ -558,6 +558,20 @@ static void test_other_commands(void **state)
     assert_non_null(strstr(r.out, "Exit status"));
 }
 
+/* bench checks the prompt and max_tokens against the server's context (4096 here) before sending
+ * anything, whatever their sum: near 2^32 it must not wrap round to something that fits. */
+static void test_bench_limits(void **state)
+{
+    static struct run r;
+    srv.sc = SC_REJECT;     /* a request that reached the server would fail with exit 1 */
+    RUN(&r, NULL, "bench", "--requests", "1", "--prompt-tokens", "8", "--max-tokens", "5000");
+    expect(&r, 2);
+    assert_non_null(strstr(r.err, "context of 4096 tokens"));
+    RUN(&r, NULL, "bench", "--requests", "1", "--prompt-tokens", "8", "--max-tokens", "4294967295");
+    expect(&r, 2);
+    assert_non_null(strstr(r.err, "context of 4096 tokens"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -566,6 +580,7 @@ int main(void)
         cmocka_unit_test(test_exit_codes),
         cmocka_unit_test(test_sigint_cancels),
         cmocka_unit_test(test_other_commands),
+        cmocka_unit_test(test_bench_limits),
     };
     signal(SIGPIPE, SIG_IGN);
     return cmocka_run_group_tests(tests, setup, teardown);
