@@ -269,8 +269,9 @@ static void print_json(json_t *j)
     fflush(stdout);
 }
 
-/* JSON has no infinities: a -inf log-probability prints as null. */
-static json_t *json_logprob_value(float v)
+/* JSON has no infinities: a -inf log-probability, or any number a server sent as an infinity, prints
+ * as null (jansson refuses to make a real of it, and one refused value loses the whole object). */
+static json_t *json_number(double v)
 {
     return isfinite(v) ? json_real(v) : json_null();
 }
@@ -279,7 +280,7 @@ static json_t *json_top(const struct dsv4_client_logprob *lp)
 {
     json_t *a = json_array();
     for (size_t i = 0; i < lp->n_top; i++)
-        json_array_append_new(a, json_pack("[io]", (int)lp->top_ids[i], json_logprob_value(lp->top_logprobs[i])));
+        json_array_append_new(a, json_pack("[io]", (int)lp->top_ids[i], json_number(lp->top_logprobs[i])));
     return a;
 }
 
@@ -320,7 +321,7 @@ static int on_token(const struct dsv4_client_token *t, void *user)
     if (s->json) {
         json_t *j = json_pack("{s:i,s:s%}", "token", (int)t->id, "text", t->text, t->text_len);
         if (t->logprob) {
-            json_object_set_new(j, "logprob", json_logprob_value(t->logprob->logprob));
+            json_object_set_new(j, "logprob", json_number(t->logprob->logprob));
             json_object_set_new(j, "top_logprobs", json_top(t->logprob));
         }
         print_json(j);
@@ -336,21 +337,22 @@ static json_t *json_result(const struct dsv4_client_result *r)
     json_t *tokens = json_array();
     for (size_t i = 0; i < r->n_tokens; i++)
         json_array_append_new(tokens, json_integer(r->tokens[i]));
-    json_t *j = json_pack("{s:s%,s:o,s:s,s:{s:i,s:i,s:I,s:i},s:{s:f,s:f,s:f,s:f,s:f}}",
+    json_t *j = json_pack("{s:s%,s:o,s:s,s:{s:i,s:i,s:I,s:i},s:{s:o,s:o,s:o,s:o,s:o}}",
                           "text", r->text, r->text_len,
                           "tokens", tokens,
                           "finish_reason", dsv4_client_finish_name(r->finish_reason),
                           "usage", "prompt_tokens", (int)r->prompt_tokens, "completion_tokens",
                           (int)r->completion_tokens, "total_tokens",
                           (json_int_t)r->prompt_tokens + r->completion_tokens, "cached_tokens", (int)r->cached_tokens,
-                          "timings", "queue_ms", r->queue_ms, "prefill_ms", r->prefill_ms, "decode_ms",
-                          r->decode_ms, "total_ms", r->total_ms, "decode_tokens_per_s", r->decode_tokens_per_s);
+                          "timings", "queue_ms", json_number(r->queue_ms), "prefill_ms", json_number(r->prefill_ms),
+                          "decode_ms", json_number(r->decode_ms), "total_ms", json_number(r->total_ms),
+                          "decode_tokens_per_s", json_number(r->decode_tokens_per_s));
     if (r->error_message)
         json_object_set_new(j, "error", json_string(r->error_message));
     if (r->logprobs) {
         json_t *lp = json_array();
         for (size_t i = 0; i < r->n_tokens; i++)
-            json_array_append_new(lp, json_pack("{s:o,s:o}", "logprob", json_logprob_value(r->logprobs[i].logprob),
+            json_array_append_new(lp, json_pack("{s:o,s:o}", "logprob", json_number(r->logprobs[i].logprob),
                                                 "top_logprobs", json_top(&r->logprobs[i])));
         json_object_set_new(j, "logprobs", lp);
     }
@@ -557,7 +559,8 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         json_t *j = json_object();
         json_object_set_new(j, "backend", json_string(s.backend));
         for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
-            json_object_set_new(j, rows[i].name, rows[i].is_f ? json_real(rows[i].f) : json_integer((json_int_t)rows[i].u));
+            json_object_set_new(j, rows[i].name,
+                                rows[i].is_f ? json_number(rows[i].f) : json_integer((json_int_t)rows[i].u));
         json_t *k = json_array();
         for (size_t i = 0; i < s.n_kernels; i++)
             json_array_append_new(k, json_string(s.kernels[i]));

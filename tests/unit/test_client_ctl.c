@@ -37,6 +37,7 @@ enum scenario {
     SC_SLOW,          /* generate: SIGINT to the peer after the first token, then tokens every 5 ms until a
                          cancel arrives */
     SC_LOADING,       /* health: loading */
+    SC_INFINITE,      /* generate and stats: numbers that are infinite (msgpack has them, JSON does not) */
 };
 
 static struct {
@@ -144,6 +145,8 @@ static void answer_generate(int fd, struct dsv4_proto_reader *r, const struct ds
     }
     res.usage.prompt_tokens = 3;
     res.usage.completion_tokens = res.n_tokens;
+    if (sc == SC_INFINITE)
+        res.timings = (struct dsv4_proto_timings){ .decode_ms = INFINITY, .decode_tokens_per_s = -INFINITY };
     dsv4_proto_encode_generate_result(out, msg->msgid, &res);
     free(res.tokens);
     free(res.text);
@@ -176,7 +179,8 @@ static void serve_connection(int fd)
         }
         case DSV4_PROTO_METHOD_STATS: {
             struct dsv4_proto_stats st = { .backend = "cpu", .slots_total = 4, .slots_busy = 1,
-                                           .decode_tokens_per_s = 12.5, .n_kernels = 1, .kernels = { "gemv" } };
+                                           .decode_tokens_per_s = srv.sc == SC_INFINITE ? INFINITY : 12.5,
+                                           .n_kernels = 1, .kernels = { "gemv" } };
             dsv4_proto_encode_stats_result(&out, msg.msgid, &st);
             break;
         }
@@ -558,6 +562,37 @@ static void test_other_commands(void **state)
     assert_non_null(strstr(r.out, "Exit status"));
 }
 
+/* JSON has no infinities: a number the server sent as one prints as null, and the rest of the
+ * object still prints. */
+static void test_json_infinite_numbers(void **state)
+{
+    static struct run r;
+    json_error_t je;
+    srv.sc = SC_INFINITE;
+    RUN(&r, NULL, "generate", "x", "--json", "--no-stream", "-n", "2");
+    expect(&r, 0);
+    json_t *j = json_loads(r.out, 0, &je);
+    if (!j)
+        fail_msg("not JSON: '%s' (%s)", r.out, je.text);
+    assert_string_equal(json_string_value(json_object_get(j, "text")), "t0 t1 ");
+    json_t *tm = json_object_get(j, "timings");
+    assert_true(json_is_null(json_object_get(tm, "decode_ms")));
+    assert_true(json_is_null(json_object_get(tm, "decode_tokens_per_s")));
+    assert_true(json_real_value(json_object_get(tm, "total_ms")) == 0);
+    json_decref(j);
+
+    RUN(&r, NULL, "stats", "--json");
+    expect(&r, 0);
+    j = json_loads(r.out, 0, &je);
+    assert_non_null(j);
+    json_t *v = json_object_get(j, "decode_tokens_per_s");
+    assert_non_null(v);
+    assert_true(json_is_null(v));
+    assert_int_equal(json_integer_value(json_object_get(j, "slots_total")), 4);
+    json_decref(j);
+    srv.sc = SC_ECHO;
+}
+
 /* bench checks the prompt and max_tokens against the server's context (4096 here) before sending
  * anything, whatever their sum: near 2^32 it must not wrap round to something that fits. */
 static void test_bench_limits(void **state)
@@ -581,6 +616,7 @@ int main(void)
         cmocka_unit_test(test_sigint_cancels),
         cmocka_unit_test(test_other_commands),
         cmocka_unit_test(test_bench_limits),
+        cmocka_unit_test(test_json_infinite_numbers),
     };
     signal(SIGPIPE, SIG_IGN);
     return cmocka_run_group_tests(tests, setup, teardown);
