@@ -183,7 +183,8 @@ static int text_put(struct chat_sink *s, const char *text, size_t len, size_t ms
         k->data = d;
         k->cap = cap;
     }
-    memcpy(k->data + k->len, text, len);
+    if (len)    /* a message may have no content pointer when it has no content */
+        memcpy(k->data + k->len, text, len);
     k->len += len;
     k->data[k->len] = '\0';
     return 0;

@@ -81,6 +81,13 @@ static const struct dsv4_chat_message with_system[] = {
     MSG(USER, "Q2"),
 };
 
+/* No content pointer with length 0 is an empty message (chat_walk refuses it only with a length). */
+static const struct dsv4_chat_message empty_contents[] = {
+    {DSV4_CHAT_ROLE_SYSTEM, NULL, 0, NULL, 0},
+    {DSV4_CHAT_ROLE_USER, NULL, 0, NULL, 0},
+    {DSV4_CHAT_ROLE_ASSISTANT, NULL, 0, NULL, 0},
+};
+
 #define SYS "You are helpful."
 static const struct text_case text_cases[] = {
     /* MODEL.md §6.2's example: chat mode, earlier reasoning dropped. */
@@ -97,6 +104,7 @@ static const struct text_case text_cases[] = {
     {with_system, 5, {DSV4_CHAT_MODE_CHAT, NULL, 0, 0, true},
      "Be brief." USER "Q1" ASSISTANT "</think>A1" EOS "Now be verbose." USER "Q2" ASSISTANT "</think>"},
     {NULL, 0, {DSV4_CHAT_MODE_THINKING, SYS, sizeof(SYS) - 1, 0, false}, BOS SYS},
+    {empty_contents, 3, {DSV4_CHAT_MODE_THINKING, NULL, 0, 0, false}, BOS USER ASSISTANT "<think></think>" EOS},
 };
 
 static void test_build_text(void **state)
