@@ -159,9 +159,10 @@ static uint64_t parse_u64(const char *opt, const char *s)
 {
     char *end;
     errno = 0;
-    if (*s == '-')
+    /* strtoull skips white space and negates after a '-': " -1" would come back as 2^64 - 1 */
+    if (strchr(s, '-'))
         die_usage("%s: '%s' must not be negative", opt, s);
-    unsigned long long v = strtoull(s, &end, 0);
+    unsigned long long v = strtoull(s, &end, 10);
     if (errno || end == s || *end)
         die_usage("%s: '%s' is not an unsigned integer", opt, s);
     return v;

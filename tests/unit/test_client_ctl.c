@@ -393,6 +393,17 @@ static void test_flags_reach_the_wire(void **state)
     assert_string_equal(g->prompt, "two lines\n");
     pthread_mutex_unlock(&srv.lock);
 
+    /* --seed N is decimal, leading zeros included (not octal) */
+    static const char *const seeds[] = { "010", "08" };
+    for (size_t i = 0; i < 2; i++) {
+        RUN(&r, NULL, "generate", "x", "-n", "1", "--seed", seeds[i]);
+        expect(&r, 0);
+        pthread_mutex_lock(&srv.lock);
+        uint64_t seed = g->sampling.has_seed ? g->sampling.seed : UINT64_MAX;
+        pthread_mutex_unlock(&srv.lock);
+        assert_true(seed == strtoull(seeds[i], NULL, 10));
+    }
+
     RUN(&r, NULL, "generate", "--tokens", "5,17 9", "-n", "1");
     expect(&r, 0);
     pthread_mutex_lock(&srv.lock);
@@ -482,6 +493,11 @@ static void test_exit_codes(void **state)
     RUN(&r, "5,,6\n", "detokenize");
     expect(&r, 2);
     RUN(&r, NULL, "generate", "x", "--temperature", "warm");
+    expect(&r, 2);
+    /* a negative seed is refused however it is spelled, not wrapped to 2^64 - 1 */
+    RUN(&r, NULL, "generate", "x", "--seed", "-1");
+    expect(&r, 2);
+    RUN(&r, NULL, "generate", "x", "--seed", " -1");
     expect(&r, 2);
     RUN(&r, NULL, "generate", "x", "--tokens", "5");
     expect(&r, 2);
