@@ -122,8 +122,9 @@ static void set_receiving(struct conn_state *c, bool receiving)
 
 /* ---- responses ---------------------------------------------------------------------------------- */
 
+/* allow: the methods the path takes, for the Allow header a 405 must carry (RFC 9110 15.5.6); NULL otherwise. */
 static enum MHD_Result queue(struct dsv4_oai_server *s, struct MHD_Connection *conn, unsigned status,
-                             const char *type, char *body, size_t len)
+                             const char *type, char *body, size_t len, const char *allow)
 {
     struct MHD_Response *resp = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
     if (!resp) {
@@ -133,6 +134,8 @@ static enum MHD_Result queue(struct dsv4_oai_server *s, struct MHD_Connection *c
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, type);
     if (status == MHD_HTTP_UNAUTHORIZED)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    if (allow)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
     pthread_mutex_lock(&s->lock);
     if (status >= 500)
         s->responses_5xx++;
@@ -150,7 +153,7 @@ static enum MHD_Result queue_error(struct dsv4_oai_server *s, struct MHD_Connect
     char *body = dsv4_oai_error_json(type, NULL, code, "%s", message);
     if (!body)
         return MHD_NO;
-    return queue(s, conn, status, "application/json", body, strlen(body));
+    return queue(s, conn, status, "application/json", body, strlen(body), NULL);
 }
 
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
@@ -176,7 +179,7 @@ static enum MHD_Result answer_job(struct dsv4_oai_server *s, struct MHD_Connecti
     if (!stream) {
         const char *type = rq->route == DSV4_OAI_ROUTE_METRICS && status == 200
                                ? "text/plain; version=0.0.4; charset=utf-8" : "application/json";
-        return queue(s, conn, status, type, body, len);
+        return queue(s, conn, status, type, body, len, NULL);
     }
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, stream_read, rq->job,
                                                                   stream_free);
@@ -250,9 +253,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
             return queue_error(s, conn, MHD_HTTP_NOT_FOUND, "invalid_request_error", "not_found",
                                "no such endpoint; this server has POST /v1/chat/completions, POST /v1/completions, "
                                "GET /v1/models, GET /v1/models/{model}, GET /health and GET /metrics");
-        if (strcmp(method, post ? "POST" : "GET") != 0)
-            return queue_error(s, conn, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed",
-                               post ? "this endpoint takes POST" : "this endpoint takes GET");
+        const char *allow = post ? "POST" : "GET";
+        if (strcmp(method, allow) != 0) {
+            char *body = dsv4_oai_error_json("invalid_request_error", NULL, "method_not_allowed",
+                                             "this endpoint takes %s", allow);
+            if (!body)
+                return MHD_NO;
+            return queue(s, conn, MHD_HTTP_METHOD_NOT_ALLOWED, "application/json", body, strlen(body), allow);
+        }
         if (route != DSV4_OAI_ROUTE_HEALTH && !authorized(s->cfg, conn))
             return queue_error(s, conn, MHD_HTTP_UNAUTHORIZED, "invalid_request_error", "invalid_api_key",
                                "missing or wrong API key (Authorization: Bearer ...)");

@@ -156,6 +156,17 @@ try:
     t.ok("dsv4_openai_disconnects_total 3" in body.decode(), "metrics count the three clients that left (a request "
          "of several choices once)", body)
 
+    # ---- a method the path does not take: 405 with the Allow header HTTP requires (RFC 9110 15.5.6)
+    wrong_method = []
+    for method, path, allow in [("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
+                                ("POST", "/v1/models", "GET"), ("DELETE", "/v1/models/default", "GET"),
+                                ("POST", "/health", "GET"), ("PATCH", "/metrics", "GET")]:
+        status, headers, out = http(front, method, path, b"{}" if method != "GET" else None)
+        if status != 405 or headers.get("Allow") != allow or b'"code":"method_not_allowed"' not in out:
+            wrong_method.append((method, path, status, headers.get("Allow"), out))
+    t.ok(not wrong_method, "a method the path does not take: 405 with Allow naming the methods it takes",
+         wrong_method)
+
     # ---- hostile HTTP
     r = raw(front, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
             b"\r\nContent-Length: 99999999999999\r\n\r\n")
