@@ -253,8 +253,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
             return queue_error(s, conn, MHD_HTTP_NOT_FOUND, "invalid_request_error", "not_found",
                                "no such endpoint; this server has POST /v1/chat/completions, POST /v1/completions, "
                                "GET /v1/models, GET /v1/models/{model}, GET /health and GET /metrics");
-        const char *allow = post ? "POST" : "GET";
-        if (strcmp(method, allow) != 0) {
+        /* HEAD goes wherever GET does (RFC 9110 9.3.2): the same answer, whose body libmicrohttpd leaves out. */
+        const char *allow = post ? "POST" : "GET, HEAD";
+        if (post ? strcmp(method, "POST") != 0 : strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0) {
             char *body = dsv4_oai_error_json("invalid_request_error", NULL, "method_not_allowed",
                                              "this endpoint takes %s", allow);
             if (!body)

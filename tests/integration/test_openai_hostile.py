@@ -159,13 +159,33 @@ try:
     # ---- a method the path does not take: 405 with the Allow header HTTP requires (RFC 9110 15.5.6)
     wrong_method = []
     for method, path, allow in [("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
-                                ("POST", "/v1/models", "GET"), ("DELETE", "/v1/models/default", "GET"),
-                                ("POST", "/health", "GET"), ("PATCH", "/metrics", "GET")]:
+                                ("POST", "/v1/models", "GET, HEAD"), ("DELETE", "/v1/models/default", "GET, HEAD"),
+                                ("POST", "/health", "GET, HEAD"), ("PATCH", "/metrics", "GET, HEAD")]:
         status, headers, out = http(front, method, path, b"{}" if method != "GET" else None)
         if status != 405 or headers.get("Allow") != allow or b'"code":"method_not_allowed"' not in out:
             wrong_method.append((method, path, status, headers.get("Allow"), out))
     t.ok(not wrong_method, "a method the path does not take: 405 with Allow naming the methods it takes",
          wrong_method)
+
+    # HEAD wherever GET goes: GET's status and headers, no body (raw: urllib would not show a stray body).
+    # The metrics change between the two requests, so only their Content-Length's presence is compared.
+    wrong_head = []
+    for path in ["/health", "/v1/models", "/v1/models/default", "/v1/models/nope", "/metrics"]:
+        status, headers, _ = http(front, "GET", path)
+        r = raw(front, ("HEAD %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nConnection: close\r\n\r\n"
+                        % (path, KEY)).encode())
+        head, _, rest = r.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        got = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+        if (status_of(r) != status or rest != b"" or got.get("content-type") != headers.get("Content-Type")
+                or not (got.get("content-length") or "").isdigit()
+                or path != "/metrics" and got.get("content-length") != headers.get("Content-Length")):
+            wrong_head.append((path, status, r[:300]))
+    r = raw(front, b"HEAD /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    if status_of(r) != 405 or b"\r\nAllow: POST\r\n" not in r:
+        wrong_head.append(("/v1/chat/completions", 405, r[:300]))
+    t.ok(not wrong_head, "HEAD on the GET endpoints: GET's status and headers without a body; on POST ones 405",
+         wrong_head)
 
     # ---- hostile HTTP
     r = raw(front, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
