@@ -272,6 +272,7 @@ enum dsv4_client_health_status {
     DSV4_CLIENT_HEALTH_LOADING,
     DSV4_CLIENT_HEALTH_DRAINING,
     DSV4_CLIENT_HEALTH_FAILED,      /* the engine failed; the daemon exits and systemd restarts it */
+    DSV4_CLIENT_HEALTH_UNKNOWN,     /* a status newer than this library (the reason says more): not ready */
 };
 
 struct dsv4_client_health {
@@ -279,7 +280,7 @@ struct dsv4_client_health {
     char reason[256];
 };
 
-/* "ready", "loading", "draining", "failed". */
+/* "ready", "loading", "draining", "failed", "unknown". */
 const char *dsv4_client_health_name(enum dsv4_client_health_status s);
 int dsv4_client_health(struct dsv4_client *c, struct dsv4_client_health *ret);
 

@@ -27,7 +27,7 @@ enum exit_code {
     EXIT_USAGE = 2,
     EXIT_CONNECT = 3,       /* no connection to the socket */
     EXIT_CONNECTION = 4,    /* connection lost, timeout, malformed answer */
-    EXIT_NOT_READY = 5,     /* health: loading or draining */
+    EXIT_NOT_READY = 5,     /* health: any status but ready */
     EXIT_INCOMPLETE = 6,    /* generate ended with finish_reason error, or cancelled by the server */
     EXIT_INTERRUPTED = 130, /* generate cancelled by SIGINT or SIGTERM */
 };
@@ -116,7 +116,7 @@ static void usage(FILE *f)
         "  2    usage error\n"
         "  3    cannot connect to the socket\n"
         "  4    connection lost, timed out, or a malformed answer\n"
-        "  5    health: the server is loading or draining\n"
+        "  5    health: the server is not ready (loading, draining, failed, or a status unknown to dsv4ctl)\n"
         "  6    generate: finished with finish_reason error, or cancelled by the server\n"
         "  130  generate: cancelled by SIGINT or SIGTERM (the partial result is printed)\n",
         prog, DSV4_CLIENT_DEFAULT_SOCKET, DSV4_CLIENT_MAX_STOP);

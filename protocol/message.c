@@ -986,6 +986,7 @@ static const char *const health_names[] = {
     [DSV4_PROTO_HEALTH_LOADING] = "loading",
     [DSV4_PROTO_HEALTH_DRAINING] = "draining",
     [DSV4_PROTO_HEALTH_FAILED] = "failed",
+    [DSV4_PROTO_HEALTH_UNKNOWN] = "unknown",
 };
 static const char *const health_keys[] = { "status", "reason" };
 
@@ -1027,11 +1028,10 @@ int dsv4_proto_decode_health_result(const struct dsv4_proto_message *msg, struct
     if (rc == 0)
         rc = dsv4_wire_opt_str(map, "status", ctx, DSV4_PROTO_MAX_NAME, &status, NULL, err);
     if (rc == 0) {
+        /* New statuses come without a version change (doc/PROTOCOL.md section 7): one this build does not
+         * know is an answer meaning not ready, not a malformed reply. */
         int s = dsv4_proto_health_from_name(status);
-        if (s < 0)
-            rc = dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: unknown status \"%s\"", ctx, status);
-        else
-            h->status = (enum dsv4_proto_health_status)s;
+        h->status = s < 0 ? DSV4_PROTO_HEALTH_UNKNOWN : (enum dsv4_proto_health_status)s;
     }
     free(status);
     if (rc == 0)

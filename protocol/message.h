@@ -466,6 +466,7 @@ enum dsv4_proto_health_status {
     DSV4_PROTO_HEALTH_LOADING,
     DSV4_PROTO_HEALTH_DRAINING,
     DSV4_PROTO_HEALTH_FAILED,      /* the engine failed for good; the server is exiting (to be restarted) */
+    DSV4_PROTO_HEALTH_UNKNOWN,     /* decoded only: a status added after this build, which means not ready */
 };
 
 /* "ready", "loading", "draining"; and back (-1 for an unknown name). */

@@ -21,6 +21,7 @@
 
 #include "client/dsv4client.h"
 #include "protocol/message.h"
+#include "protocol/wire.h"
 #include "tests/unit/proto_test_util.h"
 
 /* ---- fake server ---- */
@@ -31,6 +32,7 @@ enum behaviour {
     GARBAGE,          /* answer the first request with a frame claiming 4 GiB */
     SILENT,           /* never answer */
     FATAL,            /* answer with an error notification and close */
+    NEWER_HEALTH,     /* answer health with a status added after this client (doc/PROTOCOL.md section 7) */
 };
 
 struct server {
@@ -260,6 +262,22 @@ static void *server_main(void *arg)
         }
         case DSV4_PROTO_METHOD_HEALTH: {
             assert_int_equal(dsv4_proto_decode_empty_params(&msg, &err), 0);
+            if (s->how == NEWER_HEALTH) {
+                /* packed by hand: the encoder only knows this build's statuses */
+                struct dsv4_wire_enc e;
+                dsv4_wire_begin_frame(&e, &out);
+                msgpack_pack_array(&e.pk, 4);
+                msgpack_pack_int(&e.pk, 1);
+                msgpack_pack_uint32(&e.pk, msg.msgid);
+                msgpack_pack_nil(&e.pk);
+                msgpack_pack_map(&e.pk, 2);
+                dsv4_wire_key(&e.pk, "status");
+                dsv4_wire_cstr(&e.pk, "rebooting");
+                dsv4_wire_key(&e.pk, "reason");
+                dsv4_wire_cstr(&e.pk, "swapping the model");
+                assert_int_equal(dsv4_wire_end(&e), 0);
+                break;
+            }
             struct dsv4_proto_health h = { (enum dsv4_proto_health_status)(s->seed % 3), "uploading weights 41%" };
             dsv4_proto_encode_health_result(&out, msg.msgid, &h);
             break;
@@ -584,6 +602,20 @@ static void test_tokens(void **state)
     stop(&s, c);
 }
 
+/* A health status this client does not know is an answer meaning not ready (doc/PROTOCOL.md section 7),
+ * not a malformed reply: a newer server may add statuses without a version change. */
+static void test_newer_health_status(void **state)
+{
+    struct server s;
+    struct dsv4_client *c = start(&s, NEWER_HEALTH);
+    struct dsv4_client_health h;
+    assert_int_equal(dsv4_client_health(c, &h), 0);
+    assert_int_equal(h.status, DSV4_CLIENT_HEALTH_UNKNOWN);
+    assert_string_equal(dsv4_client_health_name(h.status), "unknown");
+    assert_string_equal(h.reason, "swapping the model");
+    stop(&s, c);
+}
+
 static void test_misbehaving_servers(void **state)
 {
     struct server s;
@@ -689,6 +721,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_hello_stats_health),
+        cmocka_unit_test(test_newer_health_status),
         cmocka_unit_test(test_generate_blocking),
         cmocka_unit_test(test_generate_stream),
         cmocka_unit_test(test_cancel_from_thread),

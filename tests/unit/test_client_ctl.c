@@ -26,6 +26,7 @@
 #include <cmocka.h>
 
 #include "protocol/message.h"
+#include "protocol/wire.h"
 #include "tests/unit/proto_test_util.h"
 
 extern char **environ;
@@ -37,6 +38,7 @@ enum scenario {
     SC_SLOW,          /* generate: SIGINT to the peer after the first token, then tokens every 5 ms until a
                          cancel arrives */
     SC_LOADING,       /* health: loading */
+    SC_NEWER_HEALTH,  /* health: a status added after this client (doc/PROTOCOL.md section 7) */
     SC_INFINITE,      /* generate and stats: numbers that are infinite (msgpack has them, JSON does not) */
 };
 
@@ -172,6 +174,22 @@ static void serve_connection(int fd)
             answer_generate(fd, &r, &msg, &out);
             break;
         case DSV4_PROTO_METHOD_HEALTH: {
+            if (srv.sc == SC_NEWER_HEALTH) {
+                /* packed by hand: the encoder only knows this build's statuses */
+                struct dsv4_wire_enc e;
+                dsv4_wire_begin_frame(&e, &out);
+                msgpack_pack_array(&e.pk, 4);
+                msgpack_pack_int(&e.pk, 1);
+                msgpack_pack_uint32(&e.pk, msg.msgid);
+                msgpack_pack_nil(&e.pk);
+                msgpack_pack_map(&e.pk, 2);
+                dsv4_wire_key(&e.pk, "status");
+                dsv4_wire_cstr(&e.pk, "rebooting");
+                dsv4_wire_key(&e.pk, "reason");
+                dsv4_wire_cstr(&e.pk, "swapping the model");
+                dsv4_wire_end(&e);
+                break;
+            }
             struct dsv4_proto_health h = { srv.sc == SC_LOADING ? DSV4_PROTO_HEALTH_LOADING : DSV4_PROTO_HEALTH_READY,
                                            srv.sc == SC_LOADING ? "uploading weights 41%" : "" };
             dsv4_proto_encode_health_result(&out, msg.msgid, &h);
@@ -513,6 +531,11 @@ static void test_exit_codes(void **state)
     RUN(&r, NULL, "health");
     expect(&r, 5);
     assert_string_equal(r.out, "loading: uploading weights 41%\n");
+    /* a status newer than dsv4ctl: not ready (5), not a malformed answer (4) */
+    srv.sc = SC_NEWER_HEALTH;
+    RUN(&r, NULL, "health");
+    expect(&r, 5);
+    assert_string_equal(r.out, "unknown: swapping the model\n");
     srv.sc = SC_ECHO;
     RUN(&r, NULL, "health", "--json");
     expect(&r, 0);
