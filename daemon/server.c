@@ -305,8 +305,7 @@ static int on_term(sd_event_source *src, const struct signalfd_siginfo *si, void
     dsv4_conns_refuse_new(&s->conns, DSV4_PROTO_E_DRAINING, DSV4_SERVER_STOPPING_MESSAGE);
     set_reason(s, "%s: finishing %d running requests within %.0f s; %d queued ones cancelled", sig,
                st.slots_in_use, s->cfg->drain_grace, st.queued);
-    dsv4_log_notice("%s", s->reason);
-    dsv4_notify_stopping(s->reason);
+    dsv4_notify_stopping(s->reason);   /* logs it too */
     dsv4_sched_drain(s->sched, s->cfg->drain_grace);
     r = sd_event_add_time(s->event, &s->drain_src, CLOCK_MONOTONIC,
                           timer_in((uint64_t)(s->cfg->drain_grace * 1e6) + DSV4_SERVER_FLUSH_USEC), 0,
