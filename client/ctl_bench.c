@@ -258,14 +258,26 @@ static void *admit_worker(void *arg)
         pthread_mutex_lock(&lv->lock);
         lv->admit_t0 = now_ms();
         pthread_mutex_unlock(&lv->lock);
-        if (dsv4_client_generate_stream(c, &p, on_admit_token, lv, &res) < 0)
-            snprintf(lv->admit_error, sizeof(lv->admit_error), "%s", dsv4_client_error_message(c));
-        else
-            dsv4_client_result_clear(&res);
+        const int rc = dsv4_client_generate_stream(c, &p, on_admit_token, lv, &res);
         pthread_mutex_lock(&lv->lock);
-        if (lv->admit_t1 == 0)
+        const bool got_token = lv->admit_t1 != 0;
+        if (!got_token)
             lv->admit_t1 = now_ms();    /* no token came: close the window anyway */
         pthread_mutex_unlock(&lv->lock);
+        /* Its time to first token is a figure only when it ended as a request should, with its token: a
+         * failed one is left out as the level's failed requests are, and one without a token has none. */
+        if (rc < 0) {
+            snprintf(lv->admit_error, sizeof(lv->admit_error), "%s", dsv4_client_error_message(c));
+        } else {
+            if (res.finish_reason != DSV4_CLIENT_FINISH_STOP && res.finish_reason != DSV4_CLIENT_FINISH_LENGTH)
+                snprintf(lv->admit_error, sizeof(lv->admit_error), "it finished %s%s%s",
+                         dsv4_client_finish_name(res.finish_reason), res.error_message ? ": " : "",
+                         res.error_message ? res.error_message : "");
+            else if (!got_token)
+                snprintf(lv->admit_error, sizeof(lv->admit_error), "it finished %s without a token",
+                         dsv4_client_finish_name(res.finish_reason));
+            dsv4_client_result_clear(&res);
+        }
     }
     free(prompt);
     dsv4_client_close(c);

@@ -7,11 +7,15 @@ slots it used are free afterwards."""
 
 import json
 import os
+import socket
+import struct
 import subprocess
+import threading
 
 from dsv4d_harness import TIMEOUT, Daemon, Tap, program
 
 t = Tap()
+import msgpack  # noqa: E402  (after the harness, which skips the test without it)
 
 
 def ctl(*args, env=None):
@@ -19,6 +23,73 @@ def ctl(*args, env=None):
     e.update(env or {})
     return subprocess.run([program("dsv4ctl")] + list(args), capture_output=True, text=True,
                           timeout=10 * TIMEOUT, env=e)
+
+
+class AdmitProxy:
+    """dsv4d's socket passed through, except that a generate of `admit` prompt tokens with max_tokens 1
+    (bench's admitted prompt) is answered here, without a token, by `finish`."""
+
+    def __init__(self, path, upstream, admit, finish):
+        self.path, self.upstream, self.admit, self.finish = path, upstream, admit, finish
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(16)
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            up = socket.socket(socket.AF_UNIX)
+            up.connect(self.upstream)
+            lock = threading.Lock()
+            threading.Thread(target=self.pump_down, args=(up, conn, lock), daemon=True).start()
+            threading.Thread(target=self.pump_up, args=(conn, up, lock), daemon=True).start()
+
+    @staticmethod
+    def pump_down(up, conn, lock):
+        while True:
+            try:
+                b = up.recv(65536)
+                if not b:
+                    break
+                with lock:
+                    conn.sendall(b)
+            except OSError:
+                break
+        conn.close()
+
+    def pump_up(self, conn, up, lock):
+        buf = b""
+        while True:
+            try:
+                b = conn.recv(65536)
+            except OSError:
+                b = b""
+            if not b:
+                up.close()
+                return
+            buf += b
+            while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
+                n = struct.unpack(">I", buf[:4])[0]
+                frame, buf = buf[:4 + n], buf[4 + n:]
+                msg = msgpack.unpackb(frame[4:], raw=False)
+                p = msg[3][0] if len(msg) == 4 and isinstance(msg[3], list) and msg[3] else {}
+                if (msg[0] == 0 and msg[2] == "generate" and isinstance(p, dict) and p.get("max_tokens") == 1
+                        and len(p.get("tokens", b"")) == 4 * self.admit):
+                    body = msgpack.packb([1, msg[1], None, {
+                        "text": "", "tokens": b"", "finish_reason": self.finish,
+                        "usage": {"prompt_tokens": self.admit, "completion_tokens": 0,
+                                  "total_tokens": self.admit}}], use_bin_type=True)
+                    with lock:
+                        conn.sendall(struct.pack(">I", len(body)) + body)
+                else:
+                    up.sendall(frame)
+
+    def close(self):
+        self.srv.close()
 
 
 d = Daemon(args=["--max-context", "256", "--max-batch", "4"], endless=True)
@@ -59,6 +130,16 @@ try:
     t.ok(lv.get("admit_tokens") == 150 and lv.get("admit_ttft_ms") and lv["admit_ttft_ms"] > 0 and
          lv["admit_gaps"] > 0 and 0 < lv["admit_gap_ms_median"] <= lv["admit_gap_ms_p99"] <= lv["admit_gap_ms_max"],
          "bench --admit-tokens: the admitted prompt's TTFT and the streams' gaps meanwhile", (r.stdout, r.stderr))
+    # an admitted prompt that ends without its token has no time to first token: no figure, and why
+    for finish in ("stop", "cancelled"):
+        proxy = AdmitProxy(os.path.join(d.tmp, "proxy-%s.sock" % finish), d.sock_path, 150, finish)
+        r = ctl("bench", "--concurrency", "2", "--prompt-tokens", "8", "--max-tokens", "200", "--requests", "2",
+                "--temperature", "0", "--admit-tokens", "150", env={"DSV4_SOCKET": proxy.path})
+        proxy.close()
+        t.ok(r.returncode == 0 and ("# admit: no figure: it finished %s" % finish) in r.stdout
+             and "ttft 0.0 ms" not in r.stdout,
+             "bench --admit-tokens: an admitted prompt finished %s without a token gets no TTFT figure" % finish,
+             (r.returncode, r.stdout, r.stderr))
     r = ctl("bench", "--prompt-tokens", "8", "--max-tokens", "4", "--admit-tokens", "256", env=sock)
     t.ok(r.returncode == 2 and "--admit-tokens 256" in r.stderr, "an admitted prompt past the context is refused "
          "before any request, exit 2", (r.returncode, r.stderr))
