@@ -37,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/utf8.h"
 #include "engine/model/config.h"
 #include "engine/error.h"
 
@@ -606,6 +607,27 @@ static int validate(const struct parser *p, struct dsv4_config *c)
     return 0;
 }
 
+/* model_name from n bytes of s: the hello reply carries it as a str, which clients refuse unless it is
+ * UTF-8, so whole characters only (a long name is cut between two) and a directory name in another
+ * encoding gets U+FFFD for each invalid subpart. */
+static void set_model_name(struct dsv4_config *c, const char *s, size_t n)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t i = 0, out = 0, used;
+
+    while (i < n) {
+        const bool valid = dsv4_utf8_step(p + i, n - i, &used) == DSV4_UTF8_VALID;
+        const size_t len = valid ? used : DSV4_UTF8_REPLACEMENT_LEN;
+
+        if (out + len >= sizeof(c->model_name))
+            break;
+        memcpy(c->model_name + out, valid ? s + i : DSV4_UTF8_REPLACEMENT, len);
+        out += len;
+        i += used;
+    }
+    c->model_name[out] = '\0';
+}
+
 int dsv4_config_parse(const char *json_text, const char *name, struct dsv4_config *ret)
 {
     struct dsv4_config *c;
@@ -644,9 +666,9 @@ int dsv4_config_parse(const char *json_text, const char *name, struct dsv4_confi
         r = validate(&p, c);
     if (r == 0) {
         if (get_str(&p, p.root, "_name_or_path", NULL, &np) == 0 && np && *np) {
-            const char *slash = strrchr(np, '/');
+            const char *slash = strrchr(np, '/'), *base = slash && slash[1] ? slash + 1 : np;
 
-            snprintf(c->model_name, sizeof(c->model_name), "%s", slash && slash[1] ? slash + 1 : np);
+            set_model_name(c, base, strlen(base));
         }
         *ret = *c;
     }
@@ -700,7 +722,7 @@ int dsv4_config_load(const char *dir, struct dsv4_config *ret)
         start = end;
         while (start > dir && start[-1] != '/')
             start--;
-        snprintf(ret->model_name, sizeof(ret->model_name), "%.*s", (int)(end - start), start);
+        set_model_name(ret, start, (size_t)(end - start));
     }
     return r;
 }

@@ -13,8 +13,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <cmocka.h>
 
+#include "base/utf8.h"
 #include "engine/model/config.h"
 #include "engine/error.h"
 #include "tests/unit/st_writer.h"
@@ -384,6 +386,36 @@ static void test_load_dir(void **state)
     free(dir);
 }
 
+/* model_name goes out in every hello reply, whose strings the client refuses unless they are UTF-8:
+ * a long name is cut between characters, and a directory name that is not UTF-8 is repaired. */
+static void test_model_name_utf8(void **state)
+{
+    char json[1024], *dir, sub[512];
+    struct dsv4_config c;
+    size_t off;
+
+    (void)state;
+    off = (size_t)snprintf(json, sizeof(json), "{\"model_type\": \"deepseek_v4\", \"_name_or_path\": \"org/");
+    for (int i = 0; i < 100; i++)
+        off += (size_t)snprintf(json + off, sizeof(json) - off, "\xc3\xa9");    /* U+00E9, 2 bytes */
+    snprintf(json + off, sizeof(json) - off, "\"}");
+    parse_ok(json, &c);
+    assert_true(dsv4_utf8_valid(c.model_name, strlen(c.model_name)));
+    assert_int_equal(strlen(c.model_name), 126);     /* 63 whole characters of the 127 bytes that fit */
+
+    dir = stw_tempdir();
+    assert_non_null(dir);
+    assert_true((size_t)snprintf(sub, sizeof(sub), "%s/mod\xe8le", dir) < sizeof(sub));  /* Latin-1 */
+    assert_int_equal(mkdir(sub, 0700), 0);
+    assert_int_equal(stw_write_text(sub, "config.json", tiny_json), 0);
+    assert_int_equal(dsv4_config_load(sub, &c), 0);
+    assert_true(dsv4_utf8_valid(c.model_name, strlen(c.model_name)));
+    assert_string_equal(c.model_name, "mod" DSV4_UTF8_REPLACEMENT "le");
+    stw_rmdir(sub);
+    stw_rmdir(dir);
+    free(dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -395,6 +427,7 @@ int main(void)
         cmocka_unit_test(test_transformers_refusals),
         cmocka_unit_test(test_official),
         cmocka_unit_test(test_load_dir),
+        cmocka_unit_test(test_model_name_utf8),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
