@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "engine/error.h"
@@ -709,12 +710,19 @@ int dsv4_synth_recipe_read(const char *dir, const struct dsv4_config *c, struct 
     json_error_t err;
     json_t *root, *v;
     const char *key;
+    struct stat sb;
     FILE *f;
     int r = 1;
 
     snprintf(path, sizeof(path), "%s/%s", dir, DSV4_SYNTH_RECIPE);
     if (!(f = fopen(path, "r")))
         return errno == ENOENT ? 0 : dsv4_error_set(-errno, "%s: %s", path, strerror(errno));
+    /* the recipe is a few keys: a larger file is not one, and is not read into memory */
+    if (fstat(fileno(f), &sb) == 0 && sb.st_size > DSV4_SYNTH_RECIPE_MAX_BYTES) {
+        fclose(f);
+        return dsv4_error_set(-E2BIG, "%s: %lld bytes, over the limit of %d", path, (long long)sb.st_size,
+                              DSV4_SYNTH_RECIPE_MAX_BYTES);
+    }
     fclose(f);
     if (has_shards(dir))
         return dsv4_error_set(-EINVAL, "%s holds both %s and safetensors shards: remove one (the recipe "

@@ -391,6 +391,22 @@ static void test_bad_recipes(void **state)
     refused("{\"distinct_layers\": 3}", "leaves layer 3 (compress ratio 128, scored routing)");
     /* layer 4 (CSA, scored): layer 2 is CSA but hash-routed */
     refused("{\"distinct_layers\": 4}", "leaves layer 4 (compress ratio 4, scored routing)");
+    /* a recipe is a few keys: one over DSV4_SYNTH_RECIPE_MAX_BYTES is refused before it is parsed */
+    {
+        char big[DSV4_SYNTH_RECIPE_MAX_BYTES + 64];
+
+        memset(big, ' ', sizeof(big) - 1);
+        big[0] = '{';
+        big[sizeof(big) - 2] = '}';
+        big[sizeof(big) - 1] = '\0';
+        dir = recipe_dir(big);
+        assert_int_equal(dsv4_weights_load(dir, &w), -E2BIG);
+        assert_null(w);
+        if (!strstr(dsv4_error_message(), "synthetic.json") || !strstr(dsv4_error_message(), "4096"))
+            fail_msg("message \"%s\" names neither the file nor the limit", dsv4_error_message());
+        stw_rmdir(dir);
+        free(dir);
+    }
     /* shards beside the recipe: which weights are meant would be a guess */
     dir = recipe_dir("{}");
     assert_int_equal(stw_write_text(dir, "model.safetensors", "x"), 0);
