@@ -225,9 +225,24 @@ int dsv4_routing_stats_write(const char *path, const char *model, int n_layers, 
         json_decref(root);
         return dsv4_error_set(rc, "routing statistics: creating a file beside %s: %s", path, strerror(-rc));
     }
-    if (json_dumpfd(root, fd, JSON_COMPACT) < 0 || write(fd, "\n", 1) != 1)
-        rc = dsv4_error_set(-EIO, "routing statistics: writing %s", tmp);
-    else if (fsync(fd) < 0)
+    /* One buffer written to the end: json_dumpfd takes a short write (a full disk) as a failure with
+     * no errno, and the reason is what the operator can act on. */
+    char *text = json_dumps(root, JSON_COMPACT);
+    size_t len = text ? strlen(text) : 0, off = 0;
+    if (!text)
+        rc = dsv4_error_set(-ENOMEM, "routing statistics of %d x %d experts", n_layers, n_experts);
+    while (rc == 0 && off <= len) {
+        ssize_t w = off < len ? write(fd, text + off, len - off) : write(fd, "\n", 1);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            rc = dsv4_error_set(w < 0 ? -errno : -EIO, "routing statistics: writing %s: %s", tmp,
+                                w < 0 ? strerror(errno) : "no progress");
+        else
+            off += (size_t)w;
+    }
+    free(text);
+    if (rc == 0 && fsync(fd) < 0)
         rc = dsv4_error_set(-errno, "routing statistics: %s: %s", tmp, strerror(errno));
     if (close(fd) < 0 && rc == 0)
         rc = dsv4_error_set(-errno, "routing statistics: %s: %s", tmp, strerror(errno));

@@ -9,7 +9,9 @@
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 #include <cmocka.h>
 
@@ -275,6 +277,28 @@ static void test_stats_file(void **state)
     assert_int_equal(dsv4_routing_stats_write("/nonexistent-dir/x.json", "m", 1, 2, counts), -ENOENT);
 }
 
+/* A write that fails (a full disk; here the file-size limit) says why, and leaves no temporary file. */
+static void test_stats_write_fails(void **state)
+{
+    char path[256];
+    const uint64_t counts[2] = { 1, 2 };
+    struct rlimit old, small = { 16, 16 };
+    int r;
+
+    tmp_path(path, sizeof(path));
+    unlink(path);
+    assert_int_equal(getrlimit(RLIMIT_FSIZE, &old), 0);
+    signal(SIGXFSZ, SIG_IGN);
+    small.rlim_max = old.rlim_max;
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &small), 0);
+    r = dsv4_routing_stats_write(path, "m", 1, 2, counts);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &old), 0);
+    signal(SIGXFSZ, SIG_DFL);
+    assert_int_equal(r, -EFBIG);
+    assert_non_null(strstr(dsv4_error_message(), strerror(EFBIG)));
+    assert_int_equal(access(path, F_OK), -1);
+}
+
 /* The file feeds the plan: what was written is what gets placed hottest-first. */
 static void test_file_to_plan(void **state)
 {
@@ -324,6 +348,7 @@ int main(void)
         cmocka_unit_test(test_fixed_layers_and_sizes),
         cmocka_unit_test(test_random_invariants),
         cmocka_unit_test(test_stats_file),
+        cmocka_unit_test(test_stats_write_fails),
         cmocka_unit_test(test_file_to_plan),
         cmocka_unit_test(test_layers_text),
     };
