@@ -50,27 +50,42 @@ int dsv4_pyjson_string(const char *s, size_t n, struct dsv4_buf *out)
 int dsv4_pyjson_float(double v, struct dsv4_buf *out)
 {
     char e[40], digits[24];
-    int exp10, nd = 0;
+    int exp10 = 0;
+    int nd = 0;
+    bool neg = signbit(v);
     if (isnan(v))
         return dsv4_buf_puts(out, "NaN");
     if (isinf(v))
         return dsv4_buf_puts(out, v < 0 ? "-Infinity" : "Infinity");
-    /* The fewest significant digits that read back as v: what repr() chooses. */
-    for (int p = 1; p <= 17; p++) {
-        snprintf(e, sizeof(e), "%.*e", p - 1, v);
-        if (strtod(e, NULL) == v)
-            break;
+    if (v == 0) {
+        digits[nd++] = '0';
+    } else {
+        /* The fewest significant digits that read back as v, as repr() chooses. At p digits the
+         * correctly rounded mantissa M is tried first, then its neighbours M-1 and M+1: next to a
+         * power of two the interval that reads back as v is lopsided, so the nearest p-digit
+         * decimal can miss it while a neighbour lands inside (2**-24 is 5.960464477539063e-08). */
+        double a = fabs(v);
+        for (int p = 1; p <= 17 && !nd; p++) {
+            snprintf(e, sizeof(e), "%.*e", p - 1, a);
+            unsigned long long m = 0;
+            for (const char *q = e; *q && *q != 'e'; q++)
+                if (*q != '.')
+                    m = m * 10 + (unsigned long long)(*q - '0');
+            int scale = atoi(strchr(e, 'e') + 1) - (p - 1);
+            const unsigned long long cand[3] = {m, m - 1, m + 1};
+            for (int c = 0; c < 3; c++) {
+                if (cand[c] == 0)
+                    continue;
+                snprintf(e, sizeof(e), "%llue%d", cand[c], scale);
+                if (strtod(e, NULL) != a)
+                    continue;
+                nd = snprintf(digits, sizeof(digits), "%llu", cand[c]);
+                exp10 = scale + nd - 1;
+                break;
+            }
+        }
     }
-    /* e is "[-]d[.ddd]e[+-]XX" */
-    const char *q = e;
-    bool neg = *q == '-';
-    if (neg)
-        q++;
-    for (; *q && *q != 'e'; q++)
-        if (*q != '.')
-            digits[nd++] = *q;
     digits[nd] = '\0';
-    exp10 = atoi(q + 1);
     while (nd > 1 && digits[nd - 1] == '0')
         digits[--nd] = '\0';
     int r = neg ? dsv4_buf_putc(out, '-') : 0;
