@@ -276,7 +276,8 @@ static int add_message(struct render *R, size_t index, const json_t *m)
 }
 
 /* Tool results of a user turn in the order of the calls of the last assistant turn that made calls
- * (stable; an unknown id counts as the first call), as DeepSeek's sort_tool_results_by_call_order. */
+ * (stable; an unknown id counts as the first call, a repeated one as its last), as DeepSeek's
+ * sort_tool_results_by_call_order. */
 static int sort_tool_results(struct render *R)
 {
     const json_t *order = NULL;
@@ -307,10 +308,9 @@ static int sort_tool_results(struct render *R)
             const json_t *tc;
             json_array_foreach(order, c, tc) {
                 const json_t *id = json_object_get(tc, "id");
-                if (json_is_string(id) && json_string_length(id) && strcmp(json_string_value(id), t[k].blk.call_id) == 0) {
+                /* no break: an id given to several calls counts as its last, as in DeepSeek's dict */
+                if (json_is_string(id) && json_string_length(id) && strcmp(json_string_value(id), t[k].blk.call_id) == 0)
                     t[k].key = c;
-                    break;
-                }
             }
             for (size_t u = k; u > 0 && t[u - 1].key > t[u].key; u--) {
                 struct keyed tmp = t[u];

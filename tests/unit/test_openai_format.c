@@ -103,6 +103,20 @@ static void test_render_literal(void **state)
     dsv4_parts_free(&parts);
     json_decref(msgs);
 
+    /* A call id used twice sorts its result by its last call, as DeepSeek's id -> index dict does. */
+    msgs = json_loads("[{\"role\": \"user\", \"content\": \"q\"}, {\"role\": \"assistant\", \"content\": \"\", "
+                      "\"tool_calls\": [{\"id\": \"a\", \"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}, "
+                      "{\"id\": \"b\", \"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}, "
+                      "{\"id\": \"a\", \"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}]}, "
+                      "{\"role\": \"tool\", \"tool_call_id\": \"a\", \"content\": \"RA\"}, "
+                      "{\"role\": \"tool\", \"tool_call_id\": \"b\", \"content\": \"RB\"}]", 0, NULL);
+    assert_non_null(msgs);
+    memset(&parts, 0, sizeof(parts));
+    assert_int_equal(dsv4_render_chat(msgs, NULL, &opts, &parts, err, sizeof(err)), 0);
+    assert_non_null(strstr(parts.text.p, "<tool_result>RB</tool_result>\n\n<tool_result>RA</tool_result>"));
+    dsv4_parts_free(&parts);
+    json_decref(msgs);
+
     /* Refusals name the field. */
     static const char *const bad[] = {
         "[]", "[{\"role\": \"robot\", \"content\": \"x\"}]", "[{\"content\": \"x\"}]",
