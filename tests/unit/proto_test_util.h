@@ -5,10 +5,12 @@
 #define DSV4_TESTS_PROTO_TEST_UTIL_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 
 #include "protocol/message.h"
+#include "protocol/wire.h"
 
 /* Send all of b's bytes on fd, then empty b. Stops early when the peer has gone (the client under test
  * may close first; MSG_NOSIGNAL keeps that from raising SIGPIPE): the test then sees it on its side. */
@@ -22,6 +24,24 @@ static inline void proto_test_send_all(int fd, struct dsv4_proto_buf *b)
         off += (size_t)n;
     }
     dsv4_proto_buf_reset(b);
+}
+
+/* A health reply with a status this build does not know ("rebooting", a newer server's), packed by
+ * hand into out: the encoder only knows this build's statuses. dsv4_wire_end's result. */
+static inline int proto_test_newer_health(struct dsv4_proto_buf *out, uint32_t msgid)
+{
+    struct dsv4_wire_enc e;
+    dsv4_wire_begin_frame(&e, out);
+    msgpack_pack_array(&e.pk, 4);
+    msgpack_pack_int(&e.pk, 1);
+    msgpack_pack_uint32(&e.pk, msgid);
+    msgpack_pack_nil(&e.pk);
+    msgpack_pack_map(&e.pk, 2);
+    dsv4_wire_key(&e.pk, "status");
+    dsv4_wire_cstr(&e.pk, "rebooting");
+    dsv4_wire_key(&e.pk, "reason");
+    dsv4_wire_cstr(&e.pk, "swapping the model");
+    return dsv4_wire_end(&e);
 }
 
 #endif

@@ -175,19 +175,7 @@ static void serve_connection(int fd)
             break;
         case DSV4_PROTO_METHOD_HEALTH: {
             if (srv.sc == SC_NEWER_HEALTH) {
-                /* packed by hand: the encoder only knows this build's statuses */
-                struct dsv4_wire_enc e;
-                dsv4_wire_begin_frame(&e, &out);
-                msgpack_pack_array(&e.pk, 4);
-                msgpack_pack_int(&e.pk, 1);
-                msgpack_pack_uint32(&e.pk, msg.msgid);
-                msgpack_pack_nil(&e.pk);
-                msgpack_pack_map(&e.pk, 2);
-                dsv4_wire_key(&e.pk, "status");
-                dsv4_wire_cstr(&e.pk, "rebooting");
-                dsv4_wire_key(&e.pk, "reason");
-                dsv4_wire_cstr(&e.pk, "swapping the model");
-                dsv4_wire_end(&e);
+                proto_test_newer_health(&out, msg.msgid);
                 break;
             }
             struct dsv4_proto_health h = { srv.sc == SC_LOADING ? DSV4_PROTO_HEALTH_LOADING : DSV4_PROTO_HEALTH_READY,
