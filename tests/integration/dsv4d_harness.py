@@ -135,6 +135,32 @@ def bin_tokens(b):
     return list(struct.unpack("<%di" % (len(b) // 4), b))
 
 
+class UnixServer:
+    """A listening Unix socket at `path` (a fake dsv4d, or a proxy in front of one): each accepted
+    connection goes to self.handle(conn), on the accepting thread; close() stops accepting."""
+
+    def __init__(self, path):
+        self.path = path
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(16)
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            self.handle(conn)
+
+    def handle(self, conn):
+        raise NotImplementedError
+
+    def close(self):
+        self.srv.close()
+
+
 class Notify:
     """A NOTIFY_SOCKET: a datagram socket collecting what the daemon tells its service manager. A
     thread reads it all the time, as systemd does: sd_notify() blocks when the queue is full."""

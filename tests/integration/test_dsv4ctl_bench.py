@@ -12,7 +12,7 @@ import struct
 import subprocess
 import threading
 
-from dsv4d_harness import TIMEOUT, Daemon, Tap, program
+from dsv4d_harness import TIMEOUT, Daemon, Tap, UnixServer, program
 
 t = Tap()
 import msgpack  # noqa: E402  (after the harness, which skips the test without it)
@@ -25,28 +25,20 @@ def ctl(*args, env=None):
                           timeout=10 * TIMEOUT, env=e)
 
 
-class AdmitProxy:
+class AdmitProxy(UnixServer):
     """dsv4d's socket passed through, except that a generate of `admit` prompt tokens with max_tokens 1
     (bench's admitted prompt) is answered here, without a token, by `finish`."""
 
     def __init__(self, path, upstream, admit, finish):
-        self.path, self.upstream, self.admit, self.finish = path, upstream, admit, finish
-        self.srv = socket.socket(socket.AF_UNIX)
-        self.srv.bind(path)
-        self.srv.listen(16)
-        threading.Thread(target=self.accept, daemon=True).start()
+        self.upstream, self.admit, self.finish = upstream, admit, finish
+        super().__init__(path)
 
-    def accept(self):
-        while True:
-            try:
-                conn, _ = self.srv.accept()
-            except OSError:
-                return
-            up = socket.socket(socket.AF_UNIX)
-            up.connect(self.upstream)
-            lock = threading.Lock()
-            threading.Thread(target=self.pump_down, args=(up, conn, lock), daemon=True).start()
-            threading.Thread(target=self.pump_up, args=(conn, up, lock), daemon=True).start()
+    def handle(self, conn):
+        up = socket.socket(socket.AF_UNIX)
+        up.connect(self.upstream)
+        lock = threading.Lock()
+        threading.Thread(target=self.pump_down, args=(up, conn, lock), daemon=True).start()
+        threading.Thread(target=self.pump_up, args=(conn, up, lock), daemon=True).start()
 
     @staticmethod
     def pump_down(up, conn, lock):
@@ -87,9 +79,6 @@ class AdmitProxy:
                         conn.sendall(struct.pack(">I", len(body)) + body)
                 else:
                     up.sendall(frame)
-
-    def close(self):
-        self.srv.close()
 
 
 d = Daemon(args=["--max-context", "256", "--max-batch", "4"], endless=True)

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 
-from dsv4d_harness import TIMEOUT, Client, Daemon, Tap, program, tokens_bin
+from dsv4d_harness import TIMEOUT, Client, Daemon, Tap, UnixServer, program, tokens_bin
 
 t = Tap()
 if not os.path.exists(program("dsv4-openai")):
@@ -80,22 +80,13 @@ REPLY = ("Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_
          "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
 
 
-class ScriptedDsv4d:
+class ScriptedDsv4d(UnixServer):
     def __init__(self, path):
-        self.path = path
         self.requests = []
-        self.srv = socket.socket(socket.AF_UNIX)
-        self.srv.bind(path)
-        self.srv.listen(16)
-        threading.Thread(target=self.accept, daemon=True).start()
+        super().__init__(path)
 
-    def accept(self):
-        while True:
-            try:
-                conn, _ = self.srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+    def handle(self, conn):
+        threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
 
     @staticmethod
     def send(conn, obj):
@@ -132,9 +123,6 @@ class ScriptedDsv4d:
                                               "finish_reason": finish,
                                               "usage": {"prompt_tokens": 42, "completion_tokens": len(pieces),
                                                         "total_tokens": 42 + len(pieces)}}])
-
-    def close(self):
-        self.srv.close()
 
 
 tmp = tempfile.TemporaryDirectory(prefix="dsv4-openai-hostile-")
