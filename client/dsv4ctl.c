@@ -104,7 +104,7 @@ static void usage(FILE *f)
         "      --presence-penalty F      -2 to 2 (default 0)\n"
         "      --frequency-penalty F     -2 to 2 (default 0)\n"
         "      --repetition-penalty F    above 0, up to 10 (default 1)\n"
-        "      --seed N                  sampling seed (default: the server picks one)\n"
+        "      --seed N                  sampling seed, decimal (default: the server picks one)\n"
         "      --stop TEXT               stop string, repeatable (up to %d)\n"
         "      --stop-token-ids IDS      comma-separated ids that stop generation\n"
         "      --logprobs N              log-probabilities with N top alternatives (0 to 20)\n"
