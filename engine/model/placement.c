@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "engine/error.h"
@@ -266,10 +267,32 @@ static int get_int(const json_t *root, const char *key, const char *path, json_i
 int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint64_t *counts)
 {
     json_error_t jerr;
-    json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
+    json_t *root;
     json_int_t version = 0, L = 0, E = 0;
-    int rc;
+    struct stat sb;
+    FILE *f;
+    int rc, fd = open(path, O_RDONLY | O_CLOEXEC);
 
+    /* Opened here rather than by jansson, whose failure to open reads as malformed JSON at line -1. */
+    if (fd < 0)
+        return dsv4_error_set(-errno, "routing statistics %s: cannot open: %s", path, strerror(errno));
+    if (fstat(fd, &sb) < 0) {
+        rc = -errno;
+        close(fd);
+        return dsv4_error_set(rc, "routing statistics %s: cannot stat: %s", path, strerror(-rc));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(fd);
+        return dsv4_error_set(S_ISDIR(sb.st_mode) ? -EISDIR : -EINVAL, "routing statistics %s: not a regular file",
+                              path);
+    }
+    if (!(f = fdopen(fd, "r"))) {
+        rc = -errno;
+        close(fd);
+        return dsv4_error_set(rc, "routing statistics %s: %s", path, strerror(-rc));
+    }
+    root = json_loadf(f, JSON_REJECT_DUPLICATES, &jerr);
+    fclose(f);
     if (!root)
         return dsv4_error_set(-EINVAL, "routing statistics %s: line %d: %s", path, jerr.line, jerr.text);
     const json_t *fmt = json_object_get(root, "format");

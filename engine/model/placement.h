@@ -71,7 +71,8 @@ void dsv4_placement_layers_text(const uint16_t *gpu, const uint16_t *host, int l
  *   {"format": "dsv4d-routing-stats", "version": 1, "model": NAME, "n_layers": L, "n_experts": E,
  *    "counts": [[c(0,0), ..., c(0,E-1)], ..., [c(L-1,0), ...]]}
  * write: atomically (a temporary file renamed over path). read: the file must name exactly
- * n_layers x n_experts counts (a file from another model is refused with both shapes). */
+ * n_layers x n_experts counts (a file from another model is refused with both shapes); a file that
+ * cannot be opened gives open's -errno (-ENOENT), anything but a regular file -EISDIR or -EINVAL. */
 int dsv4_routing_stats_write(const char *path, const char *model, int n_layers, int n_experts,
                              const uint64_t *counts);
 int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint64_t *counts);

@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <cmocka.h>
 
@@ -273,8 +274,25 @@ static void test_stats_file(void **state)
     write_text(path, "{\"format\": ");
     assert_int_equal(dsv4_routing_stats_read(path, 1, 2, back), -EINVAL);
     unlink(path);
-    assert_int_equal(dsv4_routing_stats_read(path, 1, 2, back), -EINVAL);
     assert_int_equal(dsv4_routing_stats_write("/nonexistent-dir/x.json", "m", 1, 2, counts), -ENOENT);
+}
+
+/* A file that cannot be read is refused with the reason and the path, not as malformed JSON. */
+static void test_stats_file_unreadable(void **state)
+{
+    char path[256], want[300];
+    uint64_t back[2];
+
+    tmp_path(path, sizeof(path));
+    unlink(path);
+    assert_int_equal(dsv4_routing_stats_read(path, 1, 2, back), -ENOENT);
+    snprintf(want, sizeof(want), "routing statistics %s: cannot open: %s", path, strerror(ENOENT));
+    assert_string_equal(dsv4_error_message(), want);
+    assert_int_equal(mkdir(path, 0700), 0);
+    assert_int_equal(dsv4_routing_stats_read(path, 1, 2, back), -EISDIR);
+    snprintf(want, sizeof(want), "routing statistics %s: not a regular file", path);
+    assert_string_equal(dsv4_error_message(), want);
+    assert_int_equal(rmdir(path), 0);
 }
 
 /* A write that fails (a full disk; here the file-size limit) says why, and leaves no temporary file. */
@@ -348,6 +366,7 @@ int main(void)
         cmocka_unit_test(test_fixed_layers_and_sizes),
         cmocka_unit_test(test_random_invariants),
         cmocka_unit_test(test_stats_file),
+        cmocka_unit_test(test_stats_file_unreadable),
         cmocka_unit_test(test_stats_write_fails),
         cmocka_unit_test(test_file_to_plan),
         cmocka_unit_test(test_layers_text),
