@@ -286,6 +286,12 @@ int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint6
         return dsv4_error_set(S_ISDIR(sb.st_mode) ? -EISDIR : -EINVAL, "routing statistics %s: not a regular file",
                               path);
     }
+    if ((uint64_t)sb.st_size > DSV4_ROUTING_STATS_MAX_BYTES) {
+        close(fd);
+        return dsv4_error_set(-E2BIG, "routing statistics %s: %lld bytes, over the limit of %zu (%d layers x %d "
+                              "experts)", path, (long long)sb.st_size, DSV4_ROUTING_STATS_MAX_BYTES,
+                              DSV4_PLACEMENT_MAX_LAYERS, DSV4_PLACEMENT_MAX_EXPERTS);
+    }
     if (!(f = fdopen(fd, "r"))) {
         rc = -errno;
         close(fd);
@@ -307,6 +313,12 @@ int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint6
     if (version != DSV4_ROUTING_STATS_VERSION) {
         rc = dsv4_error_set(-EINVAL, "routing statistics %s: version %lld, this dsv4d reads %d", path,
                             (long long)version, DSV4_ROUTING_STATS_VERSION);
+        goto out;
+    }
+    if (L > DSV4_PLACEMENT_MAX_LAYERS || E > DSV4_PLACEMENT_MAX_EXPERTS) {
+        rc = dsv4_error_set(-E2BIG, "routing statistics %s are of %lld layers x %lld experts; a model has at most "
+                            "%d x %d", path, (long long)L, (long long)E, DSV4_PLACEMENT_MAX_LAYERS,
+                            DSV4_PLACEMENT_MAX_EXPERTS);
         goto out;
     }
     if (L != n_layers || E != n_experts) {

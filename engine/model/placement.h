@@ -17,8 +17,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DSV4_PLACEMENT_MAX_LAYERS 256       /* layers of a routing-statistics file */
-#define DSV4_PLACEMENT_MAX_EXPERTS 1024     /* experts per layer of a routing-statistics file */
+#include "engine/model/config.h"
+
+/* A routing-statistics file has the model's shape, so its bounds are those of config.json; its size
+ * bound gives each count 32 bytes (20 digits, a separator, indentation). */
+#define DSV4_PLACEMENT_MAX_LAYERS DSV4_MAX_LAYERS
+#define DSV4_PLACEMENT_MAX_EXPERTS DSV4_MAX_EXPERTS
+#define DSV4_ROUTING_STATS_MAX_BYTES ((size_t)DSV4_PLACEMENT_MAX_LAYERS * DSV4_PLACEMENT_MAX_EXPERTS * 32)
 #define DSV4_ROUTING_STATS_FORMAT "dsv4d-routing-stats"
 #define DSV4_ROUTING_STATS_VERSION 1
 
@@ -72,7 +77,8 @@ void dsv4_placement_layers_text(const uint16_t *gpu, const uint16_t *host, int l
  *    "counts": [[c(0,0), ..., c(0,E-1)], ..., [c(L-1,0), ...]]}
  * write: atomically (a temporary file renamed over path). read: the file must name exactly
  * n_layers x n_experts counts (a file from another model is refused with both shapes); a file that
- * cannot be opened gives open's -errno (-ENOENT), anything but a regular file -EISDIR or -EINVAL. */
+ * cannot be opened gives open's -errno (-ENOENT), anything but a regular file -EISDIR or -EINVAL, one
+ * over DSV4_ROUTING_STATS_MAX_BYTES or DSV4_PLACEMENT_MAX_LAYERS x _EXPERTS -E2BIG. */
 int dsv4_routing_stats_write(const char *path, const char *model, int n_layers, int n_experts,
                              const uint64_t *counts);
 int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint64_t *counts);

@@ -4,6 +4,7 @@
 #include "build-config.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -17,6 +18,7 @@
 #include <cmocka.h>
 
 #include "engine/error.h"
+#include "engine/model/config.h"
 #include "engine/model/placement.h"
 #include "tests/unit/seed_util.h"
 
@@ -295,6 +297,32 @@ static void test_stats_file_unreadable(void **state)
     assert_int_equal(rmdir(path), 0);
 }
 
+/* The file's shape is bounded by what config.json may say, its size by what that shape takes: a
+ * larger file is refused before it is parsed. */
+static void test_stats_file_limits(void **state)
+{
+    char path[256], text[256];
+    uint64_t back[2];
+    int fd;
+
+    tmp_path(path, sizeof(path));
+    assert_true(DSV4_PLACEMENT_MAX_LAYERS >= DSV4_MAX_LAYERS && DSV4_PLACEMENT_MAX_EXPERTS >= DSV4_MAX_EXPERTS);
+    snprintf(text, sizeof(text), "{\"format\": \"dsv4d-routing-stats\", \"version\": 1, \"n_layers\": %d, "
+             "\"n_experts\": 2, \"counts\": []}", DSV4_PLACEMENT_MAX_LAYERS + 1);
+    write_text(path, text);
+    assert_int_equal(dsv4_routing_stats_read(path, 1, 2, back), -E2BIG);
+    assert_non_null(strstr(dsv4_error_message(), "at most"));
+    write_text(path, "{\"format\": \"dsv4d-routing-stats\", \"version\": 1, \"n_layers\": 1, \"n_experts\": 2, "
+                     "\"counts\": [[1, 2]]}");
+    fd = open(path, O_WRONLY);
+    assert_true(fd >= 0);
+    assert_int_equal(ftruncate(fd, (off_t)DSV4_ROUTING_STATS_MAX_BYTES + 1), 0);    /* sparse */
+    close(fd);
+    assert_int_equal(dsv4_routing_stats_read(path, 1, 2, back), -E2BIG);
+    assert_non_null(strstr(dsv4_error_message(), "over the limit"));
+    unlink(path);
+}
+
 /* A write that fails (a full disk; here the file-size limit) says why, and leaves no temporary file. */
 static void test_stats_write_fails(void **state)
 {
@@ -367,6 +395,7 @@ int main(void)
         cmocka_unit_test(test_random_invariants),
         cmocka_unit_test(test_stats_file),
         cmocka_unit_test(test_stats_file_unreadable),
+        cmocka_unit_test(test_stats_file_limits),
         cmocka_unit_test(test_stats_write_fails),
         cmocka_unit_test(test_file_to_plan),
         cmocka_unit_test(test_layers_text),
