@@ -166,9 +166,14 @@ static int boot(struct dsv4_host *h)
         if (!h->expert_counts)
             return dsv4_error_set(-ENOMEM, "expert_placement: counts of %d x %d experts", mc->n_layers,
                                   mc->n_experts);
-        r = dsv4_routing_stats_read(cfg->expert_placement, mc->n_layers, mc->n_experts, h->expert_counts);
+        char stats_model[sizeof(mc->model_name)];
+        r = dsv4_routing_stats_read_model(cfg->expert_placement, mc->n_layers, mc->n_experts, h->expert_counts,
+                                          stats_model, sizeof(stats_model));
         if (r < 0)
             return dsv4_error_prefix(r, "expert_placement: ");
+        if (strcmp(stats_model, mc->model_name) != 0)
+            dsv4_log_notice("expert_placement %s: routing statistics of model \"%s\", serving \"%s\"; used, as "
+                            "their shapes agree", cfg->expert_placement, stats_model, mc->model_name);
         opts.expert_counts = h->expert_counts;
     }
 

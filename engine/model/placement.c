@@ -266,6 +266,12 @@ static int get_int(const json_t *root, const char *key, const char *path, json_i
 
 int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint64_t *counts)
 {
+    return dsv4_routing_stats_read_model(path, n_layers, n_experts, counts, NULL, 0);
+}
+
+int dsv4_routing_stats_read_model(const char *path, int n_layers, int n_experts, uint64_t *counts, char *ret_model,
+                                  size_t model_size)
+{
     json_error_t jerr;
     json_t *root;
     json_int_t version = 0, L = 0, E = 0;
@@ -315,6 +321,11 @@ int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint6
                             (long long)version, DSV4_ROUTING_STATS_VERSION);
         goto out;
     }
+    const json_t *model = json_object_get(root, "model");
+    if (model && !json_is_string(model)) {
+        rc = dsv4_error_set(-EINVAL, "routing statistics %s: \"model\" is not a string", path);
+        goto out;
+    }
     if (L > DSV4_PLACEMENT_MAX_LAYERS || E > DSV4_PLACEMENT_MAX_EXPERTS) {
         rc = dsv4_error_set(-E2BIG, "routing statistics %s are of %lld layers x %lld experts; a model has at most "
                             "%d x %d", path, (long long)L, (long long)E, DSV4_PLACEMENT_MAX_LAYERS,
@@ -347,6 +358,8 @@ int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint6
             counts[(int64_t)l * n_experts + e] = (uint64_t)json_integer_value(v);
         }
     }
+    if (model_size)
+        snprintf(ret_model, model_size, "%s", model ? json_string_value(model) : "");
     rc = 0;
 out:
     json_decref(root);

@@ -76,11 +76,16 @@ void dsv4_placement_layers_text(const uint16_t *gpu, const uint16_t *host, int l
  *   {"format": "dsv4d-routing-stats", "version": 1, "model": NAME, "n_layers": L, "n_experts": E,
  *    "counts": [[c(0,0), ..., c(0,E-1)], ..., [c(L-1,0), ...]]}
  * write: atomically (a temporary file renamed over path). read: the file must name exactly
- * n_layers x n_experts counts (a file from another model is refused with both shapes); a file that
+ * n_layers x n_experts counts (a file of another shape is refused with both shapes); a file that
  * cannot be opened gives open's -errno (-ENOENT), anything but a regular file -EISDIR or -EINVAL, one
  * over DSV4_ROUTING_STATS_MAX_BYTES or DSV4_PLACEMENT_MAX_LAYERS x _EXPERTS -E2BIG. */
 int dsv4_routing_stats_write(const char *path, const char *model, int n_layers, int n_experts,
                              const uint64_t *counts);
 int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint64_t *counts);
+/* As read, and the model the file names into ret_model (cut to model_size; "" when it names none): the
+ * caller says when it is not the model served, whose statistics are used all the same when the shapes
+ * agree (the same model under another directory name, or quantized, routes alike). */
+int dsv4_routing_stats_read_model(const char *path, int n_layers, int n_experts, uint64_t *counts, char *ret_model,
+                                  size_t model_size);
 
 #endif

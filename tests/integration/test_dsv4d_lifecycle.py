@@ -311,6 +311,21 @@ with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
         t.eq(d.stop(), 0, "dsv4d exits 0")
     finally:
         d.close()
+    # the same shape from another model is used, and the log says whose statistics they are
+    served_model = data["model"]
+    data["model"] = "another-model"
+    renamed = os.path.join(tmp, "renamed.json")
+    with open(renamed, "w") as f:
+        json.dump(data, f)
+    d = Daemon(activation=False, args=["--expert-placement", renamed])
+    try:
+        t.ok(d.start(), "dsv4d boots with expert_placement naming another model's file of its shape", d.log_text())
+        t.ok('routing statistics of model "another-model", serving "%s"' % served_model in d.log_text(),
+             "the log names the file's model and the one served", d.log_text())
+        t.eq(d.stop(), 0, "dsv4d exits 0")
+    finally:
+        d.close()
+    data["model"] = served_model
     data["n_experts"] = E + 1
     data["counts"] = [row + [0] for row in data["counts"]]
     other = os.path.join(tmp, "other.json")

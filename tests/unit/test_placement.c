@@ -247,7 +247,7 @@ static void write_text(const char *path, const char *text)
 
 static void test_stats_file(void **state)
 {
-    char path[256];
+    char path[256], model[16];
     const int L = 3, E = 5;
     uint64_t counts[15], back[15];
     for (int i = 0; i < L * E; i++)
@@ -257,6 +257,12 @@ static void test_stats_file(void **state)
     memset(back, 0xff, sizeof(back));
     assert_int_equal(dsv4_routing_stats_read(path, L, E, back), 0);
     assert_memory_equal(back, counts, sizeof(counts));
+    memset(back, 0xff, sizeof(back));
+    assert_int_equal(dsv4_routing_stats_read_model(path, L, E, back, model, sizeof(model)), 0);
+    assert_memory_equal(back, counts, sizeof(counts));
+    assert_string_equal(model, "tiny");
+    assert_int_equal(dsv4_routing_stats_read_model(path, L, E, back, model, 3), 0);
+    assert_string_equal(model, "ti");
 
     assert_int_equal(dsv4_routing_stats_read(path, L, E + 1, back), -EINVAL);
     assert_non_null(strstr(dsv4_error_message(), "of 3 layers x 5 experts; the model has 3 x 6"));
@@ -268,6 +274,14 @@ static void test_stats_file(void **state)
                      "\"counts\": [[1]]}");
     assert_int_equal(dsv4_routing_stats_read(path, 1, 2, back), -EINVAL);
     assert_non_null(strstr(dsv4_error_message(), "layer 0 is not an array of 2 counts"));
+    write_text(path, "{\"format\": \"dsv4d-routing-stats\", \"version\": 1, \"n_layers\": 1, \"n_experts\": 2, "
+                     "\"counts\": [[1, 2]]}");
+    assert_int_equal(dsv4_routing_stats_read_model(path, 1, 2, back, model, sizeof(model)), 0);
+    assert_string_equal(model, "");
+    write_text(path, "{\"format\": \"dsv4d-routing-stats\", \"version\": 1, \"model\": 7, \"n_layers\": 1, "
+                     "\"n_experts\": 2, \"counts\": [[1, 2]]}");
+    assert_int_equal(dsv4_routing_stats_read_model(path, 1, 2, back, model, sizeof(model)), -EINVAL);
+    assert_non_null(strstr(dsv4_error_message(), "\"model\" is not a string"));
     write_text(path, "{\"format\": \"other\"}");
     assert_int_equal(dsv4_routing_stats_read(path, 1, 2, back), -EINVAL);
     write_text(path, "{\"format\": \"dsv4d-routing-stats\", \"version\": 2, \"n_layers\": 1, \"n_experts\": 2}");
