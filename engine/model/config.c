@@ -525,6 +525,10 @@ static int parse_official(const struct parser *p, struct dsv4_config *c)
         (r = get_token(p, "eos_token_id", 1, &c->eos_id)) < 0 ||
         (r = require_str(p, root, "score_func", "sqrtsoftplus", "sqrtsoftplus", "V4 routes with sqrt(softplus)")) < 0)
         return r;
+    /* as transformers' spelling: a base of 1 makes every frequency 1 and YaRN's ramp NaN (ln base divides) */
+    if (!(c->rope_main.theta > 1.0) || !(c->rope_compress.theta > 1.0))
+        return dsv4_error_set(-EINVAL, "%s: field %s must be a number > 1", p->name,
+                              c->rope_main.theta > 1.0 ? "compress_rope_theta" : "rope_theta");
     c->norm_topk_prob = true;   /* the reference renormalizes every non-softmax score function */
     c->max_position = 1048576;
     c->tie_embeddings = false;

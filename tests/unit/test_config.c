@@ -360,6 +360,11 @@ static void test_official(void **state)
     expect_refused("{\"dim\": 64, \"n_layers\": 200, \"compress_ratios\": [0]}", -EINVAL, "n_layers");
     expect_refused("{\"dim\": 64, \"n_layers\": 1, \"rope_head_dim\": 31, \"compress_ratios\": [0]}", -EINVAL,
                    "rotary dims");
+    /* a base of 1 turns every frequency into 1, and YaRN's ramp (log base in a denominator) into NaN */
+    expect_refused("{\"dim\": 64, \"n_layers\": 1, \"compress_rope_theta\": 1, \"compress_ratios\": [0]}", -EINVAL,
+                   "compress_rope_theta");
+    expect_refused("{\"dim\": 64, \"n_layers\": 1, \"rope_theta\": 1.0, \"compress_ratios\": [0]}", -EINVAL,
+                   "rope_theta");
 }
 
 static void test_load_dir(void **state)
