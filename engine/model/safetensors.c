@@ -301,12 +301,34 @@ static int read_index(struct dsv4_st *st, const char *dir, const char *path, jso
     json_t *root, *map, *v;
     const char *key;
     struct stat sb;
-    int r = 0;
+    FILE *f;
+    int r = 0, fd = open(path, O_RDONLY | O_CLOEXEC);
 
-    if (stat(path, &sb) == 0 && sb.st_size > (off_t)ST_MAX_INDEX_BYTES)
+    /* Opened here rather than by jansson, whose failure to open (a model directory the daemon's
+     * user may not read) reads as corrupt JSON at line -1. */
+    if (fd < 0)
+        return dsv4_error_set(-errno, "%s: cannot open: %s", path, strerror(errno));
+    if (fstat(fd, &sb) < 0) {
+        r = dsv4_error_set(-errno, "%s: cannot stat: %s", path, strerror(errno));
+        close(fd);
+        return r;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(fd);
+        return dsv4_error_set(-EINVAL, "%s: not a regular file", path);
+    }
+    if (sb.st_size > (off_t)ST_MAX_INDEX_BYTES) {
+        close(fd);
         return dsv4_error_set(-E2BIG, "%s: %lld bytes, over the limit of %u", path,
                               (long long)sb.st_size, ST_MAX_INDEX_BYTES);
-    root = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
+    }
+    if (!(f = fdopen(fd, "r"))) {
+        r = dsv4_error_set(-errno, "%s: %s", path, strerror(errno));
+        close(fd);
+        return r;
+    }
+    root = json_loadf(f, JSON_REJECT_DUPLICATES, &jerr);
+    fclose(f);
     if (!root)
         return dsv4_error_set(-EINVAL, "%s: corrupt JSON at line %d: %s", path, jerr.line, jerr.text);
     map = json_object_get(root, "weight_map");

@@ -280,6 +280,16 @@ static void test_bad_shards(void **state)
     expect_error(dir, -EINVAL, "model.safetensors.index.json", "corrupt JSON");
     assert_int_equal(stw_write_text(dir, "model.safetensors.index.json", "{\"metadata\": {}}"), 0);
     expect_error(dir, -EINVAL, "model.safetensors.index.json", "weight_map");
+    /* an index that cannot be read is not called corrupt JSON: the reason is what the operator acts on */
+    snprintf(path, sizeof(path), "%s/model.safetensors.index.json", dir);
+    if (geteuid() != 0) {
+        assert_int_equal(chmod(path, 0), 0);
+        expect_error(dir, -EACCES, "model.safetensors.index.json: cannot open", strerror(EACCES));
+    }
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(mkdir(path, 0700), 0);
+    expect_error(dir, -EINVAL, "model.safetensors.index.json: not a regular file", NULL);
+    assert_int_equal(rmdir(path), 0);
     stw_rmdir(dir);
     free(dir);
 }
