@@ -13,18 +13,31 @@ void dsv4_proto_buf_init(struct dsv4_proto_buf *b)
     b->data = NULL;
     b->len = 0;
     b->cap = 0;
+    b->head = 0;
+}
+
+/* Give the consumed bytes in front of data back to the storage (data then starts it). */
+static void buf_rewind(struct dsv4_proto_buf *b)
+{
+    if (!b->head)
+        return;
+    b->data -= b->head;
+    b->cap += b->head;
+    b->head = 0;
 }
 
 void dsv4_proto_buf_clear(struct dsv4_proto_buf *b)
 {
     if (!b)
         return;
+    buf_rewind(b);
     free(b->data);
     dsv4_proto_buf_init(b);
 }
 
 void dsv4_proto_buf_reset(struct dsv4_proto_buf *b)
 {
+    buf_rewind(b);
     b->len = 0;
 }
 
@@ -37,10 +50,12 @@ int dsv4_proto_buf_append(struct dsv4_proto_buf *b, const void *data, size_t n)
                 return -ENOMEM;
             cap *= 2;
         }
-        uint8_t *p = realloc(b->data, cap);
+        if (cap > SIZE_MAX - b->head)
+            return -ENOMEM;
+        uint8_t *p = realloc(b->data ? b->data - b->head : NULL, b->head + cap);
         if (!p)
             return -ENOMEM;
-        b->data = p;
+        b->data = p + b->head;
         b->cap = cap;
     }
     if (n)
@@ -52,11 +67,19 @@ int dsv4_proto_buf_append(struct dsv4_proto_buf *b, const void *data, size_t n)
 void dsv4_proto_buf_consume(struct dsv4_proto_buf *b, size_t n)
 {
     if (n >= b->len) {
-        b->len = 0;
+        dsv4_proto_buf_reset(b);
         return;
     }
-    memmove(b->data, b->data + n, b->len - n);
+    b->data += n;
     b->len -= n;
+    b->cap -= n;
+    b->head += n;
+    /* Moving the rest down now costs no more than what was dropped since it last moved: linear in
+     * all, and the dead space in front never exceeds what is held. */
+    if (b->head >= b->len) {
+        memmove(b->data - b->head, b->data, b->len);
+        buf_rewind(b);
+    }
 }
 
 void dsv4_proto_frame_put_header(uint8_t hdr[DSV4_PROTO_FRAME_HEADER], uint32_t payload_len)

@@ -26,9 +26,10 @@
 
 /* Growable byte buffer. Zero-initialised is a valid empty buffer. */
 struct dsv4_proto_buf {
-    uint8_t *data;
+    uint8_t *data;      /* the bytes held: data[0..len) */
     size_t len;
-    size_t cap;
+    size_t cap;         /* storage from data on */
+    size_t head;        /* consumed bytes still in front of data: the storage starts at data - head */
 };
 
 void dsv4_proto_buf_init(struct dsv4_proto_buf *b);
@@ -38,7 +39,8 @@ void dsv4_proto_buf_clear(struct dsv4_proto_buf *b);
 void dsv4_proto_buf_reset(struct dsv4_proto_buf *b);
 /* Append n bytes; 0 or -ENOMEM. */
 int dsv4_proto_buf_append(struct dsv4_proto_buf *b, const void *data, size_t n);
-/* Drop the first n bytes (after a partial write(2)). */
+/* Drop the first n bytes (after a partial write(2)). The bytes left move only once fewer of them are
+ * left than were dropped since they last moved, so draining a backlog costs about its size. */
 void dsv4_proto_buf_consume(struct dsv4_proto_buf *b, size_t n);
 
 /* Write / read the 4-byte big-endian length prefix. */

@@ -831,6 +831,58 @@ static void test_reader_chunks(void **state)
     dsv4_proto_buf_clear(&stream);
 }
 
+/* The output buffer of a connection whose reader is slow: frames keep being appended while the socket
+ * takes a few KiB per write. Every byte comes out once and in order, and consuming the written part does
+ * not shift the whole backlog each time (that made draining a large backlog quadratic): the bytes moved
+ * by all the consumes together stay below the bytes consumed. */
+static void test_buf_slow_reader(void **state)
+{
+    struct dsv4_proto_buf b = { 0 };
+    enum { BACKLOG = 4 << 20, FRAME = 1000, TOKEN = 100 };
+    uint8_t chunk[FRAME];
+    uint64_t appended = 0, consumed = 0, moved = 0;
+    size_t peak = 0;
+
+    while (appended < BACKLOG) {
+        for (size_t i = 0; i < FRAME; i++)
+            chunk[i] = (uint8_t)((appended + i) % 251);
+        assert_int_equal(dsv4_proto_buf_append(&b, chunk, FRAME), 0);
+        appended += FRAME;
+    }
+    while (b.len) {
+        size_t n = 1 + rnd_below(8192);
+        if (n > b.len)
+            n = b.len;
+        for (size_t i = 0; i < n; i++)
+            if (b.data[i] != (uint8_t)((consumed + i) % 251))
+                fail_msg("byte %llu: %u, expected %u", (unsigned long long)(consumed + i), b.data[i],
+                         (unsigned)((consumed + i) % 251));
+        const uint8_t *next = b.data + n;
+        dsv4_proto_buf_consume(&b, n);
+        consumed += n;
+        if (b.len && b.data != next)
+            moved += b.len;
+        if (consumed < BACKLOG / 2 && rnd_below(4) == 0) {
+            /* a token notification arrives meanwhile */
+            for (size_t i = 0; i < TOKEN; i++)
+                chunk[i] = (uint8_t)((appended + i) % 251);
+            assert_int_equal(dsv4_proto_buf_append(&b, chunk, TOKEN), 0);
+            appended += TOKEN;
+        }
+        if (b.len > peak)
+            peak = b.len;
+    }
+    assert_int_equal(consumed, appended);
+    if (moved > consumed)
+        fail_msg("consuming %llu bytes moved %llu bytes of backlog", (unsigned long long)consumed,
+                 (unsigned long long)moved);
+    /* emptied: appending starts at the front of the storage again */
+    assert_int_equal(dsv4_proto_buf_append(&b, chunk, 1), 0);
+    assert_int_equal(b.len, 1);
+    dsv4_proto_buf_clear(&b);
+    assert_null(b.data);
+}
+
 /* A stats result from a server that predates the engine counters decodes with them zero; a histogram
  * longer than DSV4_PROTO_MAX_BATCH_BUCKETS or with a negative count is refused, naming the field. */
 static void pack_stats_with_hist(struct dsv4_proto_buf *buf, uint32_t msgid, uint64_t requests_total, uint32_t n_buckets,
@@ -905,6 +957,7 @@ int main(void)
         cmocka_unit_test(test_stats_compat),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_reader_chunks),
+        cmocka_unit_test(test_buf_slow_reader),
     };
     rng_state = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
     printf("# random seed %llu\n", (unsigned long long)rng_state);
