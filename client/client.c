@@ -271,10 +271,12 @@ static int send_out(struct dsv4_client *c, bool is_generate)
     return rc;
 }
 
-/* Next message from the server into msg; on failure the connection is closed. */
+/* Next message from the server into msg; on failure the connection is closed. The timeout bounds the
+ * whole frame, not each read: a server dribbling bytes cannot hold the call past it. */
 static int recv_message(struct dsv4_client *c, struct dsv4_proto_message *msg)
 {
     struct dsv4_proto_error err = { 0 };
+    int64_t deadline = c->timeout_ms > 0 ? now_ms() + c->timeout_ms : -1;
     for (;;) {
         const uint8_t *payload;
         size_t len;
@@ -312,7 +314,7 @@ static int recv_message(struct dsv4_client *c, struct dsv4_proto_message *msg)
         if (errno == EINTR)
             continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            rc = wait_fd(c->fd, POLLIN, c->timeout_ms > 0 ? now_ms() + c->timeout_ms : -1);
+            rc = wait_fd(c->fd, POLLIN, deadline);
             if (rc == -ETIMEDOUT) {
                 disconnect(c);
                 return fail(c, rc, "no answer from dsv4d within %d ms", c->timeout_ms);

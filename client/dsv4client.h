@@ -58,8 +58,9 @@ int dsv4_client_connect(struct dsv4_client *c, const char *path, int timeout_ms)
  * fd, even on failure. */
 int dsv4_client_connect_fd(struct dsv4_client *c, int fd);
 
-/* How long to wait for each frame of an answer (a streaming request waits this long per token, so a
- * long generation never times out while tokens flow); <= 0, the default, waits forever. */
+/* How long to wait for each frame of an answer, from when the wait for it starts until its last byte
+ * (a streaming request waits this long per token, so a long generation never times out while tokens
+ * flow); <= 0, the default, waits forever. */
 void dsv4_client_set_timeout(struct dsv4_client *c, int timeout_ms);
 
 /* The last error's message ("" when none) and, after -EREMOTEIO, the server's protocol code (else 0).

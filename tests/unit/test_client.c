@@ -33,7 +33,10 @@ enum behaviour {
     SILENT,           /* never answer */
     FATAL,            /* answer with an error notification and close */
     NEWER_HEALTH,     /* answer health with a status added after this client (doc/PROTOCOL.md section 7) */
+    TRICKLE,          /* answer one byte every TRICKLE_GAP_MS */
 };
+
+#define TRICKLE_GAP_MS 40
 
 struct server {
     int fd;
@@ -273,6 +276,13 @@ static void *server_main(void *arg)
         default:
             fail_msg("unexpected method %d", msg.method);
         }
+        for (size_t i = 0; s->how == TRICKLE && i < out.len; i++) {
+            nanosleep(&(struct timespec){ 0, TRICKLE_GAP_MS * 1000000L }, NULL);
+            if (send(s->fd, out.data + i, 1, MSG_NOSIGNAL) != 1)
+                break;
+        }
+        if (s->how == TRICKLE)
+            dsv4_proto_buf_reset(&out);
         proto_test_send_all(s->fd, &out);
         dsv4_proto_message_clear(&msg);
     }
@@ -630,6 +640,14 @@ static void test_misbehaving_servers(void **state)
     c = start(&s, SILENT);
     dsv4_client_set_timeout(c, 50);
     assert_int_equal(dsv4_client_health(c, &h), -ETIMEDOUT);
+    stop(&s, c);
+
+    /* The timeout bounds each answer frame (dsv4client.h), not the gap between its bytes: a server
+     * trickling a frame a byte at a time, each within the timeout, does not hold the call forever. */
+    c = start(&s, TRICKLE);
+    dsv4_client_set_timeout(c, 4 * TRICKLE_GAP_MS);
+    assert_int_equal(dsv4_client_health(c, &h), -ETIMEDOUT);
+    assert_non_null(strstr(dsv4_client_error_message(c), "within 160 ms"));
     stop(&s, c);
 
     c = start(&s, FATAL);
