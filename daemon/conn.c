@@ -214,13 +214,15 @@ static void update_events(struct dsv4_conn *c)
         c->partial_since_ns = 0;
     else if (!c->partial_since_ns)
         c->partial_since_ns = dsv4_now_ns();
-    if (!c->closing && c->out.len < DSV4_CONN_OUTPUT_HIGH_WATER) {
+    if (c->closing || c->read_eof) {
+        /* nothing more to read */
+    } else if (c->out.len < DSV4_CONN_OUTPUT_HIGH_WATER) {
         ev |= EPOLLIN;
         /* A complete frame may already sit in the reader: the socket will not say so again. */
         if (c->paused)
             schedule_resume(c);
         c->paused = false;
-    } else if (!c->closing) {
+    } else {
         c->paused = true;
     }
     if (c->out.len)
@@ -348,7 +350,7 @@ static void conn_read(struct dsv4_conn *c)
     struct dsv4_proto_error err = { 0 };
     int frames = 0;
 
-    while (!c->closed && !c->closing) {
+    while (!c->closed && !c->closing && !c->read_eof) {
         const uint8_t *payload;
         uint8_t *space;
         size_t avail, len;
@@ -397,9 +399,17 @@ static void conn_read(struct dsv4_conn *c)
                 char why[96];
                 snprintf(why, sizeof(why), "end of stream inside a frame (%zu bytes pending)", pending);
                 dsv4_conn_close(c, why);
-            } else {
-                dsv4_conn_close(c, c->n_requests ? "client went away with requests in flight" : "end of stream");
+                return;
             }
+            /* Every frame before the end is handled. The client may only have shut its writing side
+             * (shutdown(SHUT_WR), as `nc -N` does): its requests are answered, then it is closed. A
+             * client that closed the socket shows as a hang-up (conn_io) and is closed there. */
+            c->read_eof = true;
+            if (c->n_requests)
+                dsv4_log_debug("connection %llu: end of stream; answering its %d requests in flight, then closing",
+                               (unsigned long long)c->id, c->n_requests);
+            else
+                dsv4_conn_close_after_flush(c, "end of stream");
             return;
         }
         dsv4_proto_reader_commit(&c->reader, (size_t)n);
@@ -409,10 +419,19 @@ static void conn_read(struct dsv4_conn *c)
 static int conn_resume(sd_event_source *src, void *userdata)
 {
     struct dsv4_conn *c = userdata;
-    conn_read(c);
+    if (c->read_eof && c->n_requests == 0)
+        dsv4_conn_close_after_flush(c, "end of stream; every request answered");
+    else
+        conn_read(c);
     if (!c->closed)
         update_events(c);
     return 0;
+}
+
+void dsv4_conn_requests_ended(struct dsv4_conn *c)
+{
+    if (c->read_eof && !c->closed)
+        schedule_resume(c);
 }
 
 static int conn_io(sd_event_source *src, int fd, uint32_t revents, void *userdata)
@@ -423,8 +442,9 @@ static int conn_io(sd_event_source *src, int fd, uint32_t revents, void *userdat
         conn_read(c);
     if (!c->closed && (revents & EPOLLOUT))
         dsv4_conn_flush(c);
-    if (!c->closed && (revents & (EPOLLHUP | EPOLLERR)) && !(revents & EPOLLIN))
-        dsv4_conn_close(c, "hang-up");
+    /* A hang-up with data to read is acted on once the data is read, when reading met the end. */
+    if (!c->closed && (revents & (EPOLLHUP | EPOLLERR)) && (!(revents & EPOLLIN) || c->read_eof))
+        dsv4_conn_close(c, c->n_requests ? "client went away with requests in flight" : "hang-up");
     if (!c->closed)
         update_events(c);
     return 0;

@@ -45,12 +45,14 @@ struct dsv4_conn {
     pid_t pid;
     uid_t uid;
     gid_t gid;
+    bool read_eof;                      /* the client shut its side (half-close): answer, then close */
     bool closing;                       /* flush what is queued, then close */
     const char *close_reason;           /* why it is closing, for the log (static string) */
     bool closed;                        /* fd closed; freed by the reaper */
     struct dsv4_proto_reader reader;
     struct dsv4_proto_buf out;          /* encoded frames not yet written */
-    /* Requests in flight, kept by dispatch.c; conn.c reads n_requests only (max_idle_per_uid). */
+    /* Requests in flight, kept by dispatch.c; conn.c reads n_requests only (max_idle_per_uid, and the
+     * close that follows a half-close). */
     struct dsv4_request *requests;
     int n_requests;
 };
@@ -101,5 +103,8 @@ void dsv4_conn_fail(struct dsv4_conn *c, int code, const char *message);
 void dsv4_conn_close_after_flush(struct dsv4_conn *c, const char *reason);
 /* Close now: the closed hook runs, the struct is freed later by the reaper. */
 void dsv4_conn_close(struct dsv4_conn *c, const char *why);
+/* c has no request in flight any more (dispatch.c): a client that half-closed its socket is closed
+ * once the answers are written (from the loop, after what its caller still queues). */
+void dsv4_conn_requests_ended(struct dsv4_conn *c);
 
 #endif

@@ -61,8 +61,10 @@ static void request_detach_conn(struct dsv4_request *req)
         req->conn_next->conn_prev = req->conn_prev;
     req->conn_prev = req->conn_next = NULL;
     req->conn = NULL;
-    if (--c->n_requests == 0)
+    if (--c->n_requests == 0) {
         c->idle_since_ns = dsv4_now_ns();   /* max_idle_per_uid counts from here */
+        dsv4_conn_requests_ended(c);
+    }
 }
 
 static void pending_remove(struct dsv4_dispatch *d, struct dsv4_request *req)

@@ -7,13 +7,14 @@ stats, health, and every configured limit with its own error code."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
-from dsv4d_harness import (BOS, BYTE_BASE, EOS, FIXTURE_VOCAB, LONG_PROMPT, TIMEOUT, Client, Daemon, Tap, bin_tokens,
-                           run_dsv4_run, text_tokens, tokens_bin)
+from dsv4d_harness import (BOS, BYTE_BASE, EOS, FIXTURE_VOCAB, LONG_PROMPT, TIMEOUT, Client, Closed, Daemon, Tap,
+                           bin_tokens, run_dsv4_run, text_tokens, tokens_bin)
 
 t = Tap()
 USER, ASSISTANT, THINK_START, THINK_END = 2, 3, 4, 5
@@ -251,6 +252,33 @@ os.kill(os.getpid(), signal.SIGKILL)
     err, res = greedy(c, PROMPTS[0], 12)
     t.ok(err is None and bin_tokens(res["tokens"]) == bin_tokens(greedy(c, PROMPTS[0], 12)[1]["tokens"]),
          "and keeps answering", err)
+
+    # A client that half-closes its socket after sending its requests (shutdown(SHUT_WR), as `nc -N`
+    # does at the end of its input) has not closed the connection: every request is answered, then the
+    # server closes.
+    half = Client(d.sock_path)
+    h_gen = half.request("generate", {"tokens": tokens_bin(PROMPTS[1]), "max_tokens": 40, "temperature": 0.0,
+                                      "stream": True})
+    h_tok = half.request("tokenize", {"text": "hello"})
+    half.sock.shutdown(socket.SHUT_WR)
+    got, n_tokens = {}, 0
+    try:
+        while len(got) < 2:
+            m = half.recv()
+            if m[0] == 1:
+                got[m[1]] = (m[2], m[3])
+            elif m[0] == 2 and m[1] == "token":
+                n_tokens += 1
+    except Closed:
+        pass
+    want = greedy(c, PROMPTS[1], 40)[1]
+    t.ok(h_gen in got and got[h_gen][0] is None and got[h_gen][1]["finish_reason"] == "length"
+         and got[h_gen][1]["tokens"] == want["tokens"] and n_tokens == 40,
+         "a half-closed connection's generate runs to the end, streamed", (got, n_tokens))
+    t.ok(h_tok in got and got[h_tok][0] is None and bin_tokens(got[h_tok][1]["tokens"]) == [BOS] + text_tokens("hello"),
+         "... and its tokenize is answered", got)
+    t.ok(half.closed_by_peer(), "then the server closes it")
+    half.close()
 
     # Engine counters: N sequential requests of n tokens each run alone, so each takes one prefill step
     # (which samples its first token) and n - 1 decode steps of batch size 1.
