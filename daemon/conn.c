@@ -169,6 +169,7 @@ static int conn_accept(struct dsv4_conns *cs, int listen_fd)
         c->uid = cred.uid;
         c->gid = cred.gid;
         c->idle_since_ns = dsv4_now_ns();
+        c->sent_ns = c->idle_since_ns;
         dsv4_proto_reader_init(&c->reader, cs->cfg->max_frame);
         dsv4_proto_buf_init(&c->out);
         r = sd_event_add_io(cs->event, &c->src, fd, EPOLLIN, conn_io, c);
@@ -272,6 +273,8 @@ static void conn_reap(struct dsv4_conns *cs)
 
 void dsv4_conn_flush(struct dsv4_conn *c)
 {
+    size_t queued = c->out.len;
+
     if (c->closed)
         return;
     while (c->out.len) {
@@ -286,6 +289,8 @@ void dsv4_conn_flush(struct dsv4_conn *c)
         }
         dsv4_proto_buf_consume(&c->out, (size_t)n);
     }
+    if (c->out.len < queued)
+        c->sent_ns = dsv4_now_ns();
     if (c->out.len > c->set->cfg->max_output_buffer) {
         char why[128];
         snprintf(why, sizeof(why), "client does not read: %zu bytes queued, max_output_buffer = %llu",
@@ -455,10 +460,15 @@ static void close_stalled(struct dsv4_conns *cs, uint64_t now)
     uint64_t limit = (uint64_t)(cs->cfg->frame_timeout * 1e9);
     for (struct dsv4_conn *c = cs->head, *next; c; c = next) {
         next = c->next;
+        char why[160];
         if (c->partial_since_ns && now - c->partial_since_ns > limit) {
-            char why[160];
             snprintf(why, sizeof(why), "held a partial frame (%zu bytes) for more than %g s (frame_timeout)",
                      dsv4_proto_reader_pending(&c->reader), cs->cfg->frame_timeout);
+            dsv4_conn_close(c, why);
+        } else if (c->closing && c->out.len && now - c->sent_ns > limit) {
+            /* Neither idle nor reading: without this a client that never reads would keep it forever. */
+            snprintf(why, sizeof(why), "took none of its last %zu bytes for more than %g s (frame_timeout)",
+                     c->out.len, cs->cfg->frame_timeout);
             dsv4_conn_close(c, why);
         }
     }

@@ -42,6 +42,7 @@ struct dsv4_conn {
     bool paused;                        /* output above high water: requests wait in the socket */
     uint64_t partial_since_ns;          /* when the frame the reader holds part of began; 0: none */
     uint64_t idle_since_ns;             /* when n_requests last became 0 (or the accept) */
+    uint64_t sent_ns;                   /* when a write last took bytes (or the accept) */
     pid_t pid;
     uid_t uid;
     gid_t gid;
@@ -88,8 +89,9 @@ void dsv4_conns_refuse_new(struct dsv4_conns *cs, int code, const char *message)
 void dsv4_conns_stop_accepting(struct dsv4_conns *cs);
 /* Close every connection now, free them, and drop the event sources (shutdown). */
 void dsv4_conns_done(struct dsv4_conns *cs);
-/* Close the connections that have held a partial frame for longer than frame_timeout, and each
- * uid's idle connections beyond max_idle_per_uid (those idle longest first). */
+/* Close the connections that have held a partial frame for longer than frame_timeout, those being
+ * closed whose client has taken none of their last messages for that long, and each uid's idle
+ * connections beyond max_idle_per_uid (those idle longest first). */
 void dsv4_conns_sweep(struct dsv4_conns *cs);
 
 /* Write what the encoders appended to c->out; drops a client whose backlog passes max_output_buffer.

@@ -286,6 +286,32 @@ try:
     idle[0].request("cancel", {"msgid": busy})
     for c in idle + [extra]:
         c.close()
+
+    # A connection being closed (here after a fatal frame) whose client takes none of its last messages
+    # is not idle, and was never closed: one uid could hold every max_connections slot that way. It
+    # goes once it has taken nothing for frame_timeout.
+    watch = Client(d.sock_path)
+    err, st = watch.call("stats")
+    alone = st["connections"]
+    deaf = []
+    start = time.monotonic()
+    for _ in range(3):
+        c = Client(d.sock_path)
+        c.send_raw(b"".join(request("health", {}, msgid=i) for i in range(3000)) + struct.pack(">I", 0))
+        deaf.append(c)
+    counts = []
+    while time.monotonic() - start < 10:
+        counts.append(watch.call("stats")[1]["connections"])
+        if counts[-1] == alone and len(counts) > 1:
+            break
+        time.sleep(0.2)
+    waited = time.monotonic() - start
+    t.ok(max(counts) == alone + 3 and counts[-1] == alone and 1.9 <= waited < 10,
+         "connections closing with output their clients never take are closed after frame_timeout (%.1f s)" % waited,
+         (alone, counts, d.log_text()[-2000:]))
+    t.ok("took none of its last" in d.log_text(), "  and the log says why", d.log_text()[-2000:])
+    for c in deaf + [watch]:
+        c.close()
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:
     d.close()
