@@ -39,7 +39,7 @@ void dsv4_proto_buf_clear(struct dsv4_proto_buf *b);
 void dsv4_proto_buf_reset(struct dsv4_proto_buf *b);
 /* Append n bytes; 0 or -ENOMEM. */
 int dsv4_proto_buf_append(struct dsv4_proto_buf *b, const void *data, size_t n);
-/* Drop the first n bytes (after a partial write(2)). The bytes left move only once fewer of them are
+/* Drop the first n bytes (after a partial write(2)). The bytes left move only once no more of them are
  * left than were dropped since they last moved, so draining a backlog costs about its size. */
 void dsv4_proto_buf_consume(struct dsv4_proto_buf *b, size_t n);
 
