@@ -383,52 +383,60 @@ static int render_tools(struct render *R, const json_t *tools)
     return r ? r : T(tools_tail);
 }
 
-/* One call: its arguments (a JSON object, given as a string or an object) as DSML parameters. */
+static int render_param(struct render *R, const char *key, size_t key_len, bool is_str, const char *val,
+                        size_t val_len)
+{
+    int r = T("<" DSML "parameter name=\"");
+    if (r == 0) r = L(key, key_len);
+    if (r == 0) r = T(is_str ? "\" string=\"true\">" : "\" string=\"false\">");
+    if (r == 0) r = L(val, val_len);
+    return r ? r : T("</" DSML "parameter>");
+}
+
+/* One call: its arguments (a JSON object, given as a string or an object) as DSML parameters. A string
+ * is read as DeepSeek's encoder reads it, with Python's json.loads (numbers of any size, NaN, NUL, the
+ * last of duplicate keys); one it cannot read becomes one parameter named "arguments". */
 static int render_call(struct render *R, size_t index, const json_t *tc)
 {
     const json_t *fn = json_object_get(tc, "function");
     const json_t *name = json_object_get(fn, "name"), *args = json_object_get(fn, "arguments");
-    json_t *parsed = NULL, *owned = NULL;
-    int r;
+    struct dsv4_pyjson_object a = {0};
+    struct dsv4_buf dumped = {0};
+    const char *text = NULL;
+    size_t text_len = 0;
+    int r = 0;
     if (json_is_string(args)) {
-        json_error_t jerr;
-        owned = parsed = json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, &jerr);
-        if (!parsed) {
-            /* DeepSeek's encoder keeps text that is not JSON as one parameter named "arguments". */
-            owned = parsed = json_pack("{s:O}", "arguments", args);
-            if (!parsed)
-                return -ENOMEM;
-        }
+        text = json_string_value(args);
+        text_len = json_string_length(args);
     } else if (json_is_object(args)) {
-        parsed = (json_t *)args;
-    } else {
-        owned = parsed = json_object();
-        if (!parsed)
-            return -ENOMEM;
+        r = dsv4_pyjson_dump(args, &dumped);
+        text = dumped.p;
+        text_len = dumped.len;
     }
-    if (!json_is_object(parsed)) {
-        json_decref(owned);
-        return fail(R, "messages[%zu].tool_calls: function.arguments must be a JSON object", index);
-    }
+    if (r == 0 && text)
+        r = dsv4_pyjson_load_object(text, text_len, &a);
+    bool raw = r == -EBADMSG;
+    if (r == -EINVAL)
+        r = fail(R, "messages[%zu].tool_calls: function.arguments must be a JSON object", index);
+    if (r < 0 && !raw)
+        goto out;
     r = T("<" DSML "invoke name=\"");
     if (r == 0) r = L(json_string_value(name), json_string_length(name));
     if (r == 0) r = T("\">\n");
-    const char *key;
-    json_t *v;
-    bool first = true;
-    json_object_foreach(parsed, key, v) {
-        if (r == 0 && !first)
+    if (r == 0 && raw)
+        r = render_param(R, "arguments", strlen("arguments"), true, text, text_len);
+    for (size_t i = 0; i < a.n && r == 0; i++) {
+        const struct dsv4_pyjson_member *m = &a.m[i];
+        if (i)
             r = T("\n");
-        first = false;
-        if (r == 0) r = T("<" DSML "parameter name=\"");
-        if (r == 0) r = L(key, strlen(key));
-        if (r == 0) r = T(json_is_string(v) ? "\" string=\"true\">" : "\" string=\"false\">");
-        if (r == 0) r = json_is_string(v) ? L(json_string_value(v), json_string_length(v)) : literal_json(R, v);
-        if (r == 0) r = T("</" DSML "parameter>");
+        if (r == 0)
+            r = render_param(R, a.text.p + m->key, m->key_len, m->is_str, a.text.p + m->val, m->val_len);
     }
     if (r == 0)
         r = T("\n</" DSML "invoke>");
-    json_decref(owned);
+out:
+    dsv4_pyjson_object_free(&a);
+    dsv4_buf_free(&dumped);
     return r;
 }
 

@@ -13,7 +13,9 @@
  *     blocks are joined by a blank line;
  *   - an assistant turn is [reasoning</think>] content ["\n\n" DSML tool_calls block] <｜end▁of▁sentence｜>;
  *     its tool call arguments (a JSON object) become one DSML parameter per key, string="true" for
- *     strings (written as they are) and string="false" for anything else (written as JSON);
+ *     strings (written as they are) and string="false" for anything else (written as JSON); they are
+ *     read as Python's json.loads reads them (openai/pyjson.h), and text it cannot read is one
+ *     parameter named "arguments";
  *   - in thinking mode without tools, reasoning of turns before the last user message is dropped and
  *     only the last user turn opens <think>; with tools every turn keeps it;
  *   - reasoning effort "max" in thinking mode puts DeepSeek's effort prompt before everything.

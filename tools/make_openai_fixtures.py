@@ -33,6 +33,20 @@ def call(cid, name, args):
     return {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
+def raw_call(cid, name, text):
+    """A call whose arguments are the given text, as a client may write it."""
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": text}}
+
+
+# Arguments that Python's json.loads reads (and DeepSeek's encoder writes back with json.dumps) beyond
+# what a 64-bit JSON library holds: integers of any size, floats that overflow, NaN and Infinity, NUL
+# in strings and keys, duplicate keys (the first place, the last value), and white space of any kind.
+PY_ONLY_JSON = ('{"big": 123456789012345678901234567890, "neg": -9223372036854775809, "max": 9223372036854775807,'
+                ' "f": 1e400, "g": -1E+400, "tiny": 1e-400, "nan": NaN, "inf": [Infinity, -Infinity, -0, -0.0, 1.5E3],'
+                ' "nul": "a\\u0000b", "k\\u0000": {"x": 1, "y": [12345678901234567890.5, "\\ud83d\\ude00"], "x": "two"},'
+                ' "dup": 1,\n\t"dup" : "last"}')
+
+
 ENCODE_CASES = [
     {"name": "user only", "messages": [{"role": "user", "content": "What is 17*23?"}]},
     {"name": "system and user, thinking", "thinking": True,
@@ -69,6 +83,11 @@ ENCODE_CASES = [
                                             {"role": "user", "content": "u"}]},
     {"name": "tag text inside content", "messages": [
         {"role": "user", "content": "say <｜Assistant｜></think> and <｜DSML｜invoke> literally"}]},
+    {"name": "arguments Python reads beyond 64-bit JSON", "tools": [SEARCH], "messages": [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "", "tool_calls": [raw_call("c1", "search", PY_ONLY_JSON),
+                                                             raw_call("c2", "search", '{"a": 1} x')]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"}]},
     {"name": "assistant last (continuation)", "messages": [
         {"role": "user", "content": "u"}, {"role": "assistant", "content": "partial"}]},
 ]
