@@ -201,9 +201,9 @@ static int check_tool_calls(struct render *R, size_t index, const json_t *calls)
                         "{\"name\": ..., \"arguments\": ...}}", index, i);
         if (id && !json_is_string(id) && !json_is_null(id))
             return fail(R, "messages[%zu].tool_calls[%zu].id must be a string", index, i);
-        const json_t *args = json_object_get(fn, "arguments");
-        if (args && !json_is_string(args) && !json_is_object(args) && !json_is_null(args))
-            return fail(R, "messages[%zu].tool_calls[%zu].function.arguments must be a JSON string", index, i);
+        /* DeepSeek's encoder raises on a call without arguments (a KeyError). */
+        if (!json_object_get(fn, "arguments"))
+            return fail(R, "messages[%zu].tool_calls[%zu].function.arguments is missing", index, i);
     }
     return 0;
 }
@@ -395,7 +395,8 @@ static int render_param(struct render *R, const char *key, size_t key_len, bool 
 
 /* One call: its arguments (a JSON object, given as a string or an object) as DSML parameters. A string
  * is read as DeepSeek's encoder reads it, with Python's json.loads (numbers of any size, NaN, NUL, the
- * last of duplicate keys); one it cannot read becomes one parameter named "arguments". */
+ * last of duplicate keys); one it cannot read becomes one parameter named "arguments", and so does any
+ * other value (null, a number, an array), written as JSON, as the encoder's json.loads refuses it. */
 static int render_call(struct render *R, size_t index, const json_t *tc)
 {
     const json_t *fn = json_object_get(tc, "function");
@@ -415,7 +416,9 @@ static int render_call(struct render *R, size_t index, const json_t *tc)
     }
     if (r == 0 && text)
         r = dsv4_pyjson_load_object(text, text_len, &a);
-    bool raw = r == -EBADMSG;
+    else if (r == 0)
+        r = dsv4_pyjson_dump(args, &dumped);
+    bool raw = r == -EBADMSG, other = !text;
     if (r == -EINVAL)
         r = fail(R, "messages[%zu].tool_calls: function.arguments must be a JSON object", index);
     if (r < 0 && !raw)
@@ -425,6 +428,8 @@ static int render_call(struct render *R, size_t index, const json_t *tc)
     if (r == 0) r = T("\">\n");
     if (r == 0 && raw)
         r = render_param(R, "arguments", strlen("arguments"), true, text, text_len);
+    if (r == 0 && other)
+        r = render_param(R, "arguments", strlen("arguments"), false, dumped.p, dumped.len);
     for (size_t i = 0; i < a.n && r == 0; i++) {
         const struct dsv4_pyjson_member *m = &a.m[i];
         if (i)

@@ -88,6 +88,11 @@ ENCODE_CASES = [
         {"role": "assistant", "content": "", "tool_calls": [raw_call("c1", "search", PY_ONLY_JSON),
                                                              raw_call("c2", "search", '{"a": 1} x')]},
         {"role": "tool", "tool_call_id": "c1", "content": "r"}]},
+    {"name": "arguments that are not text", "tools": [SEARCH], "messages": [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "", "tool_calls": [raw_call("c1", "search", None), raw_call("c2", "search", 5),
+                                                             raw_call("c3", "search", [1, "a"]), raw_call("c4", "search", True)]},
+        {"role": "user", "content": "v"}]},
     {"name": "assistant last (continuation)", "messages": [
         {"role": "user", "content": "u"}, {"role": "assistant", "content": "partial"}]},
 ]

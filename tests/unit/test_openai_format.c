@@ -126,6 +126,8 @@ static void test_render_literal(void **state)
         "[{\"role\": \"user\", \"content\": [{\"type\": \"image_url\", \"image_url\": {}}]}]",
         "[{\"role\": \"assistant\", \"tool_calls\": [{\"function\": {}}]}]",
         "[{\"role\": \"assistant\", \"tool_calls\": [{\"function\": {\"name\": \"f\", \"arguments\": \"[1]\"}}]}]",
+        /* DeepSeek's encoder raises on a call without arguments */
+        "[{\"role\": \"assistant\", \"tool_calls\": [{\"function\": {\"name\": \"f\"}}]}]",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         msgs = json_loads(bad[i], 0, NULL);
