@@ -240,6 +240,12 @@ static int add_message(struct render *R, size_t index, const json_t *m)
                 return fail(R, "messages[%zu].tool_call_id must be a string", index);
             if (id)
                 blk.call_id = json_string_value(id);
+            /* DeepSeek's encoder puts a result in its block with str.format, which writes null (None)
+             * as "None"; an absent content is "". */
+            if (json_is_null(json_object_get(m, "content"))) {
+                blk.text = "None";
+                blk.len = strlen("None");
+            }
         }
         struct msg *last = R->n ? &R->msgs[R->n - 1] : NULL;
         if (!last || last->role != ROLE_USER) {

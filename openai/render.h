@@ -21,7 +21,8 @@
  *   - reasoning effort "max" in thinking mode puts DeepSeek's effort prompt before everything.
  *
  * Message content may be a string, null, or an array of {"type":"text","text":...} parts (joined
- * with "\n"; in a tool message with a blank line, as DeepSeek's tool results are). */
+ * with "\n"; in a tool message with a blank line, as DeepSeek's tool results are). A tool message's
+ * null content is the text "None", as the encoder writes it. */
 #ifndef DSV4_OPENAI_RENDER_H
 #define DSV4_OPENAI_RENDER_H
 

@@ -93,6 +93,12 @@ ENCODE_CASES = [
         {"role": "assistant", "content": "", "tool_calls": [raw_call("c1", "search", None), raw_call("c2", "search", 5),
                                                              raw_call("c3", "search", [1, "a"]), raw_call("c4", "search", True)]},
         {"role": "user", "content": "v"}]},
+    {"name": "tool results null and absent", "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": None, "tool_calls": [call("c1", "get_weather", {"city": "Paris"}),
+                                                               call("c2", "get_weather", {"city": "Rome"})]},
+        {"role": "tool", "tool_call_id": "c2", "content": None},
+        {"role": "tool", "tool_call_id": "c1"}]},
     {"name": "assistant last (continuation)", "messages": [
         {"role": "user", "content": "u"}, {"role": "assistant", "content": "partial"}]},
 ]
