@@ -3,7 +3,6 @@
 #include "build-config.h"
 
 #include <errno.h>
-#include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
@@ -159,11 +158,12 @@ static ssize_t parse_param(struct dsv4_reply *r, const char *h, size_t hn)
     if (rc == 0) rc = dsv4_pyjson_string(h, name_len, &r->args);
     if (rc == 0) rc = dsv4_buf_puts(&r->args, ": ");
     if (rc == 0) {
-        json_error_t jerr;
-        json_t *v = is_str ? NULL : json_loadb(val, val_len, JSON_DECODE_ANY, &jerr);
-        /* Kept as the model wrote it when it is JSON; as a string otherwise. */
-        rc = v ? dsv4_buf_put(&r->args, val, val_len) : dsv4_pyjson_string(val, val_len, &r->args);
-        json_decref(v);
+        /* Kept as the model wrote it when it is JSON (numbers of any size and \u0000 included, which a
+         * 64-bit JSON library refuses); as a string otherwise. */
+        int valid = is_str ? -EBADMSG : dsv4_pyjson_check(val, val_len);
+        if (valid == -ENOMEM)
+            return -ENOMEM;
+        rc = valid == 0 ? dsv4_buf_put(&r->args, val, val_len) : dsv4_pyjson_string(val, val_len, &r->args);
     }
     if (rc)
         return rc;

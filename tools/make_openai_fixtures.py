@@ -118,6 +118,9 @@ PARSE_CASES = [
     {"name": "thinking then tool call", "thinking": True, "message": {
         "role": "assistant", "reasoning_content": "I should call it.", "content": "",
         "tool_calls": [call("a", "search", {"query": "日本"})]}},
+    {"name": "values beyond 64-bit JSON kept as written", "thinking": False, "message": {
+        "role": "assistant", "content": "", "tool_calls": [call("a", "search", {
+            "big": 123456789012345678901234567890, "neg": [-9223372036854775809, 1e300], "nul": {"k": "a\u0000b"}})]}},
     {"name": "tool call without arguments", "thinking": False, "message": {
         "role": "assistant", "content": "", "tool_calls": [call("a", "now", {})]}},
 ]

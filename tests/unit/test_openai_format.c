@@ -170,10 +170,10 @@ static int collect(const struct dsv4_reply_event *ev, void *user)
     case DSV4_REPLY_CALL_END:
         call = json_array_get(c->calls, ev->call);
         assert_non_null(call);
-        /* Every finished call's arguments are one JSON object. */
-        json_t *parsed = json_loads(json_string_value(json_object_get(call, "arguments")), 0, NULL);
-        assert_true(json_is_object(parsed));
-        json_decref(parsed);
+        /* Every finished call's arguments are one JSON object (its numbers of any size). */
+        const char *args = json_string_value(json_object_get(call, "arguments"));
+        assert_int_equal(dsv4_pyjson_check(args, strlen(args)), 0);
+        assert_int_equal(args[0], '{');
         return 0;
     }
     return -EINVAL;
