@@ -133,26 +133,21 @@ static int close_call(struct dsv4_reply *r)
 }
 
 /* One complete parameter element starting at h (after its opening "<｜DSML｜parameter name=\"").
- * Returns the bytes consumed after the opening, 0 to wait, -EBADMSG when malformed. */
+ * The name runs to the first " string="true"> or " string="false">, so that it may hold quotes, as
+ * DeepSeek's parser reads it; the value to </｜DSML｜parameter>. Returns the bytes consumed after the
+ * opening, 0 to wait, -EBADMSG when malformed. */
 static ssize_t parse_param(struct dsv4_reply *r, const char *h, size_t hn)
 {
-    const char *q = memchr(h, '"', hn);
-    if (!q)
-        return 0;
-    size_t name_len = (size_t)(q - h);
-    const char *rest = q + 1;
-    size_t rn = hn - (size_t)(rest - h);
-    bool is_str;
-    int s1 = starts(rest, rn, " string=\"true\">"), s2 = starts(rest, rn, " string=\"false\">");
-    if (s1 < 0 && s2 < 0)
-        return -EBADMSG;
-    if (s1 == 0 || s2 == 0)
-        return 0;
-    is_str = s1 == 1;
-    const char *val = rest + (is_str ? strlen(" string=\"true\">") : strlen(" string=\"false\">"));
-    const char *end = find(val, hn - (size_t)(val - h), param_close);
+    static const char attr_true[] = "\" string=\"true\">", attr_false[] = "\" string=\"false\">";
+    const char *end = find(h, hn, param_close);
     if (!end)
         return 0;
+    const char *t = find(h, (size_t)(end - h), attr_true), *f = find(h, (size_t)(end - h), attr_false);
+    if (!t && !f)
+        return -EBADMSG;
+    bool is_str = t && (!f || t < f);
+    size_t name_len = (size_t)((is_str ? t : f) - h);
+    const char *val = h + name_len + (is_str ? strlen(attr_true) : strlen(attr_false));
     size_t val_len = (size_t)(end - val);
     int rc = dsv4_buf_puts(&r->args, r->params ? ", " : "{");
     if (rc == 0) rc = dsv4_pyjson_string(h, name_len, &r->args);

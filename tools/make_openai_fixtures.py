@@ -121,6 +121,9 @@ PARSE_CASES = [
     {"name": "values beyond 64-bit JSON kept as written", "thinking": False, "message": {
         "role": "assistant", "content": "", "tool_calls": [call("a", "search", {
             "big": 123456789012345678901234567890, "neg": [-9223372036854775809, 1e300], "nul": {"k": "a\u0000b"}})]}},
+    {"name": "parameter names with quotes", "thinking": False, "message": {
+        "role": "assistant", "content": "", "tool_calls": [call("a", "search", {
+            'say "hi"': "x", 'q"': [1], '" string="': True})]}},
     {"name": "tool call without arguments", "thinking": False, "message": {
         "role": "assistant", "content": "", "tool_calls": [call("a", "now", {})]}},
 ]
