@@ -67,7 +67,15 @@ static int chat_walk(const struct dsv4_chat_message *msgs, size_t n, const struc
             r = sink->text(sink, m->content, m->content_len, i);
             break;
         case DSV4_CHAT_ROLE_USER:
-            if (!(r = sink->tag(sink, TAG_USER)) && !(r = sink->text(sink, m->content, m->content_len, i)) &&
+            /* A user message right after another joins its turn, after a blank line. */
+            if (i > 0 && msgs[i - 1].role == DSV4_CHAT_ROLE_USER)
+                r = sink->text(sink, "\n\n", 2, i);
+            else
+                r = sink->tag(sink, TAG_USER);
+            if (!r)
+                r = sink->text(sink, m->content, m->content_len, i);
+            /* The assistant is handed the turn only when it answers next (or the conversation ends). */
+            if (!r && (i + 1 == n || msgs[i + 1].role == DSV4_CHAT_ROLE_ASSISTANT) &&
                 !(r = sink->tag(sink, TAG_ASSISTANT)))
                 r = sink->tag(sink, thinking && i == last_user ? TAG_THINK_START : TAG_THINK_END);
             break;
@@ -88,8 +96,9 @@ static int chat_walk(const struct dsv4_chat_message *msgs, size_t n, const struc
 }
 
 /* Text that meets text with no tag between (a system message before another system or an assistant
- * message) is encoded as one piece, as encoding the built text does: BPE does not split where the
- * messages met. Each piece is checked for UTF-8 on its own, so the error names its message. */
+ * message, a user message before a system message or another user message) is encoded as one piece,
+ * as encoding the built text does: BPE does not split where the messages met. Each piece is checked
+ * for UTF-8 on its own, so the error names its message. */
 struct ids_sink {
     struct chat_sink base;
     const struct dsv4_tokenizer *tok;

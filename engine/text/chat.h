@@ -8,8 +8,10 @@
  * (one line in reality; broken here for reading). Rules:
  *   - system text is written as is, with no tag: the options' system prompt right after BOS, and
  *     each system message where it stands;
- *   - a user message is <｜User｜>{content}<｜Assistant｜> followed by </think>, except the LAST user
- *     message in thinking mode, which is followed by <think>;
+ *   - a user message is <｜User｜>{content}; when an assistant message or the end of the conversation
+ *     follows, <｜Assistant｜> and </think> come next, <think> after the LAST user message in thinking
+ *     mode; a user message right after another joins its turn after a blank line ("\n\n"), as
+ *     DeepSeek's encoder (encoding_dsv4.py) writes them;
  *   - an assistant message before the last user message is {content}<｜end▁of▁sentence｜>: its
  *     reasoning is dropped;
  *   - an assistant message after the last user message (a continued turn) is, in thinking mode,

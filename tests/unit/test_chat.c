@@ -81,6 +81,17 @@ static const struct dsv4_chat_message with_system[] = {
     MSG(USER, "Q2"),
 };
 
+/* Consecutive user messages are one turn (DeepSeek's encoder joins them with a blank line), and a user
+ * turn that a system message follows is not handed to the assistant. */
+static const struct dsv4_chat_message users_in_a_row[] = {
+    MSG(USER, "Q1"),
+    MSG(ASSISTANT, "A1"),
+    MSG(USER, "Q2"),
+    MSG(SYSTEM, "S"),
+    MSG(USER, "Q3"),
+    MSG(USER, "Q4"),
+};
+
 /* No content pointer with length 0 is an empty message (chat_walk refuses it only with a length). */
 static const struct dsv4_chat_message empty_contents[] = {
     {DSV4_CHAT_ROLE_SYSTEM, NULL, 0, NULL, 0},
@@ -105,6 +116,10 @@ static const struct text_case text_cases[] = {
      "Be brief." USER "Q1" ASSISTANT "</think>A1" EOS "Now be verbose." USER "Q2" ASSISTANT "</think>"},
     {NULL, 0, {DSV4_CHAT_MODE_THINKING, SYS, sizeof(SYS) - 1, 0, false}, BOS SYS},
     {empty_contents, 3, {DSV4_CHAT_MODE_THINKING, NULL, 0, 0, false}, BOS USER ASSISTANT "<think></think>" EOS},
+    /* The strings DeepSeek's encoding_dsv4.py writes for these messages. */
+    {users_in_a_row, 6, {DSV4_CHAT_MODE_THINKING, NULL, 0, 0, false},
+     BOS USER "Q1" ASSISTANT "</think>A1" EOS USER "Q2S" USER "Q3\n\nQ4" ASSISTANT "<think>"},
+    {users_in_a_row, 4, {DSV4_CHAT_MODE_CHAT, NULL, 0, 0, false}, BOS USER "Q1" ASSISTANT "</think>A1" EOS USER "Q2S"},
 };
 
 static void test_build_text(void **state)
