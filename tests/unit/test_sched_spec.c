@@ -14,7 +14,10 @@
  *   a chi-square test at significance 0.001;
  * failures: a draft that fails costs speed only (same tokens, no drafts counted); a verify or accept
  *   that fails ends the requests of that call with an error and the next request in the slot is
- *   right again; a fatal one (-ENOTRECOVERABLE) ends everything and the step returns it. */
+ *   right again; a fatal one (-ENOTRECOVERABLE) ends everything and the step returns it;
+ * random (seeded, tests/unit/seed_util.h): requests with random prompts sharing random prefixes,
+ *   limits, stops, seeds and cancels through a scheduler with a batch, speculation and a tiny prefix
+ *   pool give what each gives alone on a fresh scheduler with neither (below). */
 #include "build-config.h"
 
 #include <errno.h>
@@ -36,6 +39,7 @@
 #include "engine/serve/scheduler.h"
 #include "tests/unit/fixture_cases.h"
 #include "tests/unit/sched_harness.h"
+#include "tests/unit/seed_util.h"
 
 #define MAX_CONTEXT 160
 #define POOL_BYTES (64 << 20)
@@ -604,6 +608,435 @@ static void test_no_mtp(void **state)
     dsv4_weights_free(e.w);
 }
 
+/* ---- randomized differential ----
+ * Random requests through one scheduler with every feature at once (a batch, chunked prefill, speculation
+ * with the MTP block's drafts or with drafts that are often right, a prefix pool of a few snapshots so that
+ * eviction is constant, or of a few dozen so that hits are common, several sampler and backend threads),
+ * arriving and cancelled at random steps: each request's tokens, log-probabilities, top alternatives, text,
+ * finish reason and stop are those of the same request run alone on a fresh scheduler without speculation
+ * or pool; a cancelled one's tokens are the start of them; at the end no slot, request or allocation is
+ * left. Each round draws the model (tiny_a_mtp, tiny_b_mtp), the numerics, max_context (not always a
+ * multiple of the block) and max_output_bytes. Prompts share random stems (so the cache hits, partly and
+ * whole), some end exactly at the context limit; max_tokens, stop strings and stop ids, seeds, sampling
+ * parameters and logprobs are random. */
+#define RD_ROUNDS 4
+#define RD_REQS 14
+#define RD_STEMS 3
+#define RD_TEXT 2048
+_Static_assert(RD_REQS <= ORACLE_SEQS, "the expected sequences live in oracle.seq");
+
+struct rd_req {
+    int32_t prompt[MAX_CONTEXT];
+    int n_prompt, max_tokens;
+    struct dsv4_sampling sp;
+    char stop[2][4];
+    const char *stops[2];
+    int n_stop;
+    int32_t stop_ids[2];
+    int n_stop_ids;
+    bool ignore_eos;
+    int submit_step, cancel_step;   /* steps of the shared run; cancel_step -1: never */
+};
+
+struct rd_answer {
+    struct answer a;                /* first: events carry a pointer to it */
+    char deltas[RD_TEXT];
+    size_t deltas_len;
+    char text[RD_TEXT];
+    size_t text_len;
+    int stop_string;
+    int32_t stop_token;
+    bool cancel_asked;
+};
+
+static uint64_t rd_state;
+static int rd_ctx, rd_bytes;       /* a round's max_context and max_output_bytes (0: the default) */
+static enum dsv4_numerics rd_num;   /* and numerics */
+static int rd_vocab;                /* its model's */
+
+static uint64_t rd_next(void)
+{
+    rd_state ^= rd_state << 13;
+    rd_state ^= rd_state >> 7;
+    rd_state ^= rd_state << 17;
+    return rd_state;
+}
+
+static int rd_int(int lo, int hi)     /* [lo, hi] */
+{
+    return lo + (int)(rd_next() % (uint64_t)(hi - lo + 1));
+}
+
+/* Drafts that are right three times in four for requests whose answer is known: each slot's fed tokens
+ * are followed through the backend's ops, and a draft is the next token of an expected sequence that
+ * starts with them (any, when several do: a wrong draft costs speed only). */
+static struct {
+    const struct dsv4_backend_ops *inner;
+    struct dsv4_backend_ops ops;
+    int32_t fed[4][MAX_CONTEXT + DSV4_SPEC_TOKENS_MAX + 1];
+    int64_t n_fed[4];
+    int64_t verify_at[4];           /* the position a slot's verify started from */
+    uint64_t counter;
+} rdo;
+
+static void rd_feed(int slot, const int32_t *t, int n)
+{
+    memcpy(rdo.fed[slot] + rdo.n_fed[slot], t, sizeof(int32_t) * (size_t)n);
+    rdo.n_fed[slot] += n;
+}
+
+static int rd_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, int n, float *logits, bool all_rows)
+{
+    int r = rdo.inner->prefill(b, slot, tokens, n, logits, all_rows);
+    if (r == 0)
+        rd_feed(slot, tokens, n);
+    return r;
+}
+
+static int rd_decode(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, float *logits)
+{
+    int r = rdo.inner->decode(b, n, slots, tokens, logits);
+    for (int i = 0; i < n && r == 0; i++)
+        rd_feed(slots[i], &tokens[i], 1);
+    return r;
+}
+
+static int rd_prefix_load(struct dsv4_backend *b, int slot, int n_blocks, const int32_t *block_pages,
+                          const int32_t *boundary_pages, const int32_t *tokens)
+{
+    int r = rdo.inner->prefix_load(b, slot, n_blocks, block_pages, boundary_pages, tokens);
+    if (r == 0)
+        rd_feed(slot, tokens, n_blocks * b->prefix.block);
+    return r;
+}
+
+static void rd_slot_reset(struct dsv4_backend *b, int slot)
+{
+    rdo.inner->slot_reset(b, slot);
+    rdo.n_fed[slot] = 0;
+}
+
+static int rd_verify(struct dsv4_backend *b, int n, const int *slots, const int *rows, const int32_t *tokens,
+                     float *logits)
+{
+    int r = rdo.inner->verify(b, n, slots, rows, tokens, logits);
+    for (int i = 0; i < n && r == 0; i++) {
+        rdo.verify_at[slots[i]] = rdo.n_fed[slots[i]];
+        rd_feed(slots[i], tokens + i * (b->spec_tokens + 1), rows[i]);
+    }
+    return r;
+}
+
+static int rd_accept(struct dsv4_backend *b, int slot, int keep)
+{
+    int r = rdo.inner->accept(b, slot, keep);
+    if (r == 0)
+        rdo.n_fed[slot] = rdo.verify_at[slot] + keep;
+    return r;
+}
+
+static int rd_draft(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, const int *k,
+                    int32_t *drafts, int *ret_k)
+{
+    int r = rdo.inner->draft(b, n, slots, tokens, k, drafts, ret_k);
+    for (int i = 0; i < n && r == 0; i++) {
+        const int64_t P = rdo.n_fed[slots[i]];
+        assert_int_equal(P, b->ops->slot_position(b, slots[i]));
+        for (int q = 0; q < oracle.n_seqs; q++) {
+            if (oracle.len[q] <= P || oracle.seq[q][P] != tokens[i] ||
+                memcmp(oracle.seq[q], rdo.fed[slots[i]], sizeof(int32_t) * (size_t)P))
+                continue;
+            ret_k[i] = k[i];
+            for (int j = 0; j < k[i]; j++)
+                if (P + 1 + j < oracle.len[q] && rdo.counter++ % 4 != 0)
+                    drafts[i * b->spec_tokens + j] = oracle.seq[q][P + 1 + j];
+            break;
+        }
+    }
+    return r;
+}
+
+static void rd_wrap(struct dsv4_backend *b)
+{
+    rdo.inner = b->ops;
+    rdo.ops = *b->ops;
+    rdo.ops.prefill = rd_prefill;
+    rdo.ops.decode = rd_decode;
+    rdo.ops.prefix_load = rd_prefix_load;
+    rdo.ops.slot_reset = rd_slot_reset;
+    rdo.ops.verify = rd_verify;
+    rdo.ops.accept = rd_accept;
+    rdo.ops.draft = rd_draft;
+    memset(rdo.n_fed, 0, sizeof(rdo.n_fed));
+    b->ops = &rdo.ops;
+}
+
+static void rd_collect(struct dsv4_sched *s)
+{
+    struct dsv4_sched_event ev;
+    while (dsv4_sched_next_event(s, &ev) == 1) {
+        struct rd_answer *r = ev.user;
+        struct answer *a = &r->a;
+        if (ev.type == DSV4_SCHED_EVENT_TOKEN) {
+            assert_true(a->n < ANSWER_MAX_TOKENS);
+            assert_false(a->finished);
+            assert_int_equal(ev.index, a->n);
+            a->tokens[a->n] = ev.sample.token;
+            a->logprob[a->n] = ev.sample.logprob;
+            a->top0[a->n] = ev.sample.n_top > 0 ? ev.sample.top_ids[0] : -1;
+            a->top1[a->n] = ev.sample.n_top > 1 ? ev.sample.top_ids[1] : -1;
+            a->top_lp[a->n][0] = ev.sample.n_top > 0 ? ev.sample.top_logprobs[0] : NAN;
+            a->top_lp[a->n][1] = ev.sample.n_top > 1 ? ev.sample.top_logprobs[1] : NAN;
+            a->n++;
+            assert_true(r->deltas_len + ev.delta_len <= RD_TEXT);
+            memcpy(r->deltas + r->deltas_len, ev.delta, ev.delta_len);
+            r->deltas_len += ev.delta_len;
+            continue;
+        }
+        const struct dsv4_sched_result *res = ev.result;
+        if (res->finish == DSV4_FINISH_ERROR)
+            fail_msg("request failed: %s", res->error_message);
+        assert_false(a->finished);
+        a->finished = true;
+        a->finish = res->finish;
+        a->cached_tokens = res->cached_tokens;
+        assert_int_equal(res->n_tokens, a->n);
+        assert_memory_equal(res->tokens, a->tokens, sizeof(int32_t) * (size_t)a->n);
+        assert_true(res->text_len < RD_TEXT);
+        memcpy(r->text, res->text, res->text_len);
+        r->text_len = res->text_len;
+        r->stop_string = res->stop_string;
+        r->stop_token = res->stop_token;
+        if (res->finish != DSV4_FINISH_CANCELLED) {
+            assert_int_equal(r->deltas_len, r->text_len);
+            assert_memory_equal(r->deltas, r->text, r->text_len);
+        }
+        assert_int_equal(dsv4_sched_release(s, ev.id), 0);
+    }
+}
+
+static void rd_submit(struct dsv4_sched *s, const struct rd_req *q, struct rd_answer *r)
+{
+    memset(r, 0, sizeof(*r));
+    struct dsv4_sched_request rq = { .prompt = q->prompt, .n_prompt = q->n_prompt, .max_tokens = q->max_tokens,
+                                     .sampling = q->sp, .stop = q->stops, .n_stop = q->n_stop,
+                                     .stop_token_ids = q->stop_ids, .n_stop_token_ids = q->n_stop_ids,
+                                     .ignore_eos = q->ignore_eos, .user = r };
+    if (dsv4_sched_submit(s, &rq, &r->a.id) < 0)
+        fail_msg("submit: %s", dsv4_error_message());
+}
+
+static void rd_make(struct rd_req *rq, int n)
+{
+    int32_t stems[RD_STEMS][MAX_CONTEXT];
+    for (int k = 0; k < RD_STEMS; k++)
+        for (int i = 0; i < MAX_CONTEXT; i++)
+            stems[k][i] = i == 0 ? 0 : rd_int(2, rd_vocab - 1);
+    for (int i = 0; i < n; i++) {
+        struct rd_req *q = &rq[i];
+        memset(q, 0, sizeof(*q));
+        if (i > 0 && rd_int(0, 4) == 0) {
+            /* an earlier prompt again, whole */
+            const struct rd_req *p = &rq[rd_int(0, i - 1)];
+            memcpy(q->prompt, p->prompt, sizeof(q->prompt));
+            q->n_prompt = p->n_prompt;
+        } else {
+            int shared = rd_int(0, 3) == 0 ? 0 : rd_int(1, 5 * 16 + 8);
+            int mode = rd_int(0, 7);
+            q->n_prompt = mode == 0 ? rd_ctx - 1 : mode == 1 ? rd_ctx - rd_int(2, 6)
+                          : mode == 2 ? rd_int(1, 3) : shared + rd_int(1, 40);
+            if (q->n_prompt > rd_ctx - 1)
+                q->n_prompt = rd_ctx - 1;
+            if (shared > q->n_prompt)
+                shared = q->n_prompt;
+            memcpy(q->prompt, stems[rd_int(0, RD_STEMS - 1)], sizeof(int32_t) * (size_t)shared);
+            for (int t = shared; t < q->n_prompt; t++)
+                q->prompt[t] = t == 0 ? 0 : rd_int(2, rd_vocab - 1);
+        }
+        q->max_tokens = rd_int(0, 9) == 0 ? 0 : rd_int(1, 24);
+        dsv4_sampling_defaults(&q->sp);
+        if (rd_int(0, 2) == 0) {
+            q->sp.temperature = 0.0f;
+        } else {
+            q->sp.has_seed = true;
+            q->sp.seed = rd_next();
+            q->sp.temperature = 0.5f + 0.25f * (float)rd_int(0, 4);
+            q->sp.top_k = rd_int(0, 1) ? 0 : rd_int(1, 40);
+            q->sp.top_p = rd_int(0, 1) ? 1.0f : 0.9f;
+            q->sp.min_p = rd_int(0, 3) ? 0.0f : 0.02f;
+            q->sp.repetition_penalty = rd_int(0, 1) ? 1.0f : 1.2f;
+            q->sp.presence_penalty = rd_int(0, 1) ? 0.0f : 0.3f;
+            q->sp.frequency_penalty = rd_int(0, 1) ? 0.0f : 0.2f;
+        }
+        q->sp.logprobs = rd_int(0, 2);
+        q->n_stop = rd_int(0, 2);
+        for (int k = 0; k < q->n_stop; k++) {
+            int len = rd_int(1, 2);
+            for (int c = 0; c < len; c++)
+                q->stop[k][c] = (char)('a' + rd_int(0, 25));
+            q->stops[k] = q->stop[k];
+        }
+        q->n_stop_ids = rd_int(0, 3) ? 0 : rd_int(1, 2);
+        for (int k = 0; k < q->n_stop_ids; k++)
+            q->stop_ids[k] = rd_int(1, rd_vocab - 1);
+        q->ignore_eos = rd_int(0, 1);
+        q->submit_step = rd_int(0, 30);
+        q->cancel_step = rd_int(0, 5) ? -1 : q->submit_step + rd_int(0, 20);
+    }
+}
+
+/* The request alone on a fresh scheduler: no batch, no speculation, no pool, the default prefill budget. */
+static void rd_alone(struct dsv4_weights *w, const struct rd_req *q, struct rd_answer *r)
+{
+    struct dsv4_backend_opts bo = { .max_batch = 1, .max_context = rd_ctx, .numerics = rd_num, .threads = 1 };
+    struct dsv4_backend *b;
+    struct dsv4_sched *s;
+    if (dsv4_backend_cpu_create(w, &bo, &b) < 0)
+        fail_msg("cpu backend: %s", dsv4_error_message());
+    struct dsv4_sched_limits lim = { .max_output_bytes = rd_bytes, .detok = { letter_bytes, NULL } };
+    if (dsv4_sched_create(b, NULL, &lim, &s) < 0)
+        fail_msg("scheduler: %s", dsv4_error_message());
+    rd_submit(s, q, r);
+    for (int guard = 0; !r->a.finished; guard++) {
+        assert_true(guard < 10000);
+        assert_true(dsv4_sched_step(s) >= 0);
+        rd_collect(s);
+    }
+    assert_int_equal(r->a.cached_tokens, 0);
+    dsv4_sched_destroy(s);
+    dsv4_backend_destroy(b);
+}
+
+static void test_random_differential(void **state)
+{
+    (void)state;
+    static struct rd_req rq[RD_REQS];
+    static struct rd_answer alone[RD_REQS], got[RD_REQS];
+    static int32_t expect[RD_REQS][MAX_CONTEXT + ANSWER_MAX_TOKENS];
+    static const char *const models[2] = { "tiny_a_mtp", "tiny_b_mtp" };
+    struct dsv4_weights *ws[2];
+    struct dsv4_prefix_geom gs[2];
+    rd_state = dsv4_test_seed();
+    for (int m = 0; m < 2; m++) {
+        char dir[PATH_MAX];
+        fixture_dir(models[m], dir, sizeof(dir));
+        if (dsv4_weights_load(dir, &ws[m]) < 0)
+            fail_msg("%s: %s", dir, dsv4_error_message());
+        struct dsv4_backend_opts probe_o = { .max_batch = 1, .max_context = MAX_CONTEXT, .threads = 1,
+                                             .prefix_pool_bytes = POOL_BYTES };
+        struct dsv4_backend *probe;
+        assert_int_equal(dsv4_backend_cpu_create(ws[m], &probe_o, &probe), 0);
+        gs[m] = probe->prefix;
+        dsv4_backend_destroy(probe);
+    }
+
+    for (int round = 0; round < RD_ROUNDS; round++) {
+        const int model = rd_int(0, 1);
+        struct dsv4_weights *w = ws[model];
+        const struct dsv4_prefix_geom g = gs[model];
+        rd_vocab = w->cfg.vocab_size;
+        rd_ctx = MAX_CONTEXT - rd_int(0, 40);
+        rd_bytes = rd_int(0, 2) ? 0 : rd_int(8, 40);
+        rd_num = rd_int(0, 1) ? DSV4_NUMERICS_EXACT : DSV4_NUMERICS_FP8;
+        rd_make(rq, RD_REQS);
+        for (int i = 0; i < RD_REQS; i++) {
+            rd_alone(w, &rq[i], &alone[i]);
+            memcpy(expect[i], rq[i].prompt, sizeof(int32_t) * (size_t)rq[i].n_prompt);
+            memcpy(expect[i] + rq[i].n_prompt, alone[i].a.tokens, sizeof(int32_t) * (size_t)alone[i].a.n);
+            oracle.seq[i] = expect[i];
+            oracle.len[i] = rq[i].n_prompt + alone[i].a.n;
+        }
+        oracle.n_seqs = RD_REQS;
+
+        const int max_batch = rd_int(1, 4), spec = rd_int(0, DSV4_SPEC_TOKENS_MAX);
+        const int snapshots = rd_int(0, 2) ? rd_int(0, 4) : rd_int(8, 40);
+        const bool with_oracle = spec > 0 && rd_int(0, 1);
+        struct dsv4_backend_opts bo = { .max_batch = max_batch, .max_context = rd_ctx, .numerics = rd_num,
+                                        .threads = rd_int(1, 2), .spec_tokens = spec,
+                                        .prefix_pool_bytes = snapshots * (g.block_pages + g.boundary_pages) *
+                                                             g.page_bytes };
+        struct env e = { .w = w };
+        if (dsv4_backend_cpu_create(w, &bo, &e.b) < 0)
+            fail_msg("cpu backend: %s", dsv4_error_message());
+        if (with_oracle)
+            rd_wrap(e.b);
+        struct dsv4_sched_limits lim = { .prefill_budget = rd_int(0, 2) ? rd_int(1, 40) : 0,
+                                         .sampler_threads = rd_int(1, 3), .max_requests = RD_REQS,
+                                         .max_unreleased = RD_REQS, .max_output_bytes = rd_bytes,
+                                         .detok = { letter_bytes, NULL } };
+        print_message("# round %d: %s, %s numerics, %d backend threads, max_context %d, max_output_bytes %d, "
+                      "max_batch %d, spec_tokens %d%s, pool of %d snapshots, prefill_budget %d, %d sampler "
+                      "threads\n", round, models[model], rd_num == DSV4_NUMERICS_FP8 ? "fp8" : "exact", bo.threads,
+                      rd_ctx, rd_bytes, max_batch, spec, with_oracle ? " (drafts 3/4 right)" : "", snapshots,
+                      lim.prefill_budget, lim.sampler_threads);
+        if (dsv4_sched_create(e.b, NULL, &lim, &e.s) < 0)
+            fail_msg("scheduler: %s", dsv4_error_message());
+        struct dsv4_sched_stats st0;
+        dsv4_sched_get_stats(e.s, &st0);
+        memset(got, 0, sizeof(got));
+        int finished = 0;
+        for (int step = 0; finished < RD_REQS; step++) {
+            assert_true(step < 20000);
+            for (int i = 0; i < RD_REQS; i++) {
+                if (rq[i].submit_step == step)
+                    rd_submit(e.s, &rq[i], &got[i]);
+                if (rq[i].cancel_step == step && !got[i].a.finished) {
+                    assert_int_equal(dsv4_sched_cancel(e.s, got[i].a.id), 0);
+                    got[i].cancel_asked = true;
+                }
+            }
+            assert_true(dsv4_sched_step(e.s) >= 0);
+            rd_collect(e.s);
+            finished = 0;
+            for (int i = 0; i < RD_REQS; i++)
+                finished += got[i].a.finished;
+        }
+        for (int i = 0; i < RD_REQS; i++) {
+            char what[96];
+            const struct rd_answer *x = &got[i], *y = &alone[i];
+            snprintf(what, sizeof(what), "round %d, request %d (%d prompt tokens, %d cached)", round, i,
+                     rq[i].n_prompt, x->a.cached_tokens);
+            if (x->a.finish == DSV4_FINISH_CANCELLED) {
+                assert_true(x->cancel_asked);
+                assert_true(x->a.n <= y->a.n);
+                struct answer part = y->a;
+                part.n = x->a.n;
+                answer_expect_same(&x->a, &part, what);
+                continue;
+            }
+            answer_expect_same(&x->a, &y->a, what);
+            if (x->a.finish != y->a.finish || x->text_len != y->text_len ||
+                memcmp(x->text, y->text, y->text_len) || x->stop_string != y->stop_string ||
+                x->stop_token != y->stop_token)
+                fail_msg("%s: finish %s, stop %d/%d, text \"%.*s\"; alone: finish %s, stop %d/%d, text \"%.*s\"",
+                         what, dsv4_finish_reason_name(x->a.finish), x->stop_string, x->stop_token,
+                         (int)x->text_len, x->text, dsv4_finish_reason_name(y->a.finish), y->stop_string,
+                         y->stop_token, (int)y->text_len, y->text);
+        }
+        struct dsv4_sched_stats st;
+        dsv4_sched_get_stats(e.s, &st);
+        assert_int_equal(st.slots_in_use, 0);
+        assert_int_equal(st.queued, 0);
+        assert_int_equal(st.unreleased, 0);
+        assert_int_equal(st.events_pending, 0);
+        assert_int_equal(st.allocations, st0.allocations);
+        assert_int_equal(st.submitted, RD_REQS);
+        if (st.prefix_cache)
+            assert_true(st.prefix.pages_used <= st.prefix.pages_total);
+        print_message("# %llu verifies with drafts, %llu of %llu drafts accepted; prefix: %llu hits of %llu "
+                      "lookups, %llu boundaries evicted\n", (unsigned long long)st.spec_steps,
+                      (unsigned long long)st.spec_accepted, (unsigned long long)st.spec_drafted,
+                      (unsigned long long)st.prefix.hits, (unsigned long long)st.prefix.lookups,
+                      (unsigned long long)st.prefix.boundaries_evicted);
+        dsv4_sched_destroy(e.s);
+        if (e.b->ops == &rdo.ops)
+            e.b->ops = rdo.inner;
+        dsv4_backend_destroy(e.b);
+    }
+    dsv4_weights_free(ws[0]);
+    dsv4_weights_free(ws[1]);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -612,6 +1045,7 @@ int main(void)
         cmocka_unit_test(test_distribution),
         cmocka_unit_test(test_failures),
         cmocka_unit_test(test_no_mtp),
+        cmocka_unit_test(test_random_differential),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
