@@ -35,7 +35,7 @@ struct level {
     atomic_uint next;           /* next request index to take */
     atomic_uint done;
     atomic_uint failed;
-    atomic_ullong tokens;
+    atomic_ullong tokens;       /* every streamed token, failed requests' too: the progress line's */
     char first_error[256];      /* the first failure's message, for the report */
     pthread_mutex_t lock;
     atomic_uint streaming;      /* requests that have their first token */
@@ -336,7 +336,11 @@ static void summarize(const struct level *lv, int concurrency, double wall_ms, c
     r->concurrency = concurrency;
     r->requests = lv->total;
     r->failed = atomic_load(&lv->failed);
-    r->tokens = atomic_load(&lv->tokens);
+    /* the tokens of the requests that finished, as requests/s, TTFT and TPOT count them: what a failed
+     * one streamed before it failed served no one (lv->tokens, which has them, is the progress line's) */
+    for (uint32_t i = 0; i < lv->total; i++)
+        if (lv->samples[i].ok)
+            r->tokens += lv->samples[i].tokens;
     r->wall_s = wall_ms / 1e3;
     r->out_tok_s = r->wall_s > 0 ? (double)r->tokens / r->wall_s : 0.0;
     r->req_s = r->wall_s > 0 ? (double)(r->requests - r->failed) / r->wall_s : 0.0;

@@ -3,10 +3,11 @@
  * C client threads, each with its own connection, that send streamed requests with random token-id
  * prompts back to back until the level's request count is reached, and reports time to first
  * token, time per output token (median and p99 over requests) and output tokens/s over the level's
- * wall time. With admit_tokens, once every stream of a level has its first token, one more
- * connection sends a prompt of that many tokens (max_tokens 1): the report adds its time to first
- * token and the token gaps the running streams saw while it was prefilled (what a long prompt
- * arriving costs the users already being served). */
+ * wall time, each of the requests that finished (a failed request is counted, its tokens are not).
+ * With admit_tokens, once every stream of a level has its first token, one more connection sends a
+ * prompt of that many tokens (max_tokens 1): the report adds its time to first token and the token
+ * gaps the running streams saw while it was prefilled (what a long prompt arriving costs the users
+ * already being served). */
 #ifndef DSV4_CLIENT_CTL_BENCH_H
 #define DSV4_CLIENT_CTL_BENCH_H
 

@@ -35,6 +35,7 @@ enum scenario {
     SC_ECHO,          /* generate: n tokens spelling "t0 t1 ...", with the request checked by the test */
     SC_REJECT,        /* generate: error response prompt_too_long */
     SC_FAIL,          /* generate: result with finish_reason error */
+    SC_FAIL_ODD,      /* generate: the server's 2nd, 4th, ... generate as SC_FAIL, the others as SC_ECHO */
     SC_SLOW,          /* generate: SIGINT to the peer after the first token, then tokens every 5 ms until a
                          cancel arrives */
     SC_LOADING,       /* health: loading */
@@ -49,6 +50,7 @@ static struct {
     enum scenario sc;
     struct dsv4_proto_generate last;   /* the last generate request, for the test to inspect */
     bool have_last;
+    unsigned n_generate;               /* generate requests answered, for SC_FAIL_ODD */
     pthread_mutex_t lock;
 } srv;
 
@@ -141,7 +143,7 @@ static void answer_generate(int fd, struct dsv4_proto_reader *r, const struct ds
             }
         }
     }
-    if (sc == SC_FAIL) {
+    if (sc == SC_FAIL || (sc == SC_FAIL_ODD && srv.n_generate++ % 2 == 1)) {
         res.finish_reason = DSV4_PROTO_FINISH_ERROR;
         res.error_message = "engine step failed";
     }
@@ -634,6 +636,30 @@ static void test_bench_limits(void **state)
     assert_non_null(strstr(r.err, "context of 4096 tokens"));
 }
 
+/* A request that fails after streaming tokens is counted as failed, and so are its tokens: output
+ * tokens and tokens/s are those of the requests that finished, like requests/s, TTFT and TPOT. */
+static void test_bench_failed_requests(void **state)
+{
+    static struct run r;
+    json_error_t je;
+    srv.sc = SC_FAIL_ODD;
+    srv.n_generate = 0;
+    RUN(&r, NULL, "bench", "--requests", "4", "--prompt-tokens", "4", "--max-tokens", "3", "--json");
+    expect(&r, 1);
+    assert_non_null(strstr(r.err, "2 of 4 requests failed"));
+    json_t *j = json_loads(r.out, 0, &je);
+    if (!j)
+        fail_msg("not JSON: '%s' (%s)", r.out, je.text);
+    assert_int_equal(json_integer_value(json_object_get(j, "failed")), 2);
+    assert_int_equal(json_integer_value(json_object_get(j, "output_tokens")), 6);
+    const double wall = json_real_value(json_object_get(j, "wall_s"));
+    assert_true(wall > 0);
+    assert_true(fabs(json_real_value(json_object_get(j, "output_tokens_per_s")) * wall - 6) < 1e-6);
+    assert_true(fabs(json_real_value(json_object_get(j, "requests_per_s")) * wall - 2) < 1e-6);
+    json_decref(j);
+    srv.sc = SC_ECHO;
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -643,6 +669,7 @@ int main(void)
         cmocka_unit_test(test_sigint_cancels),
         cmocka_unit_test(test_other_commands),
         cmocka_unit_test(test_bench_limits),
+        cmocka_unit_test(test_bench_failed_requests),
         cmocka_unit_test(test_json_infinite_numbers),
     };
     signal(SIGPIPE, SIG_IGN);
