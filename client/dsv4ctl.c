@@ -169,8 +169,9 @@ static uint64_t parse_u64(const char *opt, const char *s)
 }
 
 /* "5,17,9" (ids separated by a comma and/or white space, as dsv4-run --encode prints them) into a
- * malloc'd array. An empty entry ("5,,9", a leading or trailing comma) is refused: a typo, not an id. */
-static int32_t *parse_ids(const char *opt, const char *s, size_t *ret_n)
+ * malloc'd array. An empty entry ("5,,9", a leading or trailing comma) is refused: a typo, not an id.
+ * what names an entry in the messages ("token id"; --concurrency's are connection counts). */
+static int32_t *parse_ids(const char *opt, const char *what, const char *s, size_t *ret_n)
 {
     size_t n = 0, cap = 64;
     int32_t *ids = malloc(cap * sizeof(*ids));
@@ -182,18 +183,18 @@ static int32_t *parse_ids(const char *opt, const char *s, size_t *ret_n)
         while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
             p++;
         if (*p == ',' || (!*p && after_comma))
-            die_usage("%s: an empty entry at byte %zu of '%.40s' (ids are separated by one comma)", opt,
-                      (size_t)(p - s), s);
+            die_usage("%s: an empty entry at byte %zu of '%.40s' (%ss are separated by one comma)", opt,
+                      (size_t)(p - s), s, what);
         if (!*p)
             break;
         char *end;
         errno = 0;
         long long v = strtoll(p, &end, 10);
         if (errno || end == p || v < 0 || v > INT32_MAX || (*end && !strchr(", \t\r\n", *end)))
-            die_usage("%s: '%.20s' is not a token id", opt, p);
+            die_usage("%s: '%.20s' is not a %s", opt, p, what);
         if (n == cap) {
             if (cap >= MAX_TOKEN_LIST)
-                die_usage("%s: more than %u ids", opt, MAX_TOKEN_LIST);
+                die_usage("%s: more than %u %ss", opt, MAX_TOKEN_LIST, what);
             cap *= 2;
             int32_t *g = realloc(ids, cap * sizeof(*ids));
             if (!g)
@@ -209,7 +210,7 @@ static int32_t *parse_ids(const char *opt, const char *s, size_t *ret_n)
             p++;
     }
     if (n == 0)
-        die_usage("%s: no token ids", opt);
+        die_usage("%s: no %ss", opt, what);
     *ret_n = n;
     return ids;
 }
@@ -383,7 +384,7 @@ static int cmd_generate(struct dsv4_client *c, struct options *o, int argc, char
             die_usage("generate: give PROMPT or --tokens, not both");
         if (o->chat)
             die_usage("generate: --tokens cannot be combined with --chat, --system or --think");
-        ids = parse_ids("--tokens", o->tokens, &p->n_tokens);
+        ids = parse_ids("--tokens", "token id", o->tokens, &p->n_tokens);
         p->tokens = ids;
     } else {
         const char *prompt = argc == 1 ? argv[0] : (owned = read_stdin());
@@ -654,7 +655,7 @@ static int cmd_detokenize(struct dsv4_client *c, const struct options *o, int ar
     if (argc > 1)
         die_usage("detokenize takes one IDS argument (comma-separated)");
     const char *list = argc == 1 ? argv[0] : (owned = read_stdin());
-    int32_t *ids = parse_ids("detokenize", list, &n);
+    int32_t *ids = parse_ids("detokenize", "token id", list, &n);
     free(owned);
     int rc = dsv4_client_detokenize(c, ids, n, &text, &len);
     free(ids);
@@ -770,7 +771,7 @@ static void parse_options(struct options *o, int argc, char **argv)
             o->stop[o->gp.n_stop++] = optarg;
             break;
         case OPT_STOP_IDS:
-            ids = parse_ids("--stop-token-ids", optarg, &n);
+            ids = parse_ids("--stop-token-ids", "token id", optarg, &n);
             for (size_t i = 0; i < n; i++) {
                 if (o->gp.n_stop_token_ids == DSV4_CLIENT_MAX_STOP_TOKEN_IDS)
                     die_usage("--stop-token-ids: at most %d ids", DSV4_CLIENT_MAX_STOP_TOKEN_IDS);
@@ -782,7 +783,7 @@ static void parse_options(struct options *o, int argc, char **argv)
         case OPT_STREAM: o->stream = 1; break;
         case OPT_NO_STREAM: o->stream = 0; break;
         case OPT_CONCURRENCY: {
-            ids = parse_ids("--concurrency", optarg, &n);
+            ids = parse_ids("--concurrency", "connection count", optarg, &n);
             bool bad = false;
             for (size_t i = 0; i < n && i < CTL_BENCH_MAX_LEVELS; i++) {
                 o->bench.levels[i] = ids[i];

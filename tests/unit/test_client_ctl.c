@@ -634,6 +634,15 @@ static void test_bench_limits(void **state)
     RUN(&r, NULL, "bench", "--requests", "1", "--prompt-tokens", "8", "--max-tokens", "4294967295");
     expect(&r, 2);
     assert_non_null(strstr(r.err, "context of 4096 tokens"));
+    /* a level that is not a number is named as one, not as a token id */
+    static const char *const bad_levels[] = { "-1", "4,x", "", "1,,2", "99999999999" };
+    for (size_t i = 0; i < sizeof(bad_levels) / sizeof(bad_levels[0]); i++) {
+        RUN(&r, NULL, "bench", "--concurrency", bad_levels[i]);
+        expect(&r, 2);
+        assert_non_null(strstr(r.err, "--concurrency: "));
+        assert_non_null(strstr(r.err, "connection count"));
+        assert_null(strstr(r.err, "id"));
+    }
 }
 
 /* A request that fails after streaming tokens is counted as failed, and so are its tokens: output
