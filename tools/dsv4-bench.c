@@ -65,6 +65,7 @@
 #include "engine/error.h"
 #include "engine/model/weights.h"
 #include "kernels/dsv4cuda.h"
+#include "tools/bench_floor.h"
 
 #define BENCH_ROTATE_BYTES (512u << 20)     /* rotate weight copies until they span 512 MiB */
 #define BENCH_MAX_COPIES 64
@@ -632,39 +633,6 @@ static void time_decode_to_host(struct dsv4_backend *b, int B, const int *slots,
     }
 }
 
-static double linear_bytes(const struct dsv4_linear *l)
-{
-    switch (l->fmt) {
-    case DSV4_W_F32: return (double)l->out * l->in * 4;
-    case DSV4_W_BF16:
-    case DSV4_W_F16: return (double)l->out * l->in * 2;
-    case DSV4_W_FP8: return (double)l->out * l->in + (double)((l->out + 127) / 128) * l->scale_stride;
-    case DSV4_W_FP4: return (double)l->out * l->in / 2 + (double)l->out * l->scale_stride;
-    }
-    return 0.0;
-}
-
-/* Weight bytes of one layer's linears (its small vectors, under 1 MB a layer, are left out). */
-static double layer_bytes(const struct dsv4_config *c, const struct dsv4_layer *L)
-{
-    const struct dsv4_attn *a = &L->attn;
-    const struct dsv4_ffn *f = &L->ffn;
-    const bool comp = L->ratio > 0, index = comp && L->ratio == c->csa_ratio;
-    const struct dsv4_linear *lin[] = {
-        &L->hc_attn.fn, &L->hc_ffn.fn, &a->wq_a, &a->wq_b, &a->wkv, &a->wo_a, &a->wo_b, &f->gate, &f->sw1, &f->sw3,
-        &f->sw2, comp ? &a->comp.wkv : NULL, comp ? &a->comp.wgate : NULL, index ? &a->indexer.wq_b : NULL,
-        index ? &a->indexer.weights_proj : NULL, index ? &a->indexer.comp.wkv : NULL,
-        index ? &a->indexer.comp.wgate : NULL,
-    };
-    double b = 0.0;
-    for (size_t i = 0; i < sizeof(lin) / sizeof(lin[0]); i++)
-        if (lin[i] && lin[i]->w)
-            b += linear_bytes(lin[i]);
-    for (int e = 0; f->w1 && e < c->n_experts; e++)
-        b += linear_bytes(&f->w1[e]) + linear_bytes(&f->w3[e]) + linear_bytes(&f->w2[e]);
-    return b;
-}
-
 /* --layers n: w's layers become n, the last two repeated in turn (see the header). The original
  * array is returned in *saved for restore_layers, which must run before dsv4_weights_free. */
 static int extend_layers(struct dsv4_weights *w, int n, struct dsv4_layer **saved)
@@ -690,7 +658,7 @@ static int extend_layers(struct dsv4_weights *w, int n, struct dsv4_layer **save
         L[i] = w->layers[src];
         c->compress_ratio[i] = c->compress_ratio[src];
         c->mlp_type[i] = c->mlp_type[src];
-        w->bytes_total += (uint64_t)layer_bytes(c, &w->layers[src]);
+        w->bytes_total += (uint64_t)dsv4_bench_layer_bytes(c, &w->layers[src]);
     }
     *saved = w->layers;
     w->layers = L;
@@ -817,21 +785,8 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
            "%.2f GB\n", st.experts_gpu, st.expert_bytes_gpu / 1e9, st.experts_host, st.expert_bytes_host / 1e9,
            st.embed_bytes_host / 1e9);
 
-    /* bytes every step reads apart from the routed experts; the embedding contributes a row per token */
-    double expert = 0.0, routed_all = 0.0;
-    for (int l = 0; l < c->n_layers; l++)
-        for (int e = 0; e < c->n_experts; e++) {
-            double eb = linear_bytes(&w->layers[l].ffn.w1[e]) + linear_bytes(&w->layers[l].ffn.w3[e]) +
-                        linear_bytes(&w->layers[l].ffn.w2[e]);
-            routed_all += eb;
-            expert = eb;
-        }
-    /* the MTP block is not read by a decode step (nor uploaded unless the backend speculates) */
-    double mtp = 0.0;
-    for (int i = 0; i < w->n_mtp; i++)
-        mtp += layer_bytes(c, &w->mtp[i].layer) + linear_bytes(&w->mtp[i].e_proj) + linear_bytes(&w->mtp[i].h_proj) +
-               linear_bytes(&w->mtp[i].hc_head.fn);
-    const double dense = (double)w->bytes_total - routed_all - linear_bytes(&w->embed) - mtp;
+    struct dsv4_bench_floor fl;
+    dsv4_bench_floor_init(w, &fl);
     const int V = c->vocab_size;
     float *logits = malloc(sizeof(float) * (size_t)DSV4_CUDA_MAX_BATCH * V);
     int slots[DSV4_CUDA_MAX_BATCH], row_rc[DSV4_CUDA_MAX_BATCH];
@@ -886,8 +841,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
             }
         }
         const double K = c->n_experts_per_tok, E = c->n_experts;
-        const double distinct = E * (1.0 - pow(1.0 - K / E, B));
-        const double bytes = dense + c->n_layers * distinct * expert + (double)B * (c->dim * 2 + 4.0 * V);
+        const double distinct = dsv4_bench_distinct_experts(c, B), bytes = dsv4_bench_step_bytes(c, &fl, B);
         char what[64];
         snprintf(what, sizeof(what), "%d-layer step (%.0f experts/layer)", c->n_layers, distinct);
         const double step_us = median(us, BENCH_STEPS);
@@ -895,7 +849,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         if (st.experts_host > 0) {  /* the host experts the batch routes to, over the host link's rate */
             double host = 0.0;
             for (int l = 0; l < st.expert_layers; l++)
-                host += st.experts_host_by_layer[l] * (1.0 - pow(1.0 - K / E, B)) * expert;
+                host += st.experts_host_by_layer[l] * (1.0 - pow(1.0 - K / E, B)) * fl.expert;
             printf("%-34s %5d %10s %12.3f %10.2f %7.2f %8.0f\n", "  of which from host memory", B, "", host / 1e6,
                    host / (h2d_gbs * 1e3), step_us / (host / (h2d_gbs * 1e3)), host / (step_us * 1e3));
             b->ops->get_stats(b, &f1);
@@ -941,7 +895,6 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
      * routes to, uniform estimate); prefill is compute-bound from a few hundred rows on. */
     {
         int32_t *p = malloc(sizeof(int32_t) * (size_t)prefill);
-        const double K = c->n_experts_per_tok, E = c->n_experts;
         const int steps[] = { DSV4_CUDA_MAX_BATCH, 256, 512, 1024, 2048, 4096 };
         const int maxstep = chunk ? chunk : DSV4_PREFILL_CHUNK_DEFAULT;
         float us[3];
@@ -949,7 +902,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
             p[i] = random_token(V);
         for (size_t k = 0; k < sizeof(steps) / sizeof(steps[0]) && steps[k] <= maxstep; k++) {
             const int step = steps[k], nsteps = (prefill + step - 1) / step;
-            const double distinct = E * (1.0 - pow(1.0 - K / E, step));
+            const double distinct = dsv4_bench_distinct_experts(c, step);
             for (int r = 0; r < 4; r++) {
                 b->ops->slot_reset(b, 0);
                 double a = now_us();
@@ -968,7 +921,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
             }
             char what[64];
             snprintf(what, sizeof(what), "prefill %d tokens, %d-row steps", prefill, step);
-            report(what, prefill, median(us, 3), nsteps * (dense + c->n_layers * distinct * expert));
+            report(what, prefill, median(us, 3), nsteps * (fl.dense + c->n_layers * distinct * fl.expert));
             printf("# prefill %d tokens in %d-row steps: %.0f tokens/s\n", prefill, step,
                    prefill / (median(us, 3) / 1e6));
         }
@@ -982,7 +935,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         }
         char what[64];
         snprintf(what, sizeof(what), "%d-layer step at context %d", c->n_layers, prefill);
-        report(what, 1, median(ds, BENCH_STEPS), dense + c->n_layers * K * expert + c->dim * 2 + 4.0 * V);
+        report(what, 1, median(ds, BENCH_STEPS), dsv4_bench_context_step_bytes(c, &fl, prefill));
         free(p);
     }
     free(logits);

@@ -11,3 +11,9 @@ dsv4_sched_bench_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
 dsv4_sched_bench_LDADD = libdsv4engine.la
 include $(srcdir)/tools/run_model.mk
 include $(srcdir)/tools/run_tokenizer.mk
+# dsv4-bench's floor (tools/bench_floor.h), checked without a GPU.
+check_PROGRAMS += tests/unit/test_bench_floor
+TESTS += tests/unit/test_bench_floor
+tests_unit_test_bench_floor_SOURCES = tests/unit/test_bench_floor.c tools/bench_floor.h
+tests_unit_test_bench_floor_CFLAGS = $(TEST_ENGINE_CFLAGS)
+tests_unit_test_bench_floor_LDADD = $(TEST_ENGINE_LIBS) -lm

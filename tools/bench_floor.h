@@ -1,0 +1,99 @@
+/* SPDX-License-Identifier: MIT */
+/* dsv4-bench's floor (tools/dsv4-bench.c): the bytes a step of the CUDA backend must read at the
+ * least, from the loaded weights' formats and the config. Header-only, so that the arithmetic is
+ * tested without a GPU (tests/unit/test_bench_floor.c) while dsv4-bench is built with CUDA only. */
+#ifndef DSV4_TOOLS_BENCH_FLOOR_H
+#define DSV4_TOOLS_BENCH_FLOOR_H
+
+#include <math.h>
+#include <stddef.h>
+
+#include "engine/model/weights.h"
+
+/* A linear's weight and scale bytes in its stored format (UE8M0 scales: one byte each). */
+static inline double dsv4_bench_linear_bytes(const struct dsv4_linear *l)
+{
+    switch (l->fmt) {
+    case DSV4_W_F32: return (double)l->out * l->in * 4;
+    case DSV4_W_BF16:
+    case DSV4_W_F16: return (double)l->out * l->in * 2;
+    case DSV4_W_FP8: return (double)l->out * l->in + (double)((l->out + 127) / 128) * l->scale_stride;
+    case DSV4_W_FP4: return (double)l->out * l->in / 2 + (double)l->out * l->scale_stride;
+    }
+    return 0.0;
+}
+
+/* Weight bytes of one layer's linears (its small vectors, under 1 MB a layer, are left out). */
+static inline double dsv4_bench_layer_bytes(const struct dsv4_config *c, const struct dsv4_layer *L)
+{
+    const struct dsv4_attn *a = &L->attn;
+    const struct dsv4_ffn *f = &L->ffn;
+    const bool comp = L->ratio > 0, index = comp && L->ratio == c->csa_ratio;
+    const struct dsv4_linear *lin[] = {
+        &L->hc_attn.fn, &L->hc_ffn.fn, &a->wq_a, &a->wq_b, &a->wkv, &a->wo_a, &a->wo_b, &f->gate, &f->sw1, &f->sw3,
+        &f->sw2, comp ? &a->comp.wkv : NULL, comp ? &a->comp.wgate : NULL, index ? &a->indexer.wq_b : NULL,
+        index ? &a->indexer.weights_proj : NULL, index ? &a->indexer.comp.wkv : NULL,
+        index ? &a->indexer.comp.wgate : NULL,
+    };
+    double b = 0.0;
+    for (size_t i = 0; i < sizeof(lin) / sizeof(lin[0]); i++)
+        if (lin[i] && lin[i]->w)
+            b += dsv4_bench_linear_bytes(lin[i]);
+    for (int e = 0; f->w1 && e < c->n_experts; e++)
+        b += dsv4_bench_linear_bytes(&f->w1[e]) + dsv4_bench_linear_bytes(&f->w3[e]) +
+             dsv4_bench_linear_bytes(&f->w2[e]);
+    return b;
+}
+
+/* The routed experts a step of `rows` rows reads in one layer under uniform routing: each row picks
+ * k distinct of E, so an expert is missed by a row with probability 1 - k/E. */
+static inline double dsv4_bench_distinct_experts(const struct dsv4_config *c, int rows)
+{
+    const double K = c->n_experts_per_tok, E = c->n_experts;
+    return E * (1.0 - pow(1.0 - K / E, rows));
+}
+
+/* What every step reads apart from the routed experts (dense: everything but the routed experts, the
+ * MTP block, which no decode step reads, and the embedding, of which a step reads a row per token),
+ * and one routed expert's bytes. */
+struct dsv4_bench_floor {
+    double dense;
+    double expert;
+};
+
+static inline void dsv4_bench_floor_init(const struct dsv4_weights *w, struct dsv4_bench_floor *f)
+{
+    const struct dsv4_config *c = &w->cfg;
+    double routed_all = 0.0, mtp = 0.0;
+    f->expert = 0.0;
+    for (int l = 0; l < c->n_layers; l++)
+        for (int e = 0; e < c->n_experts; e++) {
+            const double eb = dsv4_bench_linear_bytes(&w->layers[l].ffn.w1[e]) +
+                              dsv4_bench_linear_bytes(&w->layers[l].ffn.w3[e]) +
+                              dsv4_bench_linear_bytes(&w->layers[l].ffn.w2[e]);
+            routed_all += eb;
+            f->expert = eb;
+        }
+    for (int i = 0; i < w->n_mtp; i++)
+        mtp += dsv4_bench_layer_bytes(c, &w->mtp[i].layer) + dsv4_bench_linear_bytes(&w->mtp[i].e_proj) +
+               dsv4_bench_linear_bytes(&w->mtp[i].h_proj) + dsv4_bench_linear_bytes(&w->mtp[i].hc_head.fn);
+    f->dense = (double)w->bytes_total - routed_all - dsv4_bench_linear_bytes(&w->embed) - mtp;
+}
+
+/* A decode step of `rows` rows: the dense bytes, the experts they route to in every layer, and per
+ * row its embedding row (bf16) and its f32 logits. */
+static inline double dsv4_bench_step_bytes(const struct dsv4_config *c, const struct dsv4_bench_floor *f, int rows)
+{
+    return f->dense + c->n_layers * dsv4_bench_distinct_experts(c, rows) * f->expert +
+           (double)rows * (c->dim * 2 + 4.0 * c->vocab_size);
+}
+
+/* A decode step of one row at a context of `context` tokens. */
+static inline double dsv4_bench_context_step_bytes(const struct dsv4_config *c, const struct dsv4_bench_floor *f,
+                                                   int context)
+{
+    (void)context;
+    return dsv4_bench_step_bytes(c, f, 1);
+}
+
+#endif
