@@ -19,8 +19,9 @@
  * serving path), median of BENCH_STEPS; then the same step with the [B, V] f32 logits copied to
  * the host instead of sampled there (what dsv4-run and host sampling do). The floor counts the
  * weights every step reads (everything but the routed experts and the MTP block, plus the experts the
- * batch routes to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer) over the copy
- * bandwidth. The backend has DSV4_CUDA_MAX_BATCH slots whatever --batch is (so every prefill step
+ * batch routes to, estimated for uniform routing as E (1 - (1 - k/E)^B) per layer; of the embedding
+ * and the tid2eid tables a row per token), and at a long context the cache the step attends, over the
+ * copy bandwidth (tools/bench_floor.h). The backend has DSV4_CUDA_MAX_BATCH slots whatever --batch is (so every prefill step
  * timed below has its bucket graph): with experts in host memory, a daemon with fewer slots keeps
  * more of them on the GPU.
  * A verify-shaped step follows: one slot appends 1 to 1 + DSV4_SPEC_TOKENS_MAX rows in one step with

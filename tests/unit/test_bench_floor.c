@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /* tools/bench_floor.h, dsv4-bench's floor, without a GPU: on models/default-fp8 (DeepSeek's release
- * format: FP8 linears, FP4 experts, hash layers, an MTP block) every linear's bytes against its
- * tensors' sizes in the checkpoint file, and the expected distinct experts of a step against an exact
- * count over every routing of a few rows. */
+ * format: FP8 linears, FP4 experts, hash layers, an MTP block) every linear's bytes and a decode
+ * step's against the tensors' sizes in the checkpoint file, the expected distinct experts of a step
+ * against an exact count over every routing of a few rows, and the cache a step at a context reads
+ * against V4-Flash's figures worked out by hand from doc/MODEL.md section 5. */
 #include "build-config.h"
 
 #include <math.h>
@@ -16,6 +17,7 @@
 #include <cmocka.h>
 
 #include "engine/error.h"
+#include "engine/model/config.h"
 #include "engine/model/safetensors.h"
 #include "engine/model/weights.h"
 #include "tools/bench_floor.h"
@@ -131,11 +133,74 @@ static void test_distinct_experts(void **state)
     assert_true(fabs(dsv4_bench_distinct_experts(&c, 1) - 6.0) < 1e-9);
 }
 
+/* A decode step reads every tensor of the main model once, but for the routed experts (those the rows
+ * route to), the MTP block's matrices (no decode step runs it), the embedding and the hash layers'
+ * tid2eid tables (a row of each per token: int32 on the device), plus each row's f32 logits. */
+static void test_step_bytes(void **state)
+{
+    struct dsv4_weights *w = load_default_fp8();
+    const struct dsv4_config *c = &w->cfg;
+    struct dsv4_bench_floor f;
+    double dense = 0.0, expert = 0.0;
+    int tables = 0;
+    for (size_t k = 0; k < dsv4_st_count(w->st); k++) {
+        const struct dsv4_st_tensor *t = dsv4_st_at(w->st, k);
+        if (strncmp(t->name, "layers.0.ffn.experts.0.", 23) == 0)
+            expert += (double)t->nbytes;
+        if (strstr(t->name, "tid2eid"))
+            tables++;
+        else if (!strstr(t->name, ".experts.") && !(strncmp(t->name, "mtp.", 4) == 0 && t->ndim == 2) &&
+                 strcmp(t->name, "embed.weight") != 0)
+            dense += (double)t->nbytes;
+    }
+    assert_int_equal(tables, 3);
+    assert_true(w->n_mtp == 1 && expert > 0);
+    dsv4_bench_floor_init(w, &f);
+    for (int rows = 1; rows <= 64; rows *= 4) {
+        const double want = dense + c->n_layers * dsv4_bench_distinct_experts(c, rows) * expert +
+                            (double)rows * (tables * c->n_experts_per_tok * 4 + c->dim * 2 + 4.0 * c->vocab_size);
+        const double got = dsv4_bench_step_bytes(c, &f, rows);
+        if (fabs(got - want) > 1e-9 * want)
+            fail_msg("%d rows: %.0f bytes, the checkpoint says %.0f", rows, got, want);
+    }
+    dsv4_weights_free(w);
+}
+
+/* V4-Flash in fp8 numerics, a row at position `context` (doc/MODEL.md 5.1, 5.2): every layer reads
+ * its window (min(context + 1, 128) KV entries of 584 bytes); a CSA layer its n = (context + 1) / 4
+ * complete indexer keys (68 bytes) and the min(512, n) entries they pick; an HCA layer its
+ * (context + 1) / 128 complete entries. 21 CSA and 20 HCA layers after 2 sliding ones. At 8192:
+ * 43 x 128 x 584 + 21 x (512 x 584 + 2048 x 68) + 20 x 64 x 584 = 13165568. */
+static void test_context_bytes(void **state)
+{
+    static const struct { int context; double bytes; } want[] = {
+        { 0, 25112 }, { 100, 2878612 }, { 8192, 13165568 }, { 1048575, 479517696 },
+    };
+    char json[1024];
+    int n = snprintf(json, sizeof(json), "{\"dim\": 4096, \"n_layers\": 43, \"compress_ratios\": [0, 0");
+    for (int i = 2; i < 43; i++)
+        n += snprintf(json + n, sizeof(json) - (size_t)n, ", %d", i % 2 ? 128 : 4);
+    snprintf(json + n, sizeof(json) - (size_t)n, "]}");
+    struct dsv4_config c;
+    if (dsv4_config_parse(json, "flash", &c) < 0)
+        fail_msg("%s", dsv4_error_message());
+    assert_int_equal(c.window, 128);
+    assert_int_equal(c.index_topk, 512);
+    const struct dsv4_bench_floor f = { .dense = 1e9, .expert = 13369344 };
+    for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
+        const double got = dsv4_bench_context_step_bytes(&c, &f, want[i].context) - dsv4_bench_step_bytes(&c, &f, 1);
+        if (fabs(got - want[i].bytes) > 1e-3)
+            fail_msg("context %d: %.0f cache bytes, doc/MODEL.md gives %.0f", want[i].context, got, want[i].bytes);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear_bytes),
         cmocka_unit_test(test_distinct_experts),
+        cmocka_unit_test(test_step_bytes),
+        cmocka_unit_test(test_context_bytes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
