@@ -82,7 +82,7 @@ static void usage(FILE *f)
         "Common options:\n"
         "  -s, --socket PATH     daemon socket (default $DSV4_SOCKET, then %s)\n"
         "  -t, --timeout SEC     give up waiting for an answer after SEC seconds (0: never;\n"
-        "                        default 0 for generate, 30 otherwise)\n"
+        "                        default 0 for generate and bench, 30 otherwise)\n"
         "  -j, --json            JSON output (generate: JSON lines, the last one the result)\n"
         "  -v, --verbose         generate: usage and timings on stderr\n"
         "  -h, --help            this text\n"
