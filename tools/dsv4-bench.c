@@ -599,9 +599,9 @@ static int parse_batches(const char *arg, int *out)
 {
     int n = 0;
     char *end;
-    while (*arg && n < BENCH_MAX_BATCHES) {
+    while (*arg) {
         long v = strtol(arg, &end, 10);
-        if (end == arg || v < 1 || v > DSV4_CUDA_MAX_BATCH)
+        if (n == BENCH_MAX_BATCHES || end == arg || v < 1 || v > DSV4_CUDA_MAX_BATCH)
             return -1;
         out[n++] = (int)v;
         arg = *end == ',' ? end + 1 : end;
@@ -963,7 +963,8 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--batch") && i + 1 < argc) {
             nb = parse_batches(argv[++i], batches);
             if (nb <= 0) {
-                fprintf(stderr, "dsv4-bench: --batch takes a list like 1,64 of values 1..%d\n", DSV4_CUDA_MAX_BATCH);
+                fprintf(stderr, "dsv4-bench: --batch takes a list like 1,64 of at most %d values 1..%d\n",
+                        BENCH_MAX_BATCHES, DSV4_CUDA_MAX_BATCH);
                 return 2;
             }
         } else if (!strcmp(argv[i], "--model") && i + 1 < argc) {
@@ -972,10 +973,6 @@ int main(int argc, char **argv)
             context = atoi(argv[++i]);
         } else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) {
             prefill = atoi(argv[++i]);
-            if (context < BENCH_PROMPT + BENCH_STEPS + 1) {
-                fprintf(stderr, "dsv4-bench: --context must be at least %d\n", BENCH_PROMPT + BENCH_STEPS + 1);
-                return 2;
-            }
         } else if (!strcmp(argv[i], "--layers") && i + 1 < argc) {
             layers = atoi(argv[++i]);
             if (layers < 1 || layers > DSV4_MAX_LAYERS) {
@@ -1017,13 +1014,19 @@ int main(int argc, char **argv)
             return 2;
         }
     }
+    /* a slot's tokens: its prompt, then the warm-up and timed steps of the serving path and of the
+     * logits copy (--spec: of the plain decode, then cycles of up to S + 1 rows) */
+    const int need = BENCH_PROMPT + (BENCH_STEPS + 1) * (spec ? spec + 2 : 2);
+    if (model && context < need) {
+        fprintf(stderr, "dsv4-bench: --context %d: the timed steps need at least %d\n", context, need);
+        return 2;
+    }
     if (dsv4_cuda_device_count() == 0) {
         fprintf(stderr, "dsv4-bench: %s\n", dsv4_error_message());
         return 1;
     }
     measure_copy();
-    if (model)
-        {
+    if (model) {
         if (prefill < 1 || prefill + BENCH_STEPS > context) {
             fprintf(stderr, "dsv4-bench: --prefill %d must leave %d tokens of the context %d\n", prefill, BENCH_STEPS,
                     context);
