@@ -79,6 +79,17 @@ static int parse_uint(const char *opt, const char *s, unsigned long long lo, uns
     return 0;
 }
 
+/* Wipe and free the key: it is a secret, and a repeated --api-key-file replaces it. */
+static void forget_key(struct dsv4_oai_config *cfg)
+{
+    if (cfg->api_key) {
+        explicit_bzero(cfg->api_key, cfg->api_key_len);
+        free(cfg->api_key);
+        cfg->api_key = NULL;
+        cfg->api_key_len = 0;
+    }
+}
+
 static int read_key(const char *path, struct dsv4_oai_config *cfg)
 {
     FILE *f = fopen(path, "re");
@@ -97,6 +108,7 @@ static int read_key(const char *path, struct dsv4_oai_config *cfg)
                 DSV4_OAI_MAX_API_KEY);
         return -EINVAL;
     }
+    forget_key(cfg);
     cfg->api_key = strdup(buf);
     cfg->api_key_len = n;
     explicit_bzero(buf, sizeof(buf));
@@ -272,9 +284,6 @@ int main(int argc, char **argv)
     dsv4_oai_log(LOG_INFO, "signal %d: stopping", sig);
     sd_notify(0, "STOPPING=1\nSTATUS=stopping");
     dsv4_oai_http_stop(&srv, STOP_GRACE_S);
-    if (cfg.api_key) {
-        explicit_bzero(cfg.api_key, cfg.api_key_len);
-        free(cfg.api_key);
-    }
+    forget_key(&cfg);
     return 0;
 }

@@ -312,7 +312,15 @@ try:
 
     # ---- DSML tool calls from a scripted dsv4d
     fake = ScriptedDsv4d(os.path.join(tmp.name, "scripted.sock"))
-    fake_front = Front(fake.path, tmp.name, ["--model-name", "scripted"])
+    # --api-key-file given three times: the last key counts, and the ones it replaces are wiped and freed
+    # (under ASan a leaked key fails "dsv4-openai stops cleanly" below).
+    old_key = os.path.join(tmp.name, "old-key")
+    with open(old_key, "w", encoding="utf-8") as f:
+        f.write("sk-old\n")
+    fake_front = Front(fake.path, tmp.name, ["--model-name", "scripted", "--api-key-file", old_key,
+                                             "--api-key-file", os.path.join(tmp.name, "key")])
+    status, _, _ = http(fake_front, "GET", "/v1/models", key="sk-old")
+    t.ok(status == 401, "a repeated --api-key-file: the last one counts, an earlier key is refused", status)
     case = next(x for x in FIXTURE["encode"] if x["name"] == "tools, chat")
     r = fake_front.client.chat.completions.create(model="scripted", messages=case["messages"], tools=case["tools"])
     m = r.choices[0].message
