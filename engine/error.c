@@ -9,7 +9,7 @@
 
 static _Thread_local char error_message[DSV4_ERROR_MESSAGE_MAX];
 
-int dsv4_error_set(int code, const char *fmt, ...)
+int (dsv4_error_set)(int code, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -18,7 +18,7 @@ int dsv4_error_set(int code, const char *fmt, ...)
     return code;
 }
 
-int dsv4_error_prefix(int code, const char *fmt, ...)
+int (dsv4_error_prefix)(int code, const char *fmt, ...)
 {
     char old[DSV4_ERROR_MESSAGE_MAX];
     size_t n;

@@ -18,4 +18,17 @@ const char *dsv4_error_message(void);
 
 void dsv4_error_clear(void);
 
+#ifdef __clang_analyzer__
+/* scan-build sees neither into error.c nor through a variadic call, so it would go on down the
+ * success path after `return dsv4_error_set(...)`; tell it the code that comes back is negative.
+ * error.c defines the functions under parenthesized names, which these macros leave alone. */
+static inline int dsv4_error_negative(int code)
+{
+    __builtin_assume(code < 0);
+    return code;
+}
+#define dsv4_error_set(...) dsv4_error_negative(dsv4_error_set(__VA_ARGS__))
+#define dsv4_error_prefix(...) dsv4_error_negative(dsv4_error_prefix(__VA_ARGS__))
+#endif
+
 #endif

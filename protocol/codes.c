@@ -80,7 +80,7 @@ bool dsv4_proto_code_is_fatal(int code)
     return code >= 100 && code < 200;
 }
 
-int dsv4_proto_error_set(struct dsv4_proto_error *err, int code, const char *fmt, ...)
+int (dsv4_proto_error_set)(struct dsv4_proto_error *err, int code, const char *fmt, ...)
 {
     if (err) {
         va_list ap;

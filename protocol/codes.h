@@ -88,4 +88,14 @@ struct dsv4_proto_error {
 int dsv4_proto_error_set(struct dsv4_proto_error *err, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+#ifdef __clang_analyzer__
+/* As engine/error.h does for dsv4_error_set: scan-build cannot see that the result is negative. */
+static inline int dsv4_proto_error_negative(int rc)
+{
+    __builtin_assume(rc < 0);
+    return rc;
+}
+#define dsv4_proto_error_set(...) dsv4_proto_error_negative(dsv4_proto_error_set(__VA_ARGS__))
+#endif
+
 #endif
