@@ -99,7 +99,12 @@ static int read_key(const char *path, struct dsv4_oai_config *cfg)
         return -errno;
     }
     size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    int err = ferror(f) ? errno : 0;
     fclose(f);
+    if (err) {   /* a directory, an I/O error: say so, not that the key has the wrong length */
+        fprintf(stderr, "dsv4-openai: --api-key-file %s: %s\n", path, strerror(err));
+        return -err;
+    }
     buf[n] = '\0';
     n = strcspn(buf, "\r\n");
     buf[n] = '\0';

@@ -7,10 +7,12 @@ in every field, 500 idle connections, a header sent one byte a second, an oversi
 serving; and DSML tool calls, whole and streamed, from a scripted dsv4d that also shows the prompt
 parts the front sends and cancels a generation as a draining dsv4d does."""
 
+import errno
 import json
 import os
 import socket
 import struct
+import subprocess
 import tempfile
 import threading
 import time
@@ -321,6 +323,10 @@ try:
                                              "--api-key-file", os.path.join(tmp.name, "key")])
     status, _, _ = http(fake_front, "GET", "/v1/models", key="sk-old")
     t.ok(status == 401, "a repeated --api-key-file: the last one counts, an earlier key is refused", status)
+    p = subprocess.run([program("dsv4-openai"), "--api-key-file", tmp.name, "--listen", "127.0.0.1:0"],
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=TIMEOUT)
+    t.ok(p.returncode == 1 and os.strerror(errno.EISDIR) in p.stderr.decode(),
+         "an --api-key-file that cannot be read: the error says why", p.stderr)
     case = next(x for x in FIXTURE["encode"] if x["name"] == "tools, chat")
     r = fake_front.client.chat.completions.create(model="scripted", messages=case["messages"], tools=case["tools"])
     m = r.choices[0].message
