@@ -69,7 +69,7 @@ void sched_spec_decode(struct dsv4_sched *s, int n)
         if (q->done)
             continue;
         const int32_t *draft = s->spec_rows + (size_t)k * (size_t)(S + 1) + 1;
-        int rows = s->spec_k[k], made = rows - 1, keep = rows, accepted = 0;
+        int rows = s->spec_k[k], made = rows - 1, accepted = 0;
         for (int j = 0; j < rows; j++) {
             const float *lg = s->logits + ((size_t)k * (size_t)(S + 1) + (size_t)j) * (size_t)V;
             struct dsv4_sample smp;
@@ -77,7 +77,7 @@ void sched_spec_decode(struct dsv4_sched *s, int n)
                 break;
             /* Row j's input is kept: its position is fed, as plain decode would have fed it. */
             if (j == rows - 1 || smp.token != draft[j]) {
-                keep = j + 1;
+                const int keep = j + 1;
                 t0 = sched_now_ns();
                 r = b->ops->accept(b, q->slot, keep);
                 sched_backend_time(s, t0);
