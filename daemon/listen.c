@@ -74,14 +74,17 @@ int dsv4_listen_activated(struct dsv4_listeners *l)
     return r;
 }
 
-/* Is someone accepting at addr? 1 live, 0 stale (nobody listening), <0 error. */
+/* Is someone accepting at addr? 1 live, 0 stale (nobody listening), <0 error. The connect does not
+ * block: on a live server whose listen backlog is full a blocking one waits for an accept that may
+ * never come, and AF_UNIX answers a non-blocking one EAGAIN then, which means live as well. */
 static int socket_is_live(const struct sockaddr_un *addr)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), r;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0), r;
     if (fd < 0)
         return -errno;
     r = connect(fd, (const struct sockaddr *)addr, sizeof(*addr));
-    r = r == 0 ? 1 : (errno == ECONNREFUSED || errno == ENOENT) ? 0 : -errno;
+    r = r == 0 || errno == EAGAIN || errno == EINPROGRESS ? 1
+        : (errno == ECONNREFUSED || errno == ENOENT) ? 0 : -errno;
     close(fd);
     return r;
 }

@@ -8,6 +8,7 @@ read back as an expert placement."""
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import tempfile
@@ -24,11 +25,11 @@ def have_cuda():
         return "#define HAVE_CUDA 1" in f.read()
 
 
-def run_dsv4d(tmp, listen, *extra, model=FIXTURE_MODEL):
+def run_dsv4d(tmp, listen, *extra, model=FIXTURE_MODEL, timeout=TIMEOUT):
     """dsv4d --listen PATH in the foreground, for the cases where it must refuse to start."""
     return subprocess.run([program("dsv4d"), "--config", "", "--model", model, "--backend", "cpu",
                            "--tokenizer", os.path.join(tmp, "tokenizer.json"), "--listen", listen] + list(extra),
-                          capture_output=True, text=True, timeout=TIMEOUT)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 # ---- socket activation, readiness, watchdog, drain --------------------------------------------------
@@ -246,6 +247,34 @@ with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
         kept = f.read() == "keep me\n"
     t.ok(out.returncode != 0 and "not a socket" in out.stderr and kept,
          "--listen refuses a path that is not a socket and leaves it alone", out.stderr)
+
+# A server whose listen backlog is full is live too: dsv4d refuses its path at once instead of waiting
+# in connect() for an accept that may never come.
+with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
+    write_tokenizer(os.path.join(tmp, "tokenizer.json"))
+    path = os.path.join(tmp, "busy.sock")
+    busy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    busy.bind(path)
+    busy.listen(0)
+    fillers = []
+    while True:     # connections nobody accepts, until the backlog refuses one
+        f = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        f.setblocking(False)
+        try:
+            f.connect(path)
+        except BlockingIOError:
+            f.close()
+            break
+        fillers.append(f)
+    try:
+        out = run_dsv4d(tmp, path, timeout=min(TIMEOUT, 60))
+        refused, why = out.returncode != 0 and "another server" in out.stderr, out.stderr
+    except subprocess.TimeoutExpired:
+        refused, why = False, "dsv4d still starting after 60 s"
+    t.ok(refused and os.path.exists(path), "--listen refuses a live socket whose backlog is full, at once", why)
+    for f in fillers:
+        f.close()
+    busy.close()
 
 # Failures at start: the exit status says whether a restart can help (2: settings, 1: run time).
 with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
