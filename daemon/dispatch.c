@@ -229,6 +229,40 @@ static void reply_encoded(struct dsv4_conn *c, int r)
     dsv4_conn_flush(c);
 }
 
+/* A result whose size the request decides (a text, token ids, logprobs), encoded into c->out from
+ * start on. One the client could not take is taken back and the request answered reply_too_large
+ * (doc/PROTOCOL.md section 1): a payload above what libdsv4client accepts, or a frame above
+ * max_output_buffer, past which the connection would be dropped as one whose client does not read
+ * although it does. -EMSGSIZE is the encoder's own refusal (above the 4 GiB a length prefix holds). */
+static void reply_result(struct dsv4_dispatch *d, struct dsv4_conn *c, uint32_t msgid, const char *method,
+                         size_t start, int r)
+{
+    struct dsv4_proto_error err = { 0 };
+    size_t frame = r == 0 ? c->out.len - start : 0;
+
+    if (r == -EMSGSIZE)
+        dsv4_proto_error_set(&err, DSV4_PROTO_E_REPLY_TOO_LARGE, "%s: the reply is above the 4 GiB a frame "
+                             "can hold", method);
+    else if (frame > DSV4_PROTO_FRAME_HEADER + DSV4_PROTO_CLIENT_MAX_FRAME)
+        dsv4_proto_error_set(&err, DSV4_PROTO_E_REPLY_TOO_LARGE, "%s: the reply of %zu bytes is above the "
+                             "largest frame a client accepts (%u bytes)", method, frame - DSV4_PROTO_FRAME_HEADER,
+                             DSV4_PROTO_CLIENT_MAX_FRAME);
+    else if (frame > d->cfg->max_output_buffer)
+        dsv4_proto_error_set(&err, DSV4_PROTO_E_REPLY_TOO_LARGE, "%s: the reply of %zu bytes is above "
+                             "max_output_buffer (%llu bytes)", method, frame,
+                             (unsigned long long)d->cfg->max_output_buffer);
+    if (!err.code) {
+        reply_encoded(c, r);
+        return;
+    }
+    /* Its storage goes too when nothing else is queued: a refused reply does not hold memory. */
+    if (start == 0)
+        dsv4_proto_buf_clear(&c->out);
+    else
+        c->out.len = start;
+    reply_error(c, msgid, &err);
+}
+
 static enum dsv4_proto_finish proto_finish(enum dsv4_finish_reason f)
 {
     switch (f) {
@@ -540,10 +574,12 @@ int dsv4_dispatch_prompts_done(sd_event_source *src, int fd, uint32_t revents, v
             req->prompt = (struct dsv4_tok_ids){ 0 };
             request_free(d, req);
             struct dsv4_proto_tokens res = { .tokens = ids.ids, .n_tokens = (uint32_t)ids.len };
-            if (c && rc < 0)
+            if (c && rc < 0) {
                 reply_error(c, msgid, &job_err);
-            else if (c)
-                reply_encoded(c, dsv4_proto_encode_tokenize_result(&c->out, msgid, &res));
+            } else if (c) {
+                size_t start = c->out.len;
+                reply_result(d, c, msgid, "tokenize", start, dsv4_proto_encode_tokenize_result(&c->out, msgid, &res));
+            }
             dsv4_tok_ids_free(&ids);
         } else if (!req->conn) {
             d->counters.requests_cancelled++;
@@ -688,7 +724,8 @@ static void do_tokenize(struct dsv4_dispatch *d, struct dsv4_conn *c, const stru
         reply_error(c, msg->msgid, &err);
     } else {
         struct dsv4_proto_tokens res = { .tokens = ids.ids, .n_tokens = (uint32_t)ids.len };
-        reply_encoded(c, dsv4_proto_encode_tokenize_result(&c->out, msg->msgid, &res));
+        size_t start = c->out.len;
+        reply_result(d, c, msg->msgid, "tokenize", start, dsv4_proto_encode_tokenize_result(&c->out, msg->msgid, &res));
     }
     dsv4_tok_ids_free(&ids);
     dsv4_proto_tokenize_clear(&req);
@@ -721,7 +758,9 @@ static void do_detokenize(struct dsv4_dispatch *d, struct dsv4_conn *c, const st
         dsv4_conn_send_error(c, msg->msgid, DSV4_PROTO_E_OUT_OF_MEMORY, NULL);
         goto out;
     }
-    reply_encoded(c, dsv4_proto_encode_detokenize_result(&c->out, msg->msgid, text, text_len));
+    size_t start = c->out.len;
+    reply_result(d, c, msg->msgid, "detokenize", start,
+                 dsv4_proto_encode_detokenize_result(&c->out, msg->msgid, text, text_len));
 out:
     free(bytes);
     free(text);
@@ -979,7 +1018,8 @@ static void on_finish(struct dsv4_dispatch *d, struct dsv4_request *req, const s
     /* logprobs only when every token has its entry (a cancelled request may have lost none, but be exact). */
     if (req->gen.sampling.logprobs >= 0 && req->n_logprobs == (uint32_t)res->n_tokens)
         out.logprobs = req->logprobs;
-    reply_encoded(c, dsv4_proto_encode_generate_result(&c->out, req->msgid, &out));
+    size_t start = c->out.len;
+    reply_result(d, c, req->msgid, "generate", start, dsv4_proto_encode_generate_result(&c->out, req->msgid, &out));
 }
 
 int dsv4_dispatch_engine_events(sd_event_source *src, int fd, uint32_t revents, void *userdata)

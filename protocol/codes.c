@@ -49,6 +49,7 @@ static const struct code_entry codes[] = {
     { DSV4_PROTO_E_TOO_MANY_STOP, "too_many_stop", "too many or too long stop strings or stop token ids" },
     { DSV4_PROTO_E_TOO_MANY_MESSAGES, "too_many_messages", "too many chat messages" },
     { DSV4_PROTO_E_MAX_TOKENS_LIMIT, "max_tokens_limit", "max_tokens above the server limit" },
+    { DSV4_PROTO_E_REPLY_TOO_LARGE, "reply_too_large", "the result is larger than the server sends in one frame" },
     { DSV4_PROTO_E_NOT_READY, "not_ready", "the server is still loading" },
     { DSV4_PROTO_E_DRAINING, "draining", "the server is shutting down" },
     { DSV4_PROTO_E_INTERNAL, "internal", "internal server error" },

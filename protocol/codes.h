@@ -57,6 +57,7 @@ enum dsv4_proto_code {
     DSV4_PROTO_E_TOO_MANY_STOP = 403,      /* too many / too long stop strings or stop_token_ids */
     DSV4_PROTO_E_TOO_MANY_MESSAGES = 404,  /* chat messages above DSV4_PROTO_MAX_MESSAGES */
     DSV4_PROTO_E_MAX_TOKENS_LIMIT = 405,   /* max_tokens above the server's configured limit */
+    DSV4_PROTO_E_REPLY_TOO_LARGE = 406,    /* the result would exceed the largest frame the server sends */
 
     /* 5xx: server state */
     DSV4_PROTO_E_NOT_READY = 500,          /* still loading */

@@ -5,16 +5,21 @@ msgpack-c): hello, tokenize, detokenize, generate (blocking and streamed), greed
 dsv4-run's, seeds, logprobs, stop ids, cancel, 16 concurrent clients, a client killed mid-stream,
 stats, health, and every configured limit with its own error code."""
 
+import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from dsv4d_harness import (BOS, BYTE_BASE, EOS, FIXTURE_VOCAB, LONG_PROMPT, TIMEOUT, Client, Closed, Daemon, Tap,
-                           bin_tokens, run_dsv4_run, text_tokens, tokens_bin)
+                           bin_tokens, run_dsv4_run, text_tokens, tokens_bin, write_tokenizer)
+
+import msgpack  # after the harness, which skips the test when it is missing
 
 t = Tap()
 USER, ASSISTANT, THINK_START, THINK_END = 2, 3, 4, 5
@@ -374,11 +379,53 @@ try:
     t.ok("client does not read" in d.log_text(), "a client that does not read is disconnected", d.log_text()[-2000:])
     err, res = greedy(a, [BOS, 13], 3)
     t.ok(err is None, "the others are still served", err)
+    # A reply larger than max_output_buffer (here 2.9 MB: the BOS tag spells 29 bytes) is refused, and
+    # the client, which reads, keeps its connection: the server would otherwise drop it as one that does
+    # not read once the socket's own buffer is full.
+    try:
+        err, res = a.call("detokenize", {"tokens": tokens_bin([BOS] * 100000)})
+    except Closed:
+        err, res = "closed", None
+    t.ok(isinstance(err, dict) and err["code"] == 406 and err["name"] == "reply_too_large" and
+         "max_output_buffer (65536 bytes)" in err["message"],
+         "a detokenize reply above max_output_buffer gets reply_too_large (406)", (err, res and len(res["text"])))
+    err, res = a.call("detokenize", {"tokens": tokens_bin(text_tokens("still here"))}) if err != "closed" else (err, 0)
+    t.ok(err is None and res["text"] == "still here", "... and the connection goes on", err)
     b.close()
     a.close()
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:
     d.close()
+
+# ---- no reply above the 64 MiB frame libdsv4client accepts -----------------------------------------------
+# A tokenizer whose last id spells 200 bytes: 400000 of them detokenize to 80 MB, more than a client
+# takes in one frame. The server answers reply_too_large instead of a frame the client must refuse.
+with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
+    tok = os.path.join(tmp, "long-token.json")
+    write_tokenizer(tok, FIXTURE_VOCAB - 1)
+    with open(tok, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["added_tokens"].append({"id": FIXTURE_VOCAB - 1, "content": "=" * 200, "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": False})
+    with open(tok, "w", encoding="utf-8") as f:
+        json.dump(doc, f, ensure_ascii=False)
+    d = Daemon(args=["--tokenizer", tok, "--max-output-buffer", "1G"])
+    try:
+        t.ok(d.start(), "dsv4d with a 200-byte token and max_output_buffer = 1G is ready", d.log_text())
+        c = Client(d.sock_path)
+        mid = c.request("detokenize", {"tokens": tokens_bin([FIXTURE_VOCAB - 1] * 400000)})
+        (n,) = struct.unpack(">I", c._read_exact(4))
+        t.ok(n <= 64 << 20, "no frame above the 64 MiB a client accepts", n)
+        m = msgpack.unpackb(c._read_exact(n), raw=False) if n <= 64 << 20 else None
+        t.ok(m is not None and m[1] == mid and m[2] and m[2]["name"] == "reply_too_large" and
+             "67108864" in m[2]["message"], "the 80 MB detokenize gets reply_too_large (406)", m)
+        if m is not None:
+            err, res = c.call("detokenize", {"tokens": tokens_bin([FIXTURE_VOCAB - 1] * 2)})
+            t.ok(err is None and res["text"] == "=" * 400, "... and the connection goes on", err)
+        c.close()
+        t.eq(d.stop(), 0, "dsv4d exits 0")
+    finally:
+        d.close()
 
 # ---- a model vocabulary padded past the tokenizer's: ids without text are streamed empty -----------
 TOK_VOCAB = 6 + 256
