@@ -34,6 +34,7 @@ struct dsv4_client {
     bool request_written;
     bool cancel_wanted;
     bool cancel_sent;
+    int cancel_error;                /* a cancel that could not be written: the socket is shut down */
     uint32_t generate_msgid;
     struct dsv4_proto_reader reader;
     struct dsv4_proto_limits limits;
@@ -68,6 +69,7 @@ static void disconnect(struct dsv4_client *c)
     if (c->fd >= 0)
         close(c->fd);
     c->fd = -1;
+    c->cancel_error = 0;
     pthread_mutex_unlock(&c->write_lock);
     dsv4_proto_reader_clear(&c->reader);
     dsv4_proto_reader_init(&c->reader, c->limits.max_frame);
@@ -229,7 +231,10 @@ static int write_locked(struct dsv4_client *c, const uint8_t *data, size_t len, 
     return 0;
 }
 
-/* Cancel the generate in progress; the caller holds the write lock. */
+/* Cancel the generate in progress; the caller holds the write lock. A cancel that could not be
+ * written may have left part of its frame on the stream, and the generate would go on as though it
+ * had been sent: the socket is shut down (not closed: the generating thread owns the reader), so that
+ * thread's next read ends the call with cancel_error and closes the connection. */
 static int send_cancel_locked(struct dsv4_client *c)
 {
     struct dsv4_proto_cancel req = { .msgid = c->generate_msgid };
@@ -240,6 +245,10 @@ static int send_cancel_locked(struct dsv4_client *c)
         rc = write_locked(c, b.data, b.len, c->timeout_ms);
     dsv4_proto_buf_clear(&b);
     c->cancel_sent = true;
+    if (rc < 0 && c->fd >= 0) {
+        shutdown(c->fd, SHUT_RDWR);
+        c->cancel_error = rc;
+    }
     return rc;
 }
 
@@ -308,7 +317,13 @@ static int recv_message(struct dsv4_client *c, struct dsv4_proto_message *msg)
         }
         if (n == 0) {
             bool cut = dsv4_proto_reader_pending(&c->reader) > 0;
+            pthread_mutex_lock(&c->write_lock);
+            int cancel_error = c->cancel_error;
+            pthread_mutex_unlock(&c->write_lock);
             disconnect(c);
+            if (cancel_error)
+                return fail(c, cancel_error, "sending a cancel to dsv4d: %s; the connection is closed",
+                            strerror(-cancel_error));
             return fail(c, -ECONNRESET, "dsv4d closed the connection%s", cut ? " in the middle of a frame" : "");
         }
         if (errno == EINTR)

@@ -207,7 +207,9 @@ int dsv4_client_generate_stream(struct dsv4_client *c, const struct dsv4_client_
 /* Ask the server to stop the generation in progress on this handle. Any thread; returns without
  * waiting (the generate call returns with finish_reason "cancelled", or with what had finished).
  * Any time during a generate call counts: a cancel that comes before the request is on the wire is
- * sent right after it. Outside a generate call it does nothing and returns 0. */
+ * sent right after it. Outside a generate call it does nothing and returns 0. A cancel that cannot be
+ * written (a negative errno is returned) closes the connection like any failure: the generate call
+ * then returns that error, with a message saying so, unless its whole result had already arrived. */
 int dsv4_client_cancel(struct dsv4_client *c);
 
 /* ---- tokens ---- */

@@ -34,12 +34,15 @@ enum behaviour {
     FATAL,            /* answer with an error notification and close */
     NEWER_HEALTH,     /* answer health with a status added after this client (doc/PROTOCOL.md section 7) */
     TRICKLE,          /* answer one byte every TRICKLE_GAP_MS */
+    DEAF,             /* stream a generate's tokens DEAF_GAP_MS apart without reading (no cancel arrives) */
 };
 
 #define TRICKLE_GAP_MS 40
+#define DEAF_GAP_MS 5
 
 struct server {
     int fd;
+    int client_fd;      /* the client's end, for a test that fills its socket */
     enum behaviour how;
     uint64_t seed;
     pthread_t thread;
@@ -137,7 +140,9 @@ static void serve_generate(struct server *s, struct dsv4_proto_reader *r, const 
                 break;
             /* between tokens, look for a cancel without blocking */
             struct dsv4_proto_message cm;
-            if (n > 100 && read_request(s, r, &cm, 1) == 1) {
+            if (s->how == DEAF) {
+                nanosleep(&(struct timespec){ 0, DEAF_GAP_MS * 1000000L }, NULL);
+            } else if (n > 100 && read_request(s, r, &cm, 1) == 1) {
                 struct dsv4_proto_cancel c;
                 assert_int_equal(cm.method, DSV4_PROTO_METHOD_CANCEL);
                 assert_int_equal(dsv4_proto_decode_cancel(&cm, &c, &err), 0);
@@ -305,6 +310,7 @@ static struct dsv4_client *start(struct server *s, enum behaviour how)
     int sv[2];
     assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
     s->fd = sv[1];
+    s->client_fd = sv[0];
     s->how = how;
     s->seed = fresh_seed();
     s->cancels_seen = 0;
@@ -545,6 +551,54 @@ static void test_cancel_from_thread(void **state)
     assert_int_equal(s.cancels_seen, 2);
 }
 
+/* Fills the client's socket with whole requests the server reads only later, then cancels. */
+struct jam {
+    int fd;
+    size_t tokens;
+};
+
+static int jam_then_cancel(const struct dsv4_client_token *t, void *user)
+{
+    struct jam *j = user;
+    if (++j->tokens == 2) {
+        struct dsv4_proto_buf b = { 0 };
+        assert_int_equal(dsv4_proto_encode_health(&b, 999), 0);
+        for (;;) {
+            ssize_t n = send(j->fd, b.data, b.len, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (n < 0 && errno == EAGAIN)
+                break;
+            assert_int_equal(n, (ssize_t)b.len);
+        }
+        dsv4_proto_buf_clear(&b);
+    }
+    return j->tokens >= 2;
+}
+
+/* A cancel that cannot be written (the server reads nothing; the socket's buffer is full) ends the
+ * generate call with its reason and closes the connection, as every failed call does (dsv4client.h),
+ * instead of the call going on as though the cancel had been sent. */
+static void test_cancel_unsent(void **state)
+{
+    struct server s;
+    struct dsv4_client *c = start(&s, DEAF);
+    struct jam j = { .fd = s.client_fd };
+    struct dsv4_client_generate_params p;
+    struct dsv4_client_result r;
+    struct dsv4_client_health h;
+    dsv4_client_set_timeout(c, 200);
+    dsv4_client_generate_params_init(&p);
+    p.prompt = "deaf";
+    p.max_tokens = 200;   /* a second of tokens: the cancel's write times out well before the end */
+    int rc = dsv4_client_generate_stream(c, &p, jam_then_cancel, &j, &r);
+    if (rc == 0)
+        dsv4_client_result_clear(&r);
+    assert_int_equal(rc, -ETIMEDOUT);
+    assert_non_null(strstr(dsv4_client_error_message(c), "cancel"));
+    assert_true(j.tokens < p.max_tokens);
+    assert_int_equal(dsv4_client_health(c, &h), -ENOTCONN);
+    stop(&s, c);
+}
+
 static void test_server_error(void **state)
 {
     struct server s;
@@ -731,6 +785,7 @@ int main(void)
         cmocka_unit_test(test_generate_blocking),
         cmocka_unit_test(test_generate_stream),
         cmocka_unit_test(test_cancel_from_thread),
+        cmocka_unit_test(test_cancel_unsent),
         cmocka_unit_test(test_server_error),
         cmocka_unit_test(test_tokens),
         cmocka_unit_test(test_misbehaving_servers),
