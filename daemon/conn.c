@@ -78,9 +78,10 @@ static void pause_accepting(struct dsv4_conns *cs)
     sd_event_source_set_enabled(cs->accept_retry_src, SD_EVENT_ONESHOT);
 }
 
+/* While refusing (a drain), too: new clients are to be told so, not left in the backlog. */
 static void resume_accepting(struct dsv4_conns *cs)
 {
-    if (cs->accept_paused && !cs->accept_stopped && !cs->refuse_code)
+    if (cs->accept_paused && !cs->accept_stopped)
         set_accepting(cs, true);
 }
 

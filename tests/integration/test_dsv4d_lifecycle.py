@@ -7,6 +7,7 @@ read back as an expert placement."""
 
 import json
 import os
+import resource
 import signal
 import socket
 import stat
@@ -136,6 +137,49 @@ try:
     t.ok("after a protocol error" not in log, "no close of the drain is logged as a protocol error", log)
     c.close()
 finally:
+    d.close()
+
+# ---- a drain while accepting is paused for want of descriptors: new clients are still told ----------
+d = Daemon(activation=False, args=["--max-context", "32768", "--max-batch", "1", "--drain-grace", "600",
+                                   "--max-idle-per-uid", "0"], endless=True)
+fillers = []
+try:
+    t.ok(d.start(), "dsv4d (max_batch = 1, --listen) becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    # still running when the drain starts (the second SIGTERM below ends it)
+    c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 30000, "temperature": 0.0, "stream": True})
+    c.recv()
+    # Room for a few more descriptors: the connections after those wait in the backlog, accepting paused.
+    top = max(int(fd) for fd in os.listdir("/proc/%d/fd" % d.proc.pid))
+    hard = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)[1]
+    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (top + 4, hard))
+    deadline = time.monotonic() + TIMEOUT
+    while "not accepting" not in d.log_text() and len(fillers) < 64 and time.monotonic() < deadline:
+        fillers.append(Client(d.sock_path))
+        for _ in range(10):
+            if "not accepting" in d.log_text():
+                break
+            d.notify.poll(0.05)
+    t.ok("not accepting" in d.log_text(), "out of descriptors, dsv4d pauses accepting", d.log_text()[-2000:])
+    d.proc.send_signal(signal.SIGTERM)
+    # The log, not STOPPING=1: sd_notify needs a descriptor too.
+    while "SIGTERM: finishing" not in d.log_text() and d.proc.poll() is None and time.monotonic() < deadline:
+        d.notify.poll(0.05)
+    late = Client(d.sock_path, timeout=min(TIMEOUT, 30))
+    fillers.pop(0).close()      # an accepted connection closes: a descriptor is free again
+    try:
+        note = late.recv()
+        t.ok(note[0] == 2 and note[1] == "error" and note[2][0]["code"] == 501 and late.closed_by_peer(),
+             "a connection that waited in the backlog during the drain is told `draining` once a descriptor is "
+             "free", note)
+    except (Closed, OSError) as e:
+        t.ok(False, "a connection that waited in the backlog during the drain is told `draining`", repr(e))
+    late.close()
+    d.stop()                    # a second SIGTERM: exits now
+    c.close()
+finally:
+    for f in fillers:
+        f.close()
     d.close()
 
 # ---- a device fault at run time (injected): every request answered, health says so, exit 1 ---------
