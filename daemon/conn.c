@@ -2,6 +2,7 @@
 #include "build-config.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -18,7 +19,9 @@
 /* Out of descriptors (or kernel memory) with nothing of ours to close, as when other processes fill
  * the system's file table: accepting is tried again this often. */
 #define DSV4_CONN_ACCEPT_RETRY_USEC 1000000ull
-#define DSV4_CONN_PEER_GROUPS_MAX 256
+/* A peer's supplementary groups are read into this many on the stack first; a peer in more of them
+ * (the kernel allows NGROUPS_MAX, 65536) is read again into a buffer of the size the kernel names. */
+#define DSV4_CONN_PEER_GROUPS_STACK 256
 
 static int conn_io(sd_event_source *src, int fd, uint32_t revents, void *userdata);
 static int conn_resume(sd_event_source *src, void *userdata);
@@ -34,8 +37,10 @@ static bool id_listed(const uint32_t *ids, int n, uint32_t id)
 /* allow_users / allow_groups: the peer's uid, its primary gid or one of its supplementary groups. */
 static bool peer_allowed(const struct dsv4_settings *cfg, int fd, uid_t uid, gid_t gid)
 {
-    gid_t groups[DSV4_CONN_PEER_GROUPS_MAX];
-    socklen_t len = sizeof(groups);
+    gid_t stack[DSV4_CONN_PEER_GROUPS_STACK], *groups = stack;
+    socklen_t len = sizeof(stack);
+    bool allowed = false;
+    int r;
 
     if (cfg->n_allow_users == 0 && cfg->n_allow_groups == 0)
         return true;
@@ -43,11 +48,19 @@ static bool peer_allowed(const struct dsv4_settings *cfg, int fd, uid_t uid, gid
         return true;
     if (id_listed((const uint32_t *)cfg->allow_groups, cfg->n_allow_groups, gid))
         return true;
-    if (cfg->n_allow_groups && getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0)
-        for (size_t i = 0; i < len / sizeof(gid_t); i++)
-            if (id_listed((const uint32_t *)cfg->allow_groups, cfg->n_allow_groups, groups[i]))
-                return true;
-    return false;
+    if (cfg->n_allow_groups == 0)
+        return false;
+    r = getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len);
+    /* ERANGE: more groups than fit; len is now the size they take. */
+    if (r < 0 && errno == ERANGE && len <= NGROUPS_MAX * sizeof(gid_t) && (groups = malloc(len)))
+        r = getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len);
+    if (r < 0)
+        dsv4_log_warning("SO_PEERGROUPS: %s", groups ? strerror(errno) : "out of memory");
+    for (size_t i = 0; r == 0 && !allowed && i < len / sizeof(gid_t); i++)
+        allowed = id_listed((const uint32_t *)cfg->allow_groups, cfg->n_allow_groups, groups[i]);
+    if (groups != stack)
+        free(groups);
+    return allowed;
 }
 
 /* Refuse a connection with one error notification, best effort (the socket is fresh: it fits). */

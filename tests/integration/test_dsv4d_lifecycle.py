@@ -12,6 +12,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -440,6 +441,30 @@ try:
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:
     d.close()
+
+# A peer in more supplementary groups than the first buffer holds (256), the allowed one past them:
+# served all the same. Setting a child's groups takes root.
+name = "a peer in 300 supplementary groups, the allowed one last, is served"
+if os.geteuid() != 0:
+    t.n += 1
+    print("ok %d - %s # SKIP setting supplementary groups takes root" % (t.n, name), flush=True)
+else:
+    groups = list(range(70000, 70300))
+    d = Daemon(activation=False, args=["--allow-groups", str(groups[-1])])
+    try:
+        t.ok(d.start(), "dsv4d allowing group %d becomes ready" % groups[-1], d.log_text())
+        peer = subprocess.run([sys.executable, "-c", """
+import sys
+sys.path.insert(0, %r)
+from dsv4d_harness import Client
+err, h = Client(%r).call("health")
+print(h["status"])
+""" % (os.path.dirname(os.path.abspath(__file__)), d.sock_path)], capture_output=True, text=True, timeout=TIMEOUT,
+                              group=65534, extra_groups=groups)
+        t.ok(peer.stdout.strip() == "ready", name, (peer.stdout, peer.stderr[-1500:], d.log_text()[-1500:]))
+        t.eq(d.stop(), 0, "dsv4d exits 0")
+    finally:
+        d.close()
 
 d = Daemon(activation=False, args=["--allow-users", "%d,%d" % (other_uid, os.getuid())])
 try:
