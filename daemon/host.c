@@ -333,6 +333,12 @@ int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_tokenizer
         free(h);
         return dsv4_error_set(r, "eventfd: %s", strerror(-r));
     }
+    /* Written at stop or on SIGUSR1, maybe days from now: a path where it cannot be is refused at once. */
+    if (cfg->routing_stats[0] && (r = dsv4_routing_stats_check(cfg->routing_stats)) < 0) {
+        close(h->boot_fd);
+        free(h);
+        return dsv4_error_prefix(r, "routing_stats: ");
+    }
     atomic_store(&h->phase, DSV4_HOST_LOADING_WEIGHTS);
     r = pthread_create(&h->thread, NULL, engine_thread, h);
     if (r) {

@@ -184,6 +184,30 @@ void dsv4_placement_layers_text(const uint16_t *gpu, const uint16_t *host, int l
 
 /* ---- the routing-statistics file ---- */
 
+/* The temporary file beside path that is renamed over it once written; its name into tmp. */
+static int create_beside(const char *path, char tmp[PATH_MAX])
+{
+    if (snprintf(tmp, PATH_MAX, "%s.XXXXXX", path) >= PATH_MAX)
+        return dsv4_error_set(-ENAMETOOLONG, "routing statistics %s: path too long", path);
+    int fd = mkstemp(tmp);
+    if (fd < 0) {
+        int rc = -errno;
+        return dsv4_error_set(rc, "routing statistics: creating a file beside %s: %s", path, strerror(-rc));
+    }
+    return fd;
+}
+
+int dsv4_routing_stats_check(const char *path)
+{
+    char tmp[PATH_MAX];
+    int fd = create_beside(path, tmp);
+    if (fd < 0)
+        return fd;
+    close(fd);
+    unlink(tmp);
+    return 0;
+}
+
 int dsv4_routing_stats_write(const char *path, const char *model, int n_layers, int n_experts,
                              const uint64_t *counts)
 {
@@ -216,15 +240,10 @@ int dsv4_routing_stats_write(const char *path, const char *model, int n_layers, 
         json_decref(root);
         return dsv4_error_set(rc, "routing statistics of %d x %d experts", n_layers, n_experts);
     }
-    if (snprintf(tmp, sizeof(tmp), "%s.XXXXXX", path) >= (int)sizeof(tmp)) {
-        json_decref(root);
-        return dsv4_error_set(-ENAMETOOLONG, "routing statistics %s: path too long", path);
-    }
-    int fd = mkstemp(tmp);
+    int fd = create_beside(path, tmp);
     if (fd < 0) {
-        rc = -errno;
         json_decref(root);
-        return dsv4_error_set(rc, "routing statistics: creating a file beside %s: %s", path, strerror(-rc));
+        return fd;
     }
     /* One buffer written to the end: json_dumpfd takes a short write (a full disk) as a failure with
      * no errno, and the reason is what the operator can act on. */

@@ -411,6 +411,15 @@ with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
          "of %d layers x %d experts; the model has %d x %d" % (L, E + 1, L, E) in out.stderr,
          "a routing statistics file of another shape is refused at boot (exit 1), with both shapes",
          (out.returncode, out.stderr))
+    # routing_stats is written at stop or on SIGUSR1, maybe days later: where no file can be created,
+    # dsv4d refuses to boot, as for any path it must write, instead of finding out then.
+    nowhere = os.path.join(tmp, "missing", "routing.json")
+    try:
+        out = run_dsv4d(tmp, os.path.join(tmp, "s.sock"), "--routing-stats", nowhere, timeout=min(TIMEOUT, 60))
+        refused, why = out.returncode == 2 and "routing_stats" in out.stderr and nowhere in out.stderr, out.stderr
+    except subprocess.TimeoutExpired:
+        refused, why = False, "dsv4d still running after 60 s"
+    t.ok(refused, "a routing_stats file in a directory that does not exist is refused at boot (exit 2), named", why)
 
 # ---- allowlist ----------------------------------------------------------------------------------------
 other_uid = 4242 if os.getuid() != 4242 else 4243
