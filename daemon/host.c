@@ -123,6 +123,25 @@ static void log_gpus(const struct dsv4_host *h, const struct dsv4_backend_opts *
                          "device %d only, devices %s stay idle", list, opts->gpus[0], list + strcspn(list, ",") + 1);
 }
 
+/* Where routed experts live (expert_offload, expert_host_share, expert_placement) is the CUDA
+ * backend's choice; another backend says these settings have no effect, as for gpus, rather than
+ * ignoring them in silence. */
+static void log_placement_unused(const struct dsv4_host *h)
+{
+    const struct dsv4_settings *cfg = h->cfg;
+
+    if (strcmp(h->backend_name, "cuda") == 0)
+        return;
+    if (cfg->expert_offload != DSV4_EXPERT_OFFLOAD_AUTO)
+        dsv4_log_notice("expert_offload = %s: no effect on the %s backend",
+                        cfg->expert_offload == DSV4_EXPERT_OFFLOAD_ON ? "on" : "off", h->backend_name);
+    if (cfg->expert_host_share > 0)
+        dsv4_log_notice("expert_host_share = %d: no effect on the %s backend", cfg->expert_host_share,
+                        h->backend_name);
+    if (cfg->expert_placement[0])
+        dsv4_log_notice("expert_placement %s: no effect on the %s backend", cfg->expert_placement, h->backend_name);
+}
+
 static int boot(struct dsv4_host *h)
 {
     const struct dsv4_settings *cfg = h->cfg;
@@ -187,6 +206,7 @@ static int boot(struct dsv4_host *h)
     if (r < 0)
         return r;
     log_gpus(h, &opts);
+    log_placement_unused(h);
     struct dsv4_backend_stats bs;
     h->backend->ops->get_stats(h->backend, &bs);
     dsv4_log_info("backend %s (%s), numerics %s, %d threads, %d slots x %d tokens, %.1f MiB reserved%s%s",

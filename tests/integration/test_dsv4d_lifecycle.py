@@ -385,6 +385,20 @@ with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
         t.eq(d.stop(), 0, "dsv4d exits 0")
     finally:
         d.close()
+    # Where experts live is the CUDA backend's choice: on the CPU backend these settings are said to
+    # have no effect, as gpus is, not ignored in silence.
+    d = Daemon(activation=False, args=["--expert-offload", "on", "--expert-host-share", "25",
+                                       "--expert-placement", stats])
+    try:
+        t.ok(d.start(), "dsv4d (cpu) boots with expert_offload, expert_host_share and expert_placement", d.log_text())
+        log = d.log_text()
+        t.ok("expert_offload = on: no effect on the cpu backend" in log and
+             "expert_host_share = 25: no effect on the cpu backend" in log and
+             "expert_placement %s: no effect on the cpu backend" % stats in log,
+             "the log says each has no effect on the cpu backend", log)
+        t.eq(d.stop(), 0, "dsv4d exits 0")
+    finally:
+        d.close()
     # the same shape from another model is used, and the log says whose statistics they are
     served_model = data["model"]
     data["model"] = "another-model"
