@@ -110,12 +110,16 @@ static int step_prefill_budget(const struct dsv4_sched *s, int n_running)
     const int budget = s->lim.prefill_budget;
     bool decoding = false;
 
-    if (!s->lim.decode_stall_ms || s->prefill_ns_per_token <= 0.0)
+    if (!s->lim.decode_stall_ms)
         return budget;
     for (int k = 0; k < n_running && !decoding; k++)
         decoding = s->reqs[s->running[k]].generating;
     if (!decoding)
         return budget;
+    /* No rate yet (every prompt so far was too short to measure one): the smallest chunk, which
+     * measures it, rather than a whole budget the streams would wait for. */
+    if (s->prefill_ns_per_token <= 0.0)
+        return budget < DSV4_SCHED_STALL_MIN_TOKENS ? budget : DSV4_SCHED_STALL_MIN_TOKENS;
     const double fit = s->lim.decode_stall_ms * 1e6 / s->prefill_ns_per_token;
     return fit < DSV4_SCHED_STALL_MIN_TOKENS ? DSV4_SCHED_STALL_MIN_TOKENS : fit > budget ? budget : (int)fit;
 }

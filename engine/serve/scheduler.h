@@ -27,8 +27,8 @@
  * others' next token by at most one prefill_budget-sized chunk per step; with decode_stall_ms, by
  * about that long: a step that decodes prefills no more tokens than the prefill rate measured so far
  * (a moving average over chunks of at least DSV4_SCHED_STALL_MIN_TOKENS) fits in decode_stall_ms,
- * and never fewer than DSV4_SCHED_STALL_MIN_TOKENS, so prompts still advance. Steps with no stream
- * decoding use the whole budget.
+ * and never fewer than DSV4_SCHED_STALL_MIN_TOKENS, so prompts still advance; before any rate is
+ * measured, DSV4_SCHED_STALL_MIN_TOKENS. Steps with no stream decoding use the whole budget.
  *
  * Stops (first match wins, in this order, after each sampled token):
  *   EOS (the model's eos id) or one of stop_token_ids -> DSV4_FINISH_STOP (the token is kept in

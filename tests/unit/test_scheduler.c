@@ -925,6 +925,46 @@ static void test_decode_stall(void **state)
     env_close(&e);
 }
 
+/* decode_stall_ms before any rate is measured (the streams' own prompts were too short to measure
+ * one, as after a warm-up on a few tokens): a long prompt arriving beside decoding streams takes the
+ * smallest chunk, which measures the rate, not a whole prefill_budget. */
+static void test_decode_stall_unmeasured(void **state)
+{
+    const struct fake_backend_opts fo = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 100, 0 };
+    const int budget = 1024, fit = 20 * 1000 / 100;
+    static int32_t prompt[1500];
+    static struct outcome o[5];
+    struct fake_backend_counters c;
+    struct env e;
+    uint64_t st = 23;
+
+    (void)state;
+    env_decode_stall_ms = 20;
+    env_open(&e, &fo, 5, 4096, budget, 12);
+    env_decode_stall_ms = 0;
+    random_prompt(&st, prompt, 1500);
+    for (int i = 0; i < 4; i++) {
+        struct dsv4_sched_request rq = make_request(prompt + 100 + i, DSV4_SCHED_STALL_MIN_TOKENS - 1, 400, i);
+        submit(&e, &rq, &o[i]);
+    }
+    for (int i = 0; i < 2; i++)
+        step(e.s);
+    struct dsv4_sched_request rq = make_request(prompt, 1500, 4, 0);
+    submit(&e, &rq, &o[4]);
+    for (int steps = 1; o[4].n_tokens == 0; steps++) {
+        step(e.s);
+        fake_backend_counters(e.b, &c);
+        if (c.last_prefill_chunk > fit)
+            fail_msg("step %d prefilled %d tokens while 4 streams decode (bound %d)", steps, c.last_prefill_chunk,
+                     fit);
+        assert_true(steps < 1500 / DSV4_SCHED_STALL_MIN_TOKENS + 2);
+    }
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(dsv4_sched_cancel(e.s, o[i].id), 0);
+    run_all(&e, o, 5);
+    env_close(&e);
+}
+
 static void test_drain(void **state)
 {
     struct env e;
@@ -1512,6 +1552,7 @@ int main(void)
         cmocka_unit_test(test_slot_groups),
         cmocka_unit_test(test_prefill_interleave),
         cmocka_unit_test(test_decode_stall),
+        cmocka_unit_test(test_decode_stall_unmeasured),
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_run_between),
         cmocka_unit_test(test_engine_time),
