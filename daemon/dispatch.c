@@ -426,6 +426,17 @@ static int queued_now(struct dsv4_dispatch *d)
     return d->n_pending + st.queued;
 }
 
+/* max_queued, checked when a request arrives and again when its prompt, tokenized on the worker
+ * meanwhile, is ready to queue: others may have filled the queue in between. */
+static int check_queue(struct dsv4_dispatch *d, struct dsv4_proto_error *err)
+{
+    const int queued = queued_now(d);
+    if (queued >= d->cfg->max_queued)
+        return dsv4_proto_error_set(err, DSV4_PROTO_E_QUEUE_FULL, "%d requests are waiting for a slot "
+                                    "(max_queued = %d)", queued, d->cfg->max_queued);
+    return 0;
+}
+
 /* A request that stays in flight (a generate, a tokenize on the prompt worker) holds its msgid and
  * one of the connection's max_requests_per_conn places until it is answered. */
 static int admit_in_flight(struct dsv4_dispatch *d, const struct dsv4_conn *c, uint32_t msgid,
@@ -454,9 +465,9 @@ static int admit_generate(struct dsv4_dispatch *d, struct dsv4_conn *c, uint32_t
     int r = admit_in_flight(d, c, msgid, err);
     if (r < 0)
         return r;
-    if (queued_now(d) >= d->cfg->max_queued)
-        return dsv4_proto_error_set(err, DSV4_PROTO_E_QUEUE_FULL, "%d requests are waiting for a slot "
-                                    "(max_queued = %d)", queued_now(d), d->cfg->max_queued);
+    r = check_queue(d, err);
+    if (r < 0)
+        return r;
     if (ps->n_stop > DSV4_SCHED_STOP_STRINGS_MAX)
         return dsv4_proto_error_set(err, DSV4_PROTO_E_TOO_MANY_STOP, "stop: %u strings, at most %d",
                                     ps->n_stop, DSV4_SCHED_STOP_STRINGS_MAX);
@@ -521,7 +532,7 @@ static void generate_prompt_ready(struct dsv4_dispatch *d, struct dsv4_request *
         dsv4_proto_error_set(&err, DSV4_PROTO_E_BAD_VALUE, "the prompt is empty (no tokens)");
         goto fail;
     }
-    if (dsv4_proto_check_prompt_length((uint32_t)req->prompt.len, &lim, &err) < 0)
+    if (dsv4_proto_check_prompt_length((uint32_t)req->prompt.len, &lim, &err) < 0 || check_queue(d, &err) < 0)
         goto fail;
 
     d->counters.requests_total++;

@@ -428,6 +428,41 @@ try:
 finally:
     d.close()
 
+# ---- max_queued holds for prompts tokenized on the worker ----------------------------------------
+# A prompt of more than 16 KiB is tokenized off the io thread, and the queue may fill meanwhile: each
+# one ready to queue is counted against max_queued then, not only when it arrived.
+d = Daemon(activation=False, args=["--max-context", "4096", "--max-batch", "1", "--max-queued", "1"], endless=True)
+try:
+    t.ok(d.start(), "dsv4d with max_batch = 1 and max_queued = 1 becomes ready", d.log_text())
+    c = Client(d.sock_path)
+    busy = c.request("generate", {"tokens": tokens_bin(LONG_PROMPT), "max_tokens": 4000, "stream": True})
+    c.recv()                                # its first token: it holds the only slot
+    N = 6
+    text = TAGS[0] * 600                    # 17400 bytes, 600 tokens: tokenized on the worker
+    big = Client(d.sock_path)
+    big.send_raw(b"".join(gen({"prompt": text, "max_tokens": 1}, msgid=100 + k) for k in range(N)))
+    refused = []
+    while len(refused) < N - 2:
+        m = big.recv()
+        if m[0] == 1:
+            refused.append(m[2])
+    watcher = Client(d.sock_path)
+    err, st = watcher.call("stats")
+    t.ok(err is None and st["queue_depth"] <= 1, "no more than max_queued requests wait for the slot",
+         (err, st and st["queue_depth"]))
+    if err is None and st["queue_depth"] <= 1:
+        m = big.recv()
+        refused.append(m[2] if m[0] == 1 else m)
+    t.ok(len(refused) == N - 1 and all(e and e["code"] == 401 and "max_queued = 1" in e["message"] for e in refused),
+         "the large prompts past it get queue_full (401), naming max_queued", refused)
+    c.request("cancel", {"msgid": busy})
+    big.close()
+    watcher.close()
+    c.close()
+    t.eq(d.stop(), 0, "dsv4d exits 0")
+finally:
+    d.close()
+
 # ---- out of file descriptors with no connection open: accepting resumes once there are some --------
 d = Daemon(activation=False, args=["--max-context", "256"])
 try:
