@@ -1021,7 +1021,10 @@ static void on_finish(struct dsv4_dispatch *d, struct dsv4_request *req, const s
     out.usage.prompt_tokens = (uint32_t)res->prompt_tokens;
     out.usage.completion_tokens = (uint32_t)res->completion_tokens;
     out.usage.cached_tokens = (uint32_t)res->cached_tokens;
-    out.timings.queue_ms = res->timings.queue_s * 1e3;
+    /* From acceptance, as total_ms: the engine's queue_s starts at its submit, after the prompt was
+     * tokenized and, for a request held while dsv4d booted, after READY. Both clocks are monotonic. */
+    const uint64_t admitted_ns = res->timings.admit_ns ? res->timings.admit_ns : res->timings.finish_ns;
+    out.timings.queue_ms = (double)(admitted_ns - req->accepted_ns) / 1e6;
     out.timings.prefill_ms = res->timings.prefill_s * 1e3;
     out.timings.decode_ms = res->timings.decode_s * 1e3;
     out.timings.total_ms = (double)(dsv4_now_ns() - req->accepted_ns) / 1e6;

@@ -46,6 +46,10 @@ try:
     err, res = first.response(mid)
     t.ok(err is None and res["usage"]["completion_tokens"] >= 1,
          "a request sent while dsv4d boots is answered once it is ready", (err, res, d.log_text()))
+    tm = res["timings"] if res else {}
+    parts = tm["queue_ms"] + tm["prefill_ms"] + tm["decode_ms"] if tm else 0
+    t.ok(err is None and tm["total_ms"] - parts < 0.1 * tm["total_ms"] + 20,
+         "  its queue_ms counts the wait for READY (queue, prefill and decode make up total_ms)", tm)
     ready = d.notify.wait_for("READY", "1", proc=d.proc)
     t.ok(ready >= 0, "READY=1 is sent", d.notify.messages)
     warm = [i for i, m in enumerate(d.notify.messages) if "warm-up" in m.get("STATUS", "")]
