@@ -236,11 +236,10 @@ static int boot(struct dsv4_host *h)
 
     set_phase(h, DSV4_HOST_CREATING_SCHEDULER);
     /* The scheduler holds every request from submit to release: queued, running, and the finished
-     * ones whose results the io thread is still sending. */
+     * ones whose results the io thread is still sending (dsv4_settings_validate keeps the sum within
+     * DSV4_SCHED_REQUESTS_MAX). */
     limits.max_unreleased = cfg->max_batch;
     limits.max_requests = cfg->max_batch + cfg->max_queued + limits.max_unreleased;
-    if (limits.max_requests > DSV4_SCHED_REQUESTS_MAX)
-        limits.max_requests = DSV4_SCHED_REQUESTS_MAX;
     limits.max_output_tokens = cfg->max_context;
     limits.prefill_budget = opts.prefill_chunk;
     limits.decode_stall_ms = cfg->decode_stall_ms;

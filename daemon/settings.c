@@ -515,6 +515,11 @@ int dsv4_settings_validate(const struct dsv4_settings *s)
     if (s->max_prompt_tokens >= s->max_context)
         return dsv4_error_set(-EINVAL, "max_prompt_tokens = %d leaves no room to generate in max_context = %d",
                               s->max_prompt_tokens, s->max_context);
+    /* The engine's request records: the queue, a running request and a finishing one a slot
+     * (daemon/host.c sizes the scheduler so). */
+    if ((int64_t)s->max_queued + 2 * (int64_t)s->max_batch > DSV4_SCHED_REQUESTS_MAX)
+        return dsv4_error_set(-EINVAL, "max_queued = %d with max_batch = %d: the engine holds at most %d requests, "
+                              "max_queued + 2 x max_batch", s->max_queued, s->max_batch, DSV4_SCHED_REQUESTS_MAX);
     if (s->expert_host_share > 0 && s->expert_offload != DSV4_EXPERT_OFFLOAD_ON)
         return dsv4_error_set(-EINVAL, "expert_host_share = %d needs expert_offload = on", s->expert_host_share);
     return 0;

@@ -17,6 +17,7 @@
 
 #include "daemon/settings.h"
 #include "engine/error.h"
+#include "engine/serve/scheduler.h"
 
 static char *write_temp(const char *text)
 {
@@ -277,6 +278,14 @@ static void test_files_and_validation(void **state)
     assert_non_null(strstr(dsv4_error_message(), "expert_host_share = 20 needs expert_offload = on"));
     s.expert_offload = DSV4_EXPERT_OFFLOAD_ON;
     assert_int_equal(dsv4_settings_validate(&s), 0);
+    /* The engine holds the queued requests besides a running and a finishing one a slot: a queue it
+     * cannot hold is refused, not cut short with an error naming no setting. */
+    s.max_batch = 8;
+    s.max_queued = DSV4_SCHED_REQUESTS_MAX - 16;
+    assert_int_equal(dsv4_settings_validate(&s), 0);
+    s.max_queued++;
+    assert_int_equal(dsv4_settings_validate(&s), -EINVAL);
+    assert_non_null(strstr(dsv4_error_message(), "max_queued = 65521"));
 }
 
 int main(void)
