@@ -418,7 +418,7 @@ struct dsv4_proto_stats {
     uint64_t requests_cancelled;
     uint64_t prompt_tokens_total;
     uint64_t generated_tokens_total;
-    double prefill_tokens_per_s;   /* recent rate */
+    double prefill_tokens_per_s;   /* since start, over engine_busy_s (doc/PROTOCOL.md) */
     double decode_tokens_per_s;
     uint64_t device_arena_bytes;
     uint64_t device_arena_used;
