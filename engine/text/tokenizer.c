@@ -1088,8 +1088,14 @@ static int pre_tokenize(struct tok_encode *e, size_t level, const unsigned char 
     int r = onig_scan(e->tok->regex[level], p, p + n, e->region[level], ONIG_OPTION_NONE, scan_match, &s);
     if (s.err)
         return s.err;
-    if (r < 0)
-        return dsv4_error_set(-EINVAL, "tokenizer: regex %zu failed with code %d", level, r);
+    if (r < 0) {
+        /* Oniguruma's backtracking limit: a huge run the regex backtracks over (10M whitespace
+         * characters in the V4 file's), where `tokenizers` fails as well. */
+        UChar msg[ONIG_MAX_ERROR_MESSAGE_LEN];
+        onig_error_code_to_str(msg, r);
+        return dsv4_error_set(-EINVAL, "tokenizer: split regex %zu gave up on the text after byte %zu: %s", level,
+                              (size_t)(s.pos - e->base), (char *)msg);
+    }
     return pre_tokenize(e, level + 1, s.pos, (size_t)(p + n - s.pos));
 }
 

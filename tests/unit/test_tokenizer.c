@@ -479,6 +479,25 @@ static void test_tiny_file(void **state)
     }
 }
 
+/* A split regex that gives up (Oniguruma's backtracking limit; `tokenizers` fails there too) is an
+ * error that says so and where, not an Oniguruma error code. */
+static void test_regex_gives_up(void **state)
+{
+    json_t *spec = tiny_spec(false);
+    json_t *split = json_array_get(json_object_get(json_object_get(spec, "pre_tokenizer"), "pretokenizers"), 0);
+    json_object_set_new(json_object_get(split, "pattern"), "Regex", json_string("(a+)+b| ?\\p{L}+|\\s+|[^\\s\\p{L}]+"));
+    struct dsv4_tokenizer *tok;
+    assert_int_equal(load_spec(spec, &tok), 0);
+    char text[64] = "xy-";
+    memset(text + 3, 'a', 40);
+    struct dsv4_tok_ids ids = {0};
+    assert_int_equal(dsv4_tokenizer_encode(tok, text, 43, 0, &ids), -EINVAL);
+    if (!strstr(dsv4_error_message(), "retry-limit-in-match over") || !strstr(dsv4_error_message(), "byte 3"))
+        fail_msg("message \"%s\" does not say the regex gave up after byte 3", dsv4_error_message());
+    dsv4_tok_ids_free(&ids);
+    dsv4_tokenizer_free(tok);
+}
+
 /* Each edit makes the file unsupported; the message must name the part. */
 static void test_refusals(void **state)
 {
@@ -536,6 +555,7 @@ int main(void)
         cmocka_unit_test(test_long_line),
         cmocka_unit_test(test_threads),
         cmocka_unit_test(test_tiny_file),
+        cmocka_unit_test(test_regex_gives_up),
         cmocka_unit_test(test_refusals),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
