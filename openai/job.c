@@ -101,6 +101,9 @@ void dsv4_oai_jobs_cancel_all(struct dsv4_oai_server *s)
     pthread_mutex_lock(&s->lock);
     for (struct dsv4_oai_job *j = s->jobs; j; j = j->next) {
         pthread_mutex_lock(&j->lock);
+        /* A choice not yet in dsv4_client_generate* (connecting, asking the model name) has nothing to
+         * cancel: it reads this before it starts. */
+        j->stopping = true;
         cancel_choices(j);
         pthread_mutex_unlock(&j->lock);
     }
@@ -175,6 +178,7 @@ int dsv4_oai_job_start(struct dsv4_oai_job *j, void *conn, int client_fd)
     j->client_fd = client_fd;
     j->refs++;   /* the thread's */
     pthread_mutex_lock(&s->lock);
+    j->stopping = s->stopping;      /* the stop may have cancelled the others since on_request looked */
     j->next = s->jobs;
     if (s->jobs)
         s->jobs->prev = j;

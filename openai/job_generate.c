@@ -224,7 +224,7 @@ static int on_token(const struct dsv4_client_token *tok, void *user)
     struct gen *G = user;
     struct dsv4_oai_job *j = G->j;
     pthread_mutex_lock(&j->lock);
-    bool alive = oai_client_alive(j) && !G->all->failed;
+    bool alive = oai_client_alive(j) && !j->stopping && !G->all->failed;
     pthread_mutex_unlock(&j->lock);
     if (!alive)
         return 1;   /* cancels the request in dsv4d */
@@ -310,7 +310,7 @@ static void run_choice(struct gen *G)
     oai_model_name(j, G->c, G->model, sizeof(G->model));
     pthread_mutex_lock(&j->lock);
     j->cli[G->index] = G->c;
-    bool stop = j->client_left || G->all->failed;
+    bool stop = j->client_left || j->stopping || G->all->failed;
     pthread_mutex_unlock(&j->lock);
     int rc = stop ? 0 : dsv4_client_generate_stream(G->c, &G->p, on_token, G, &G->res);
     pthread_mutex_lock(&j->lock);

@@ -41,6 +41,7 @@ struct dsv4_oai_job {
     bool done;                   /* nothing more will be added to out */
     bool gone;                   /* the HTTP side is finished */
     bool client_left;
+    bool stopping;               /* the server stops: no generation starts, those running are cancelled */
     unsigned status;
     struct dsv4_buf out;
     struct dsv4_client *cli[DSV4_OAI_MAX_CHOICES];  /* while dsv4d works for a choice: what cancel needs */

@@ -5,7 +5,8 @@ of a request of several choices);
 hostile HTTP (a huge Content-Length, a chunked body without end, bodies that are not JSON, wrong types
 in every field, 500 idle connections, a header sent one byte a second, an oversized header) leaves it
 serving; and DSML tool calls, whole and streamed, from a scripted dsv4d that also shows the prompt
-parts the front sends and cancels a generation as a draining dsv4d does."""
+parts the front sends and cancels a generation as a draining dsv4d does, or holds its hello while the front
+stops."""
 
 import errno
 import json
@@ -83,8 +84,10 @@ REPLY = ("Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_
 
 
 class ScriptedDsv4d(UnixServer):
-    def __init__(self, path):
+    def __init__(self, path, hello_gate=None):
         self.requests = []
+        self.hello_gate = hello_gate            # when given, a hello is answered only once it is set
+        self.hello_asked = threading.Event()
         super().__init__(path)
 
     def handle(self, conn):
@@ -97,6 +100,7 @@ class ScriptedDsv4d(UnixServer):
 
     def serve(self, conn):
         buf = b""
+        held = []
         while True:
             while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
                 b = conn.recv(65536)
@@ -108,10 +112,22 @@ class ScriptedDsv4d(UnixServer):
             buf = buf[4 + n:]
             _, msgid, method, params = msg
             p = params[0] if isinstance(params, list) and params else params
+            if method == "hello" and self.hello_gate:
+                self.hello_asked.set()
+                self.hello_gate.wait(TIMEOUT)
+            if method == "cancel" and isinstance(p, dict) and p.get("msgid") in held:
+                held.remove(p["msgid"])
+                self.send(conn, [1, p["msgid"], None, {"text": "", "tokens": tokens_bin([]), "finish_reason":
+                                                       "cancelled", "usage": {"prompt_tokens": 42,
+                                                                              "completion_tokens": 0,
+                                                                              "total_tokens": 42}}])
             if method != "generate":
                 self.send(conn, [1, msgid, {"code": 200, "name": "unknown_method", "message": "scripted"}, None])
                 continue
             self.requests.append(p)
+            if any("HOLD" in x for x in p.get("prompt_parts", [])):
+                held.append(msgid)      # a generation that runs until it is cancelled
+                continue
             # The reply in pieces that cut its markers anywhere, as tokens do. A user saying DRAIN gets what
             # a draining dsv4d gives: half the reply, then finish_reason cancelled.
             pieces = [REPLY[i:i + 7] for i in range(0, len(REPLY), 7)]
@@ -129,7 +145,7 @@ class ScriptedDsv4d(UnixServer):
 
 tmp = tempfile.TemporaryDirectory(prefix="dsv4-openai-hostile-")
 d = Daemon(args=["--max-batch", "4", "--max-context", "4096"], model=MODEL, tokenizer=False, endless=True)
-front = fake_front = fake = idle_front = d2 = None
+front = fake_front = fake = idle_front = gated_front = d2 = None
 try:
     t.ok(d.start(), "dsv4d is ready (models/default, end of sentence disabled: answers run to max_tokens)",
          d.log_text())
@@ -381,6 +397,41 @@ try:
          and '"finish_reason":"stop"' not in out.decode(),
          "dsv4d cancels a streamed request (draining): the stream ends with an error, no finish_reason stop", out)
 
+    # ---- stopping while a request is still on its way to dsv4d (here waiting for dsv4d's model name): the
+    # stop's cancel holds for it too, it is not sent after, and its client gets 503 cancelled, not a connection
+    # cut after the stop's grace
+    gate = threading.Event()
+    gated = ScriptedDsv4d(os.path.join(tmp.name, "gated.sock"), hello_gate=gate)
+    gated_front = Front(gated.path, tmp.name)     # no --model-name: the first request asks dsv4d's hello
+    s = socket.create_connection(("127.0.0.1", gated_front.port), timeout=TIMEOUT)
+    s.sendall(post(gated_front, {"messages": [{"role": "user", "content": "HOLD"}]}))
+    asked = gated.hello_asked.wait(TIMEOUT)
+    began = time.monotonic()
+    gated_front.proc.terminate()
+    while "stopping" not in gated_front.log_text() and time.monotonic() < began + TIMEOUT:
+        time.sleep(0.05)
+    time.sleep(0.5)     # the stop has cancelled what was in flight
+    gate.set()
+    got = b""
+    try:
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            got += b
+    except (socket.timeout, ConnectionError):
+        pass
+    s.close()
+    rc = gated_front.proc.wait(timeout=TIMEOUT)
+    took = time.monotonic() - began
+    log = gated_front.log_text()
+    gated_front = None
+    gated.close()
+    t.ok(asked and status_of(got) == 503 and b'"code":"cancelled"' in got and b"shutting down" in got
+         and "still running" not in log and rc == 0,
+         "stopping while a request waits for dsv4d's hello: it gets 503 cancelled (stopped in %.1f s)" % took,
+         (asked, got[-400:], rc, log[-2000:]))
+
     # ---- logprobs' second connection (it detokenizes the alternatives) has no generate in flight: dsv4d
     # closes it as one idle connection too many (max_idle_per_uid), and the choice fails rather than
     # answer token texts that are "". Not socket-activated: the activating connection would be idle too.
@@ -399,7 +450,7 @@ try:
          "dsv4d closing a choice's logprobs connection: 503 naming why, not logprobs with empty tokens (%s)" % empty,
          (status, out[:600]))
 finally:
-    for f in (front, fake_front, idle_front):
+    for f in (front, fake_front, idle_front, gated_front):
         if f:
             rc = f.stop()
             t.ok(rc == 0, "dsv4-openai stops cleanly", (rc, f.log_text()[-3000:]))
