@@ -904,7 +904,8 @@ static void test_decode_stall(void **state)
         step(e.s);
         steps++;
         fake_backend_counters(e.b, &c);
-        if (c.last_prefill_chunk > fit || c.last_prefill_chunk < DSV4_SCHED_STALL_MIN_TOKENS)
+        /* fewer than the smallest chunk only for what was left of the prompt (its first token came) */
+        if (c.last_prefill_chunk > fit || (c.last_prefill_chunk < DSV4_SCHED_STALL_MIN_TOKENS && o[4].n_tokens == 0))
             fail_msg("step %d prefilled %d tokens while 4 streams decode (bound %d)", steps, c.last_prefill_chunk, fit);
         for (int i = 0; i < 4; i++)
             assert_int_equal(o[i].n_tokens, before[i] + 1);
