@@ -267,12 +267,26 @@ static int write_frame(struct dsv4_client *c, const uint8_t *data, size_t len, i
     return rc;
 }
 
+static int recv_message(struct dsv4_client *c, struct dsv4_proto_message *msg);
+static int closed_by_server(struct dsv4_client *c, struct dsv4_proto_message *msg);
+
 static int send_out(struct dsv4_client *c, bool is_generate)
 {
     int rc = write_frame(c, c->out.data, c->out.len, c->timeout_ms, is_generate);
     dsv4_proto_buf_reset(&c->out);
     if (rc == -ENOTCONN)
         return fail(c, rc, "not connected");
+    if (rc == -EPIPE || rc == -ECONNRESET) {
+        /* dsv4d may have said why it closed the connection (draining, too many connections) before
+         * this write found it closed: that reason is the error, not the broken pipe. The peer is
+         * gone, so these reads end at what it sent and never wait. */
+        struct dsv4_proto_message msg;
+        while (recv_message(c, &msg) == 0) {
+            if (msg.kind == DSV4_PROTO_NOTIFICATION && msg.method == DSV4_PROTO_NOTIFY_ERROR)
+                return closed_by_server(c, &msg);
+            dsv4_proto_message_clear(&msg);
+        }
+    }
     if (rc < 0) {
         fail(c, rc, "sending to dsv4d: %s", strerror(-rc));
         disconnect(c);
@@ -346,6 +360,18 @@ static int recv_message(struct dsv4_client *c, struct dsv4_proto_message *msg)
     }
 }
 
+/* dsv4d's error notification (msg, cleared here): it says why, then closes the connection. */
+static int closed_by_server(struct dsv4_client *c, struct dsv4_proto_message *msg)
+{
+    struct dsv4_proto_error e = { 0 }, err;
+    if (dsv4_proto_decode_error_notification(msg, &e, &err) < 0)
+        e = err;
+    c->server_code = e.code;
+    dsv4_proto_message_clear(msg);
+    disconnect(c);
+    return fail(c, -ECONNRESET, "dsv4d closed the connection: %s (%s)", e.message, dsv4_proto_code_name(e.code));
+}
+
 typedef int (*notify_fn)(struct dsv4_client *c, const struct dsv4_proto_message *msg, void *user);
 
 /* Wait for the response to msgid; notifications go to on_notify, answers to other msgids (cancels sent
@@ -368,16 +394,8 @@ static int await_response(struct dsv4_client *c, uint32_t msgid, notify_fn on_no
             *resp = msg;
             return 0;
         }
-        if (msg.kind == DSV4_PROTO_NOTIFICATION && msg.method == DSV4_PROTO_NOTIFY_ERROR) {
-            struct dsv4_proto_error e = { 0 }, err;
-            if (dsv4_proto_decode_error_notification(&msg, &e, &err) < 0)
-                e = err;
-            c->server_code = e.code;
-            dsv4_proto_message_clear(&msg);
-            disconnect(c);
-            return fail(c, -ECONNRESET, "dsv4d closed the connection: %s (%s)", e.message,
-                        dsv4_proto_code_name(e.code));
-        }
+        if (msg.kind == DSV4_PROTO_NOTIFICATION && msg.method == DSV4_PROTO_NOTIFY_ERROR)
+            return closed_by_server(c, &msg);
         if (msg.kind == DSV4_PROTO_NOTIFICATION && on_notify) {
             rc = on_notify(c, &msg, user);
             if (rc < 0) {

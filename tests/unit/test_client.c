@@ -710,6 +710,24 @@ static void test_misbehaving_servers(void **state)
     assert_non_null(strstr(dsv4_client_error_message(c), "64 connections open"));
     stop(&s, c);
 
+    /* A draining dsv4d tells a new connection why and closes it, often before the first request is
+     * written: the request's write fails (EPIPE), and the reason waiting to be read is what the caller
+     * is told, not the broken pipe. */
+    int sv[2];
+    struct dsv4_proto_buf note;
+    dsv4_proto_buf_init(&note);
+    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    assert_int_equal(dsv4_proto_encode_error_notification(&note, DSV4_PROTO_E_DRAINING, "dsv4d is shutting down"), 0);
+    proto_test_send_all(sv[1], &note);
+    close(sv[1]);
+    dsv4_proto_buf_clear(&note);
+    c = dsv4_client_new();
+    assert_int_equal(dsv4_client_connect_fd(c, sv[0]), 0);
+    assert_int_equal(dsv4_client_health(c, &h), -ECONNRESET);
+    assert_int_equal(dsv4_client_server_code(c), DSV4_PROTO_E_DRAINING);
+    assert_non_null(strstr(dsv4_client_error_message(c), "dsv4d is shutting down"));
+    dsv4_client_close(c);
+
     /* connect to a path where nothing listens */
     c = dsv4_client_new();
     assert_int_equal(dsv4_client_connect(c, "/nonexistent/dsv4d.sock", 100), -ENOENT);
