@@ -80,6 +80,19 @@ void oai_run_health(struct dsv4_oai_job *j)
     dsv4_client_close(c);
 }
 
+/* s as a label value: the text format's escapes for backslash, double quote and line feed. */
+static void label_value(struct dsv4_buf *b, const char *s)
+{
+    for (; *s; s++) {
+        if (*s == '\\' || *s == '"')
+            dsv4_buf_putc(b, '\\');
+        if (*s == '\n')
+            dsv4_buf_puts(b, "\\n");
+        else
+            dsv4_buf_putc(b, *s);
+    }
+}
+
 static void metric(struct dsv4_buf *b, const char *name, const char *type, const char *help, double v)
 {
     dsv4_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
@@ -104,17 +117,13 @@ void oai_run_metrics(struct dsv4_oai_job *j)
         for (int k = DSV4_CLIENT_HEALTH_READY; k <= DSV4_CLIENT_HEALTH_DRAINING; k++)
             dsv4_buf_printf(&b, "dsv4d_health{status=\"%s\"} %d\n", dsv4_client_health_name(k), (int)h.status == k);
         dsv4_buf_printf(&b, "# HELP dsv4d_info the backend and kernel variants in use\n# TYPE dsv4d_info gauge\n"
-                        "dsv4d_info{backend=\"%s\"} 1\n", st.backend);
+                        "dsv4d_info{backend=\"");
+        label_value(&b, st.backend);
+        dsv4_buf_puts(&b, "\"} 1\n");
         for (size_t k = 0; k < st.n_kernels; k++) {
-            char esc[160];
-            size_t w = 0;
-            for (const char *p = st.kernels[k]; *p && w + 2 < sizeof(esc); p++) {
-                if (*p == '"' || *p == '\\')
-                    esc[w++] = '\\';
-                esc[w++] = *p == '\n' ? ' ' : *p;
-            }
-            esc[w] = '\0';
-            dsv4_buf_printf(&b, "dsv4d_info{kernel=\"%s\"} 1\n", esc);
+            dsv4_buf_puts(&b, "dsv4d_info{kernel=\"");
+            label_value(&b, st.kernels[k]);
+            dsv4_buf_puts(&b, "\"} 1\n");
         }
         metric(&b, "dsv4d_uptime_seconds", "gauge", "time since dsv4d started", st.uptime_s);
         metric(&b, "dsv4d_slots", "gauge", "sequence slots", st.slots_total);

@@ -23,7 +23,8 @@ try:
     import openai  # noqa: E402  (after the skip: a build without the front needs no openai package)
 except ImportError:
     t.skip_all("python3 module openai not installed (pip install openai)")
-from openai_harness import FIXTURE, KEY, MODEL, Q391, Front, chat, direct, http, stream_chat  # noqa: E402
+from openai_harness import (FIXTURE, KEY, MODEL, Q391, Front, chat, direct, exposition, http, sample,  # noqa: E402
+                            stream_chat)
 
 tmp = tempfile.TemporaryDirectory(prefix="dsv4-openai-test-")
 d = Daemon(args=["--max-batch", "8", "--max-context", "2048"], model=MODEL, tokenizer=False)
@@ -243,11 +244,27 @@ try:
     # ---- metrics
     status, hdrs, body = http(front, "GET", "/metrics")
     text = body.decode()
-    t.ok(status == 200 and hdrs["Content-Type"].startswith("text/plain") and "dsv4d_up 1" in text
-         and "dsv4d_slots 8" in text and 'dsv4_openai_requests_total{endpoint="chat_completions"}' in text
-         and "dsv4d_engine_backend_seconds_total " in text
-         and all(line.startswith("#") or len(line.split(" ")) >= 2 for line in text.splitlines()),
-         "GET /metrics: Prometheus text with dsv4d's stats and the front's counters", text)
+    problems, types, before = exposition(text)
+    t.ok(status == 200 and hdrs["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8" and not problems
+         and sample(before, "dsv4d_up") == 1 and sample(before, "dsv4d_slots") == 8
+         and sample(before, "dsv4d_health", status="ready") == 1
+         and sample(before, "dsv4_openai_requests_total", endpoint="chat_completions") is not None
+         and sample(before, "dsv4d_engine_backend_seconds_total") is not None,
+         "GET /metrics: Prometheus text format 0.0.4 with dsv4d's stats and the front's counters", (problems, text))
+    chat(front, Q391, max_tokens=4, temperature=0)
+    _, _, body = http(front, "GET", "/metrics")
+    err, st = c.call("stats")
+    problems, _, after = exposition(body.decode())
+    counters = [k for k in after if types.get(k[0]) == "counter"]
+    t.ok(not problems and err is None and sample(after, "dsv4d_requests_total") == st["requests_total"]
+         and sample(after, "dsv4d_requests_total") == sample(before, "dsv4d_requests_total") + 1
+         and sample(after, "dsv4d_generated_tokens_total") == st["generated_tokens_total"]
+         and sample(after, "dsv4d_prompt_tokens_total") == st["prompt_tokens_total"]
+         and sample(after, "dsv4_openai_requests_total", endpoint="chat_completions")
+         == sample(before, "dsv4_openai_requests_total", endpoint="chat_completions") + 1
+         and counters and all(after[k] >= before.get(k, 0) for k in counters),
+         "/metrics after one chat: dsv4d's counters as its stats say, one request more, no counter went down",
+         (problems, st, body))
 
     # ---- 16 concurrent streams give what one at a time gives (greedy and seeded)
     questions = ["What is %d*%d?" % (a, b) for a, b in [(2, 3), (4, 5), (6, 7), (8, 9), (11, 12), (13, 3), (14, 2),

@@ -24,7 +24,7 @@ t = Tap()
 if not os.path.exists(program("dsv4-openai")):
     t.skip_all("dsv4-openai was not built (configure found no libmicrohttpd)")
 import msgpack  # noqa: E402
-from openai_harness import FIXTURE, KEY, MODEL, Q391, Front, chat, http, raw  # noqa: E402
+from openai_harness import FIXTURE, KEY, MODEL, Q391, Front, chat, exposition, http, raw, sample  # noqa: E402
 
 REQUEST_TIMEOUT = 3
 
@@ -83,11 +83,24 @@ REPLY = ("Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_
          "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
 
 
+STATS = {"uptime_s": 12.5, "backend": "cpu", "slots_total": 4, "slots_busy": 1, "queue_depth": 0, "connections": 2,
+         "requests_total": 7, "requests_failed": 0, "requests_cancelled": 1, "prompt_tokens_total": 90,
+         "generated_tokens_total": 60, "prefill_tokens_per_s": 300.0, "decode_tokens_per_s": 100.0,
+         "device_arena_bytes": 4096, "device_arena_used": 4096, "heap_allocated": 1024, "heap_active": 1024,
+         "heap_resident": 2048, "heap_mapped": 4096, "device_allocs_after_boot": 0, "graph_captures_after_boot": 0,
+         "eager_steps": 0, "kernels": ["cpu reference fp32"], "steps": 30, "decode_steps": 20,
+         "batch_size_hist": [15, 5, 0], "engine_busy_s": 0.5, "engine_backend_s": 0.4, "engine_gap_s": 0.01}
+
+
 class ScriptedDsv4d(UnixServer):
+    """Answers stats (self.stats) and health (self.health)."""
+
     def __init__(self, path, hello_gate=None):
         self.requests = []
         self.hello_gate = hello_gate            # when given, a hello is answered only once it is set
         self.hello_asked = threading.Event()
+        self.stats = dict(STATS)
+        self.health = "ready"
         super().__init__(path)
 
     def handle(self, conn):
@@ -121,6 +134,10 @@ class ScriptedDsv4d(UnixServer):
                                                        "cancelled", "usage": {"prompt_tokens": 42,
                                                                               "completion_tokens": 0,
                                                                               "total_tokens": 42}}])
+            if method in ("stats", "health"):
+                self.send(conn, [1, msgid, None, self.stats if method == "stats" else
+                                 {"status": self.health, "reason": "scripted"}])
+                continue
             if method != "generate":
                 self.send(conn, [1, msgid, {"code": 200, "name": "unknown_method", "message": "scripted"}, None])
                 continue
@@ -431,6 +448,15 @@ try:
          and "still running" not in log and rc == 0,
          "stopping while a request waits for dsv4d's hello: it gets 503 cancelled (stopped in %.1f s)" % took,
          (asked, got[-400:], rc, log[-2000:]))
+    # ---- /metrics from what dsv4d says of itself: odd strings
+    fake.stats["backend"] = 'cpu "x"\\'
+    fake.stats["kernels"] = ['variant "a"\\b\nc']
+    status, _, body = http(fake_front, "GET", "/metrics")
+    problems, _, samples = exposition(body.decode())
+    t.ok(status == 200 and not problems and sample(samples, "dsv4d_info", backend='cpu "x"\\') == 1
+         and sample(samples, "dsv4d_info", kernel='variant "a"\\b\nc') == 1,
+         "/metrics: dsv4d's backend and kernel names with quotes, backslashes and newlines are label values "
+         "escaped, read back as dsv4d sent them", (problems, body))
 
     # ---- logprobs' second connection (it detokenizes the alternatives) has no generate in flight: dsv4d
     # closes it as one idle connection too many (max_idle_per_uid), and the choice fails rather than
