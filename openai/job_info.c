@@ -114,7 +114,8 @@ void oai_run_metrics(struct dsv4_oai_job *j)
     metric(&b, "dsv4d_up", "gauge", "1 when dsv4d answered this scrape", rc == 0);
     if (rc == 0) {
         dsv4_buf_printf(&b, "# HELP dsv4d_health dsv4d's state (1 for the current one)\n# TYPE dsv4d_health gauge\n");
-        for (int k = DSV4_CLIENT_HEALTH_READY; k <= DSV4_CLIENT_HEALTH_DRAINING; k++)
+        /* every state, failed and unknown (one newer than this front) too: each series exists, one is 1 */
+        for (int k = DSV4_CLIENT_HEALTH_READY; k <= DSV4_CLIENT_HEALTH_UNKNOWN; k++)
             dsv4_buf_printf(&b, "dsv4d_health{status=\"%s\"} %d\n", dsv4_client_health_name(k), (int)h.status == k);
         dsv4_buf_printf(&b, "# HELP dsv4d_info the backend and kernel variants in use\n# TYPE dsv4d_info gauge\n"
                         "dsv4d_info{backend=\"");

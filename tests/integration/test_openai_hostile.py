@@ -448,7 +448,7 @@ try:
          and "still running" not in log and rc == 0,
          "stopping while a request waits for dsv4d's hello: it gets 503 cancelled (stopped in %.1f s)" % took,
          (asked, got[-400:], rc, log[-2000:]))
-    # ---- /metrics from what dsv4d says of itself: odd strings
+    # ---- /metrics from what dsv4d says of itself: odd strings, every state
     fake.stats["backend"] = 'cpu "x"\\'
     fake.stats["kernels"] = ['variant "a"\\b\nc']
     status, _, body = http(fake_front, "GET", "/metrics")
@@ -457,6 +457,14 @@ try:
          and sample(samples, "dsv4d_info", kernel='variant "a"\\b\nc') == 1,
          "/metrics: dsv4d's backend and kernel names with quotes, backslashes and newlines are label values "
          "escaped, read back as dsv4d sent them", (problems, body))
+    fake.health = "failed"
+    status, _, body = http(fake_front, "GET", "/metrics")
+    problems, _, samples = exposition(body.decode())
+    states = {dict(k[1])["status"]: v for k, v in samples.items() if k[0] == "dsv4d_health"}
+    t.ok(status == 200 and not problems
+         and states == {"ready": 0, "loading": 0, "draining": 0, "failed": 1, "unknown": 0},
+         "/metrics of a failed dsv4d: dsv4d_health{status=\"failed\"} 1, every other state 0", (problems, body))
+    fake.health = "ready"
 
     # ---- logprobs' second connection (it detokenizes the alternatives) has no generate in flight: dsv4d
     # closes it as one idle connection too many (max_idle_per_uid), and the choice fails rather than
