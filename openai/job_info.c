@@ -64,6 +64,13 @@ void oai_run_model(struct dsv4_oai_job *j)
     run_models(j, true);
 }
 
+/* A draining dsv4d answers no request: it tells each new connection so and closes it (doc/PROTOCOL.md,
+ * health). That refusal is its answer, "draining", not a dsv4d out of reach. */
+static bool refused_draining(const struct dsv4_client *c)
+{
+    return c && strcmp(dsv4_client_code_name(dsv4_client_server_code(c)), "draining") == 0;
+}
+
 void oai_run_health(struct dsv4_oai_job *j)
 {
     struct dsv4_client *c;
@@ -72,8 +79,8 @@ void oai_run_health(struct dsv4_oai_job *j)
     if (rc == 0)
         rc = dsv4_client_health(c, &h);
     if (rc < 0)
-        oai_respond_json(j, 503, json_pack("{s:s,s:s}", "status", "unavailable", "reason",
-                                       c ? dsv4_client_error_message(c) : "out of memory"));
+        oai_respond_json(j, 503, json_pack("{s:s,s:s}", "status", refused_draining(c) ? "draining" : "unavailable",
+                                           "reason", c ? dsv4_client_error_message(c) : "out of memory"));
     else
         oai_respond_json(j, h.status == DSV4_CLIENT_HEALTH_READY ? 200 : 503,
                      json_pack("{s:s,s:s}", "status", dsv4_client_health_name(h.status), "reason", h.reason));
@@ -111,12 +118,17 @@ void oai_run_metrics(struct dsv4_oai_job *j)
         rc = dsv4_client_stats(c, &st);
     if (rc == 0)
         rc = dsv4_client_health(c, &h);
-    metric(&b, "dsv4d_up", "gauge", "1 when dsv4d answered this scrape", rc == 0);
-    if (rc == 0) {
+    bool draining = rc < 0 && refused_draining(c);
+    if (draining)
+        h.status = DSV4_CLIENT_HEALTH_DRAINING;
+    metric(&b, "dsv4d_up", "gauge", "1 when dsv4d answered this scrape", rc == 0 || draining);
+    if (rc == 0 || draining) {
         dsv4_buf_printf(&b, "# HELP dsv4d_health dsv4d's state (1 for the current one)\n# TYPE dsv4d_health gauge\n");
         /* every state, failed and unknown (one newer than this front) too: each series exists, one is 1 */
         for (int k = DSV4_CLIENT_HEALTH_READY; k <= DSV4_CLIENT_HEALTH_UNKNOWN; k++)
             dsv4_buf_printf(&b, "dsv4d_health{status=\"%s\"} %d\n", dsv4_client_health_name(k), (int)h.status == k);
+    }
+    if (rc == 0) {
         dsv4_buf_printf(&b, "# HELP dsv4d_info the backend and kernel variants in use\n# TYPE dsv4d_info gauge\n"
                         "dsv4d_info{backend=\"");
         label_value(&b, st.backend);

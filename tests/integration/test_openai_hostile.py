@@ -93,7 +93,8 @@ STATS = {"uptime_s": 12.5, "backend": "cpu", "slots_total": 4, "slots_busy": 1, 
 
 
 class ScriptedDsv4d(UnixServer):
-    """Answers stats (self.stats) and health (self.health)."""
+    """Answers stats (self.stats) and health (self.health); while self.draining, tells each new connection so
+    and closes it, as dsv4d does during a drain."""
 
     def __init__(self, path, hello_gate=None):
         self.requests = []
@@ -101,6 +102,7 @@ class ScriptedDsv4d(UnixServer):
         self.hello_asked = threading.Event()
         self.stats = dict(STATS)
         self.health = "ready"
+        self.draining = False
         super().__init__(path)
 
     def handle(self, conn):
@@ -112,6 +114,10 @@ class ScriptedDsv4d(UnixServer):
         conn.sendall(struct.pack(">I", len(body)) + body)
 
     def serve(self, conn):
+        if self.draining:
+            self.send(conn, [2, "error", [{"code": 501, "name": "draining", "message": "dsv4d is shutting down"}]])
+            conn.close()
+            return
         buf = b""
         held = []
         while True:
@@ -448,7 +454,7 @@ try:
          and "still running" not in log and rc == 0,
          "stopping while a request waits for dsv4d's hello: it gets 503 cancelled (stopped in %.1f s)" % took,
          (asked, got[-400:], rc, log[-2000:]))
-    # ---- /metrics from what dsv4d says of itself: odd strings, every state
+    # ---- /metrics from what dsv4d says of itself: odd strings, every state, a drain, no dsv4d
     fake.stats["backend"] = 'cpu "x"\\'
     fake.stats["kernels"] = ['variant "a"\\b\nc']
     status, _, body = http(fake_front, "GET", "/metrics")
@@ -465,6 +471,25 @@ try:
          and states == {"ready": 0, "loading": 0, "draining": 0, "failed": 1, "unknown": 0},
          "/metrics of a failed dsv4d: dsv4d_health{status=\"failed\"} 1, every other state 0", (problems, body))
     fake.health = "ready"
+    fake.draining = True
+    status, _, body = http(fake_front, "GET", "/health", key=None)
+    health = json.loads(body)
+    t.ok(status == 503 and health["status"] == "draining" and "shutting down" in health["reason"],
+         "/health while dsv4d drains: 503 draining, with dsv4d's reason", body)
+    status, _, body = http(fake_front, "GET", "/metrics")
+    problems, _, samples = exposition(body.decode())
+    t.ok(status == 200 and not problems and sample(samples, "dsv4d_up") == 1
+         and sample(samples, "dsv4d_health", status="draining") == 1
+         and sample(samples, "dsv4d_health", status="ready") == 0 and sample(samples, "dsv4d_slots") is None,
+         "/metrics while dsv4d drains: dsv4d_up 1 and dsv4d_health{status=\"draining\"} 1 (it answers no stats)",
+         (problems, body))
+    os.unlink(fake.path)    # no socket to connect to (closing the listener leaves its pending accept serving)
+    status, _, body = http(fake_front, "GET", "/metrics")
+    problems, _, samples = exposition(body.decode())
+    t.ok(status == 200 and not problems and sample(samples, "dsv4d_up") == 0
+         and not any(k[0] == "dsv4d_health" for k in samples)
+         and sample(samples, "dsv4_openai_requests_total", endpoint="metrics") is not None,
+         "/metrics with no dsv4d: 200, dsv4d_up 0 and the front's own counters", (problems, body))
 
     # ---- logprobs' second connection (it detokenizes the alternatives) has no generate in flight: dsv4d
     # closes it as one idle connection too many (max_idle_per_uid), and the choice fails rather than
