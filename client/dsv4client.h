@@ -227,6 +227,8 @@ int dsv4_client_detokenize(struct dsv4_client *c, const int32_t *tokens, size_t 
 /* ---- stats, health ---- */
 
 #define DSV4_CLIENT_MAX_KERNELS 64
+/* Bytes of one kernel line, the protocol's limit on names: a CUDA server's lines run past 100. */
+#define DSV4_CLIENT_MAX_KERNEL_NAME 256
 /* Decode batch-size histogram buckets: batches of 1, 2, 3-4, 5-8, ..., (2^(i-1), 2^i]; the last one
  * the server sends also counts everything larger. */
 #define DSV4_CLIENT_MAX_BATCH_BUCKETS 32
@@ -244,7 +246,7 @@ struct dsv4_client_stats {
     uint64_t device_allocs_after_boot, graph_captures_after_boot;
     uint64_t eager_steps;                    /* steps launched outside the boot's graphs (long prefill chunks) */
     size_t n_kernels;
-    char kernels[DSV4_CLIENT_MAX_KERNELS][64];
+    char kernels[DSV4_CLIENT_MAX_KERNELS][DSV4_CLIENT_MAX_KERNEL_NAME + 1];
     uint64_t steps, decode_steps;            /* engine steps that did work; those that decoded */
     size_t n_batch_hist;                     /* 0 until the engine runs */
     uint64_t batch_hist[DSV4_CLIENT_MAX_BATCH_BUCKETS];   /* decode steps per bucket; they sum to decode_steps */
