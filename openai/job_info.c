@@ -149,8 +149,12 @@ void oai_run_metrics(struct dsv4_oai_job *j)
                (double)st.requests_cancelled);
         metric(&b, "dsv4d_prompt_tokens_total", "counter", "prompt tokens accepted", (double)st.prompt_tokens_total);
         metric(&b, "dsv4d_generated_tokens_total", "counter", "tokens generated", (double)st.generated_tokens_total);
-        metric(&b, "dsv4d_prefill_tokens_per_second", "gauge", "recent prefill rate", st.prefill_tokens_per_s);
-        metric(&b, "dsv4d_decode_tokens_per_second", "gauge", "recent decode rate", st.decode_tokens_per_s);
+        metric(&b, "dsv4d_prefill_tokens_per_second", "gauge",
+               "prompt tokens prefilled since start over the engine's busy seconds (not a recent rate)",
+               st.prefill_tokens_per_s);
+        metric(&b, "dsv4d_decode_tokens_per_second", "gauge",
+               "tokens generated since start over the engine's busy seconds (for a recent rate: "
+               "rate(dsv4d_generated_tokens_total))", st.decode_tokens_per_s);
         metric(&b, "dsv4d_device_arena_bytes", "gauge", "the boot-time device allocation", (double)st.device_arena_bytes);
         metric(&b, "dsv4d_heap_allocated_bytes", "gauge", "heap bytes allocated", (double)st.heap_allocated);
         metric(&b, "dsv4d_heap_resident_bytes", "gauge", "heap bytes resident", (double)st.heap_resident);
