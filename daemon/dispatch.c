@@ -593,9 +593,13 @@ int dsv4_dispatch_prompts_done(sd_event_source *src, int fd, uint32_t revents, v
             }
             dsv4_tok_ids_free(&ids);
         } else if (!req->conn) {
+            /* Cancelled before its prompt was ready: a request, as one cancelled while held for boot
+             * is, so that requests_cancelled stays a part of requests_total. */
+            d->counters.requests_total++;
             d->counters.requests_cancelled++;
             request_free(d, req);
         } else if (req->cancel_asked) {
+            d->counters.requests_total++;
             d->counters.requests_cancelled++;
             finish_unsubmitted(d, req, DSV4_PROTO_FINISH_CANCELLED);
         } else if (req->job_rc < 0) {

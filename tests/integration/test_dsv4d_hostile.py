@@ -365,11 +365,16 @@ try:
          "tokenize of 80 KiB (on the prompt worker) gives the ids", err)
 
     # Cancelled while tokenizing, and a client leaving while its prompt is tokenized.
+    _, st0 = c.call("stats")
     mid = c.request("generate", {"prompt": "z" * (1 << 20), "max_tokens": 1})
     err, res = c.call("cancel", {"msgid": mid})
     t.ok(err is None and res["cancelled"], "a request being tokenized can be cancelled", (err, res))
     err, res = c.response(mid)
     t.ok(err is None and res["finish_reason"] == "cancelled", "  and answers cancelled", (err, res))
+    _, st1 = c.call("stats")
+    t.ok(st1["requests_cancelled"] == st0["requests_cancelled"] + 1
+         and st1["requests_total"] == st0["requests_total"] + 1,
+         "  and counts in stats as a request, and a cancelled one (never more cancelled than requests)", (st0, st1))
     for k in range(4):
         q = Client(d.sock_path)
         q.send_raw(gen({"prompt": "q" * (1 << 20), "max_tokens": 1}, msgid=k))
