@@ -889,8 +889,15 @@ int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret)
     ret->engine_busy_s = st.engine_busy_s;
     ret->engine_backend_s = st.engine_backend_s;
     ret->engine_gap_s = st.engine_gap_s;
+    ret->present = st.present;
     dsv4_proto_stats_clear(&st);
     return 0;
+}
+
+bool dsv4_client_stats_has(const struct dsv4_client_stats *st, const char *key)
+{
+    struct dsv4_proto_stats p = {.present = st->present};
+    return dsv4_proto_stats_has(&p, key);
 }
 
 const char *dsv4_client_health_name(enum dsv4_client_health_status s)

@@ -268,9 +268,13 @@ struct dsv4_client_stats {
      * (the rest is the steps' host work: scheduling, host sampling, text); and between a step that
      * left requests running and the next (the loop's own time). 0 from a server that predates them. */
     double engine_busy_s, engine_backend_s, engine_gap_s;
+    uint64_t present;                        /* which keys the server sent: read it through dsv4_client_stats_has */
 };
 
 int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret);
+/* Whether the server sent the numeric stats key (its name in doc/PROTOCOL.md, e.g. "prefix_cache_hits"):
+ * a server older than the key leaves it out and the field reads 0, which is not a count of 0. */
+bool dsv4_client_stats_has(const struct dsv4_client_stats *st, const char *key);
 
 enum dsv4_client_health_status {
     DSV4_CLIENT_HEALTH_READY = 0,

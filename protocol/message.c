@@ -872,6 +872,9 @@ static const struct stat_field stat_fields[] = {
     STAT(engine_gap_s, STAT_F64),
 };
 
+/* dsv4_proto_stats.present holds a bit per entry */
+_Static_assert(ARRAY_SIZE(stat_fields) <= 64, "stat_fields outgrew dsv4_proto_stats.present");
+
 /* An optional array of uint64 under key, at most max entries, into out[*n]. */
 static int read_u64_array(const msgpack_object *map, const char *key, const char *ctx, uint32_t max, uint64_t *out,
                           uint32_t *n, struct dsv4_proto_error *err)
@@ -944,6 +947,8 @@ int dsv4_proto_decode_stats_result(const struct dsv4_proto_message *msg, struct 
         case STAT_U64: rc = dsv4_wire_opt_u64(map, stat_fields[i].name, ctx, p, err); break;
         case STAT_F64: rc = dsv4_wire_opt_f64(map, stat_fields[i].name, ctx, p, err); break;
         }
+        if (dsv4_wire_get(map, stat_fields[i].name))
+            st->present |= 1ull << i;
     }
     if (rc == 0)
         rc = dsv4_wire_opt_str(map, "backend", ctx, DSV4_PROTO_MAX_NAME, &st->backend, NULL, err);
@@ -979,6 +984,14 @@ void dsv4_proto_stats_clear(struct dsv4_proto_stats *st)
     for (uint32_t i = 0; i < st->n_kernels && i < DSV4_PROTO_MAX_KERNELS; i++)
         free(st->kernels[i]);
     memset(st, 0, sizeof(*st));
+}
+
+bool dsv4_proto_stats_has(const struct dsv4_proto_stats *st, const char *key)
+{
+    for (size_t i = 0; i < ARRAY_SIZE(stat_fields); i++)
+        if (strcmp(stat_fields[i].name, key) == 0)
+            return st->present >> i & 1;
+    return false;
 }
 
 static const char *const health_names[] = {

@@ -454,12 +454,16 @@ struct dsv4_proto_stats {
     double engine_gap_s;           /* between a step that left requests running and the next one */
     uint32_t n_kernels;
     char *kernels[DSV4_PROTO_MAX_KERNELS];   /* kernel variants in use */
+    uint64_t present;              /* decoded: which scalar keys the map held (dsv4_proto_stats_has) */
 };
 
 int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_stats *st);
 int dsv4_proto_decode_stats_result(const struct dsv4_proto_message *msg, struct dsv4_proto_stats *st,
                                    struct dsv4_proto_error *err);
 void dsv4_proto_stats_clear(struct dsv4_proto_stats *st);
+/* Whether a decoded stats result held the scalar key (one of the struct's numeric fields, by its wire
+ * name): a server older than the key leaves it out, and it reads 0 then, which is not the same. */
+bool dsv4_proto_stats_has(const struct dsv4_proto_stats *st, const char *key);
 
 enum dsv4_proto_health_status {
     DSV4_PROTO_HEALTH_READY = 0,

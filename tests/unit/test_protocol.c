@@ -662,6 +662,8 @@ static void test_small_methods(void **state)
         assert_int_equal(dsv4_proto_encode_stats_result(&buf, msgid, &st), 0);
         decode_frame(&buf, &cl, &msg);
         assert_int_equal(dsv4_proto_decode_stats_result(&msg, &gs, &err), 0);
+        assert_true(dsv4_proto_stats_has(&gs, "uptime_s") && dsv4_proto_stats_has(&gs, "engine_gap_s")
+                    && dsv4_proto_stats_has(&gs, "prefix_cache_hits"));
         assert_true(gs.uptime_s == st.uptime_s);
         assert_string_equal(gs.backend, st.backend);
         assert_int_equal(gs.slots_total, st.slots_total);
@@ -925,6 +927,11 @@ static void test_stats_compat(void **state)
         assert_true(gs.requests_total == total);
         assert_true(gs.steps == 0 && gs.decode_steps == 0 && gs.n_batch_hist == 0);
         assert_true(gs.sched_allocations == 0 && gs.sched_allocations_after_boot == 0);
+        /* the keys it sent are there, the others absent (not counts of 0), unknown names too */
+        assert_true(dsv4_proto_stats_has(&gs, "requests_total"));
+        assert_false(dsv4_proto_stats_has(&gs, "sched_allocations_after_boot"));
+        assert_false(dsv4_proto_stats_has(&gs, "prefix_cache_hits"));
+        assert_false(dsv4_proto_stats_has(&gs, "no_such_key"));
         dsv4_proto_stats_clear(&gs);
         dsv4_proto_message_clear(&msg);
 
