@@ -105,6 +105,33 @@ static void metric(struct dsv4_buf *b, const char *name, const char *type, const
     dsv4_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
 }
 
+/* A series of a stats key that an older dsv4d leaves out: none then, rather than a 0 that reads as a count. */
+static void stat_metric(struct dsv4_buf *b, const struct dsv4_client_stats *st, const char *key, const char *name,
+                        const char *type, const char *help, double v)
+{
+    if (dsv4_client_stats_has(st, key))
+        metric(b, name, type, help, v);
+}
+
+/* Speculative decoding's verifies by drafts accepted: entry a counts a accepted (a = 0 .. spec_tokens), so the
+ * sum is the drafts accepted. None while off (no entries). */
+static void spec_histogram(struct dsv4_buf *b, const struct dsv4_client_stats *st)
+{
+    if (st->n_spec_hist == 0)
+        return;
+    dsv4_buf_printf(b, "# HELP dsv4d_spec_accepted_drafts speculative verifies by drafted tokens accepted\n"
+                    "# TYPE dsv4d_spec_accepted_drafts histogram\n");
+    uint64_t cum = 0, sum = 0;
+    for (size_t a = 0; a < st->n_spec_hist; a++) {
+        cum += st->spec_hist[a];
+        sum += a * st->spec_hist[a];
+        dsv4_buf_printf(b, "dsv4d_spec_accepted_drafts_bucket{le=\"%zu\"} %" PRIu64 "\n", a, cum);
+    }
+    dsv4_buf_printf(b, "dsv4d_spec_accepted_drafts_bucket{le=\"+Inf\"} %" PRIu64 "\n"
+                    "dsv4d_spec_accepted_drafts_sum %" PRIu64 "\n"
+                    "dsv4d_spec_accepted_drafts_count %" PRIu64 "\n", cum, sum, cum);
+}
+
 /* Prometheus text exposition of dsv4d's stats and this front's own counters. */
 void oai_run_metrics(struct dsv4_oai_job *j)
 {
@@ -155,13 +182,55 @@ void oai_run_metrics(struct dsv4_oai_job *j)
         metric(&b, "dsv4d_decode_tokens_per_second", "gauge",
                "tokens generated since start over the engine's busy seconds (for a recent rate: "
                "rate(dsv4d_generated_tokens_total))", st.decode_tokens_per_s);
-        metric(&b, "dsv4d_device_arena_bytes", "gauge", "the boot-time device allocation", (double)st.device_arena_bytes);
+        metric(&b, "dsv4d_device_arena_bytes", "gauge",
+               "memory reserved at boot for sequence caches, workspaces and the prefix-cache pool (weights not "
+               "included; host memory on the cpu backend)", (double)st.device_arena_bytes);
+        stat_metric(&b, &st, "device_arena_used", "dsv4d_device_arena_used_bytes", "gauge",
+                    "of that, the bytes carved out at boot (all of it: it is carved whole then)",
+                    (double)st.device_arena_used);
         metric(&b, "dsv4d_heap_allocated_bytes", "gauge", "heap bytes allocated", (double)st.heap_allocated);
+        stat_metric(&b, &st, "heap_active", "dsv4d_heap_active_bytes", "gauge",
+                    "heap bytes in active pages (jemalloc stats.active)", (double)st.heap_active);
         metric(&b, "dsv4d_heap_resident_bytes", "gauge", "heap bytes resident", (double)st.heap_resident);
+        stat_metric(&b, &st, "heap_mapped", "dsv4d_heap_mapped_bytes", "gauge",
+                    "heap bytes in mapped extents (jemalloc stats.mapped)", (double)st.heap_mapped);
         metric(&b, "dsv4d_device_allocs_after_boot", "gauge", "device allocations after boot (stays 0)",
                (double)st.device_allocs_after_boot);
         metric(&b, "dsv4d_graph_captures_after_boot", "gauge", "graph captures after boot (stays 0)",
                (double)st.graph_captures_after_boot);
+        stat_metric(&b, &st, "sched_allocations_after_boot", "dsv4d_sched_allocations_after_boot", "gauge",
+                    "scheduler heap allocations after boot (stays 0)", (double)st.sched_allocations_after_boot);
+        stat_metric(&b, &st, "sched_allocations", "dsv4d_sched_allocations_total", "counter",
+                    "heap allocations the scheduler made, boot included", (double)st.sched_allocations);
+        stat_metric(&b, &st, "eager_steps", "dsv4d_eager_steps_total", "counter",
+                    "steps launched kernel by kernel rather than as a graph captured at boot (long prefill chunks)",
+                    (double)st.eager_steps);
+        stat_metric(&b, &st, "prefix_cache_bytes", "dsv4d_prefix_cache_bytes", "gauge",
+                    "the prefix-cache pool reserved at boot (0: off)", (double)st.prefix_cache_bytes);
+        stat_metric(&b, &st, "prefix_cache_used_bytes", "dsv4d_prefix_cache_used_bytes", "gauge",
+                    "of the prefix-cache pool, the bytes holding snapshots", (double)st.prefix_cache_used_bytes);
+        stat_metric(&b, &st, "prefix_cache_tokens", "dsv4d_prefix_cache_tokens", "gauge",
+                    "tokens whose compressed entries the prefix cache holds", (double)st.prefix_cache_tokens);
+        stat_metric(&b, &st, "prefix_cache_snapshots", "dsv4d_prefix_cache_snapshots", "gauge",
+                    "block boundaries in the prefix cache a request can continue from",
+                    (double)st.prefix_cache_snapshots);
+        stat_metric(&b, &st, "prefix_cache_lookups", "dsv4d_prefix_cache_lookups_total", "counter",
+                    "generate requests that consulted the prefix cache", (double)st.prefix_cache_lookups);
+        stat_metric(&b, &st, "prefix_cache_hits", "dsv4d_prefix_cache_hits_total", "counter",
+                    "of those, requests that restored a prefix (misses: lookups - hits)", (double)st.prefix_cache_hits);
+        stat_metric(&b, &st, "prefix_cache_hit_tokens", "dsv4d_prefix_cache_hit_tokens_total", "counter",
+                    "prompt tokens restored from the prefix cache instead of prefilled",
+                    (double)st.prefix_cache_hit_tokens);
+        stat_metric(&b, &st, "prefix_cache_evictions", "dsv4d_prefix_cache_evictions_total", "counter",
+                    "prefix-cache snapshots evicted to make room", (double)st.prefix_cache_evictions);
+        stat_metric(&b, &st, "spec_tokens", "dsv4d_spec_tokens", "gauge",
+                    "tokens the MTP block drafts per decode step (0: speculative decoding off)", st.spec_tokens);
+        stat_metric(&b, &st, "spec_verifies", "dsv4d_spec_verifies_total", "counter",
+                    "verifies of a request that had drafts", (double)st.spec_verifies);
+        stat_metric(&b, &st, "spec_drafted", "dsv4d_spec_drafted_tokens_total", "counter",
+                    "drafted tokens those verifies checked", (double)st.spec_drafted);
+        stat_metric(&b, &st, "spec_accepted", "dsv4d_spec_accepted_tokens_total", "counter",
+                    "drafted tokens accepted (the tokens speculation saved)", (double)st.spec_accepted);
         metric(&b, "dsv4d_steps_total", "counter", "engine steps that did work", (double)st.steps);
         metric(&b, "dsv4d_decode_steps_total", "counter", "steps that decoded", (double)st.decode_steps);
         metric(&b, "dsv4d_engine_busy_seconds_total", "counter", "time inside engine steps that did work",
@@ -180,6 +249,7 @@ void oai_run_metrics(struct dsv4_oai_job *j)
         }
         dsv4_buf_printf(&b, "dsv4d_decode_batch_size_bucket{le=\"+Inf\"} %" PRIu64 "\n"
                         "dsv4d_decode_batch_size_count %" PRIu64 "\n", st.decode_steps, st.decode_steps);
+        spec_histogram(&b, &st);
     }
     static const char *const route_names[] = {"chat_completions", "completions", "models", "models_retrieve", "health",
                                               "metrics"};

@@ -265,6 +265,15 @@ try:
          and counters and all(after[k] >= before.get(k, 0) for k in counters),
          "/metrics after one chat: dsv4d's counters as its stats say, one request more, no counter went down",
          (problems, st, body))
+    t.ok(not problems and all(sample(after, k) == 0 for k in ["dsv4d_device_allocs_after_boot",
+                                                              "dsv4d_graph_captures_after_boot",
+                                                              "dsv4d_sched_allocations_after_boot"])
+         and sample(after, "dsv4d_sched_allocations_total") == st["sched_allocations"]
+         and sample(after, "dsv4d_prefix_cache_lookups_total") == st["prefix_cache_lookups"]
+         and sample(after, "dsv4d_prefix_cache_bytes") == st["prefix_cache_bytes"]
+         and sample(after, "dsv4d_heap_mapped_bytes") is not None,
+         "/metrics after one chat: no device or scheduler allocation and no graph capture after boot; the "
+         "scheduler's and prefix cache's counts as dsv4d's stats say", (problems, st, body))
 
     # ---- 16 concurrent streams give what one at a time gives (greedy and seeded)
     questions = ["What is %d*%d?" % (a, b) for a, b in [(2, 3), (4, 5), (6, 7), (8, 9), (11, 12), (13, 3), (14, 2),

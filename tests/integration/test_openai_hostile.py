@@ -89,7 +89,22 @@ STATS = {"uptime_s": 12.5, "backend": "cpu", "slots_total": 4, "slots_busy": 1, 
          "device_arena_bytes": 4096, "device_arena_used": 4096, "heap_allocated": 1024, "heap_active": 1024,
          "heap_resident": 2048, "heap_mapped": 4096, "device_allocs_after_boot": 0, "graph_captures_after_boot": 0,
          "eager_steps": 0, "kernels": ["cpu reference fp32"], "steps": 30, "decode_steps": 20,
-         "batch_size_hist": [15, 5, 0], "engine_busy_s": 0.5, "engine_backend_s": 0.4, "engine_gap_s": 0.01}
+         "batch_size_hist": [15, 5, 0], "engine_busy_s": 0.5, "engine_backend_s": 0.4, "engine_gap_s": 0.01,
+         "sched_allocations": 37, "sched_allocations_after_boot": 0, "prefix_cache_bytes": 1 << 20,
+         "prefix_cache_used_bytes": 65536, "prefix_cache_tokens": 512, "prefix_cache_snapshots": 8,
+         "prefix_cache_lookups": 6, "prefix_cache_hits": 4, "prefix_cache_hit_tokens": 256, "prefix_cache_evictions": 2,
+         "spec_tokens": 2, "spec_verifies": 10, "spec_drafted": 20, "spec_accepted": 13, "spec_accept_hist": [2, 3, 5]}
+# The /metrics series of the stats keys a version 1 dsv4d may leave out (doc/PROTOCOL.md, section 7), and the
+# scripted values they show.
+OPTIONAL_SERIES = {"dsv4d_device_arena_used_bytes": 4096, "dsv4d_heap_active_bytes": 1024,
+                   "dsv4d_heap_mapped_bytes": 4096, "dsv4d_sched_allocations_after_boot": 0,
+                   "dsv4d_sched_allocations_total": 37, "dsv4d_eager_steps_total": 0,
+                   "dsv4d_prefix_cache_bytes": 1 << 20, "dsv4d_prefix_cache_used_bytes": 65536,
+                   "dsv4d_prefix_cache_tokens": 512, "dsv4d_prefix_cache_snapshots": 8,
+                   "dsv4d_prefix_cache_lookups_total": 6, "dsv4d_prefix_cache_hits_total": 4,
+                   "dsv4d_prefix_cache_hit_tokens_total": 256, "dsv4d_prefix_cache_evictions_total": 2,
+                   "dsv4d_spec_tokens": 2, "dsv4d_spec_verifies_total": 10, "dsv4d_spec_drafted_tokens_total": 20,
+                   "dsv4d_spec_accepted_tokens_total": 13}
 
 
 class ScriptedDsv4d(UnixServer):
@@ -454,7 +469,28 @@ try:
          and "still running" not in log and rc == 0,
          "stopping while a request waits for dsv4d's hello: it gets 503 cancelled (stopped in %.1f s)" % took,
          (asked, got[-400:], rc, log[-2000:]))
-    # ---- /metrics from what dsv4d says of itself: odd strings, every state, a drain, no dsv4d
+    # ---- /metrics from what dsv4d says of itself: every stat, an older dsv4d's, odd strings, every state, a drain,
+    # no dsv4d
+    status, _, body = http(fake_front, "GET", "/metrics")
+    problems, types, samples = exposition(body.decode())
+    spec = {dict(k[1]).get("le", k[0]): v for k, v in samples.items() if k[0].startswith("dsv4d_spec_accepted_drafts")}
+    t.ok(status == 200 and not problems
+         and {k: sample(samples, k) for k in OPTIONAL_SERIES} == OPTIONAL_SERIES
+         and all(types[k] == ("counter" if k.endswith("_total") else "gauge") for k in OPTIONAL_SERIES)
+         and spec == {"0": 2, "1": 5, "2": 10, "+Inf": 10, "dsv4d_spec_accepted_drafts_sum": 13,
+                      "dsv4d_spec_accepted_drafts_count": 10},
+         "/metrics: the allocation, prefix-cache, speculation and heap stats, as dsv4d's stats say",
+         (problems, body))
+    for key in ["device_arena_used", "heap_active", "heap_mapped", "eager_steps"] + \
+            [k for k in STATS if k.startswith(("sched_", "prefix_cache_", "spec_"))]:
+        del fake.stats[key]
+    status, _, body = http(fake_front, "GET", "/metrics")
+    problems, _, samples = exposition(body.decode())
+    t.ok(status == 200 and not problems and sample(samples, "dsv4d_slots") == 4
+         and not [k for k in samples if k[0] in OPTIONAL_SERIES or k[0].startswith("dsv4d_spec_")],
+         "/metrics of a dsv4d that predates a stats key: that key's series is left out, not shown as 0",
+         (problems, body))
+    fake.stats = dict(STATS)
     fake.stats["backend"] = 'cpu "x"\\'
     fake.stats["kernels"] = ['variant "a"\\b\nc']
     status, _, body = http(fake_front, "GET", "/metrics")
