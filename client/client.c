@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* libdsv4client: one connection per handle, requests answered in order on the calling thread; only
- * dsv4_client_cancel() crosses threads, through the write lock. */
+/* libdsv4client: one connection per handle, requests answered in order on the calling thread, which
+ * alone reads and writes the socket. Only dsv4_client_cancel() crosses threads: it marks the cancel
+ * under a lock never held across I/O and wakes that thread, which writes the cancel frame itself. */
 #include "build-config.h"
 
 #include <errno.h>
@@ -11,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
@@ -24,16 +26,22 @@
 #define CLIENT_MESSAGE_MAX 512
 
 struct dsv4_client {
-    int fd;                          /* -1 when not connected; changed under write_lock */
+    int fd;                          /* -1 when not connected */
     int timeout_ms;
-    pthread_mutex_t write_lock;      /* fd writes, fd close, and the fields below it */
     uint32_t next_msgid;
-    /* The generate call in progress, as dsv4_client_cancel() sees it from any thread. A cancel that
-     * comes before the request is on the wire is remembered and sent right after it. */
+    /* The generate call in progress, as dsv4_client_cancel() sees it from any thread: cancel_lock
+     * guards the two flags and is never held across I/O, so a cancel never waits for the socket. */
+    pthread_mutex_t cancel_lock;
     bool in_generate;
-    bool request_written;
     bool cancel_wanted;
+    int wake_fd;                     /* eventfd: a cancel wakes the generating thread's polls */
+    /* The generating thread's side of a cancel. One that comes before the request is on the wire is
+     * written right after it; one that comes while the request waits for room ends the call. */
+    bool request_written;
     bool cancel_sent;
+    bool cancel_begun;               /* part of the cancel frame is on the stream */
+    struct dsv4_proto_buf cancel_out;    /* what of the cancel frame is not written yet */
+    int64_t cancel_deadline;         /* when writing it gives up (-1: never) */
     int cancel_error;                /* a cancel that could not be written: the socket is shut down */
     uint32_t generate_msgid;
     struct dsv4_proto_reader reader;
@@ -65,12 +73,11 @@ static void reset_error(struct dsv4_client *c)
 
 static void disconnect(struct dsv4_client *c)
 {
-    pthread_mutex_lock(&c->write_lock);
     if (c->fd >= 0)
         close(c->fd);
     c->fd = -1;
     c->cancel_error = 0;
-    pthread_mutex_unlock(&c->write_lock);
+    dsv4_proto_buf_reset(&c->cancel_out);
     dsv4_proto_reader_clear(&c->reader);
     dsv4_proto_reader_init(&c->reader, c->limits.max_frame);
 }
@@ -81,7 +88,12 @@ struct dsv4_client *dsv4_client_new(void)
     if (!c)
         return NULL;
     c->fd = -1;
-    pthread_mutex_init(&c->write_lock, NULL);
+    c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (c->wake_fd < 0) {
+        free(c);
+        return NULL;
+    }
+    pthread_mutex_init(&c->cancel_lock, NULL);
     dsv4_proto_limits_client(&c->limits);
     dsv4_proto_reader_init(&c->reader, c->limits.max_frame);
     c->next_msgid = 1;
@@ -95,8 +107,10 @@ void dsv4_client_close(struct dsv4_client *c)
     disconnect(c);
     dsv4_proto_reader_clear(&c->reader);
     dsv4_proto_buf_clear(&c->out);
+    dsv4_proto_buf_clear(&c->cancel_out);
     dsv4_proto_hello_result_clear(&c->hello);
-    pthread_mutex_destroy(&c->write_lock);
+    close(c->wake_fd);
+    pthread_mutex_destroy(&c->cancel_lock);
     free(c);
 }
 
@@ -127,8 +141,9 @@ static int64_t now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* poll one fd until events or the deadline (-1: none); 0, -ETIMEDOUT or -errno. */
-static int wait_fd(int fd, short events, int64_t deadline)
+/* poll the socket until events or the deadline (-1: none); 0, -ETIMEDOUT or -errno. A cancel's wake-up
+ * ends the wait as well (0: the caller looks at what it has to do, and waits again). */
+static int wait_fd(struct dsv4_client *c, short events, int64_t deadline)
 {
     for (;;) {
         int t = -1;
@@ -138,10 +153,14 @@ static int wait_fd(int fd, short events, int64_t deadline)
                 return -ETIMEDOUT;
             t = left > 1 << 30 ? 1 << 30 : (int)left;
         }
-        struct pollfd p = { .fd = fd, .events = events };
-        int n = poll(&p, 1, t);
-        if (n > 0)
+        struct pollfd p[2] = { { .fd = c->fd, .events = events }, { .fd = c->wake_fd, .events = POLLIN } };
+        int n = poll(p, 2, t);
+        if (n > 0) {
+            uint64_t v;
+            if (p[1].revents && read(c->wake_fd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+                return -errno;
             return 0;
+        }
         if (n == 0)
             return -ETIMEDOUT;
         if (errno != EINTR)
@@ -160,9 +179,7 @@ int dsv4_client_connect_fd(struct dsv4_client *c, int fd)
         close(fd);
         return fail(c, -e, "socket: %s", strerror(e));
     }
-    pthread_mutex_lock(&c->write_lock);
     c->fd = fd;
-    pthread_mutex_unlock(&c->write_lock);
     return 0;
 }
 
@@ -207,21 +224,32 @@ int dsv4_client_connect(struct dsv4_client *c, const char *path, int timeout_ms)
     return dsv4_client_connect_fd(c, fd);
 }
 
-/* Write a whole frame; the caller holds the write lock. The fd stays non-blocking, poll waits for room. */
-static int write_locked(struct dsv4_client *c, const uint8_t *data, size_t len, int timeout_ms)
+static bool cancel_wanted(struct dsv4_client *c)
 {
-    int64_t deadline = timeout_ms > 0 ? now_ms() + timeout_ms : -1;
+    pthread_mutex_lock(&c->cancel_lock);
+    bool wanted = c->cancel_wanted;
+    pthread_mutex_unlock(&c->cancel_lock);
+    return wanted;
+}
+
+/* Write a whole frame; the fd stays non-blocking, poll waits for room. A generate request that must
+ * wait for room stops at a cancel: -ECANCELED, *sent telling how much of it is on the stream. */
+static int write_all(struct dsv4_client *c, const uint8_t *data, size_t len, bool is_generate, size_t *sent)
+{
+    int64_t deadline = c->timeout_ms > 0 ? now_ms() + c->timeout_ms : -1;
+    *sent = 0;
     if (c->fd < 0)
         return -ENOTCONN;
-    while (len > 0) {
-        ssize_t n = send(c->fd, data, len, MSG_NOSIGNAL);
+    while (*sent < len) {
+        ssize_t n = send(c->fd, data + *sent, len - *sent, MSG_NOSIGNAL);
         if (n > 0) {
-            data += n;
-            len -= (size_t)n;
+            *sent += (size_t)n;
         } else if (n < 0 && errno == EINTR) {
             continue;
         } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int rc = wait_fd(c->fd, POLLOUT, deadline);
+            if (is_generate && cancel_wanted(c))
+                return -ECANCELED;
+            int rc = wait_fd(c, POLLOUT, deadline);
             if (rc < 0)
                 return rc;
         } else {
@@ -231,49 +259,84 @@ static int write_locked(struct dsv4_client *c, const uint8_t *data, size_t len, 
     return 0;
 }
 
-/* Cancel the generate in progress; the caller holds the write lock. A cancel that could not be
- * written may have left part of its frame on the stream, and the generate would go on as though it
- * had been sent: the socket is shut down (not closed: the generating thread owns the reader), so that
- * thread's next read ends the call with cancel_error and closes the connection. */
-static int send_cancel_locked(struct dsv4_client *c)
+/* A cancel that could not be written may have left part of its frame on the stream, and the generate
+ * would go on as though it had been sent: the socket is shut down, so that the next read ends the call
+ * with cancel_error (after whatever had arrived: a whole result still counts) and closes the connection. */
+static void cancel_failed(struct dsv4_client *c, int rc)
 {
-    struct dsv4_proto_cancel req = { .msgid = c->generate_msgid };
-    struct dsv4_proto_buf b;
-    dsv4_proto_buf_init(&b);
-    int rc = dsv4_proto_encode_cancel(&b, c->next_msgid++, &req);
-    if (rc == 0)
-        rc = write_locked(c, b.data, b.len, c->timeout_ms);
-    dsv4_proto_buf_clear(&b);
-    c->cancel_sent = true;
-    if (rc < 0 && c->fd >= 0) {
-        shutdown(c->fd, SHUT_RDWR);
-        c->cancel_error = rc;
-    }
-    return rc;
+    dsv4_proto_buf_reset(&c->cancel_out);
+    c->cancel_error = rc;
+    shutdown(c->fd, SHUT_RDWR);
 }
 
-/* Write a whole frame under the write lock. is_generate marks the generate request on the wire in the
- * same critical section, and sends a cancel that was asked for before it. */
-static int write_frame(struct dsv4_client *c, const uint8_t *data, size_t len, int timeout_ms, bool is_generate)
+/* On the generating thread, between its reads: once its request is on the wire, queue a cancel that
+ * was asked for and write what the socket takes of it without waiting; the read loop waits for room
+ * for the rest, until cancel_deadline. */
+static void flush_cancel(struct dsv4_client *c)
 {
-    pthread_mutex_lock(&c->write_lock);
-    int rc = write_locked(c, data, len, timeout_ms);
-    if (rc == 0 && is_generate) {
-        c->request_written = true;
-        if (c->cancel_wanted && !c->cancel_sent)
-            rc = send_cancel_locked(c);
+    if (!c->request_written || c->cancel_error)
+        return;
+    if (!c->cancel_sent && cancel_wanted(c)) {
+        struct dsv4_proto_cancel req = { .msgid = c->generate_msgid };
+        int rc = dsv4_proto_encode_cancel(&c->cancel_out, c->next_msgid++, &req);
+        c->cancel_sent = true;
+        c->cancel_deadline = c->timeout_ms > 0 ? now_ms() + c->timeout_ms : -1;
+        if (rc < 0) {
+            cancel_failed(c, rc);
+            return;
+        }
     }
-    pthread_mutex_unlock(&c->write_lock);
-    return rc;
+    while (c->cancel_out.len > 0) {
+        ssize_t n = send(c->fd, c->cancel_out.data, c->cancel_out.len, MSG_NOSIGNAL);
+        if (n > 0) {
+            c->cancel_begun = true;
+            dsv4_proto_buf_consume(&c->cancel_out, (size_t)n);
+        } else if (n < 0 && errno == EINTR) {
+            continue;
+        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            if (c->cancel_deadline >= 0 && now_ms() >= c->cancel_deadline)
+                cancel_failed(c, -ETIMEDOUT);
+            return;
+        } else {
+            cancel_failed(c, n < 0 ? -errno : -ECONNRESET);
+            return;
+        }
+    }
+}
+
+/* The generate call ends on an open connection: a cancel none of which is on the stream is dropped,
+ * the rest of one that is goes out before the next request can. */
+static void finish_cancel(struct dsv4_client *c)
+{
+    if (!c->cancel_begun)
+        dsv4_proto_buf_reset(&c->cancel_out);
+    while (c->cancel_out.len > 0 && !c->cancel_error) {
+        int rc = wait_fd(c, POLLOUT, c->cancel_deadline);
+        if (rc < 0 && rc != -ETIMEDOUT)
+            cancel_failed(c, rc);
+        else
+            flush_cancel(c);   /* gives up once past cancel_deadline */
+    }
 }
 
 static int recv_message(struct dsv4_client *c, struct dsv4_proto_message *msg);
 static int closed_by_server(struct dsv4_client *c, struct dsv4_proto_message *msg);
 
+/* Send c->out. is_generate marks the generate request: -ECANCELED when a cancel stopped it before it
+ * was all written, and then the connection is closed if part of it was (the server would read on in
+ * a cut frame). */
 static int send_out(struct dsv4_client *c, bool is_generate)
 {
-    int rc = write_frame(c, c->out.data, c->out.len, c->timeout_ms, is_generate);
+    size_t sent;
+    int rc = write_all(c, c->out.data, c->out.len, is_generate, &sent);
     dsv4_proto_buf_reset(&c->out);
+    if (rc == 0 && is_generate)
+        c->request_written = true;
+    if (rc == -ECANCELED) {
+        if (sent > 0)
+            disconnect(c);
+        return rc;
+    }
     if (rc == -ENOTCONN)
         return fail(c, rc, "not connected");
     if (rc == -EPIPE || rc == -ECONNRESET) {
@@ -324,6 +387,7 @@ static int recv_message(struct dsv4_client *c, struct dsv4_proto_message *msg)
             disconnect(c);
             return fail(c, rc == -ENOMEM ? rc : -EPROTO, "reading from dsv4d: %s", err.message);
         }
+        flush_cancel(c);
         ssize_t n = recv(c->fd, space, avail, 0);
         if (n > 0) {
             dsv4_proto_reader_commit(&c->reader, (size_t)n);
@@ -331,9 +395,7 @@ static int recv_message(struct dsv4_client *c, struct dsv4_proto_message *msg)
         }
         if (n == 0) {
             bool cut = dsv4_proto_reader_pending(&c->reader) > 0;
-            pthread_mutex_lock(&c->write_lock);
             int cancel_error = c->cancel_error;
-            pthread_mutex_unlock(&c->write_lock);
             disconnect(c);
             if (cancel_error)
                 return fail(c, cancel_error, "sending a cancel to dsv4d: %s; the connection is closed",
@@ -343,7 +405,14 @@ static int recv_message(struct dsv4_client *c, struct dsv4_proto_message *msg)
         if (errno == EINTR)
             continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            rc = wait_fd(c->fd, POLLIN, deadline);
+            /* a cancel still to be written waits for room beside the answer, until its own deadline */
+            bool cancelling = c->cancel_out.len > 0;
+            int64_t d = deadline;
+            if (cancelling && c->cancel_deadline >= 0 && (d < 0 || c->cancel_deadline < d))
+                d = c->cancel_deadline;
+            rc = wait_fd(c, POLLIN | (cancelling ? POLLOUT : 0), d);
+            if (rc == -ETIMEDOUT && d != deadline)
+                continue;   /* the cancel's deadline: flush_cancel gives it up */
             if (rc == -ETIMEDOUT) {
                 disconnect(c);
                 return fail(c, rc, "no answer from dsv4d within %d ms", c->timeout_ms);
@@ -410,10 +479,7 @@ static int await_response(struct dsv4_client *c, uint32_t msgid, notify_fn on_no
 /* Encode with fn into c->out under a fresh msgid, send, await the answer. */
 static uint32_t take_msgid(struct dsv4_client *c)
 {
-    pthread_mutex_lock(&c->write_lock);
-    uint32_t id = c->next_msgid++;
-    pthread_mutex_unlock(&c->write_lock);
-    return id;
+    return c->next_msgid++;
 }
 
 static int check_encoded(struct dsv4_client *c, int rc)
@@ -647,12 +713,13 @@ static int generate(struct dsv4_client *c, const struct dsv4_client_generate_par
     memset(res, 0, sizeof(*res));
     reset_error(c);
     /* cancellable from here on: a cancel before the request is written is sent right after it */
-    pthread_mutex_lock(&c->write_lock);
-    uint32_t id = c->next_msgid++;
-    c->in_generate = true;
-    c->request_written = c->cancel_wanted = c->cancel_sent = false;
+    uint32_t id = take_msgid(c);
+    c->request_written = c->cancel_sent = c->cancel_begun = false;
     c->generate_msgid = id;
-    pthread_mutex_unlock(&c->write_lock);
+    pthread_mutex_lock(&c->cancel_lock);
+    c->in_generate = true;
+    c->cancel_wanted = false;
+    pthread_mutex_unlock(&c->cancel_lock);
     int rc = build_generate(c, p, stream, &g);
     if (rc == 0)
         rc = check_encoded(c, dsv4_proto_encode_generate(&c->out, id, &g));
@@ -662,9 +729,17 @@ static int generate(struct dsv4_client *c, const struct dsv4_client_generate_par
         rc = send_out(c, true);
     if (rc == 0)
         rc = await_response(c, id, on_token, &sc, &resp);
-    pthread_mutex_lock(&c->write_lock);
+    pthread_mutex_lock(&c->cancel_lock);
     c->in_generate = false;
-    pthread_mutex_unlock(&c->write_lock);
+    pthread_mutex_unlock(&c->cancel_lock);
+    if (c->fd >= 0)
+        finish_cancel(c);
+    if (rc == -ECANCELED) {
+        /* cancelled while its request waited for room: dsv4d has not seen the request whole */
+        res->finish_reason = DSV4_CLIENT_FINISH_CANCELLED;
+        res->text = calloc(1, 1);
+        return res->text ? 0 : fail(c, -ENOMEM, "out of memory");
+    }
     if (rc < 0)
         return rc;
     if (dsv4_proto_decode_generate_result(&resp, &r, &err) < 0)
@@ -722,16 +797,16 @@ void dsv4_client_result_clear(struct dsv4_client_result *r)
 
 int dsv4_client_cancel(struct dsv4_client *c)
 {
-    /* Runs on any thread: everything it touches is under the write lock. */
-    int rc = 0;
-    pthread_mutex_lock(&c->write_lock);
-    if (c->in_generate) {
-        c->cancel_wanted = true;
-        if (c->request_written && !c->cancel_sent)
-            rc = send_cancel_locked(c);
-    }
-    pthread_mutex_unlock(&c->write_lock);
-    return rc;
+    /* Runs on any thread, and must not wait for the socket (a signal thread, an HTTP server's polling
+     * thread call it): it only marks the cancel and wakes the generating thread, which owns the socket. */
+    pthread_mutex_lock(&c->cancel_lock);
+    bool wake = c->in_generate && !c->cancel_wanted;
+    c->cancel_wanted |= c->in_generate;
+    pthread_mutex_unlock(&c->cancel_lock);
+    uint64_t one = 1;
+    if (wake && write(c->wake_fd, &one, sizeof(one)) < 0)
+        return -errno;
+    return 0;
 }
 
 /* ---- tokens ---- */

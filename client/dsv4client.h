@@ -46,7 +46,7 @@ extern "C" {
 
 struct dsv4_client;
 
-/* NULL when out of memory. */
+/* NULL when out of memory or file descriptors (a handle holds one besides its connection's). */
 struct dsv4_client *dsv4_client_new(void);
 /* Closes the connection and frees everything; accepts NULL. */
 void dsv4_client_close(struct dsv4_client *c);
@@ -205,11 +205,15 @@ int dsv4_client_generate_stream(struct dsv4_client *c, const struct dsv4_client_
                                 dsv4_client_token_fn on_token, void *user, struct dsv4_client_result *res);
 
 /* Ask the server to stop the generation in progress on this handle. Any thread; returns without
- * waiting (the generate call returns with finish_reason "cancelled", or with what had finished).
- * Any time during a generate call counts: a cancel that comes before the request is on the wire is
- * sent right after it. Outside a generate call it does nothing and returns 0. A cancel that cannot be
- * written (a negative errno is returned) closes the connection like any failure: the generate call
- * then returns that error, with a message saying so, unless its whole result had already arrived. */
+ * waiting, even for a server that reads nothing: the generate call's thread writes the cancel (the
+ * call returns with finish_reason "cancelled", or with what had finished). Any time during a generate
+ * call counts: a cancel that comes before the request is on the wire is sent right after it; one that
+ * comes while the request waits for room to be written ends the call at once with finish_reason
+ * "cancelled" and no tokens, and closes the connection if part of the request was written. Outside a
+ * generate call it does nothing. 0, or a negative errno when the generate call could not be woken. A
+ * cancel that cannot be written (within the timeout) closes the connection like any failure: the
+ * generate call then returns that error, with a message saying so, unless its whole result had
+ * already arrived. */
 int dsv4_client_cancel(struct dsv4_client *c);
 
 /* ---- tokens ---- */

@@ -39,6 +39,7 @@ enum behaviour {
     NEWER_HEALTH,     /* answer health with a status added after this client (doc/PROTOCOL.md section 7) */
     TRICKLE,          /* answer one byte every TRICKLE_GAP_MS */
     DEAF,             /* stream a generate's tokens DEAF_GAP_MS apart without reading (no cancel arrives) */
+    NEVER_READS,      /* read nothing at all, until the client closes */
 };
 
 #define TRICKLE_GAP_MS 40
@@ -182,9 +183,12 @@ static void *server_main(void *arg)
     struct dsv4_proto_buf out = { 0 };
     struct dsv4_proto_error err;
     dsv4_proto_reader_init(&r, 0);
+    /* no events: poll reports only the hangup of the client's close */
+    for (struct pollfd p = { .fd = s->fd }; s->how == NEVER_READS && !(p.revents & POLLHUP);)
+        poll(&p, 1, -1);
     for (;;) {
         struct dsv4_proto_message msg;
-        if (read_request(s, &r, &msg, -1) != 1)
+        if (s->how == NEVER_READS || read_request(s, &r, &msg, -1) != 1)
             break;
         assert_int_equal(msg.kind, DSV4_PROTO_REQUEST);
         if (s->how == GARBAGE) {
@@ -561,20 +565,25 @@ struct jam {
     size_t tokens;
 };
 
+/* Fill the client's socket with whole frames until it has no room. */
+static void jam_socket(int fd)
+{
+    struct dsv4_proto_buf b = { 0 };
+    assert_int_equal(dsv4_proto_encode_health(&b, 999), 0);
+    for (;;) {
+        ssize_t n = send(fd, b.data, b.len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n < 0 && errno == EAGAIN)
+            break;
+        assert_int_equal(n, (ssize_t)b.len);
+    }
+    dsv4_proto_buf_clear(&b);
+}
+
 static int jam_then_cancel(const struct dsv4_client_token *t, void *user)
 {
     struct jam *j = user;
-    if (++j->tokens == 2) {
-        struct dsv4_proto_buf b = { 0 };
-        assert_int_equal(dsv4_proto_encode_health(&b, 999), 0);
-        for (;;) {
-            ssize_t n = send(j->fd, b.data, b.len, MSG_DONTWAIT | MSG_NOSIGNAL);
-            if (n < 0 && errno == EAGAIN)
-                break;
-            assert_int_equal(n, (ssize_t)b.len);
-        }
-        dsv4_proto_buf_clear(&b);
-    }
+    if (++j->tokens == 2)
+        jam_socket(j->fd);
     return j->tokens >= 2;
 }
 
@@ -601,6 +610,78 @@ static void test_cancel_unsent(void **state)
     assert_true(j.tokens < p.max_tokens);
     assert_int_equal(dsv4_client_health(c, &h), -ENOTCONN);
     stop(&s, c);
+}
+
+static int64_t elapsed_ms(const struct timespec *t0)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)(t.tv_sec - t0->tv_sec) * 1000 + (t.tv_nsec - t0->tv_nsec) / 1000000;
+}
+
+/* Cancels once the generate waits for room to write its request, and times the call. */
+struct blocked_cancel {
+    struct dsv4_client *c;
+    int rc;
+    int64_t ms;
+};
+
+static void *blocked_cancel_main(void *arg)
+{
+    struct blocked_cancel *k = arg;
+    struct timespec t0;
+    nanosleep(&(struct timespec){ 0, 200 * 1000000L }, NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    k->rc = dsv4_client_cancel(k->c);
+    k->ms = elapsed_ms(&t0);
+    return NULL;
+}
+
+/* A cancel while the request waits for room in a socket the server does not read returns at once
+ * (dsv4ctl's signal thread and dsv4-openai's HTTP thread call it), and the generate call ends
+ * cancelled instead of waiting on: on the connection, intact, when none of the request was written;
+ * with the connection closed when part of it was (the server would read a cut frame). The timeout
+ * only keeps a cancel that blocks from hanging the test. */
+static void test_cancel_while_writing(void **state)
+{
+    for (int jammed = 0; jammed < 2; jammed++) {
+        struct server s;
+        struct dsv4_client *c = start(&s, NEVER_READS);
+        struct blocked_cancel k = { .c = c };
+        struct dsv4_client_generate_params p;
+        struct dsv4_client_result r;
+        struct dsv4_client_health h;
+        struct timespec t0;
+        pthread_t th;
+        size_t big = jammed ? 16 : 4u << 20;   /* 4 MiB: far more than the socket holds */
+        char *prompt = malloc(big + 1);
+        assert_non_null(prompt);
+        memset(prompt, 'x', big);
+        prompt[big] = '\0';
+        if (jammed)
+            jam_socket(s.client_fd);   /* none of the request fits */
+        dsv4_client_set_timeout(c, 3000);
+        dsv4_client_generate_params_init(&p);
+        p.prompt = prompt;
+        assert_int_equal(pthread_create(&th, NULL, blocked_cancel_main, &k), 0);
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        int rc = dsv4_client_generate(c, &p, &r);
+        int64_t ms = elapsed_ms(&t0);
+        pthread_join(th, NULL);
+        assert_int_equal(k.rc, 0);
+        assert_true(k.ms < 1000);
+        assert_int_equal(rc, 0);
+        assert_true(ms < 1000);
+        assert_int_equal(r.finish_reason, DSV4_CLIENT_FINISH_CANCELLED);
+        assert_int_equal(r.n_tokens, 0);
+        assert_non_null(r.text);
+        assert_int_equal(r.text_len, 0);
+        dsv4_client_result_clear(&r);
+        if (!jammed)
+            assert_int_equal(dsv4_client_health(c, &h), -ENOTCONN);
+        free(prompt);
+        stop(&s, c);
+    }
 }
 
 static void test_server_error(void **state)
@@ -808,6 +889,7 @@ int main(void)
         cmocka_unit_test(test_generate_stream),
         cmocka_unit_test(test_cancel_from_thread),
         cmocka_unit_test(test_cancel_unsent),
+        cmocka_unit_test(test_cancel_while_writing),
         cmocka_unit_test(test_server_error),
         cmocka_unit_test(test_tokens),
         cmocka_unit_test(test_misbehaving_servers),
