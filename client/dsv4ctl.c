@@ -561,8 +561,9 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         json_t *j = json_object();
         json_object_set_new(j, "backend", json_string(s.backend));
         for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
-            json_object_set_new(j, rows[i].name,
-                                rows[i].is_f ? json_number(rows[i].f) : json_integer((json_int_t)rows[i].u));
+            if (dsv4_client_stats_has(&s, rows[i].name))
+                json_object_set_new(j, rows[i].name,
+                                    rows[i].is_f ? json_number(rows[i].f) : json_integer((json_int_t)rows[i].u));
         json_t *k = json_array();
         for (size_t i = 0; i < s.n_kernels; i++)
             json_array_append_new(k, json_string(s.kernels[i]));
@@ -580,6 +581,8 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
     }
     printf("%-28s %s\n", "backend", s.backend);
     for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+        if (!dsv4_client_stats_has(&s, rows[i].name))
+            continue;   /* a server older than the key: not a count of 0 */
         if (rows[i].is_f)
             printf("%-28s %.6g\n", rows[i].name, rows[i].f);
         else

@@ -41,6 +41,7 @@ enum scenario {
     SC_LOADING,       /* health: loading */
     SC_NEWER_HEALTH,  /* health: a status added after this client (doc/PROTOCOL.md section 7) */
     SC_INFINITE,      /* generate and stats: numbers that are infinite (msgpack has them, JSON does not) */
+    SC_OLDER_STATS,   /* stats: a server older than the prefix-cache and speculation keys */
 };
 
 static struct {
@@ -163,6 +164,27 @@ static void answer_generate(int fd, struct dsv4_proto_reader *r, const struct ds
     pthread_mutex_unlock(&srv.lock);
 }
 
+/* The stats of a server that predates most keys: a few counters, its backend and kernels only. */
+static void older_stats(struct dsv4_proto_buf *out, uint32_t msgid)
+{
+    struct dsv4_wire_enc e;
+    dsv4_wire_begin_frame(&e, out);
+    msgpack_pack_array(&e.pk, 4);
+    msgpack_pack_int(&e.pk, 1);
+    msgpack_pack_uint32(&e.pk, msgid);
+    msgpack_pack_nil(&e.pk);
+    msgpack_pack_map(&e.pk, 4);
+    dsv4_wire_key(&e.pk, "slots_total");
+    msgpack_pack_uint32(&e.pk, 4);
+    dsv4_wire_key(&e.pk, "requests_total");
+    msgpack_pack_uint64(&e.pk, 9);
+    dsv4_wire_key(&e.pk, "backend");
+    dsv4_wire_cstr(&e.pk, "cpu");
+    dsv4_wire_key(&e.pk, "kernels");
+    msgpack_pack_array(&e.pk, 0);
+    dsv4_wire_end(&e);
+}
+
 static void serve_connection(int fd)
 {
     struct dsv4_proto_reader r;
@@ -186,6 +208,10 @@ static void serve_connection(int fd)
             break;
         }
         case DSV4_PROTO_METHOD_STATS: {
+            if (srv.sc == SC_OLDER_STATS) {
+                older_stats(&out, msg.msgid);
+                break;
+            }
             struct dsv4_proto_stats st = { .backend = "cpu", .slots_total = 4, .slots_busy = 1,
                                            .decode_tokens_per_s = srv.sc == SC_INFINITE ? INFINITY : 12.5,
                                            .n_kernels = 1, .kernels = { "gemv" } };
@@ -236,6 +262,7 @@ static void serve_connection(int fd)
     dsv4_proto_buf_clear(&out);
     close(fd);
 }
+
 
 static void *server_main(void *arg)
 {
@@ -591,6 +618,28 @@ static void test_other_commands(void **state)
     assert_non_null(strstr(r.out, "Exit status"));
 }
 
+/* A key an older server does not send is left out of the table and of --json, not printed as 0. */
+static void test_stats_older_server(void **state)
+{
+    static struct run r;
+    json_error_t je;
+    (void)state;
+    srv.sc = SC_OLDER_STATS;
+    RUN(&r, NULL, "stats");
+    expect(&r, 0);
+    assert_non_null(strstr(r.out, "requests_total               9\n"));
+    assert_null(strstr(r.out, "prefix_cache_hits"));
+    assert_null(strstr(r.out, "uptime_s"));
+    RUN(&r, NULL, "stats", "--json");
+    expect(&r, 0);
+    json_t *j = json_loads(r.out, 0, &je);
+    assert_non_null(j);
+    assert_int_equal(json_integer_value(json_object_get(j, "slots_total")), 4);
+    assert_null(json_object_get(j, "prefix_cache_hits"));
+    assert_null(json_object_get(j, "spec_accepted"));
+    json_decref(j);
+}
+
 /* JSON has no infinities: a number the server sent as one prints as null, and the rest of the
  * object still prints. */
 static void test_json_infinite_numbers(void **state)
@@ -680,6 +729,7 @@ int main(void)
         cmocka_unit_test(test_bench_limits),
         cmocka_unit_test(test_bench_failed_requests),
         cmocka_unit_test(test_json_infinite_numbers),
+        cmocka_unit_test(test_stats_older_server),
     };
     signal(SIGPIPE, SIG_IGN);
     return cmocka_run_group_tests(tests, setup, teardown);
