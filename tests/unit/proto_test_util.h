@@ -10,6 +10,7 @@
 #include <sys/types.h>
 
 #include "protocol/message.h"
+#include "protocol/message_codec.h"
 #include "protocol/wire.h"
 
 /* Send all of b's bytes on fd, then empty b. Stops early when the peer has gone (the client under test
@@ -31,11 +32,7 @@ static inline void proto_test_send_all(int fd, struct dsv4_proto_buf *b)
 static inline int proto_test_newer_health(struct dsv4_proto_buf *out, uint32_t msgid)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_frame(&e, out);
-    msgpack_pack_array(&e.pk, 4);
-    msgpack_pack_int(&e.pk, 1);
-    msgpack_pack_uint32(&e.pk, msgid);
-    msgpack_pack_nil(&e.pk);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(&e.pk, 2);
     dsv4_wire_key(&e.pk, "status");
     dsv4_wire_cstr(&e.pk, "rebooting");

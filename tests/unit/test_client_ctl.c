@@ -168,11 +168,7 @@ static void answer_generate(int fd, struct dsv4_proto_reader *r, const struct ds
 static void older_stats(struct dsv4_proto_buf *out, uint32_t msgid)
 {
     struct dsv4_wire_enc e;
-    dsv4_wire_begin_frame(&e, out);
-    msgpack_pack_array(&e.pk, 4);
-    msgpack_pack_int(&e.pk, 1);
-    msgpack_pack_uint32(&e.pk, msgid);
-    msgpack_pack_nil(&e.pk);
+    dsv4_proto_begin_response(&e, out, msgid);
     msgpack_pack_map(&e.pk, 4);
     dsv4_wire_key(&e.pk, "slots_total");
     msgpack_pack_uint32(&e.pk, 4);
