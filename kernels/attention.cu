@@ -253,7 +253,7 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
 
 /* ---- tensor-core attention over FP8 KV entries ----
  *
- * grid (B, DSV4_CUDA_ATT_SPLITS, ceil(H / G)), 8 warps. A block takes row b's run of keys for up
+ * grid (B, DSV4_CUDA_ATT_SPLITS, ceil(H / G)), 8 warps (16 when G = 16). A block takes row b's run of keys for up
  * to G = a.heads_per_block heads (16, 32 or 64: one to four m16 tiles; a head count that is not a
  * multiple of 16 gets zero queries in its last tile) and streams the run through shared memory
  * ATT_MMA_KEYS keys at a time. G = 64 makes V4-Flash's 64 heads one block, which decodes each key
@@ -261,7 +261,10 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
  * tile), so there G = 16 takes four blocks a run, each decoding the tile again and computing a
  * quarter of the scores and P V with its warps less shared. A head's arithmetic is the same in any
  * G (its m16 tile's warps, the same halves of head_dim in the same order), so the choice never
- * changes a bit:
+ * changes a bit. A G = 16 block is a single dependent chain per SM (decode, scores, softmax, P V),
+ * so it runs on 16 warps, each with half of an 8-warp block's share of every phase and the same
+ * arithmetic per value (att_scores_wide; measured on the H200: a 4-layer V4-Flash step at batch 1
+ * 1.3-1.8% faster than on 8 warps):
  *   1. decode: the tile's entries -> k_s [64 keys, hd] bf16, once for all the block's heads. Every
  *      value of an FP8 entry is exact in bf16 (e4m3 times a power-of-two scale >= 2^-117, or a bf16
  *      RoPE value), so the keys (= values) lose nothing.
@@ -290,7 +293,7 @@ attention_f32_kernel(const struct dsv4_cuda_att_args a)
  * each warp splitting what it loads. A split's run of up to ATT_MMA_KEYS keys is
  * one tile and reads them once, as the f32 kernel did; that covers 1024 keys a row (CSA's 128 + 512,
  * HCA below ~115k tokens). Shared memory at hd 512: keys 66.5 KB + S/P 18 KB + 1.3 KB = 86.3 KB.
- * 253-255 registers a thread (no spills on sm_90a/100a/120a) allow one block per SM, so within a
+ * 253-255 registers a thread (no spills on sm_90a/100a/120a; the 16-warp blocks 124-128) allow one block per SM, so within a
  * block nothing overlaps (a run is one or two tiles); the other SMs' blocks carry the traffic.
  * Entries are read with plain loads: the decode needs them in registers anyway, and cp.async would
  * need a raw staging tile (37 KB) that does not fit beside the rest.
@@ -320,8 +323,17 @@ static_assert(ATT_MIN_RUN == ATT_MMA_KEYS, "a short row's run fills one tile");
 #define ATT_MMA_DEC_BATCH 8         /* entry chunks a thread has in flight while decoding a tile */
 #define ATT_COMB_THREADS 256        /* combine: dims a thread <= MAX_HEAD_DIM / this; rope pairs <= this */
 #define ATT_QS_HEADS 32             /* most heads a split block stages the queries of (att_stage_q) */
+#define ATT_MMA_WIDE_WARPS 16       /* a 16-head split block (small batches): twice the warps, half the work each */
 
-static_assert(ATT_MMA_OWN % 2 == 0, "value fragments are loaded for pairs of n8 tiles");
+/* n8 tiles of output dims a warp of a block of `warps` owns in P V (head_dim up to the maximum) */
+static __host__ __device__ constexpr int att_own(int warps)
+{
+    return DSV4_CUDA_MAX_HEAD_DIM / 8 / warps;
+}
+
+static_assert(ATT_MMA_OWN % 2 == 0 && att_own(ATT_MMA_WIDE_WARPS) % 2 == 0,
+              "value fragments are loaded for pairs of n8 tiles");
+static_assert(ATT_MMA_WIDE_WARPS == 2 * ATT_MMA_KEYS / 8, "wide scores: a warp per n8 key tile and half of head_dim");
 static_assert(ATT_MMA_THREADS == 4 * ATT_MMA_HEADS, "softmax: four threads a head");
 static_assert(ATT_MMA_WARPS == 2 * ATT_MMA_MT, "scores: two warps (halves of head_dim) per m16 tile");
 
@@ -382,6 +394,12 @@ static __device__ __forceinline__ void att_ldsm_x4(uint32_t *r, const __nv_bfloa
                  : "r"(s));
 }
 
+static __device__ __forceinline__ void att_ldsm_x2(uint32_t *r, const __nv_bfloat16 *p)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(s));
+}
+
 static __device__ __forceinline__ void att_ldsm_x4_trans(uint32_t *r, const __nv_bfloat16 *p)
 {
     const unsigned s = (unsigned)__cvta_generic_to_shared(p);
@@ -427,7 +445,7 @@ static __device__ __forceinline__ uint4 att_decode8(const att_chunk &c, bool rop
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-/* (key, chunk) of the chunk ATT_MMA_THREADS further on, cpr chunks a key */
+/* (key, chunk) of the chunk a block's threads further on (dj keys and dcol chunks), cpr chunks a key */
 static __device__ __forceinline__ void att_step_chunk(int &j, int &col, int dj, int dcol, int cpr)
 {
     j += dj;
@@ -439,17 +457,19 @@ static __device__ __forceinline__ void att_step_chunk(int &j, int &col, int dj, 
 }
 
 /* Phase 1: keys [ntp, hd] bf16 of the tile's nt entries; rows nt .. ntp-1 zero (P is 0 there, and
- * 0 x garbage could be NaN). Bound by load latency when a split has one tile: a thread loads
- * ATT_MMA_DEC_BATCH chunks (clamped to valid entries), then decodes and stores them. */
+ * 0 x garbage could be NaN). Bound by load latency when a split has one tile: each of the block's
+ * THREADS threads loads ATT_MMA_DEC_BATCH chunks (clamped to valid entries), then decodes and stores
+ * them. */
+template <int THREADS>
 static __device__ __forceinline__ void att_decode_tile(const struct dsv4_cuda_att_args &a, const uint8_t *const *e_s,
                                                        int nt, int ntp, __nv_bfloat16 *k_s, int kstr)
 {
     const int cpr = a.hd / ATT_MMA_VEC, n = ntp * cpr, nope = a.hd - a.rd;
-    /* chunk c (this thread's: tid, tid + ATT_MMA_THREADS, ...) is chunk `col` of key j; both are
-     * stepped along (dcol < cpr, so one carry a step), not divided out of c for every chunk */
-    const int dj = ATT_MMA_THREADS / cpr, dcol = ATT_MMA_THREADS % cpr;
+    /* chunk c (this thread's: tid, tid + THREADS, ...) is chunk `col` of key j; both are stepped
+     * along (dcol < cpr, so one carry a step), not divided out of c for every chunk */
+    const int dj = THREADS / cpr, dcol = THREADS % cpr;
     int j = threadIdx.x / cpr, col = threadIdx.x % cpr;
-    for (int c0 = threadIdx.x; c0 < n; c0 += ATT_MMA_DEC_BATCH * ATT_MMA_THREADS) {
+    for (int c0 = threadIdx.x; c0 < n; c0 += ATT_MMA_DEC_BATCH * THREADS) {
         att_chunk ch[ATT_MMA_DEC_BATCH];
         int js = j, cs = col;
 #pragma unroll
@@ -460,7 +480,7 @@ static __device__ __forceinline__ void att_decode_tile(const struct dsv4_cuda_at
 #pragma unroll
         for (int u = 0; u < ATT_MMA_DEC_BATCH; u++) {
             const int d = col * ATT_MMA_VEC;
-            if (c0 + u * ATT_MMA_THREADS < n)
+            if (c0 + u * THREADS < n)
                 *reinterpret_cast<uint4 *>(k_s + j * kstr + d) =
                     j < nt ? att_decode8(ch[u], d >= nope) : make_uint4(0u, 0u, 0u, 0u);
             att_step_chunk(j, col, dj, dcol, cpr);
@@ -647,6 +667,91 @@ static __device__ __forceinline__ void att_scores_for(const struct dsv4_cuda_att
     att_scores<QS, ATT_MMA_MT>(a, b, h0, mts, ntp, k_s, kstr, q_s, q_heads, s_s);
 }
 
+/* Phase 2 in a wide block (ATT_MMA_WIDE_WARPS warps, one m16 tile: 16 heads, small batches): warp w
+ * takes n8 key tile w % 8 over half w / 8 of head_dim's k-steps, where att_scores' 8 warps take a
+ * pair of n8 tiles each. A score's arithmetic is att_scores': each k-step's MMAs accumulate from zero
+ * in term order and are added in step order, half 0 is stored and half 1 added to it and scaled, so
+ * the same bits. A warp's KU k-steps issue their MMAs term by term, interleaving the chains. Warps
+ * whose n8 tile lies past ntp compute nothing. Every thread must call it. */
+template <bool QS>
+static __device__ __forceinline__ void att_scores_wide(const struct dsv4_cuda_att_args &a, int b, int h0, int ntp,
+                                                       const __nv_bfloat16 *k_s, int kstr, const __nv_bfloat16 *q_s,
+                                                       int q_heads, float *s_s)
+{
+    constexpr int KU = QS ? 1 : ATT_MMA_QPF, N8 = ATT_MMA_KEYS / 8;
+    const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP;
+    const int j8 = warp % N8, kh = warp / N8, g = lane / 4, t = lane % 4;
+    const int hd = a.hd, nks = hd / 16, half = (nks + 1) / 2;
+    const int k_lo = 16 * kh * half, k_hi = 16 * min(nks, (kh + 1) * half);
+    const bool act = 8 * j8 < ntp;
+    const int ha = h0 + g, hb = ha + 8;
+    const bool va = act && ha < a.H, vb = act && hb < a.H;
+    const float *qa = a.q + ((int64_t)b * a.H + (va ? ha : 0)) * hd + 2 * t;
+    const float *qb = a.q + ((int64_t)b * a.H + (vb ? hb : 0)) * hd + 2 * t;
+    /* B fragment by ldmatrix.x2: matrices (keys 8 j8 + 0..7, dims +0..7), (+0..7, +8..15); lanes 0-15
+     * address row l % 8 of matrix l / 8, lanes 16-31 the same rows (their addresses are not used) */
+    const __nv_bfloat16 *kl = k_s + (8 * j8 + (lane & 7)) * kstr + ((lane >> 3) & 1) * 8;
+    const __nv_bfloat16 *ql = q_s + (lane & 15) * kstr + (lane >> 4) * 8;
+    const float2 zero = make_float2(0.0f, 0.0f);
+    float acc[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+
+    for (int k0 = act ? k_lo : k_hi; k0 < k_hi; k0 += 16 * KU) {
+        uint32_t kf[KU][2], qf[KU][ATT_MMA_QTERMS][4];
+#pragma unroll
+        for (int u = 0; u < KU; u++) {
+            const int k = k0 + 16 * u;
+            if (k >= k_hi)
+                break;
+            att_ldsm_x2(kf[u], kl + k);
+            if constexpr (QS) {
+#pragma unroll
+                for (int x = 0; x < ATT_MMA_QTERMS; x++)
+                    att_ldsm_x4(qf[u][x], ql + x * q_heads * kstr + k);
+            } else {
+                const float2 xq[4] = { va ? __ldg(reinterpret_cast<const float2 *>(qa + k)) : zero,
+                                       vb ? __ldg(reinterpret_cast<const float2 *>(qb + k)) : zero,
+                                       va ? __ldg(reinterpret_cast<const float2 *>(qa + k + 8)) : zero,
+                                       vb ? __ldg(reinterpret_cast<const float2 *>(qb + k + 8)) : zero };
+                uint32_t tq[4][ATT_MMA_QTERMS];
+#pragma unroll
+                for (int f = 0; f < 4; f++)
+                    att_split<ATT_MMA_QTERMS>(xq[f].x, xq[f].y, tq[f]);
+#pragma unroll
+                for (int x = 0; x < ATT_MMA_QTERMS; x++)
+#pragma unroll
+                    for (int f = 0; f < 4; f++)
+                        qf[u][x][f] = tq[f][x];
+            }
+        }
+        float part[KU][4] = {};
+#pragma unroll
+        for (int x = 0; x < ATT_MMA_QTERMS; x++)
+#pragma unroll
+            for (int u = 0; u < KU; u++)
+                if (k0 + 16 * u < k_hi)
+                    dsv4_mma_bf16(part[u], qf[u][x], kf[u][0], kf[u][1]);
+#pragma unroll
+        for (int u = 0; u < KU; u++)
+            if (k0 + 16 * u < k_hi)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    acc[c] += part[u][c];
+    }
+    /* C fragment: heads g, g + 8, keys 8 j8 + 2t, +1; half 0 stores, half 1 adds and scales */
+    float2 *s0 = reinterpret_cast<float2 *>(s_s + g * ATT_MMA_SSTR + 8 * j8 + 2 * t);
+    float2 *s1 = reinterpret_cast<float2 *>(reinterpret_cast<float *>(s0) + 8 * ATT_MMA_SSTR);
+    if (act && kh == 0) {
+        *s0 = make_float2(acc[0], acc[1]);
+        *s1 = make_float2(acc[2], acc[3]);
+    }
+    __syncthreads();
+    if (act && kh == 1) {
+        const float2 x0 = *s0, x1 = *s1;
+        *s0 = make_float2((x0.x + acc[0]) * a.scale, (x0.y + acc[1]) * a.scale);
+        *s1 = make_float2((x1.x + acc[2]) * a.scale, (x1.y + acc[3]) * a.scale);
+    }
+}
+
 /* Phase 3: online softmax over the tile's nt keys, four threads a head (keys 2q + 8i, +1). Leaves
  * P = e^(s - m_new) as ATT_MMA_PTERMS bf16 terms [PTERMS, 64, PSTR] (zero past nt) over the scores,
  * and per head the new max, the running sum (of the f32 P) and alpha = e^(m_old - m_new) for
@@ -710,22 +815,23 @@ static __device__ __forceinline__ void att_softmax(int nt, int ntp, int mts, flo
  * column-major B the MMA wants for V); probability fragments by ldmatrix from P's terms. A k-step
  * issues term 0's MMAs for all of an m16 tile's n8 tiles, then term 1's: each output's order is the
  * same (term 0, then term 1), and consecutive MMAs do not wait on each other. MTS > 0: the block's
- * m16 tiles are known (mts = MTS) and nown = ATT_MMA_OWN (head_dim 512: V4's shapes), so no MMA is
+ * m16 tiles are known (mts = MTS) and nown = att_own(W) (head_dim 512: V4's shapes), so no MMA is
  * predicated; predicated ones (MTS = 0, other shapes) let ptxas route every accumulation through one
  * temporary register, which chains them all. */
-template <int MT, int MTS>
-static __device__ __forceinline__ void att_pv_tiles(float (&o)[MT][ATT_MMA_OWN][4], int nown, int ntp, int mts,
+template <int MT, int MTS, int W>
+static __device__ __forceinline__ void att_pv_tiles(float (&o)[MT][att_own(W)][4], int nown, int ntp, int mts,
                                                     const __nv_bfloat16 *k_s, int kstr, const __nv_bfloat16 *p_s,
                                                     const float *al_s)
 {
     constexpr bool FULL = MTS > 0;
+    constexpr int OWN = att_own(W);
     const int warp = threadIdx.x / DSV4_CUDA_WARP, lane = threadIdx.x % DSV4_CUDA_WARP, g = lane / 4;
 #pragma unroll
     for (int mt = 0; mt < (FULL ? MTS : MT); mt++) {
         if (FULL || mt < mts) {
             const float aa = al_s[16 * mt + g], ab = al_s[16 * mt + g + 8];
 #pragma unroll
-            for (int i = 0; i < ATT_MMA_OWN; i++) {
+            for (int i = 0; i < OWN; i++) {
                 o[mt][i][0] *= aa;
                 o[mt][i][1] *= aa;
                 o[mt][i][2] *= ab;
@@ -740,13 +846,13 @@ static __device__ __forceinline__ void att_pv_tiles(float (&o)[MT][ATT_MMA_OWN][
     const int prow = (lane & 15) * ATT_MMA_PSTR + (lane >> 4) * 8;
 
     for (int k = 0; k < ntp; k += 16) {
-        uint32_t vf[ATT_MMA_OWN][2];
+        uint32_t vf[OWN][2];
 #pragma unroll
-        for (int i = 0; i < ATT_MMA_OWN; i += 2) {
+        for (int i = 0; i < OWN; i += 2) {
             if (FULL || i < nown) {
                 const int ti = FULL || (second && i + 1 < nown) ? i + second : i;
                 uint32_t r[4];
-                att_ldsm_x4_trans(r, vl + k * kstr + 8 * ATT_MMA_WARPS * ti);
+                att_ldsm_x4_trans(r, vl + k * kstr + 8 * W * ti);
                 vf[i][0] = r[0];
                 vf[i][1] = r[1];
                 vf[i + 1][0] = r[2];
@@ -763,7 +869,7 @@ static __device__ __forceinline__ void att_pv_tiles(float (&o)[MT][ATT_MMA_OWN][
 #pragma unroll
                 for (int x = 0; x < ATT_MMA_PTERMS; x++)
 #pragma unroll
-                    for (int i = 0; i < ATT_MMA_OWN; i++)
+                    for (int i = 0; i < OWN; i++)
                         if (FULL || i < nown)
                             dsv4_mma_bf16(o[mt][i], pf[x], vf[i][0], vf[i][1]);
             }
@@ -771,19 +877,20 @@ static __device__ __forceinline__ void att_pv_tiles(float (&o)[MT][ATT_MMA_OWN][
     }
 }
 
-template <int MT, bool QS>
-static __device__ __forceinline__ void att_pv(float (&o)[MT][ATT_MMA_OWN][4], int hd, int ntp, int mts,
+template <int MT, bool QS, int W>
+static __device__ __forceinline__ void att_pv(float (&o)[MT][att_own(W)][4], int hd, int ntp, int mts,
                                               const __nv_bfloat16 *k_s, int kstr, const __nv_bfloat16 *p_s,
                                               const float *al_s)
 {
+    constexpr int OWN = att_own(W);
     const int warp = threadIdx.x / DSV4_CUDA_WARP;
-    const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
-    if (nown == ATT_MMA_OWN && mts == MT)
-        att_pv_tiles<MT, MT>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
-    else if (QS && nown == ATT_MMA_OWN && mts == 1)     /* the 16-head split blocks of small batches */
-        att_pv_tiles<MT, 1>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
+    const int nown = (hd / 8 - warp + W - 1) / W;
+    if (nown == OWN && mts == MT)
+        att_pv_tiles<MT, MT, W>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
+    else if (QS && nown == OWN && mts == 1)     /* the 16-head split blocks of small batches */
+        att_pv_tiles<MT, 1, W>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
     else
-        att_pv_tiles<MT, 0>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
+        att_pv_tiles<MT, 0, W>(o, nown, ntp, mts, k_s, kstr, p_s, al_s);
 }
 
 /* The shared-memory carve of attention_mma_smem (and of att_qs_smem: q_s past it, q_heads heads). */
@@ -811,22 +918,24 @@ static __device__ __forceinline__ att_mma_smem_ptrs att_mma_carve(uint8_t *sm, i
 
 /* The block's queries [heads, hd] are contiguous; att_scores reads them a few k-steps at a time, so
  * pull them into L1 first: one round of L2 latency instead of one per batch of k-steps. */
+template <int THREADS>
 static __device__ __forceinline__ void att_prefetch_q(const struct dsv4_cuda_att_args &a, int b, int h0)
 {
     const char *qb = reinterpret_cast<const char *>(a.q + ((int64_t)b * a.H + h0) * a.hd);
     const int lines = (int)(((int64_t)min(a.heads_per_block, a.H - h0) * a.hd * (int)sizeof(float) + 127) / 128);
-    for (int i = threadIdx.x; i < lines; i += ATT_MMA_THREADS)
+    for (int i = threadIdx.x; i < lines; i += THREADS)
         dsv4_prefetch_l1(qb + (int64_t)i * 128);
 }
 
 /* A block's queries, split once for all of its tiles and warps: head h0 + h's values (d, d + 1) as
  * att_scores splits them, term i at q_s[(i * heads + h) * kstr + d]; heads past H zero (a last
  * tile's zero queries). The first barrier of att_mma_run orders these stores before any read. */
+template <int THREADS>
 static __device__ __forceinline__ void att_stage_q(const struct dsv4_cuda_att_args &a, int b, int h0, int heads,
                                                    __nv_bfloat16 *q_s)
 {
     const int hd = a.hd, kstr = hd + ATT_MMA_KPAD, n = heads * hd / 2;
-    for (int i = threadIdx.x; i < n; i += ATT_MMA_THREADS) {
+    for (int i = threadIdx.x; i < n; i += THREADS) {
         const int h = i / (hd / 2), d = 2 * (i % (hd / 2));
         const float2 x = h0 + h < a.H ? __ldg(reinterpret_cast<const float2 *>(a.q + ((int64_t)b * a.H + h0 + h) * hd + d))
                                       : make_float2(0.0f, 0.0f);
@@ -845,16 +954,16 @@ static __device__ __forceinline__ void att_stage_q(const struct dsv4_cuda_att_ar
  * block runs it once, a whole-row block once per run, so a run's (m, l, o) is the same bits in
  * both. The caller makes sure no thread still reads m_s, l_s from a previous run. Every thread must
  * call it. */
-template <int MT, bool QS>
+template <int MT, bool QS, int W>
 static __device__ __forceinline__ void att_mma_run(const struct dsv4_cuda_att_args &a, int b, int h0, int mts,
                                                    const att_run &r, const att_mma_smem_ptrs &p,
-                                                   float (&o)[MT][ATT_MMA_OWN][4])
+                                                   float (&o)[MT][att_own(W)][4])
 {
     const int kstr = a.hd + ATT_MMA_KPAD, tid = threadIdx.x;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int i = 0; i < ATT_MMA_OWN; i++)
+        for (int i = 0; i < att_own(W); i++)
             o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
     if (tid < ATT_MMA_HEADS) {
         p.m_s[tid] = -INFINITY;
@@ -865,47 +974,55 @@ static __device__ __forceinline__ void att_mma_run(const struct dsv4_cuda_att_ar
         if (tid < nt)
             p.e_s[tid] = att_entry(a, r, b, t0 + tid);
         __syncthreads();                /* also: the last tile's P V is done with k_s and P */
-        att_decode_tile(a, p.e_s, nt, ntp, p.k_s, kstr);
+        att_decode_tile<W * DSV4_CUDA_WARP>(a, p.e_s, nt, ntp, p.k_s, kstr);
         __syncthreads();
-        att_scores_for<QS, ATT_MMA_MT / MT>(a, b, h0, mts, ntp, p.k_s, kstr, p.q_s, p.q_heads, p.s_s);
+        if constexpr (W == ATT_MMA_WIDE_WARPS)
+            att_scores_wide<QS>(a, b, h0, ntp, p.k_s, kstr, p.q_s, p.q_heads, p.s_s);
+        else
+            att_scores_for<QS, ATT_MMA_MT / MT>(a, b, h0, mts, ntp, p.k_s, kstr, p.q_s, p.q_heads, p.s_s);
         __syncthreads();
         att_softmax(nt, ntp, mts, p.s_s, p.p_s, p.m_s, p.l_s, p.al_s);
-        att_pv<MT, QS>(o, a.hd, ntp, mts, p.k_s, kstr, p.p_s, p.al_s);
+        att_pv<MT, QS, W>(o, a.hd, ntp, mts, p.k_s, kstr, p.p_s, p.al_s);
     }
 }
 
 /* QS: the block's heads_per_block (at most ATT_QS_HEADS) queries staged in shared memory
- * (att_qs_smem), else loaded per k-step. */
-template <bool QS>
-__global__ void __launch_bounds__(ATT_MMA_THREADS, 1)
+ * (att_qs_smem), else loaded per k-step. W warps: ATT_MMA_WARPS, or ATT_MMA_WIDE_WARPS for blocks of
+ * 16 heads (MT 1), which split each phase's work over twice the warps (att_scores_wide, P V's output
+ * dims, the decode's chunks) with the same arithmetic per value: the same bits. MT: the m16 tiles its
+ * registers hold (heads_per_block / 16 at most). */
+template <bool QS, int W, int MT>
+__global__ void __launch_bounds__(W * DSV4_CUDA_WARP, 1)
 attention_mma_kernel(const struct dsv4_cuda_att_args a)
 {
+    static_assert(W == ATT_MMA_WARPS || (W == ATT_MMA_WIDE_WARPS && MT == 1), "wide blocks take one m16 tile");
+    constexpr int OWN = att_own(W);
     dsv4_pdl_enter();
     extern __shared__ __align__(16) uint8_t att_sm[];
     const att_mma_smem_ptrs p = att_mma_carve(att_sm, a.hd, a.heads_per_block);
     const int hd = a.hd, b = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * a.heads_per_block, tid = threadIdx.x;
     const int mts = min(a.heads_per_block / 16, (a.H - h0 + 15) / 16);
     const att_run r = att_key_run(a, b, split, gridDim.y);
-    float o[ATT_MMA_MT][ATT_MMA_OWN][4];
+    float o[MT][OWN][4];
 
     if (QS && r.k0 < r.k1)
-        att_stage_q(a, b, h0, a.heads_per_block, p.q_s);
+        att_stage_q<W * DSV4_CUDA_WARP>(a, b, h0, a.heads_per_block, p.q_s);
     else if (r.k0 < r.k1)
-        att_prefetch_q(a, b, h0);
-    att_mma_run<ATT_MMA_MT, QS>(a, b, h0, mts, r, p, o);
+        att_prefetch_q<W * DSV4_CUDA_WARP>(a, b, h0);
+    att_mma_run<MT, QS, W>(a, b, h0, mts, r, p, o);
     __syncthreads();
 
     /* partials: o (C fragments: heads g, g + 8 of each m16 tile, dims 2t, 2t+1 of each n8 tile), m, l */
     const int warp = tid / DSV4_CUDA_WARP, lane = tid % DSV4_CUDA_WARP, g = lane / 4, t = lane % 4;
-    const int nown = (hd / 8 - warp + ATT_MMA_WARPS - 1) / ATT_MMA_WARPS;
+    const int nown = (hd / 8 - warp + W - 1) / W;
     float *part = a.part + ((int64_t)b * gridDim.y + split) * a.H * (hd + 2);
 #pragma unroll
-    for (int mt = 0; mt < ATT_MMA_MT; mt++) {
+    for (int mt = 0; mt < MT; mt++) {
         const int ha = h0 + 16 * mt + g, hb = ha + 8;
 #pragma unroll
-        for (int i = 0; i < ATT_MMA_OWN; i++) {
+        for (int i = 0; i < OWN; i++) {
             if (mt < mts && i < nown && r.k0 < r.k1) {     /* an empty run leaves only m = -inf */
-                const int d = 8 * (warp + ATT_MMA_WARPS * i) + 2 * t;
+                const int d = 8 * (warp + W * i) + 2 * t;
                 if (ha < a.H)
                     *reinterpret_cast<float2 *>(part + (int64_t)ha * (hd + 2) + d) = make_float2(o[mt][i][0], o[mt][i][1]);
                 if (hb < a.H)
@@ -977,13 +1094,13 @@ attention_mma_whole_kernel(const struct dsv4_cuda_att_args a, const float *__res
         M_s[tid] = h0 + tid < a.H ? sink[h0 + tid] : 0.0f;
         L_s[tid] = 1.0f;
     }
-    att_prefetch_q(a, b, h0);
+    att_prefetch_q<ATT_MMA_THREADS>(a, b, h0);
 #pragma unroll 1
     for (int split = 0; split < DSV4_CUDA_ATT_SPLITS; split++) {
         const att_run r = att_key_run(a, b, split, DSV4_CUDA_ATT_SPLITS);
         if (r.k0 >= r.k1)               /* an empty run: the combine skips its m = -inf */
             continue;
-        att_mma_run<MT, false>(a, b, h0, mts, r, p, o);    /* its barriers also publish M_s, L_s */
+        att_mma_run<MT, false, ATT_MMA_WARPS>(a, b, h0, mts, r, p, o);    /* its barriers also publish M_s, L_s */
         if (tid < 16 * mts)
             att_fold_scales(M_s[tid], L_s[tid], p.m_s[tid], p.l_s[tid], ca_s[tid], cr_s[tid]);
         __syncthreads();
@@ -1096,6 +1213,15 @@ static att_whole_fn att_whole_kernel(int mt)
                             : attention_mma_whole_kernel<1>;
 }
 
+/* The split kernel: staged queries or not, wide (16-head blocks) or not */
+typedef void (*att_split_fn)(const struct dsv4_cuda_att_args);
+static att_split_fn att_split_kernel(bool qs, bool wide)
+{
+    return wide ? (qs ? attention_mma_kernel<true, ATT_MMA_WIDE_WARPS, 1> : attention_mma_kernel<false, ATT_MMA_WIDE_WARPS, 1>)
+                : (qs ? attention_mma_kernel<true, ATT_MMA_WARPS, ATT_MMA_MT>
+                      : attention_mma_kernel<false, ATT_MMA_WARPS, ATT_MMA_MT>);
+}
+
 int dsv4_cuda_attention_prepare(int hd)
 {
     int dev, optin;
@@ -1109,13 +1235,16 @@ int dsv4_cuda_attention_prepare(int hd)
                               "device %d allows %d", hd, dsv4_cuda_attention_smem(hd), dev, optin);
     DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_f32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)att_f32_smem(hd)));
-    DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)att_mma_smem(hd)));
+    for (att_split_fn f : { att_split_kernel(false, false), att_split_kernel(false, true) })
+        DSV4_CUDA_TRY(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)att_mma_smem(hd)));
     att_qs_heads = att_qs_smem(hd, ATT_QS_HEADS) <= (size_t)optin ? ATT_QS_HEADS
                    : att_qs_smem(hd, 16) <= (size_t)optin ? 16 : 0;
-    if (att_qs_heads)
-        DSV4_CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if (att_qs_heads) {
+        DSV4_CUDA_TRY(cudaFuncSetAttribute(att_split_kernel(true, false), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)att_qs_smem(hd, att_qs_heads)));
+        DSV4_CUDA_TRY(cudaFuncSetAttribute(att_split_kernel(true, true), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)att_qs_smem(hd, 16)));
+    }
     att_whole_mt = 0;
     for (int mt : { ATT_MMA_MT, 2, 1 })
         if (!att_whole_mt && att_whole_smem(hd, mt) <= (size_t)optin)
@@ -1237,9 +1366,11 @@ int dsv4_cuda_attention(const struct dsv4_cuda_att_args *a, int batch, const flo
         struct dsv4_cuda_att_args k = *a;
         k.heads_per_block = att_heads_per_block(a, batch);
         const bool qs = k.heads_per_block <= att_qs_heads;     /* the same bits either way */
-        dsv4_launch(qs ? attention_mma_kernel<true> : attention_mma_kernel<false>,
+        const bool wide = k.heads_per_block == 16;             /* and so */
+        dsv4_launch(att_split_kernel(qs, wide),
                     dim3(batch, DSV4_CUDA_ATT_SPLITS, (a->H + k.heads_per_block - 1) / k.heads_per_block),
-                    ATT_MMA_THREADS, qs ? att_qs_smem(a->hd, k.heads_per_block) : att_mma_smem(a->hd), s, k);
+                    (wide ? ATT_MMA_WIDE_WARPS : ATT_MMA_WARPS) * DSV4_CUDA_WARP,
+                    qs ? att_qs_smem(a->hd, k.heads_per_block) : att_mma_smem(a->hd), s, k);
         DSV4_CUDA_LAUNCHED("attention_mma");
         dsv4_cuda_count_launch(DSV4_CUDA_V_ATTENTION_MMA);
     } else {
