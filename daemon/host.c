@@ -100,7 +100,7 @@ static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *o
     return 0;
 }
 
-/* What `gpus` got: the CUDA backend runs on one device until the experts are split across several. */
+/* What `gpus` got: one device, or the routed experts split across the listed ones (doc/MULTIGPU.md). */
 static void log_gpus(const struct dsv4_host *h, const struct dsv4_backend_opts *opts)
 {
     char list[DSV4_EP_MAX_GPUS * 5 + 1] = "";
@@ -116,11 +116,11 @@ static void log_gpus(const struct dsv4_host *h, const struct dsv4_backend_opts *
     if (opts->n_gpus == 1)
         dsv4_log_info("gpus = %s: the CUDA backend runs on device %d", list, opts->gpus[0]);
     else if (opts->n_gpus == 0)
-        dsv4_log_notice("gpus = all: expert parallelism over several GPUs is not built yet; the CUDA backend runs on "
-                        "device %d and leaves any other visible GPU idle", DSV4_HOST_CUDA_DEVICE);
+        dsv4_log_notice("gpus = all: the CUDA backend runs on device %d; list the GPUs (gpus = 0,1) to split the "
+                        "routed experts across them", DSV4_HOST_CUDA_DEVICE);
     else
-        dsv4_log_warning("gpus = %s: expert parallelism over several GPUs is not built yet; the CUDA backend runs on "
-                         "device %d only, devices %s stay idle", list, opts->gpus[0], list + strcspn(list, ",") + 1);
+        dsv4_log_info("gpus = %s: the routed experts split across %d GPUs, the slots dealt out among them; no prefix "
+                      "cache and no speculation across GPUs yet", list, opts->n_gpus);
 }
 
 /* Where routed experts live (expert_offload, expert_host_share, expert_placement) is the CUDA

@@ -37,10 +37,15 @@ struct dsv4_backend_opts {
     int expert_host_share;      /* percent; with DSV4_EXPERT_OFFLOAD_ON at least this share of each layer on the host */
     const uint64_t *expert_counts;  /* [n_layers * n_experts] routing statistics choosing the GPU's experts, or NULL */
     int spec_tokens;            /* speculative decoding: drafts per step to prepare for, 0..SPEC_TOKENS_MAX */
-    /* CUDA devices by ordinal, distinct (n_gpus 0: all visible). Experts are not yet split across them:
-     * the CUDA backend runs on one device (doc/MULTIGPU.md). */
+    /* CUDA devices by ordinal (n_gpus 0: all visible). With two or more listed, the routed experts are
+     * split across them (doc/MULTIGPU.md); an ordinal listed more than once puts several ranks on one
+     * device, exchanging through device copies (the loopback the tests use). */
     int n_gpus;
     int gpus[DSV4_EP_MAX_GPUS];
+    /* Set by the CUDA backend for each device of an expert-parallel group, 0 otherwise: this device
+     * is rank ep_rank of ep_ranks, holds the routed experts dsv4_ep_shard gives it and exchanges its
+     * rows with the other ranks at every MoE sublayer. */
+    int ep_rank, ep_ranks;
 };
 
 /* The prefix cache (engine/serve/prefix_cache.h) keeps slot state at block boundaries in a pool of pages

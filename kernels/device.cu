@@ -122,7 +122,9 @@ struct walker {
     const struct dsv4_linear *embed;    /* the token embedding, which may move to host memory too */
     size_t embed_bytes;         /* pass 1: its aligned size (not in bytes) */
     uint64_t *expert_bytes;     /* pass 1: [n_layers] aligned bytes of each layer's movable experts */
-    int ex_layer, ex_expert;    /* the movable expert being walked (ex_layer -1: none) */
+    int ex_layer, ex_expert;    /* the movable expert being walked (ex_layer -1: none), ex_expert counted from e0 */
+    int e0, e1;                 /* the routed experts [e0, e1) of each layer this device holds (all, or its
+                                 * rank's share under expert parallelism: opts->ep_ranks) */
     bool with_mtp;              /* the MTP block too (the backend speculates with it) */
     bool quant_act;             /* fp8 numerics: routed experts take quantized activations */
     bool ex_tiles;              /* the walked layer's experts are stored in k-tile blocks, wherever they live */
@@ -216,9 +218,9 @@ static int walk_layer(struct walker *wk, int li, const struct dsv4_layer *L)
     wk->ex_tiles = movable && dsv4_cuda_moe_tiles(f->w1[0].fmt, c->dim, (int)f->w1[0].out, wk->quant_act);
     if (movable)
         wk->all_tiled &= wk->ex_tiles && f->w1[0].fmt == DSV4_W_FP4 && f->w1[0].out == c->moe_inter;
-    for (int e = 0; f->w1 && f->w2 && f->w3 && e < c->n_experts; e++) {
+    for (int e = wk->e0; f->w1 && f->w2 && f->w3 && e < wk->e1; e++) {
         wk->ex_layer = movable ? li : -1;
-        wk->ex_expert = e;
+        wk->ex_expert = e - wk->e0;
         WALK(wk->linear(wk, &f->w1[e]));
         WALK(wk->linear(wk, &f->w3[e]));
         WALK(wk->linear(wk, &f->w2[e]));
@@ -448,16 +450,18 @@ static int upload_experts(struct walker *wk, int layer, const struct dsv4_ffn *f
     tab = static_cast<struct dsv4_cuda_expert *>(calloc(c->n_experts, sizeof(*tab)));
     if (!tab)
         return dsv4_error_set(-ENOMEM, "cuda: expert table of layer %d", layer);
-    /* walk_layer uploads w1, w3, w2 of each expert in order just before calling here */
-    const size_t base = dev->n_linears - 3 * (size_t)c->n_experts;
-    for (int e = 0; e < c->n_experts; e++) {
-        const struct dev_linear *d1 = &dev->linears[base + 3 * e], *d3 = d1 + 1, *d2 = d1 + 2;
+    /* walk_layer uploads w1, w3, w2 of each expert it holds in order just before calling here; the
+     * entries of the experts other devices hold stay empty (expert parallelism: a rank's steps never
+     * route a pair to them) */
+    const size_t base = dev->n_linears - 3 * (size_t)(wk->e1 - wk->e0);
+    for (int e = wk->e0; e < wk->e1; e++) {
+        const struct dev_linear *d1 = &dev->linears[base + 3 * (e - wk->e0)], *d3 = d1 + 1, *d2 = d1 + 2;
         if (d1->host != f->w1[e].w || d3->host != f->w3[e].w || d2->host != f->w2[e].w) {
             free(tab);
             return dsv4_error_set(-ENOENT, "cuda: layer %d expert %d was not uploaded", layer, e);
         }
         tab[e] = { d1->lin, d3->lin, d2->lin };
-        if (dev->fetch_proto_layer < 0 && dsv4_placement_on_host(dev->place, layer, e)) {
+        if (dev->fetch_proto_layer < 0 && dsv4_placement_on_host(dev->place, layer, e - wk->e0)) {
             dev->fetch_proto = tab[e];
             dev->fetch_proto_layer = layer;
         }
@@ -551,6 +555,8 @@ static size_t fetch_plan_bytes(const struct walker *wk, const struct dsv4_backen
         *why = "more experts a layer than the slot keys hold";
     else if (!fetch_tiles(c, NULL))
         *why = "more expert tiles than the fetch masks hold";
+    else if (wk->e1 - wk->e0 != c->n_experts)
+        *why = "the routed experts are split across devices (a step runs every rank's rows on them)";
     if (*why)
         return 0;
     wk->dev->fetch.ahead = sw.expert_fetch;
@@ -635,19 +641,30 @@ static int plan_experts(struct dsv4_cuda_dev *dev, struct walker *wk, const stru
 {
     const struct dsv4_config *c = wk->cfg;
     const size_t need = wk->bytes + wk->embed_bytes + rest + DSV4_CUDA_GPU_MARGIN;
+    const int held = wk->e1 - wk->e0;      /* experts of a layer this device holds; the placement counts from e0 */
     uint64_t expert = 0;
     for (int l = 0; l < c->n_layers; l++) {
-        wk->expert_bytes[l] /= (uint64_t)c->n_experts;      /* the experts of a movable layer are alike */
+        wk->expert_bytes[l] /= (uint64_t)held;      /* the experts of a movable layer are alike */
         expert = wk->expert_bytes[l] > expert ? wk->expert_bytes[l] : expert;
+    }
+    /* routing statistics of the held experts only, layer by layer */
+    std::unique_ptr<uint64_t[]> held_counts;
+    if (o->expert_counts && held != c->n_experts) {
+        held_counts.reset(new (std::nothrow) uint64_t[(size_t)c->n_layers * held]);
+        if (!held_counts)
+            return dsv4_error_set(-ENOMEM, "cuda: routing statistics of %d layers", c->n_layers);
+        for (int l = 0; l < c->n_layers; l++)
+            memcpy(&held_counts[(size_t)l * held], o->expert_counts + (size_t)l * c->n_experts + wk->e0,
+                   sizeof(uint64_t) * held);
     }
     struct dsv4_placement_req req = {};
     req.n_layers = c->n_layers;
-    req.n_experts = c->n_experts;
+    req.n_experts = held;
     req.expert_bytes = wk->expert_bytes;
     req.gpu_budget = free_b > need ? free_b - need : 0;
     req.mode = o->expert_offload;
     req.host_percent = o->expert_host_share;
-    req.counts = o->expert_counts;
+    req.counts = held_counts ? held_counts.get() : o->expert_counts;
     WALK(dsv4_placement_plan(&req, &dev->place));
     if (dev->place->offload && wk->embed_bytes > 0) {
         dsv4_placement_free(dev->place);
@@ -669,7 +686,7 @@ static int plan_experts(struct dsv4_cuda_dev *dev, struct walker *wk, const stru
     for (int l = 0; l < c->n_layers; l++) {
         dev->layer_movable[l] = wk->expert_bytes[l] > 0;
         dev->stats.experts_host += (uint32_t)dev->place->host_experts[l];
-        dev->stats.experts_gpu += wk->expert_bytes[l] ? (uint32_t)(c->n_experts - dev->place->host_experts[l]) : 0;
+        dev->stats.experts_gpu += wk->expert_bytes[l] ? (uint32_t)(held - dev->place->host_experts[l]) : 0;
     }
     dev->stats.gpu_expert_bytes = dev->place->gpu_bytes;
     dev->stats.host_expert_bytes = dev->place->host_bytes;
@@ -830,6 +847,10 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
     wk.with_mtp = w->n_mtp > 0 && w->mtp[0].layer.ratio == 0 && dsv4_cuda_step_spec_tokens(c, o) > 0;
     wk.quant_act = o->numerics == DSV4_NUMERICS_FP8;
     wk.all_tiled = true;
+    wk.e0 = 0;
+    wk.e1 = c->n_experts;
+    if (o->ep_ranks > 0)
+        WALK(dsv4_ep_shard(c->n_experts, o->ep_ranks, o->ep_rank, &wk.e0, &wk.e1));
     dev->fetch_proto_layer = -1;
     std::unique_ptr<uint64_t[]> expert_bytes(new (std::nothrow) uint64_t[c->n_layers + 1]());
     if (!expert_bytes)
@@ -896,6 +917,9 @@ static int dev_boot(struct dsv4_cuda_dev *dev, const struct dsv4_weights *w, con
          cache / 1073741824.0, o->max_batch, o->max_context,
          o->numerics == DSV4_NUMERICS_FP8 ? "FP8 KV entries, FP4 indexer keys" : "f32 entries",
          ws / 1073741824.0);
+    if (o->ep_ranks > 0)
+        vlog(dev, log, log_ctx, false, "cuda: expert parallelism: rank %d of %d, routed experts %d..%d of each layer",
+             o->ep_rank, o->ep_ranks, wk.e0, wk.e1 - 1);
     log_placement(dev, log, log_ctx);
     vlog(dev, log, log_ctx, true, "op linear.fp8: %s (e4m3 128x128 UE8M0 weights, activations 1x128 e4m3); "
          "raw activations (wo_a, grouped in one launch; exact numerics): %s; K not a multiple of 128: %s",

@@ -281,6 +281,12 @@ struct dsv4_cuda_dev_stats {
     char kernel_build[48];      /* which compiled kernel image runs: "sm_90a cubin", "compute_80 PTX (JIT)" */
 };
 
+/* The CUDA backend over opts->gpus[0 .. n_gpus) with the routed experts split across them
+ * (kernels/ep_backend.cu); dsv4_backend_cuda_create takes this path for two or more GPUs. One GPU
+ * listed runs the same path as a single rank (the tests compare it with the plain backend). */
+int dsv4_cuda_ep_backend_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
+                                struct dsv4_backend **ret);
+
 /* Count usable GPUs; 0 with a reason in dsv4_error_message() when none. */
 int dsv4_cuda_device_count(void);
 
@@ -496,6 +502,14 @@ int dsv4_cuda_moe_prepare(void);
  * on the 8-warp mma.sync kernels, for the reason dsv4_cuda_moe_wgmma_why_not gives (NULL when they run). */
 bool dsv4_cuda_moe_wgmma(void);
 const char *dsv4_cuda_moe_wgmma_why_not(void);
+
+/* Expert parallelism (kernels/ep.cu, doc/MULTIGPU.md). ep_mask: d_idx[i] = -1 for i < n where it is
+ * outside [e0, e1) (the experts this rank holds; moe_routed and moe_combine skip -1). ep_sum: d_y [rows,
+ * dim] = the ranks' partial sums d_ret [ranks, rows, dim] added in rank order, starting from rank 0's,
+ * then + d_add (NULL: none; d_padd: pending there) rounded once more, as moe_combine adds it. */
+int dsv4_cuda_ep_mask(int32_t *d_idx, int n, int e0, int e1, void *stream);
+int dsv4_cuda_ep_sum(const float *d_ret, int ranks, int rows, int64_t dim, const float *d_add,
+                     const struct dsv4_cuda_pending *d_padd, float *d_y, void *stream);
 
 /* Routing statistics (kernels/route_stats.cu): d_counts[e] += the rows b < batch whose d_slot[b] is
  * not pad_slot (a bucket's padding rows) with e among d_idx[b, 0..topk). */

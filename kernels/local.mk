@@ -5,9 +5,9 @@
 
 DSV4_CUDA_SRC_FILES = kernels/device.cu kernels/expert_fetch.cu kernels/gemv.cu kernels/gemm.cu kernels/gemm_wgmma.cu kernels/gemm_direct.cu kernels/indexer.cu kernels/sample.cu kernels/moe.cu kernels/moe_wgmma.cu kernels/norm.cu kernels/attention.cu \
 	kernels/compressor.cu kernels/step.cu kernels/mhc.cu kernels/embed.cu kernels/prefix.cu kernels/fault.cu \
-	kernels/route_stats.cu kernels/spec.cu
+	kernels/route_stats.cu kernels/spec.cu kernels/ep.cu kernels/ep_backend.cu
 DSV4_CUDA_HDR_FILES = kernels/dsv4cuda.h kernels/cuda_util.cuh kernels/cuda_fault.cuh kernels/kernels_internal.h kernels/kv_entry.cuh kernels/index_key.cuh kernels/sample.h kernels/mma.cuh kernels/norm_row.cuh kernels/gemm_tile.cuh kernels/wgmma.cuh \
-	kernels/pending.cuh kernels/prefix.h kernels/moe_tile.cuh kernels/route_score.cuh
+	kernels/pending.cuh kernels/prefix.h kernels/moe_tile.cuh kernels/route_score.cuh kernels/step_internal.h
 EXTRA_DIST += $(DSV4_CUDA_SRC_FILES) $(DSV4_CUDA_HDR_FILES) kernels/NOTES.md
 
 GPU_TEST_COMMON = tests/gpu/gpu_test.h
@@ -52,7 +52,7 @@ dsv4_bench_LDADD = $(DSV4_CUDA_LDADD) libdsv4engine.la -lm
 GPU_TESTS += tests/gpu/test_gpu_linear tests/gpu/test_gpu_moe tests/gpu/test_gpu_norm tests/gpu/test_gpu_device \
 	tests/gpu/test_gpu_step tests/gpu/test_gpu_codec tests/gpu/test_gpu_serve tests/gpu/test_gpu_sample \
 	tests/gpu/test_gpu_attention tests/gpu/test_gpu_indexer tests/gpu/test_gpu_prefix tests/gpu/test_gpu_fault \
-	tests/gpu/test_gpu_offload tests/gpu/test_gpu_spec
+	tests/gpu/test_gpu_offload tests/gpu/test_gpu_spec tests/gpu/test_gpu_ep
 check_PROGRAMS += $(GPU_TESTS)
 GPU_TEST_CFLAGS = $(TEST_ENGINE_CFLAGS) $(CUDA_CFLAGS)
 GPU_TEST_LIBS = $(DSV4_CUDA_LDADD) $(TEST_ENGINE_LIBS) -lm
@@ -98,6 +98,9 @@ tests_gpu_test_gpu_fault_LDADD = $(GPU_TEST_LIBS)
 tests_gpu_test_gpu_spec_SOURCES = tests/gpu/test_gpu_spec.c tests/unit/sched_harness.h $(GPU_TEST_COMMON)
 tests_gpu_test_gpu_spec_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
 tests_gpu_test_gpu_spec_LDADD = $(GPU_TEST_LIBS)
+tests_gpu_test_gpu_ep_SOURCES = tests/gpu/test_gpu_ep.c $(GPU_TEST_COMMON)
+tests_gpu_test_gpu_ep_CFLAGS = $(GPU_TEST_CFLAGS) -DDSV4_SRCDIR='"$(abs_top_srcdir)"'
+tests_gpu_test_gpu_ep_LDADD = $(GPU_TEST_LIBS)
 else
 DSV4_CUDA_LDADD =
 DSV4_CUDA_CPPFLAGS =
@@ -105,5 +108,5 @@ EXTRA_DIST += tools/dsv4-bench.c $(GPU_TEST_COMMON) tests/gpu/test_gpu_linear.c 
 	tests/gpu/test_gpu_norm.c tests/gpu/test_gpu_device.c tests/gpu/test_gpu_step.c \
 	tests/gpu/test_gpu_codec.c tests/gpu/test_gpu_serve.c tests/gpu/test_gpu_sample.c \
 	tests/gpu/test_gpu_attention.c tests/gpu/test_gpu_indexer.c tests/gpu/test_gpu_prefix.c tests/gpu/test_gpu_fault.c \
-	tests/gpu/test_gpu_spec.c
+	tests/gpu/test_gpu_spec.c tests/gpu/test_gpu_ep.c
 endif

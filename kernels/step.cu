@@ -34,136 +34,7 @@
 #include <string.h>
 
 #include "kernels/cuda_util.cuh"
-#include "kernels/kernels_internal.h"
-#include "kernels/prefix.h"
-#include "kernels/sample.h"
-#include "kernels/switches.h"
-
-#define STEP_MAX_BUCKETS 8      /* 1, 2, 4, ..., 64 */
-#define STEP_SLICE DSV4_CUDA_MAX_BATCH  /* rows per attention / indexer launch (their workspaces' rows) */
-#define STEP_IN_FIELDS 5        /* per row: token, slot, position, first and last position of its slot in the step */
-/* With speculation the in buffer holds a second STEP_IN_FIELDS x B block: the MTP block's rows (the
- * row's token, its slot or the padding slot, the block's position). */
-
-/* A layer's device weights. */
-struct step_layer {
-    int ratio;
-    bool csa, hash;
-    struct dsv4_cuda_linear hc_attn_fn, hc_ffn_fn, wq_a, wq_b, wkv, wo_a, wo_b, gate, sw1, sw3, sw2;
-    struct dsv4_cuda_linear c_wkv, c_wgate, i_wq_b, i_wproj, ic_wkv, ic_wgate;
-    const float *attn_norm, *ffn_norm, *hca_base, *hca_scale, *hcf_base, *hcf_scale, *q_norm, *kv_norm, *sink;
-    const float *c_ape, *c_norm, *ic_ape, *ic_norm, *gate_bias;
-    const int32_t *tid2eid;
-    struct dsv4_cuda_experts ex;
-    uint64_t *route_counts;     /* [E] tokens routed to each expert (kernels/route_stats.cu) */
-    int index;                  /* in the model (n_layers: the MTP block) */
-    bool fetch;                 /* decode steps fetch its predicted host experts ahead (kernels/expert_fetch.cu) */
-    struct dsv4_cuda_layer_cache cache;
-};
-
-/* Step buffers, each [rows of a step (dsv4_cuda_step_rows), ...] unless it says otherwise. */
-struct step_buf {
-    int32_t *in;                /* tokens [B], slots [B], pos [B], first [B], last [B] */
-    float *X, *X2, *mix, *mixws, *post, *comb, *y, *xn, *xq, *xq2, *xq3, *sub;
-    float *qr, *q, *kv, *o, *z, *cc, *cz, *ic, *iz, *iq, *iw;
-    float *part, *iscores;      /* [slice rows, ...]: attention and indexer workspaces */
-    uint8_t *kvown;             /* [B, entry bytes] (FP8 entries): a prefill chunk's own KV entries */
-    int32_t *isel, *insel, *ridx;
-    float *rlogits, *rw, *sg, *su, *sh, *sout, *hm;
-    float *logits;              /* [max_batch, V]: the decode rows, or a prefill's last row */
-    struct dsv4_cuda_moe_ws moe;
-    struct dsv4_cuda_gemm_ws gemm, gemm2, gemm3;  /* the main lane's, the side lane's, the index lane's */
-    void *shist;                /* device sampling: penalty history of max_batch slots */
-    struct dsv4_sample_row *sparams;        /* [B] */
-    struct dsv4_sample_result *sres;        /* [B] */
-    int32_t *sslots, *stokens;              /* [B] slots to clear, sampled tokens */
-    float *H;                   /* speculation: [B, hc, D] the MTP block's input streams */
-    float *eo;                  /* speculation: [B, D] e_proj of the block's token */
-    int32_t *dtok;              /* speculation: [max_batch] a draft's picks */
-    struct dsv4_cuda_spec_comp *comp;       /* speculation: [2 n_layers] the compressors' save table */
-    float *inv_main, *inv_comp;
-    int64_t mixws_floats;       /* capacity of mixws */
-};
-
-/* One stream of the step and the scratch its linears own. The side lane runs a layer's independent
- * branches (the attention's compressor beside the query/KV path, the shared expert beside the routed
- * ones) and the index lane a CSA layer's indexer (its compressor, weights_proj, then the top-k once qr
- * is normalized), so that their small, latency-bound kernels overlap at small batches: the indexer's
- * chain on the side lane after the compressor had been the longest of a CSA layer's three (batch 1:
- * its own lane took 20 us off the 4-layer step, 350 us off the 43-layer one). Concurrent linears
- * cannot share a GEMM workspace (it remembers the x it prepared) or the quantize buffer. */
-struct lane {
-    cudaStream_t s;
-    struct dsv4_cuda_gemm_ws *gemm;
-    float *xq;                  /* [rows, the lane's widest linear input]: x through the activation quantizer (GEMV path) */
-};
-
-struct cuda_backend {
-    struct dsv4_backend base;
-    struct dsv4_backend_ops ops;    /* cuda_ops, less `sample` with DSV4_CUDA_SAMPLE=0 */
-    struct dsv4_cuda_dev *dev;
-    struct dsv4_cuda_prefix *prefix;    /* the prefix-cache pool, or NULL */
-    const struct dsv4_config *cfg;
-    bool fp8;
-    int kvf;                    /* DSV4_KV_* */
-    int slots;                  /* max_batch + 1: the last one takes padding rows */
-    int rows;                   /* rows of one step: the longest prefill chunk (>= max_batch) */
-    uint64_t eager_steps;       /* prefill chunks longer than the largest bucket, launched eagerly */
-    int64_t slot_bytes;
-    uint8_t *caches;
-    struct step_layer *L;
-    struct dsv4_cuda_linear embed, head, hch_fn;
-    const float *norm, *hch_base, *hch_scale;
-    struct step_buf b;
-    struct lane ln[3];          /* main, side, index (the main stream when branches are off) */
-    bool branches;              /* DSV4_CUDA_BRANCHES=0: every launch on the main stream */
-    cudaStream_t side, indexer;
-    cudaEvent_t ev_fork, ev_join;
-    /* host experts fetched ahead: the device's slots (NULL: off), the lane that predicts and plans and
-     * the lane that copies. ev_fetched marks a plan (after the prediction's read of xn): the main
-     * lane waits for it before it writes xn again and before the layer's resolve; ev_copied marks a
-     * copy, which the next plan waits for. fetch_lanes: this step's launches used them (joined at
-     * its end). */
-    const struct dsv4_cuda_fetch *fetch;
-    struct lane fl, fc;
-    cudaEvent_t ev_fetched, ev_copied;
-    bool fetch_lanes;
-    int64_t max_entries;
-    int64_t *pos;               /* host: tokens in each slot */
-    int32_t *h_in;
-    int *h_slots;               /* [rows] a prefill chunk's slot column */
-    int buckets[STEP_MAX_BUCKETS], n_buckets;
-    cudaGraphExec_t graphs[STEP_MAX_BUCKETS];
-    bool use_graphs;
-    bool use_gemm;              /* tensor-core linears where the format allows (DSV4_CUDA_GEMM=0: GEMV only) */
-    uint64_t captures;
-    /* device sampling (ops->sample; DSV4_CUDA_SAMPLE=0 leaves it to the host) */
-    struct dsv4_sample_history hist;            /* [max_batch slots, V] */
-    struct dsv4_sample_row *h_sparams;          /* [max_batch], uploaded to b.sparams */
-    struct dsv4_sample_result *h_sres;          /* [max_batch], copied back from b.sres */
-    int32_t *h_sslots;                          /* [max_batch] slots whose history is cleared */
-    int last_rows;              /* rows of the last prefill chunk or decode */
-    int last_logit_row;         /* after a prefill: the logits row of its last token */
-    const int32_t *last_sl;     /* their slots (h_in's column, until the next step) */
-    const int32_t *last_d_sl;   /* the same column on the device (b.in's) */
-    bool last_prefill;
-    bool hist_broken;           /* a history clear failed: sampling refuses until the next create */
-    /* speculative decoding (spec > 0) */
-    int spec;                   /* S: drafts a verify takes at most; 0 off */
-    struct step_layer mtp_L;    /* the MTP block's layer (its window at mtp_L.cache.win) */
-    struct dsv4_cuda_linear mtp_e_proj, mtp_h_proj, mtp_hch_fn;
-    const float *mtp_enorm, *mtp_hnorm, *mtp_norm, *mtp_hch_base, *mtp_hch_scale;
-    int64_t ring_off;           /* a slot's ring of the main model's streams, S + 1 entries */
-    struct dsv4_cuda_spec_comp *d_comp;     /* [n_comp] every compressor's state and save area */
-    int n_comp;
-    int64_t *mtp_pos;           /* host [slots]: the block holds positions below this */
-    int64_t *row_mtp;           /* host [rows]: the last step's rows, each one's slot's mtp_pos before it */
-    int64_t *v_pos;             /* host [slots]: a pending verify's first position, -1: none */
-    int *v_rows;                /* host [slots]: its rows */
-    int64_t *v_mtp;             /* host [slots, S + 1]: mtp_pos before each of its rows */
-    int32_t *h_draft;           /* host [S, max_batch] */
-    cudaGraphExec_t dgraphs[2][STEP_MAX_BUCKETS];   /* draft steps: the first (from the ring), later ones */
-};
+#include "kernels/step_internal.h"
 
 /* ---- sizes shared with the device boot ---- */
 
@@ -385,9 +256,18 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     t.rlogits = f(B * E);
     t.ridx = i32(B * K);
     t.rw = f(B * K);
-    t.moe.d_groups = i32(3 * B * K + 2);
-    t.moe.d_h = f(B * K * I);
-    t.moe.d_out = f(B * K * D);
+    /* the routed experts run over every rank's rows under expert parallelism */
+    const int64_t R = o->ep_ranks > 0 ? o->ep_ranks : 1, Bg = R * B;
+    t.moe.d_groups = i32(3 * Bg * K + 2);
+    t.moe.d_h = f(Bg * K * I);
+    t.moe.d_out = f(Bg * K * D);
+    if (o->ep_ranks > 0) {
+        t.gx = f(Bg * D);
+        t.gidx = i32(Bg * K);
+        t.gw = f(Bg * K);
+        t.gpart = f(Bg * D);
+        t.gret = f(Bg * D);
+    }
     t.sg = f(B * Is);
     t.su = f(B * Is);
     t.sh = f(B * Is);
@@ -458,13 +338,6 @@ static bool quantized(const struct dsv4_cuda_linear *W)
 {
     return W->fmt == DSV4_W_FP8 || W->fmt == DSV4_W_FP4;
 }
-
-#define STEP(call)                  \
-    do {                            \
-        int rc_ = (call);           \
-        if (rc_ < 0)                \
-            return rc_;             \
-    } while (0)
 
 /* y = W x for B rows; fp8 numerics round x through the 1x128 activation quantizer first when W is
  * quantized and `raw` is false (the CPU reference's dsv4_cpu_linear_rows). */
@@ -775,43 +648,60 @@ static int attention(struct cuda_backend *cb, const struct step_layer *L, int B,
 /* prepared: sublayer_pre left xn prepared for the gate in the main lane's workspace. */
 /* fetch: the layer fetched ahead (fetch_ahead): after the router, resolve stops the copy and points the
  * expert kernels at what it copied. */
-static int moe(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared, bool fetch)
+/* A MoE sublayer up to its routed experts: the shared expert on the side lane, the router, the
+ * routing counts, the fetched experts resolved, the experts' input rounded (fp8 numerics): cb->mid. */
+static int moe_route(struct cuda_backend *cb, const struct step_layer *L, int B, bool prepared, bool fetch)
 {
     const struct dsv4_config *c = cb->cfg;
     struct step_buf *t = &cb->b;
-    const struct lane *m = &cb->ln[0], *sd = &cb->ln[1];
-    const cudaStream_t s = m->s;
+    struct step_moe *m = &cb->mid;
+    const struct lane *ml = &cb->ln[0], *sd = &cb->ln[1];
+    const cudaStream_t s = ml->s;
     const int D = c->dim, K = c->n_experts_per_tok;
-    struct dsv4_cuda_experts ex = L->ex;
-    struct dsv4_cuda_pending psg, psu, psout = {}, plogits;
+    struct dsv4_cuda_pending psg, psu, plogits;
 
-    if (L->sw1.w) {
+    m->ex = L->ex;
+    m->psout = dsv4_cuda_pending{};
+    m->shared = L->sw1.w != NULL;
+    if (m->shared) {
         const int64_t Is = L->sw1.out;
-        STEP(lane_wait(cb, sd, m, cb->ev_fork));
+        STEP(lane_wait(cb, sd, ml, cb->ev_fork));
         STEP(lin_pend(cb, &L->sw1, t->xn, NULL, D, B, t->sg, Is, false, sd, &psg));
         STEP(lin_pend(cb, &L->sw3, t->xn, NULL, D, B, t->su, Is, true, sd, &psu));
         STEP(dsv4_cuda_swiglu(t->sg, &psg, t->su, &psu, B, Is, (float)c->swiglu_limit, t->sh, sd->s));
-        STEP(lin_pend(cb, &L->sw2, t->sh, NULL, Is, B, t->sout, D, false, sd, &psout));
+        STEP(lin_pend(cb, &L->sw2, t->sh, NULL, Is, B, t->sout, D, false, sd, &m->psout));
     }
-    STEP(lin_pend(cb, &L->gate, t->xn, NULL, D, B, t->rlogits, c->n_experts, prepared, m, &plogits));
+    STEP(lin_pend(cb, &L->gate, t->xn, NULL, D, B, t->rlogits, c->n_experts, prepared, ml, &plogits));
     STEP(dsv4_cuda_router(t->rlogits, &plogits, B, c->n_experts, K, L->hash ? NULL : L->gate_bias,
                           L->hash ? L->tid2eid : NULL, t->in, (float)c->routed_scaling_factor, t->ridx, t->rw, s));
     if (L->route_counts)    /* the MTP block's routing is not counted */
         STEP(dsv4_cuda_route_count(t->ridx, B, K, t->in + B, cb->slots - 1, L->route_counts, s));
     if (fetch) {
         STEP(dsv4_cuda_fetch_resolve(cb->fetch, L->index, t->ridx, B, K, s));
-        ex.fetch_redirect = cb->fetch->redirect + (int64_t)L->index * c->n_experts;
+        m->ex.fetch_redirect = cb->fetch->redirect + (int64_t)L->index * c->n_experts;
     }
-    ex.quant_act = cb->fp8 && (ex.fmt == DSV4_W_FP8 || ex.fmt == DSV4_W_FP4);
-    const float *x = t->xn;
-    if (ex.quant_act) {
+    m->ex.quant_act = cb->fp8 && (m->ex.fmt == DSV4_W_FP8 || m->ex.fmt == DSV4_W_FP4);
+    m->x = t->xn;
+    if (m->ex.quant_act) {
         STEP(dsv4_cuda_fp8_roundtrip(t->xn, B, D, DSV4_CUDA_ACT_BLOCK, t->xq, s));
-        x = t->xq;
+        m->x = t->xq;
     }
-    STEP(dsv4_cuda_moe_routed(&ex, x, B, K, t->ridx, &t->moe, s));
-    if (L->sw1.w)
-        STEP(lane_wait(cb, m, sd, cb->ev_join));
-    return dsv4_cuda_moe_combine(&ex, B, K, t->ridx, t->rw, &t->moe, L->sw1.w ? t->sout : NULL, &psout, t->sub, s);
+    return 0;
+}
+
+/* The rest of a MoE sublayer on one device: the routed experts, then their weighted sum and the
+ * shared expert's output into t->sub. */
+static int moe_local(struct cuda_backend *cb, int B)
+{
+    struct step_buf *t = &cb->b;
+    const struct step_moe *m = &cb->mid;
+    const cudaStream_t s = cb->ln[0].s;
+    const int K = cb->cfg->n_experts_per_tok;
+    STEP(dsv4_cuda_moe_routed(&m->ex, m->x, B, K, t->ridx, &t->moe, s));
+    if (m->shared)
+        STEP(lane_wait(cb, &cb->ln[0], &cb->ln[1], cb->ev_join));
+    return dsv4_cuda_moe_combine(&m->ex, B, K, t->ridx, t->rw, &t->moe, m->shared ? t->sout : NULL, &m->psout, t->sub,
+                                 s);
 }
 
 /* F32 mHC fn weights (both releases) take the split-K kernel; other formats (converted test
@@ -931,8 +821,8 @@ static int fetch_ahead(struct cuda_backend *cb, int l, int B, bool *launched)
     return 0;
 }
 
-/* One layer's launches for B rows (t->in as they read it). */
-static int layer_launches(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
+/* One layer's launches for B rows (t->in as they read it) up to its routed experts (cb->mid). */
+static int layer_routed(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
 {
     bool pa, pf;    /* xn prepared for wq_a, for the gate */
     struct dsv4_cuda_pending psub;      /* the attention's output */
@@ -946,7 +836,14 @@ static int layer_launches(struct cuda_backend *cb, const struct step_layer *L, i
     if (planned)
         DSV4_CUDA_TRY(cudaStreamWaitEvent(s, cb->ev_fetched, 0));
     STEP(sublayer_pre(cb, &L->hc_ffn_fn, L->hcf_base, L->hcf_scale, L->ffn_norm, &L->gate, B, s, &pf));
-    STEP(moe(cb, L, B, pf, fetch));
+    return moe_route(cb, L, B, pf, fetch);
+}
+
+/* One layer's launches for B rows on one device. */
+static int layer_launches(struct cuda_backend *cb, const struct step_layer *L, int B, cudaStream_t s)
+{
+    STEP(layer_routed(cb, L, B, s));
+    STEP(moe_local(cb, B));
     return sublayer_post(cb, B, NULL, s);
 }
 
@@ -1064,22 +961,39 @@ static int draft_launches(struct cuda_backend *cb, int B, bool later, cudaStream
  * with speculation, the block's catch-up and the streams ring after it (mtp_catch_up). */
 static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStream_t s)
 {
-    const struct dsv4_config *c = cb->cfg;
+    int rc = dsv4_step_begin(cb, B, s);
+    for (int l = 0; rc == 0 && l < cb->cfg->n_layers; l++)
+        rc = layer_launches(cb, &cb->L[l], B, s);
+    if (rc == 0)
+        return dsv4_step_end(cb, B, head_from);
+    cb->b.X = cb->X0;
+    cb->b.X2 = cb->X20;
+    return rc;
+}
+
+/* The lanes of a step of B rows on stream s, the fetch's step counter and the embedding. */
+int dsv4_step_begin(struct cuda_backend *cb, int B, cudaStream_t s)
+{
     struct step_buf *t = &cb->b;
-    float *X0 = t->X, *X20 = t->X2;
+    cb->X0 = t->X;
+    cb->X20 = t->X2;
     cb->ln[0].s = s;
     cb->ln[1].s = cb->branches ? cb->side : s;
     cb->ln[2].s = cb->branches ? cb->indexer : s;
-    const bool fetch = step_fetches(cb, B);
     cb->fetch_lanes = false;
-    int rc = fetch ? dsv4_cuda_fetch_step(cb->fetch, s) : 0;
-    if (rc == 0)
-        rc = dsv4_cuda_embed(&cb->embed, t->in, B, c->hc_mult, t->X, s);
-    for (int l = 0; rc == 0 && l < c->n_layers; l++)
-        rc = layer_launches(cb, &cb->L[l], B, s);
+    if (step_fetches(cb, B))
+        STEP(dsv4_cuda_fetch_step(cb->fetch, s));
+    return dsv4_cuda_embed(&cb->embed, t->in, B, cb->cfg->hc_mult, t->X, s);
+}
+
+/* The fetch lanes joined, the head, the MTP catch-up; the stream buffers as the step found them. */
+int dsv4_step_end(struct cuda_backend *cb, int B, int head_from)
+{
+    const struct dsv4_config *c = cb->cfg;
+    struct step_buf *t = &cb->b;
+    const cudaStream_t s = cb->ln[0].s;
     /* the last copy's targets are all resolved by now: it has left them, so this joins at once */
-    if (rc == 0 && cb->fetch_lanes)
-        rc = lane_wait(cb, &cb->ln[0], &cb->fl, cb->ev_join);
+    int rc = cb->fetch_lanes ? lane_wait(cb, &cb->ln[0], &cb->fl, cb->ev_join) : 0;
     if (rc == 0 && cb->fetch_lanes)
         rc = lane_wait(cb, &cb->ln[0], &cb->fc, cb->ev_join);
     /* the head's rows: from head_from on (a prefill chunk's last row, or every row) */
@@ -1091,9 +1005,46 @@ static int step_launches(struct cuda_backend *cb, int B, int head_from, cudaStre
         rc = mtp_catch_up(cb, B, s);
     /* the stream buffers swap per sublayer; an even count of swaps leaves them in place, but restore
      * them so every bucket's launches (and graph) see the same assignment */
-    t->X = X0;
-    t->X2 = X20;
+    t->X = cb->X0;
+    t->X2 = cb->X20;
     return rc;
+}
+
+/* ---- a step's pieces under expert parallelism (kernels/ep_backend.cu interleaves the ranks') ---- */
+
+int dsv4_step_routed(struct cuda_backend *cb, int layer, int B)
+{
+    STEP(layer_routed(cb, &cb->L[layer], B, cb->ln[0].s));
+    DSV4_CUDA_TRY(cudaEventRecord(cb->ev_routed, cb->ln[0].s));
+    return 0;
+}
+
+/* The gathered rows of every rank (b.gx, b.gidx, b.gw: R B rows) through the experts this rank holds,
+ * each row's weighted sum of them (in its top-k order, as moe_combine adds) into b.gpart. */
+int dsv4_step_ep_experts(struct cuda_backend *cb, int B)
+{
+    struct step_buf *t = &cb->b;
+    const struct step_moe *m = &cb->mid;
+    const cudaStream_t s = cb->ln[0].s;
+    const int K = cb->cfg->n_experts_per_tok, Bg = cb->ep_ranks * B;
+    STEP(dsv4_cuda_ep_mask(t->gidx, Bg * K, cb->e0, cb->e1, s));
+    STEP(dsv4_cuda_moe_routed(&m->ex, t->gx, Bg, K, t->gidx, &t->moe, s));
+    STEP(dsv4_cuda_moe_combine(&m->ex, Bg, K, t->gidx, t->gw, &t->moe, NULL, NULL, t->gpart, s));
+    DSV4_CUDA_TRY(cudaEventRecord(cb->ev_parted, s));
+    return 0;
+}
+
+/* This rank's rows' partial sums from every rank (b.gret) added in rank order, then the shared
+ * expert's output, into t->sub; mHC post. With one rank that is moe_combine's sum and add, bit for bit. */
+int dsv4_step_ep_finish(struct cuda_backend *cb, int B)
+{
+    struct step_buf *t = &cb->b;
+    const struct step_moe *m = &cb->mid;
+    const cudaStream_t s = cb->ln[0].s;
+    if (m->shared)
+        STEP(lane_wait(cb, &cb->ln[0], &cb->ln[1], cb->ev_join));
+    STEP(dsv4_cuda_ep_sum(t->gret, cb->ep_ranks, B, cb->cfg->dim, m->shared ? t->sout : NULL, &m->psout, t->sub, s));
+    return sublayer_post(cb, B, NULL, s);
 }
 
 /* ---- backend ops ---- */
@@ -1103,7 +1054,7 @@ static struct cuda_backend *impl(const struct dsv4_backend *b)
     return static_cast<struct cuda_backend *>(b->impl);
 }
 
-static int bucket_for(const struct cuda_backend *cb, int n)
+int dsv4_step_bucket(const struct cuda_backend *cb, int n)
 {
     for (int i = 0; i < cb->n_buckets; i++)
         if (cb->buckets[i] >= n)
@@ -1151,12 +1102,28 @@ static void spec_catch_up_rows(struct cuda_backend *cb, int n, int B)
 static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens, float *logits,
                     bool last_only)
 {
-    const int bi = bucket_for(cb, n), B = bi >= 0 ? cb->buckets[bi] : n;
+    const int bi = dsv4_step_bucket(cb, n), B = bi >= 0 ? cb->buckets[bi] : n;
     const bool eager = bi < 0;
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
     if (eager && logits && !last_only)
         return dsv4_error_set(-EINVAL, "cuda: every row's logits of a %d-row chunk (the largest bucket is %d)", n,
                               cb->buckets[cb->n_buckets - 1]);
+    STEP(dsv4_step_rows_stage(cb, n, slots, tokens, B));
+    if (cb->use_graphs && !eager) {
+        DSV4_CUDA_TRY(cudaGraphLaunch(cb->graphs[bi], s));
+    } else {
+        STEP(step_launches(cb, B, eager ? n - 1 : 0, s));
+        cb->eager_steps += eager;
+    }
+    STEP(dsv4_step_rows_after(cb, n, B, eager, logits, last_only));
+    DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+    dsv4_step_rows_done(cb, n, slots, B, eager);
+    return 0;
+}
+
+int dsv4_step_rows_stage(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens, int B)
+{
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
     int32_t *tok = cb->h_in, *sl = tok + B, *pos = sl + B, *first = pos + B, *last = first + B;
 
     for (int i = 0; i < B; i++) {
@@ -1174,14 +1141,12 @@ static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int3
     /* the buffer a bucket's launches read: t->in holds the STEP_IN_FIELDS arrays of B rows (twice
      * with speculation: the MTP block's rows after them) */
     DSV4_CUDA_TRY(cudaMemcpyAsync(cb->b.in, cb->h_in, sizeof(int32_t) * fields * B, cudaMemcpyHostToDevice, s));
-    if (cb->use_graphs && !eager) {
-        DSV4_CUDA_TRY(cudaGraphLaunch(cb->graphs[bi], s));
-    } else {
-        int rc = step_launches(cb, B, eager ? n - 1 : 0, s);
-        if (rc < 0)
-            return rc;
-        cb->eager_steps += eager;
-    }
+    return 0;
+}
+
+int dsv4_step_rows_after(struct cuda_backend *cb, int n, int B, bool eager, float *logits, bool last_only)
+{
+    cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
     const int last_row = eager ? 0 : n - 1;     /* the logits row of row n - 1 */
     /* every row's token is now in its slot's history (prompt tokens: seen; a decode row's token was
      * counted when it was sampled); padding rows name no history slot and are skipped */
@@ -1190,28 +1155,32 @@ static int run_rows(struct cuda_backend *cb, int n, const int *slots, const int3
         DSV4_CUDA_TRY(cudaMemcpyAsync(logits, cb->b.logits + (size_t)(last_only ? last_row : 0) * cb->cfg->vocab_size,
                                       sizeof(float) * (last_only ? 1 : n) * cb->cfg->vocab_size,
                                       cudaMemcpyDeviceToHost, s));
-    DSV4_CUDA_TRY(cudaStreamSynchronize(s));
+    return 0;
+}
+
+void dsv4_step_rows_done(struct cuda_backend *cb, int n, const int *slots, int B, bool eager)
+{
+    const int32_t *pos = cb->h_in + 2 * B;
     for (int i = 0; i < n; i++) {
         cb->pos[slots[i]] = pos[i] + 1;
         if (cb->spec && cb->h_in[STEP_IN_FIELDS * B + B + i] != cb->slots - 1)
             cb->mtp_pos[slots[i]] = pos[i];     /* the row's catch-up ran the block at pos - 1 */
     }
     cb->last_rows = n;
-    cb->last_logit_row = last_row;
-    cb->last_sl = sl;
+    cb->last_logit_row = eager ? 0 : n - 1;
+    cb->last_sl = cb->h_in + B;
     cb->last_d_sl = cb->b.in + B;
     cb->last_prefill = false;
-    return 0;
 }
 
-static int check_token(const struct cuda_backend *cb, const char *op, int32_t token)
+int dsv4_step_check_token(const struct cuda_backend *cb, const char *op, int32_t token)
 {
     if (token < 0 || token >= cb->cfg->vocab_size)
         return dsv4_error_set(-EINVAL, "cuda %s: token %d outside the vocabulary of %d", op, token, cb->cfg->vocab_size);
     return 0;
 }
 
-static int check_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens)
+int dsv4_step_check_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens)
 {
     const struct dsv4_backend_opts *o = &cb->base.opts;
     if (n < 1 || n > o->max_batch)
@@ -1222,7 +1191,7 @@ static int check_rows(struct cuda_backend *cb, int n, const int *slots, const in
         for (int j = 0; j < i; j++)
             if (slots[j] == slots[i])
                 return dsv4_error_set(-EINVAL, "cuda decode: slot %d appears twice in one step", slots[i]);
-        STEP(check_token(cb, "decode", tokens[i]));
+        STEP(dsv4_step_check_token(cb, "decode", tokens[i]));
         if (cb->pos[slots[i]] >= o->max_context)
             return dsv4_error_set(-ENOSPC, "cuda decode: slot %d is full (%d tokens)", slots[i], o->max_context);
     }
@@ -1232,7 +1201,7 @@ static int check_rows(struct cuda_backend *cb, int n, const int *slots, const in
 static int op_decode(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, float *logits)
 {
     struct cuda_backend *cb = impl(b);
-    int rc = check_rows(cb, n, slots, tokens);
+    int rc = dsv4_step_check_rows(cb, n, slots, tokens);
     if (rc == 0)    /* test-only: a real sticky fault when DSV4_TEST_CUDA_FAULT_AFTER_DECODES says so */
         rc = dsv4_cuda_test_fault(static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev)));
     return rc < 0 ? rc : run_rows(cb, n, slots, tokens, logits, false);
@@ -1252,7 +1221,7 @@ static int op_prefill(struct dsv4_backend *b, int slot, const int32_t *tokens, i
         return dsv4_error_set(-ENOSPC, "cuda prefill: %d tokens do not fit slot %d (%lld of %d used)", n, slot,
                               (long long)cb->pos[slot], b->opts.max_context);
     for (int i = 0; i < n; i++)
-        STEP(check_token(cb, "prefill", tokens[i]));
+        STEP(dsv4_step_check_token(cb, "prefill", tokens[i]));
     for (int i = 0; i < chunk; i++)
         cb->h_slots[i] = slot;
     for (int i0 = 0; i0 < n; i0 += chunk) {
@@ -1370,6 +1339,10 @@ static void op_destroy(struct dsv4_backend *b)
             if (cb->dgraphs[later][i])
                 cudaGraphExecDestroy(cb->dgraphs[later][i]);
     }
+    if (cb->ev_routed)
+        cudaEventDestroy(cb->ev_routed);
+    if (cb->ev_parted)
+        cudaEventDestroy(cb->ev_parted);
     if (cb->ev_fork)
         cudaEventDestroy(cb->ev_fork);
     if (cb->ev_join)
@@ -1454,13 +1427,13 @@ static int op_draft(struct dsv4_backend *b, int n, const int *slots, const int32
         const int64_t P = cb->pos[slots[i]];
         if (k[i] < 0 || k[i] > S)
             return dsv4_error_set(-EINVAL, "cuda draft: %d drafts outside 0..%d", k[i], S);
-        STEP(check_token(cb, "draft", tokens[i]));
+        STEP(dsv4_step_check_token(cb, "draft", tokens[i]));
         ret_k[i] = k[i] > 0 && P > 0 && cb->mtp_pos[slots[i]] == P - 1 && P - 1 + k[i] <= max_ctx ? k[i] : 0;
         kmax = ret_k[i] > kmax ? ret_k[i] : kmax;
     }
     if (kmax == 0)
         return 0;
-    const int bi = bucket_for(cb, n), B = cb->buckets[bi];
+    const int bi = dsv4_step_bucket(cb, n), B = cb->buckets[bi];
     for (int j = 0; j < kmax; j++) {
         int32_t *tok = cb->h_in, *sl = tok + B, *pos = sl + B, *first = pos + B, *last = first + B;
         for (int i = 0; i < B; i++) {
@@ -1507,7 +1480,7 @@ static int op_verify(struct dsv4_backend *b, int n, const int *slots, const int 
             return dsv4_error_set(-ENOSPC, "cuda verify: slot %d: %d rows do not fit (%lld of %d used)", slots[i],
                                   rows[i], (long long)cb->pos[slots[i]], b->opts.max_context);
         for (int j = 0; j < rows[i]; j++)
-            STEP(check_token(cb, "verify", tokens[(size_t)i * (S + 1) + j]));
+            STEP(dsv4_step_check_token(cb, "verify", tokens[(size_t)i * (S + 1) + j]));
     }
     for (int i = 0; i < n; i++)
         STEP(dsv4_cuda_spec_comp_copy(cb->d_comp, cb->n_comp, cb->caches + (int64_t)slots[i] * cb->slot_bytes,
@@ -1846,11 +1819,24 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
             return dsv4_error_set(-ENOENT, "cuda: the MTP block's norms or hc_head vectors are missing on the device");
     }
 
+    if (opts->ep_ranks > 0) {
+        cb->ep_rank = opts->ep_rank;
+        cb->ep_ranks = opts->ep_ranks;
+        STEP(dsv4_ep_shard(c->n_experts, cb->ep_ranks, cb->ep_rank, &cb->e0, &cb->e1));
+        DSV4_CUDA_TRY(cudaEventCreateWithFlags(&cb->ev_routed, cudaEventDisableTiming));
+        DSV4_CUDA_TRY(cudaEventCreateWithFlags(&cb->ev_parted, cudaEventDisableTiming));
+    }
     for (int bsz = 1; bsz < opts->max_batch && cb->n_buckets < STEP_MAX_BUCKETS - 1; bsz *= 2)
         cb->buckets[cb->n_buckets++] = bsz;
     cb->buckets[cb->n_buckets++] = opts->max_batch;
-    /* the launches once eagerly on padding rows (errors surface outside a capture): a whole
-     * prefill chunk, then the largest bucket; then the graphs */
+    return 0;
+}
+
+/* The launches once eagerly on padding rows (errors surface outside a capture): a whole prefill
+ * chunk, then the largest bucket; then the graphs, and the device sealed (READY). */
+static int boot_steps(struct cuda_backend *cb)
+{
+    const struct dsv4_backend_opts *opts = &cb->base.opts;
     cudaStream_t s = static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev));
     const int sizes[2] = { cb->rows, opts->max_batch };
     for (int k = cb->rows > opts->max_batch ? 0 : 1; k < 2; k++) {
@@ -1870,6 +1856,40 @@ static int create(struct cuda_backend *cb, const struct dsv4_weights *w, const s
     return 0;
 }
 
+/* The backend state booted on opts->gpus[0] (device 0 when none is listed), up to its buckets. */
+static int backend_new(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
+                       const struct dsv4_cuda_switches *sw, struct cuda_backend **ret)
+{
+    struct cuda_backend *cb = static_cast<struct cuda_backend *>(calloc(1, sizeof(*cb)));
+    if (!cb)
+        return dsv4_error_set(-ENOMEM, "cuda: backend state");
+    /* DSV4_CUDA_SAMPLE=0: no sample op, so the engine samples copied-back logits on the host */
+    cb->ops = cuda_ops;
+    if (!sw->sample)
+        cb->ops.sample = nullptr;
+    cb->base.ops = &cb->ops;
+    cb->base.weights = w;
+    cb->base.opts = *opts;
+    cb->base.impl = cb;
+    const int rc = create(cb, w, opts, sw);
+    if (rc < 0) {
+        op_destroy(&cb->base);
+        return rc;
+    }
+    *ret = cb;
+    return 0;
+}
+
+int dsv4_step_rank_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
+                          const struct dsv4_cuda_switches *sw, struct cuda_backend **ret)
+{
+    if (opts->ep_ranks < 1 || opts->spec_tokens || opts->prefix_pool_bytes)
+        return dsv4_error_set(-EINVAL, "cuda: an expert-parallel rank takes neither drafts nor a prefix pool "
+                              "(ep_ranks %d, spec_tokens %d, prefix pool %lld bytes)", opts->ep_ranks,
+                              opts->spec_tokens, (long long)opts->prefix_pool_bytes);
+    return backend_new(w, opts, sw, ret);
+}
+
 extern "C" int dsv4_backend_cuda_create(const struct dsv4_weights *w, const struct dsv4_backend_opts *opts,
                                         struct dsv4_backend **ret)
 {
@@ -1881,19 +1901,11 @@ extern "C" int dsv4_backend_cuda_create(const struct dsv4_weights *w, const stru
         return -ENODEV;
     if ((rc = dsv4_cuda_switches_read(&sw)) < 0)
         return rc;
-    cb = static_cast<struct cuda_backend *>(calloc(1, sizeof(*cb)));
-    if (!cb)
-        return dsv4_error_set(-ENOMEM, "cuda: backend state");
-    /* DSV4_CUDA_SAMPLE=0: no sample op, so the engine samples copied-back logits on the host */
-    cb->ops = cuda_ops;
-    if (!sw.sample)
-        cb->ops.sample = nullptr;
-    cb->base.ops = &cb->ops;
-    cb->base.weights = w;
-    cb->base.opts = *opts;
-    cb->base.impl = cb;
-    rc = create(cb, w, opts, &sw);
-    if (rc < 0) {
+    if (opts->n_gpus > 1)       /* the routed experts split across them */
+        return dsv4_cuda_ep_backend_create(w, opts, ret);
+    if ((rc = backend_new(w, opts, &sw, &cb)) < 0)
+        return rc;
+    if ((rc = boot_steps(cb)) < 0) {
         op_destroy(&cb->base);
         return rc;
     }

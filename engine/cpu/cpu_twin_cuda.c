@@ -238,6 +238,24 @@ void dsv4_twin_expert(const struct dsv4_linear *w1, const struct dsv4_linear *w3
     dsv4_twin_linear_matvec(w2, g, y);
 }
 
+void dsv4_twin_ep_mask(int32_t *idx, int n, int e0, int e1)
+{
+    for (int i = 0; i < n; i++)
+        if (idx[i] < e0 || idx[i] >= e1)
+            idx[i] = -1;
+}
+
+void dsv4_twin_ep_sum(const float *ret, int ranks, int rows, int64_t dim, const float *add, float *y)
+{
+    const int64_t n = (int64_t)rows * dim;
+    for (int64_t i = 0; i < n; i++) {
+        float acc = ret[i];
+        for (int h = 1; h < ranks; h++)
+            acc += ret[(int64_t)h * n + i];
+        y[i] = add ? acc + add[i] : acc;
+    }
+}
+
 static float sigmoid(float v)
 {
     return 1.0f / (1.0f + expf(-v));
