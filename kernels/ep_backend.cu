@@ -194,6 +194,8 @@ static int sync_ranks(struct ep_backend *ep)
 
 /* ---- backend ops ---- */
 
+static int64_t op_slot_position(const struct dsv4_backend *b, int slot);
+
 static int op_decode(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, float *logits)
 {
     struct ep_backend *ep = ep_impl(b);
@@ -206,15 +208,18 @@ static int op_decode(struct dsv4_backend *b, int n, const int *slots, const int3
     for (int i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= b->opts.max_batch)
             return dsv4_error_set(-EINVAL, "cuda decode: slot %d outside 0..%d", slots[i], b->opts.max_batch - 1);
+        for (int j = 0; j < i; j++)
+            if (slots[j] == slots[i])
+                return dsv4_error_set(-EINVAL, "cuda decode: slot %d appears twice in one step", slots[i]);
+        STEP(dsv4_step_check_token(ep->rank[0], "decode", tokens[i]));
+        if (op_slot_position(b, slots[i]) >= b->opts.max_context)
+            return dsv4_error_set(-ENOSPC, "cuda decode: slot %d is full (%d tokens)", slots[i], b->opts.max_context);
         const int g = rank_of(ep, slots[i]), k = ep->r_n[g]++;
         ep->r_slot[g][k] = slots[i] - ep->g0[g];
         ep->r_tok[g][k] = tokens[i];
         ep->r_row[g][k] = i;
         most = ep->r_n[g] > most ? ep->r_n[g] : most;
     }
-    for (int r = 0; r < ep->n; r++)     /* slots twice, tokens, full slots: each rank's own checks */
-        if (ep->r_n[r])
-            STEP(dsv4_step_check_rows(ep->rank[r], ep->r_n[r], ep->r_slot[r], ep->r_tok[r]));
     const int bi = dsv4_step_bucket(ep->rank[0], most), B = ep->rank[0]->buckets[bi];
     for (int r = 0; r < ep->n; r++) {
         DSV4_CUDA_TRY(cudaSetDevice(ep->ordinal[r]));

@@ -1180,7 +1180,7 @@ int dsv4_step_check_token(const struct cuda_backend *cb, const char *op, int32_t
     return 0;
 }
 
-int dsv4_step_check_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens)
+static int check_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens)
 {
     const struct dsv4_backend_opts *o = &cb->base.opts;
     if (n < 1 || n > o->max_batch)
@@ -1201,7 +1201,7 @@ int dsv4_step_check_rows(struct cuda_backend *cb, int n, const int *slots, const
 static int op_decode(struct dsv4_backend *b, int n, const int *slots, const int32_t *tokens, float *logits)
 {
     struct cuda_backend *cb = impl(b);
-    int rc = dsv4_step_check_rows(cb, n, slots, tokens);
+    int rc = check_rows(cb, n, slots, tokens);
     if (rc == 0)    /* test-only: a real sticky fault when DSV4_TEST_CUDA_FAULT_AFTER_DECODES says so */
         rc = dsv4_cuda_test_fault(static_cast<cudaStream_t>(dsv4_cuda_dev_stream(cb->dev)));
     return rc < 0 ? rc : run_rows(cb, n, slots, tokens, logits, false);

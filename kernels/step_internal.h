@@ -194,7 +194,6 @@ int dsv4_step_rows_after(struct cuda_backend *cb, int n, int B, bool eager, floa
 void dsv4_step_rows_done(struct cuda_backend *cb, int n, const int *slots, int B, bool eager);
 /* The bucket index for n rows, -1 when n is past the largest. */
 int dsv4_step_bucket(const struct cuda_backend *cb, int n);
-int dsv4_step_check_rows(struct cuda_backend *cb, int n, const int *slots, const int32_t *tokens);
 int dsv4_step_check_token(const struct cuda_backend *cb, const char *op, int32_t token);
 
 

@@ -609,6 +609,31 @@ static int parse_batches(const char *arg, int *out)
     return n;
 }
 
+/* --gpus 0,1 (0,0 puts two ranks on device 0): ordinals into gpus, their count, or -1 */
+static int parse_gpus(const char *arg, int *gpus)
+{
+    int n = 0;
+    char *end;
+    while (*arg) {
+        long v = strtol(arg, &end, 10);
+        if (end == arg || v < 0 || v > 255 || n == DSV4_EP_MAX_GPUS)
+            return -1;
+        gpus[n++] = (int)v;
+        arg = *end == ',' ? end + 1 : end;
+    }
+    return n;
+}
+
+/* The slot of a step's row s when the slots are dealt over n ranks in groups (engine/backend.h's
+ * slot_groups): row s on rank s % n, so a batch spreads over the ranks as the scheduler places it. */
+static int row_slot(int s, int max_batch, int n)
+{
+    int g0 = 0;
+    for (int g = 0; g < s % n; g++)
+        g0 += dsv4_ep_slots(max_batch, n, g);
+    return g0 + s / n;
+}
+
 static double now_us(void)
 {
     struct timespec ts;
@@ -760,7 +785,7 @@ static int bench_spec(const char *dir, const int *batches, int nb, int context, 
 enum bench_profile { PROFILE_NONE, PROFILE_PREFILL, PROFILE_DECODE };
 
 static int bench_model(const char *dir, const int *batches, int nb, int context, int prefill, int layers, int chunk,
-                       int host_share, enum bench_profile profile)
+                       int host_share, const int *gpus, int n_gpus, enum bench_profile profile)
 {
     struct dsv4_weights *w = NULL;
     struct dsv4_layer *saved;
@@ -768,9 +793,12 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     struct dsv4_backend_opts opts = { .max_batch = DSV4_CUDA_MAX_BATCH, .max_context = context,
                                       .numerics = DSV4_NUMERICS_FP8, .prefill_chunk = chunk,
                                       .expert_offload = host_share ? DSV4_EXPERT_OFFLOAD_ON : DSV4_EXPERT_OFFLOAD_AUTO,
-                                      .expert_host_share = host_share };
+                                      .expert_host_share = host_share, .n_gpus = n_gpus };
     struct dsv4_backend_stats st;
     double t0 = now_us();
+    const int ranks = n_gpus > 1 ? n_gpus : 1;
+
+    memcpy(opts.gpus, gpus, sizeof(int) * (size_t)n_gpus);
 
     OK(dsv4_weights_load(dir, &w));
     const int n0 = w->cfg.n_layers;
@@ -785,6 +813,9 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
     printf("# routed experts: %u on the GPU (%.2f GB), %u in pinned host memory (%.2f GB); embedding in host memory: "
            "%.2f GB\n", st.experts_gpu, st.expert_bytes_gpu / 1e9, st.experts_host, st.expert_bytes_host / 1e9,
            st.embed_bytes_host / 1e9);
+    if (ranks > 1)
+        printf("# the experts split over %d ranks, a batch's rows dealt over them; the floors below are of one GPU "
+               "reading every byte of the step\n", ranks);
 
     struct dsv4_bench_floor fl;
     dsv4_bench_floor_init(w, &fl);
@@ -809,12 +840,12 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
         const int B = batches[i];
         float us[BENCH_STEPS];
         for (int s = 0; s < B; s++) {
-            slots[s] = s;
-            fill_slot(b, s, V);
+            slots[s] = row_slot(s, opts.max_batch, ranks);
+            fill_slot(b, slots[s], V);
         }
         for (int s = 0; s < B; s++) {
             sp.seed = (uint64_t)s + 1;
-            req[s] = (struct dsv4_backend_sample_req){ .slot = s, .params = &sp, .seed = sp.seed };
+            req[s] = (struct dsv4_backend_sample_req){ .slot = slots[s], .params = &sp, .seed = sp.seed };
         }
         /* the serving path: each step's tokens are the ones it sampled, as in the daemon */
         for (int s = 0; s < B; s++)
@@ -950,7 +981,7 @@ static int bench_model(const char *dir, const int *batches, int nb, int context,
 int main(int argc, char **argv)
 {
     int batches[BENCH_MAX_BATCHES] = { 1, 64 }, nb = 2, reps = 20, context = 4096, prefill = BENCH_PREFILL, layers = 0;
-    int chunk = 0, host_share = 0, spec = 0;
+    int chunk = 0, host_share = 0, spec = 0, gpus[DSV4_EP_MAX_GPUS], n_gpus = 0;
     enum bench_profile profile = PROFILE_NONE;
     const char *model = NULL;
     const int topk = 6, E = 256, D = 4096, I = 2048;
@@ -997,6 +1028,13 @@ int main(int argc, char **argv)
                 fprintf(stderr, "dsv4-bench: --expert-host-share 1..100\n");
                 return 2;
             }
+        } else if (!strcmp(argv[i], "--gpus") && i + 1 < argc) {
+            n_gpus = parse_gpus(argv[++i], gpus);
+            if (n_gpus < 1) {
+                fprintf(stderr, "dsv4-bench: --gpus takes up to %d ordinals like 0,1 (0,0: two ranks on device 0)\n",
+                        DSV4_EP_MAX_GPUS);
+                return 2;
+            }
         } else if (!strcmp(argv[i], "--profile")) {
             profile = PROFILE_PREFILL;
         } else if (!strcmp(argv[i], "--profile-decode")) {
@@ -1010,7 +1048,7 @@ int main(int argc, char **argv)
         } else {
             fprintf(stderr, "usage: dsv4-bench [--batch 1,64] [--reps N] | --model DIR [--batch 1,16,64] [--context N] "
                             "[--prefill N] [--layers N] [--chunk N] [--expert-host-share P]\n"
-                            "                  [--profile | --profile-decode] [--spec S]\n");
+                            "                  [--gpus N,...] [--profile | --profile-decode] [--spec S]\n");
             return 2;
         }
     }
@@ -1035,7 +1073,7 @@ int main(int argc, char **argv)
         if (spec)
             return bench_spec(model, batches, nb, context, spec);
         measure_host_link();
-        return bench_model(model, batches, nb, context, prefill, layers, chunk, host_share, profile);
+        return bench_model(model, batches, nb, context, prefill, layers, chunk, host_share, gpus, n_gpus, profile);
     }
 
     {
