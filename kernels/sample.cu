@@ -99,10 +99,11 @@ static __device__ __forceinline__ float fkey_value(uint32_t k)
     return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
 }
 
-/* Rank key: larger value first, then lower id. */
+/* Rank key: larger value first, then lower id. -0 is keyed as +0 (adding +0 makes it so): they are
+ * equal, so the lower id ranks first, as on the host (sampler.c's sort_best_first). */
 static __device__ __forceinline__ uint64_t rank_key(float v, int id)
 {
-    return ((uint64_t)fkey(v) << 32) | (uint32_t)~(uint32_t)id;
+    return ((uint64_t)fkey(v + 0.0f) << 32) | (uint32_t)~(uint32_t)id;
 }
 
 static __device__ __forceinline__ float key_value(uint64_t k) { return fkey_value((uint32_t)(k >> 32)); }
