@@ -645,6 +645,51 @@ static void test_bad_rows(void **state)
     rig_close(&g);
 }
 
+/* -0 and +0 are a tie, so the lower id ranks first, on the device as on the host: greedy, top_k 1,
+ * top_p and the top logprobs, the two zeros the largest logits of the row. */
+static void test_signed_zero_ties(void **state)
+{
+    struct rig g;
+    struct dsv4_sampler *cpu;
+    struct tally t = { 0 };
+    struct dsv4_sample_result out[4];
+
+    rig_open(&g, 1000, 1000);
+    DSV4_OK(dsv4_sampler_create(1000, &cpu));
+    g.rows = 4;
+    for (int b = 0; b < g.rows; b++) {
+        float *x = g.x + (size_t)b * 1000;
+        for (int v = 0; v < 1000; v++)
+            x[v] = -4.0f - (float)(v % 7);
+        x[5] = b % 2 ? 0.0f : -0.0f;    /* ids 5 and 9 tie, in either sign order */
+        x[9] = b % 2 ? -0.0f : 0.0f;
+        g.kinds[b] = K_LLM;
+        g.var[b] = 0;
+        dsv4_sampling_defaults(&g.p[b]);
+        g.p[b].logprobs = 2;
+        g.p[b].has_seed = true;
+        g.p[b].seed = 11;
+    }
+    g.p[0].temperature = 0.0f;
+    g.p[1].top_k = 1;
+    g.p[2].top_p = 0.1f;                /* the first-ranked token alone (p 0.16) */
+    g.p[3].temperature = 0.0f;
+    for (int b = 0; b < g.rows; b++)
+        dsv4_sample_row_set(&g.prm[b], &g.p[b], g.p[b].seed, 0, -1);
+    CUDA_OK(cudaMemcpy(g.dx, g.x, sizeof(float) * 4000, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(g.dprm, g.prm, sizeof(*g.prm) * 4, cudaMemcpyHostToDevice));
+    run_gpu(&g, 0, 4, out);
+    for (int b = 0; b < g.rows; b++) {
+        assert_int_equal(out[b].status, 0);
+        assert_int_equal(out[b].token, 5);
+        assert_int_equal(out[b].top_ids[0], 5);
+        assert_int_equal(out[b].top_ids[1], 9);
+        compare_row(&g, cpu, b, &out[b], &t);
+    }
+    dsv4_sampler_destroy(cpu);
+    rig_close(&g);
+}
+
 /* History record / clear against the host model, including slots cleared alone. */
 static void test_history(void **state)
 {
@@ -723,6 +768,7 @@ int main(void)
         cmocka_unit_test(test_small_vocab),
         cmocka_unit_test(test_every_kind),
         cmocka_unit_test(test_bad_rows),
+        cmocka_unit_test(test_signed_zero_ties),
         cmocka_unit_test(test_history),
         cmocka_unit_test(test_timing),
     };
