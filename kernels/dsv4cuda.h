@@ -504,12 +504,14 @@ bool dsv4_cuda_moe_wgmma(void);
 const char *dsv4_cuda_moe_wgmma_why_not(void);
 
 /* Expert parallelism (kernels/ep.cu, doc/MULTIGPU.md). ep_mask: d_idx[i] = -1 for i < n where it is
- * outside [e0, e1) (the experts this rank holds; moe_routed and moe_combine skip -1). ep_sum: d_y [rows,
- * dim] = the ranks' partial sums d_ret [ranks, rows, dim] added in rank order, starting from rank 0's,
- * then + d_add (NULL: none; d_padd: pending there) rounded once more, as moe_combine adds it. */
+ * outside [e0, e1) (the experts this rank holds; moe_routed and moe_combine skip -1). ep_select: d_g
+ * [ranks, pairs, dim] holds each rank's expert outputs of the same pairs (rank r's block at r pairs
+ * dim); pair p's row in block 0 becomes that of the rank holding expert d_idx[p] (the first r with
+ * d_idx[p] < e1[r]; e1 the ranks' shard ends, increasing), in place: block 0 is then what one device's
+ * moe_routed leaves for moe_combine. */
 int dsv4_cuda_ep_mask(int32_t *d_idx, int n, int e0, int e1, void *stream);
-int dsv4_cuda_ep_sum(const float *d_ret, int ranks, int rows, int64_t dim, const float *d_add,
-                     const struct dsv4_cuda_pending *d_padd, float *d_y, void *stream);
+int dsv4_cuda_ep_select(float *d_g, const int32_t *d_idx, int ranks, const int *e1, int pairs, int64_t dim,
+                        void *stream);
 
 /* Routing statistics (kernels/route_stats.cu): d_counts[e] += the rows b < batch whose d_slot[b] is
  * not pad_slot (a bucket's padding rows) with e among d_idx[b, 0..topk). */

@@ -8,16 +8,16 @@
  * has (the others pad). At each MoE sublayer the ranks exchange by device-to-device copies, ordered by
  * events (peer copies between GPUs; within one GPU when an ordinal is listed more than once, the
  * loopback the tests run on one device):
- *   gather: every rank copies each rank's experts' input rows, routing and weights into its own
- *     [R B rows] buffers, rank g's at row g B, once rank g's ev_routed has passed;
- *   experts: each rank runs the experts it holds over all R B rows, each row's weighted sum of them
- *     into its partial sums (zero for a row none of whose experts it holds), ev_parted;
- *   return: every rank copies its own B rows' partial sums from each rank and adds them in rank order
- *     (kernels/ep.cu), then the shared expert's output.
+ *   gather: every rank copies each rank's experts' input rows and routing into its own [R B rows]
+ *     buffers, rank g's at row g B, once rank g's ev_routed has passed;
+ *   experts: each rank runs the experts it holds over all R B rows' (row, expert) pairs, each pair's
+ *     output into its own row of the pair outputs (pairs of experts held elsewhere: skipped), ev_parted;
+ *   return: every rank copies its own B rows' pair outputs from each rank, takes each pair's from the
+ *     rank holding its expert and combines them with its rows' routing weights and the shared
+ *     expert's output as one device does (kernels/ep.cu), so the sublayer's bits do not depend on R.
  * A rank pulls from the others and writes only its own buffers, and reads another's before that rank
- * can overwrite them (a rank writes its partial sums or its next layer's input only after waiting
+ * can overwrite them (a rank writes its pair outputs or its next layer's input only after waiting
  * for every rank's copies before), so the two event waits per layer are all the ordering needed.
- *
  * Boot: the ranks boot one after another; then the launches run once eagerly on padding rows and one
  * graph per bucket is captured over every rank's streams (the whole lockstep step is one graph), and
  * every device is sealed. Not under expert parallelism yet: speculative decoding, the prefix cache and
@@ -70,7 +70,7 @@ static int rank_of(const struct ep_backend *ep, int slot)
 
 /* ---- the lockstep step ---- */
 
-/* Every rank's experts' input, routing and weights into every rank's gathered buffers (B rows each). */
+/* Every rank's experts' input and routing into every rank's gathered buffers (B rows each). */
 static int gather(struct ep_backend *ep, int B)
 {
     const int64_t D = ep->rank[0]->cfg->dim, K = ep->rank[0]->cfg->n_experts_per_tok;
@@ -85,17 +85,15 @@ static int gather(struct ep_backend *ep, int B)
                                           cudaMemcpyDeviceToDevice, s));
             DSV4_CUDA_TRY(cudaMemcpyAsync(dst->b.gidx + g * B * K, src->b.ridx, sizeof(int32_t) * B * K,
                                           cudaMemcpyDeviceToDevice, s));
-            DSV4_CUDA_TRY(cudaMemcpyAsync(dst->b.gw + g * B * K, src->b.rw, sizeof(float) * B * K,
-                                          cudaMemcpyDeviceToDevice, s));
         }
     }
     return 0;
 }
 
-/* Each rank's B rows' partial sums from every rank into its gret, rank h's at h B D. */
+/* Each rank's B rows' pair outputs (B K of them) from every rank into its gret, rank h's at h B K D. */
 static int give_back(struct ep_backend *ep, int B)
 {
-    const int64_t D = ep->rank[0]->cfg->dim;
+    const int64_t D = ep->rank[0]->cfg->dim, K = ep->rank[0]->cfg->n_experts_per_tok;
     for (int g = 0; g < ep->n; g++) {
         struct cuda_backend *dst = ep->rank[g];
         const cudaStream_t s = dst->ln[0].s;
@@ -103,7 +101,8 @@ static int give_back(struct ep_backend *ep, int B)
         for (int h = 0; h < ep->n; h++) {
             const struct cuda_backend *src = ep->rank[h];
             DSV4_CUDA_TRY(cudaStreamWaitEvent(s, src->ev_parted, 0));
-            DSV4_CUDA_TRY(cudaMemcpyAsync(dst->b.gret + h * B * D, src->b.gpart + g * B * D, sizeof(float) * B * D,
+            DSV4_CUDA_TRY(cudaMemcpyAsync(dst->b.gret + h * B * K * D, src->b.moe.d_out + g * B * K * D,
+                                          sizeof(float) * B * K * D,
                                           cudaMemcpyDeviceToDevice, s));
         }
     }

@@ -264,9 +264,7 @@ static int64_t buffers(const struct dsv4_config *c, const struct dsv4_backend_op
     if (o->ep_ranks > 0) {
         t.gx = f(Bg * D);
         t.gidx = i32(Bg * K);
-        t.gw = f(Bg * K);
-        t.gpart = f(Bg * D);
-        t.gret = f(Bg * D);
+        t.gret = f(Bg * K * D);
     }
     t.sg = f(B * Is);
     t.su = f(B * Is);
@@ -1019,8 +1017,9 @@ int dsv4_step_routed(struct cuda_backend *cb, int layer, int B)
     return 0;
 }
 
-/* The gathered rows of every rank (b.gx, b.gidx, b.gw: R B rows) through the experts this rank holds,
- * each row's weighted sum of them (in its top-k order, as moe_combine adds) into b.gpart. */
+/* The gathered rows of every rank (b.gx, b.gidx: R B rows) through the experts this rank holds: each
+ * of their pairs' expert outputs into b.moe.d_out [R B K, D] (rank g's rows' pairs from g B K on),
+ * the pairs of experts held elsewhere left unwritten. */
 int dsv4_step_ep_experts(struct cuda_backend *cb, int B)
 {
     struct step_buf *t = &cb->b;
@@ -1029,13 +1028,14 @@ int dsv4_step_ep_experts(struct cuda_backend *cb, int B)
     const int K = cb->cfg->n_experts_per_tok, Bg = cb->ep_ranks * B;
     STEP(dsv4_cuda_ep_mask(t->gidx, Bg * K, cb->e0, cb->e1, s));
     STEP(dsv4_cuda_moe_routed(&m->ex, t->gx, Bg, K, t->gidx, &t->moe, s));
-    STEP(dsv4_cuda_moe_combine(&m->ex, Bg, K, t->gidx, t->gw, &t->moe, NULL, NULL, t->gpart, s));
     DSV4_CUDA_TRY(cudaEventRecord(cb->ev_parted, s));
     return 0;
 }
 
-/* This rank's rows' partial sums from every rank (b.gret) added in rank order, then the shared
- * expert's output, into t->sub; mHC post. With one rank that is moe_combine's sum and add, bit for bit. */
+/* This rank's rows' pair outputs from every rank (b.gret) selected by the rank holding each pair's
+ * expert, then moe_combine over the rows' own routing (b.ridx, b.rw) and the shared expert's output,
+ * into t->sub; mHC post. The combine sees what one device's moe_routed leaves, so any number of
+ * ranks gives the unsplit sublayer's bits. */
 int dsv4_step_ep_finish(struct cuda_backend *cb, int B)
 {
     struct step_buf *t = &cb->b;
@@ -1043,7 +1043,14 @@ int dsv4_step_ep_finish(struct cuda_backend *cb, int B)
     const cudaStream_t s = cb->ln[0].s;
     if (m->shared)
         STEP(lane_wait(cb, &cb->ln[0], &cb->ln[1], cb->ev_join));
-    STEP(dsv4_cuda_ep_sum(t->gret, cb->ep_ranks, B, cb->cfg->dim, m->shared ? t->sout : NULL, &m->psout, t->sub, s));
+    int e1[DSV4_EP_MAX_GPUS], e0;
+    for (int r = 0; r < cb->ep_ranks; r++)
+        STEP(dsv4_ep_shard(cb->cfg->n_experts, cb->ep_ranks, r, &e0, &e1[r]));
+    const int K = cb->cfg->n_experts_per_tok;
+    STEP(dsv4_cuda_ep_select(t->gret, t->ridx, cb->ep_ranks, e1, B * K, cb->cfg->dim, s));
+    struct dsv4_cuda_moe_ws ws = t->moe;
+    ws.d_out = t->gret;
+    STEP(dsv4_cuda_moe_combine(&m->ex, B, K, t->ridx, t->rw, &ws, m->shared ? t->sout : NULL, &m->psout, t->sub, s));
     return sublayer_post(cb, B, NULL, s);
 }
 

@@ -62,9 +62,7 @@ struct step_buf {
      * sized for the R rows' pairs. */
     float *gx;                  /* [R rows, D] the routed experts' input rows */
     int32_t *gidx;              /* [R rows, K] their routing, then only the experts this rank holds (else -1) */
-    float *gw;                  /* [R rows, K] their routing weights */
-    float *gpart;               /* [R rows, D] this rank's experts' weighted sum for each row (0: none of its) */
-    float *gret;                /* [R, rows, D] rank h's partial sums of this rank's B rows at h B D */
+    float *gret;                /* [R, B K, D] rank h's expert outputs of this rank's B rows' pairs at h B K D */
 };
 
 /* A MoE sublayer between its phases: after the router, before the routed experts. */
@@ -178,8 +176,9 @@ int dsv4_step_rank_create(const struct dsv4_weights *w, const struct dsv4_backen
 /* A step of B rows in pieces, each rank's launched in turn with the exchange between them:
  * begin (the lanes, the embedding), then for each layer routed (through the router: the experts'
  * input, routing and weights ready, ev_routed recorded), experts (over the gathered rows of every
- * rank: the experts this rank holds, ev_parted recorded) and finish (the returned partial sums added in
- * rank order, the shared expert, mHC post), then end (the head for rows [head_from, B)). */
+ * rank: the experts this rank holds, ev_parted recorded) and finish (each returned pair output taken
+ * from the rank holding its expert, the combine with the shared expert, mHC post), then end (the head
+ * for rows [head_from, B)). */
 int dsv4_step_begin(struct cuda_backend *cb, int B, cudaStream_t s);
 int dsv4_step_routed(struct cuda_backend *cb, int layer, int B);
 int dsv4_step_ep_experts(struct cuda_backend *cb, int B);

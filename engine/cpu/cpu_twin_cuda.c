@@ -245,14 +245,14 @@ void dsv4_twin_ep_mask(int32_t *idx, int n, int e0, int e1)
             idx[i] = -1;
 }
 
-void dsv4_twin_ep_sum(const float *ret, int ranks, int rows, int64_t dim, const float *add, float *y)
+void dsv4_twin_ep_select(float *g, const int32_t *idx, int ranks, const int *e1, int pairs, int64_t dim)
 {
-    const int64_t n = (int64_t)rows * dim;
-    for (int64_t i = 0; i < n; i++) {
-        float acc = ret[i];
-        for (int h = 1; h < ranks; h++)
-            acc += ret[(int64_t)h * n + i];
-        y[i] = add ? acc + add[i] : acc;
+    for (int p = 0; p < pairs; p++) {
+        int r = 0;
+        while (r + 1 < ranks && idx[p] >= e1[r])
+            r++;
+        if (r)
+            memcpy(g + (int64_t)p * dim, g + ((int64_t)r * pairs + p) * dim, sizeof(float) * (size_t)dim);
     }
 }
 

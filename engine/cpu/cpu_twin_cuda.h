@@ -56,10 +56,10 @@ void dsv4_twin_expert(const struct dsv4_linear *w1, const struct dsv4_linear *w3
                       const struct dsv4_linear *w2, const float *x, float limit, float *y);
 
 /* Expert parallelism's two steps around the routed experts (kernels/ep.cu): idx[i] = -1 where it is
- * outside [e0, e1); y [rows, dim] = the ranks' partial sums ret [ranks, rows, dim] added in rank order
- * from rank 0's, then + add (NULL: none). */
+ * outside [e0, e1); g [ranks, pairs, dim]: pair p's row of block 0 becomes that of the first rank r
+ * with idx[p] < e1[r] (the rank holding its expert), in place. */
 void dsv4_twin_ep_mask(int32_t *idx, int n, int e0, int e1);
-void dsv4_twin_ep_sum(const float *ret, int ranks, int rows, int64_t dim, const float *add, float *y);
+void dsv4_twin_ep_select(float *g, const int32_t *idx, int ranks, const int *e1, int pairs, int64_t dim);
 
 /* mHC pre for one token: X [hc, D], m [(2+hc)*hc] = fn @ flatten(X) (not yet normalized).
  * y [D], post [hc], comb [hc, hc] (row j, column k: C[j,k]). */

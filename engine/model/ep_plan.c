@@ -132,10 +132,10 @@ int dsv4_ep_exchange_bytes(const struct dsv4_config *c, int n_gpus, int bucket, 
     const uint64_t peer_rows = (uint64_t)(n_gpus - 1) * (uint64_t)bucket;
     const uint64_t hidden = fp8 ? D + (D + FP8_ACT_BLOCK - 1) / FP8_ACT_BLOCK : 4 * D;
     *ret = (struct dsv4_ep_exchange){0};
-    ret->gather_row = hidden + K * (sizeof(int32_t) + sizeof(float));
-    ret->reduce_row = 4 * D;
+    ret->gather_row = hidden + K * sizeof(int32_t);
+    ret->return_row = K * sizeof(float) * D;
     ret->gather_bytes = peer_rows * ret->gather_row;
-    ret->reduce_bytes = peer_rows * ret->reduce_row;
-    ret->step_bytes = (ret->gather_bytes + ret->reduce_bytes) * (uint64_t)c->n_layers;
+    ret->return_bytes = peer_rows * ret->return_row;
+    ret->step_bytes = (ret->gather_bytes + ret->return_bytes) * (uint64_t)c->n_layers;
     return 0;
 }

@@ -62,16 +62,19 @@ int dsv4_ep_plan_make(const struct dsv4_ep_plan_req *req, struct dsv4_ep_plan *r
 
 /* What one GPU receives at one MoE layer of one decode step when each GPU runs `bucket` rows (the
  * padded batch bucket every rank runs, in lockstep):
- *   gather: the other GPUs' rows, each the normed hidden row the experts read plus the token's
- *     routing (K expert ids as int32 and K weights as f32). In fp8 numerics the experts read the row
- *     rounded through e4m3 per 1x128, so it travels that way (D bytes + one UE8M0 scale per 128),
- *     which changes nothing in the arithmetic; in exact numerics as f32 (4 D bytes).
- *   reduce: its own rows' partial sums of expert outputs from the other GPUs, f32 (4 D bytes a row),
- *     by reduce-scatter (a ring moves the same bytes into each GPU).
+ *   gather: the other GPUs' rows, each the normed hidden row the experts read plus the token's K
+ *     expert ids (int32; the weights stay with the row's own GPU, which combines). In fp8 numerics
+ *     the experts read the row rounded through e4m3 per 1x128, so it travels that way (D bytes + one
+ *     UE8M0 scale per 128), which changes nothing in the arithmetic; in exact numerics as f32 (4 D
+ *     bytes).
+ *   return: for each of its own rows, the K (row, expert) pair outputs from every other GPU, f32
+ *     (4 K D bytes a row; fixed sizes, as graph capture needs: a pair whose expert the sender does
+ *     not hold travels unused). The row's GPU takes each pair's from the GPU holding its expert and
+ *     combines them as one GPU does, so the split changes no bit.
  * Each is (n_gpus - 1) * bucket rows. -EINVAL for n_gpus outside 1..DSV4_EP_MAX_GPUS or bucket < 1. */
 struct dsv4_ep_exchange {
-    uint64_t gather_row, reduce_row;        /* bytes of one row of each */
-    uint64_t gather_bytes, reduce_bytes;    /* into one GPU at one MoE layer */
+    uint64_t gather_row, return_row;        /* bytes of one row of each */
+    uint64_t gather_bytes, return_bytes;    /* into one GPU at one MoE layer */
     uint64_t step_bytes;                    /* both, times the MoE layers: into one GPU per step */
 };
 int dsv4_ep_exchange_bytes(const struct dsv4_config *c, int n_gpus, int bucket, bool fp8, struct dsv4_ep_exchange *ret);

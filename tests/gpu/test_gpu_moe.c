@@ -660,28 +660,31 @@ static void test_experts_tiny(void **state)
 }
 
 /* Expert parallelism's MoE sublayer at the kernel level (kernels/ep.cu, doc/MULTIGPU.md): each of R
- * ranks masks the routing to the experts it holds (dsv4_cuda_ep_mask, against its twin), runs the
- * experts and their combine over every row into its partial sums, and dsv4_cuda_ep_sum adds the
- * ranks' partial sums in rank order and the shared expert's output (against its twin, bit for bit).
- * One rank is the unsplit routed + combine + add bit for bit; more ranks are another association of
- * the same K products t_k, held to 2 gamma(K-1) sum |t_k| plus one more rounding of the add. */
+ * ranks masks the routing to the experts it holds (dsv4_cuda_ep_mask, against its twin) and runs
+ * them over every pair into its pair outputs (the rest stay NaN); dsv4_cuda_ep_select takes each
+ * pair's output from the rank holding its expert (against its twin); moe_combine over the rows' own
+ * routing then gives the unsplit sublayer (routed + combine + add) bit for bit, for every R. */
 #define EP_B 5
 #define EP_D 256
 #define EP_I 128
 #define EP_E 8
 #define EP_K 3
+#define EP_MAX_RANKS 4
 
 static void test_ep_split(void **state)
 {
     const int B = EP_B, D = EP_D, K = EP_K, P = EP_B * EP_K;
-    const double u = 1.0 / 16777216.0, gam = (K - 1) * u / (1.0 - (K - 1) * u);
     struct fx f;
-    float x[EP_B * EP_D], xq[EP_B * EP_D], add[EP_B * EP_D], logits[EP_E], w[EP_B * EP_K], eo1[EP_D];
-    float *ret = malloc(sizeof(float) * 4 * B * D), y_twin[EP_B * EP_D], mag[EP_B * EP_D];
+    float x[EP_B * EP_D], xq[EP_B * EP_D], add[EP_B * EP_D], logits[EP_E], w[EP_B * EP_K];
+    float *g = malloc(sizeof(float) * EP_MAX_RANKS * P * D), *g_twin = malloc(sizeof(float) * EP_MAX_RANKS * P * D);
     int32_t idx[EP_B * EP_K], mine[EP_B * EP_K], want[EP_B * EP_K];
+    struct dsv4_cuda_experts ex;
 
+    assert_true(g && g_twin);
     fx_make(&f, EP_E, D, EP_I);
     fx_upload(&f);
+    ex = f.ex;
+    ex.quant_act = true;
     gt_fill_normal(x, (size_t)B * D, 1.0f);
     gt_fill_normal(add, (size_t)B * D, 1.0f);
     memcpy(xq, x, sizeof(x));
@@ -690,59 +693,63 @@ static void test_ep_split(void **state)
         gt_fill_normal(logits, (size_t)EP_E, 2.0f);
         dsv4_twin_router(logits, EP_E, K, NULL, NULL, 1.5f, idx + b * K, w + b * K);
     }
-    memset(mag, 0, sizeof(mag));        /* sum |t_k| per element, from the twin's expert outputs */
-    for (int b = 0; b < B; b++)
-        for (int j = 0; j < K; j++) {
-            dsv4_twin_expert(&f.w1[idx[b * K + j]], &f.w3[idx[b * K + j]], &f.w2[idx[b * K + j]], xq + b * D, 10.0f, eo1);
-            for (int d = 0; d < D; d++)
-                mag[b * D + d] += fabsf(w[b * K + j] * eo1[d]);
-        }
     float *whole = fx_run_add(&f, true, xq, B, K, idx, w, NULL, add);     /* the unsplit sublayer */
-    int32_t *didx = gt_dev_copy(idx, sizeof(idx));
-    for (int R = 1; R <= 4; R *= 2) {
+    float *dx = gt_dev_copy(xq, sizeof(xq)), *dw = gt_dev_copy(w, sizeof(w)), *dadd = gt_dev_copy(add, sizeof(add));
+    int32_t *didx = gt_dev_copy(idx, sizeof(idx)), *dmine = gt_dev_copy(idx, sizeof(idx));
+    struct dsv4_cuda_moe_ws ws = { .d_groups = (int32_t *)gt_dev_poisoned(3 * (size_t)P + 2),
+                                   .d_h = gt_dev_poisoned((size_t)P * EP_I) };
+    for (int R = 1; R <= EP_MAX_RANKS; R++) {
+        int e0, e1[EP_MAX_RANKS];
         long spanning = 0;
         for (int r = 0; r < R; r++) {
-            int e0, e1;
-            DSV4_OK(dsv4_ep_shard(EP_E, R, r, &e0, &e1));
+            DSV4_OK(dsv4_ep_shard(EP_E, R, r, &e0, &e1[r]));
             memcpy(want, idx, sizeof(idx));
-            dsv4_twin_ep_mask(want, P, e0, e1);
-            CUDA_OK(cudaMemcpy(didx, idx, sizeof(idx), cudaMemcpyHostToDevice));
-            DSV4_OK(dsv4_cuda_ep_mask(didx, P, e0, e1, NULL));
-            CUDA_OK(cudaMemcpy(mine, didx, sizeof(mine), cudaMemcpyDeviceToHost));
+            dsv4_twin_ep_mask(want, P, e0, e1[r]);
+            CUDA_OK(cudaMemcpy(dmine, idx, sizeof(idx), cudaMemcpyHostToDevice));
+            DSV4_OK(dsv4_cuda_ep_mask(dmine, P, e0, e1[r], NULL));
+            CUDA_OK(cudaMemcpy(mine, dmine, sizeof(mine), cudaMemcpyDeviceToHost));
             assert_memory_equal(mine, want, sizeof(mine));
-            float *part = fx_run(&f, true, xq, B, K, mine, w, NULL);
-            memcpy(ret + (size_t)r * B * D, part, sizeof(float) * B * D);
-            free(part);
+            ws.d_out = gt_dev_poisoned((size_t)P * D);      /* pairs of other ranks' experts stay NaN */
+            DSV4_OK(dsv4_cuda_moe_routed(&ex, dx, B, K, dmine, &ws, NULL));
+            CUDA_OK(cudaMemcpy(g + (size_t)r * P * D, ws.d_out, sizeof(float) * P * D, cudaMemcpyDeviceToHost));
+            cudaFree(ws.d_out);
         }
-        for (int b = 0; b < B; b++) {    /* rows whose experts lie on two ranks or more (contiguous shards) */
+        for (int b = 0; b < B; b++) {    /* rows whose experts lie on two ranks or more */
             bool span = false;
             for (int j = 1; j < K; j++)
-                span |= idx[b * K + j] * R / EP_E != idx[b * K] * R / EP_E;
+                for (int r = 0; r < R; r++)
+                    span |= (idx[b * K + j] < e1[r]) != (idx[b * K] < e1[r]);
             spanning += span;
         }
-        float *dret = gt_dev_copy(ret, sizeof(float) * R * B * D), *dadd = gt_dev_copy(add, sizeof(add));
-        float *dy = gt_dev_poisoned((size_t)B * D);
-        DSV4_OK(dsv4_cuda_ep_sum(dret, R, B, D, dadd, NULL, dy, NULL));
+        memcpy(g_twin, g, sizeof(float) * R * P * D);
+        dsv4_twin_ep_select(g_twin, idx, R, e1, P, D);
+        float *dg = gt_dev_copy(g, sizeof(float) * R * P * D), *dy = gt_dev_poisoned((size_t)B * D);
+        DSV4_OK(dsv4_cuda_ep_select(dg, didx, R, e1, P, D, NULL));
+        float *sel = gt_host_from(dg, (size_t)P * D);
+        assert_memory_equal(sel, g_twin, sizeof(float) * P * D);
+        for (int i = 0; i < P * D; i++)
+            if (isnan(sel[i]))
+                fail_msg("ep %d ranks: pair %d (expert %d) took an output its rank did not compute", R, i / D,
+                         idx[i / D]);
+        ws.d_out = dg;
+        DSV4_OK(dsv4_cuda_moe_combine(&ex, B, K, didx, dw, &ws, dadd, NULL, dy, NULL));
         float *y = gt_host_from(dy, (size_t)B * D);
-        dsv4_twin_ep_sum(ret, R, B, D, add, y_twin);
-        assert_memory_equal(y, y_twin, sizeof(y_twin));
         for (int i = 0; i < B * D; i++) {
             assert_false(isnan(y[i]));
-            if (R == 1 && memcmp(&y[i], &whole[i], sizeof(float)) != 0)
-                fail_msg("ep one rank [%d]: %.9g, the unsplit sublayer %.9g", i, y[i], whole[i]);
-            /* mag is of the twin's expert outputs, which the kernel's are within EXPERT_BOUND of */
-            const double bound = 2.0 * gam * mag[i] * (1.0 + EXPERT_BOUND) + u / (1.0 - u) * (fabs(y[i]) + fabs(whole[i]));
-            if (fabs((double)y[i] - whole[i]) > bound)
-                fail_msg("ep %d ranks [%d]: %.9g, unsplit %.9g, bound %.3g", R, i, y[i], whole[i], bound);
+            if (memcmp(&y[i], &whole[i], sizeof(float)) != 0)
+                fail_msg("ep %d ranks [%d]: %.9g, the unsplit sublayer %.9g", R, i, y[i], whole[i]);
         }
-        print_message("ep split over %d ranks: rank sum == twin, within the association bound of the unsplit "
-                      "sublayer (%ld rows' experts on two ranks or more)\n", R, spanning);
+        print_message("ep split over %d ranks: mask and select == twins, the sublayer == unsplit bit for bit "
+                      "(%ld of %d rows' experts on two ranks or more)\n", R, spanning, B);
         free(y);
-        cudaFree(dret); cudaFree(dadd); cudaFree(dy);
+        free(sel);
+        cudaFree(dg); cudaFree(dy);
     }
-    cudaFree(didx);
+    cudaFree(ws.d_groups); cudaFree(ws.d_h);
+    cudaFree(dx); cudaFree(dw); cudaFree(dadd); cudaFree(didx); cudaFree(dmine);
     free(whole);
-    free(ret);
+    free(g);
+    free(g_twin);
     fx_free(&f);
 }
 

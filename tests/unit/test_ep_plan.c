@@ -225,16 +225,17 @@ static void test_exchange(void **state)
     struct dsv4_config c = {.dim = FLASH.dim, .n_layers = FLASH.layers, .n_experts_per_tok = FLASH.topk};
     struct dsv4_ep_exchange x;
 
-    /* fp8: 4096 e4m3 + 32 scales + 6 ids + 6 weights; partial sums 4096 f32 */
+    /* fp8: 4096 e4m3 + 32 scales + 6 ids; 6 pair outputs of 4096 f32 */
     assert_int_equal(dsv4_ep_exchange_bytes(&c, 2, 8, true, &x), 0);
-    assert_true(x.gather_row == 4176);
-    assert_true(x.reduce_row == 16384);
-    assert_true(x.gather_bytes == 8 * 4176);
-    assert_true(x.reduce_bytes == 8 * 16384);
-    assert_true(x.step_bytes == UINT64_C(7072640));          /* (33408 + 131072) x 43 */
+    assert_true(x.gather_row == 4152);
+    assert_true(x.return_row == 98304);
+    assert_true(x.gather_bytes == 8 * 4152);
+    assert_true(x.return_bytes == 8 * 98304);
+    assert_true(x.step_bytes == UINT64_C(35244864));         /* (33216 + 786432) x 43 */
     assert_int_equal(dsv4_ep_exchange_bytes(&c, 8, 4, false, &x), 0);
-    assert_true(x.gather_row == 4 * 4096 + 48);
+    assert_true(x.gather_row == 4 * 4096 + 24);
     assert_true(x.gather_bytes == 7 * 4 * x.gather_row);
+    assert_true(x.return_bytes == 7 * 4 * x.return_row);
     assert_int_equal(dsv4_ep_exchange_bytes(&c, 1, 64, true, &x), 0);
     assert_true(x.step_bytes == 0);                          /* one GPU exchanges nothing */
     assert_int_equal(dsv4_ep_exchange_bytes(&c, 0, 1, true, &x), -EINVAL);
@@ -248,7 +249,7 @@ static void test_exchange(void **state)
             assert_int_equal(dsv4_ep_exchange_bytes(&c, gpus[j], b, true, &x), 0);
             printf("# Flash batch %2d on %d GPUs: bucket %2d, per layer into each GPU %7llu + %7llu bytes, "
                    "per step %9llu\n", batch[i], gpus[j], b, (unsigned long long)x.gather_bytes,
-                   (unsigned long long)x.reduce_bytes, (unsigned long long)x.step_bytes);
+                   (unsigned long long)x.return_bytes, (unsigned long long)x.step_bytes);
         }
 }
 
