@@ -508,12 +508,7 @@ static void vlog(struct dsv4_cuda_dev *dev, void (*log)(void *, const char *), v
 static_assert(DSV4_CUDA_FETCH_AHEAD_SWITCH_MAX == DSV4_CUDA_FETCH_AHEAD_MAX,
               "DSV4_CUDA_EXPERT_FETCH's range is the layers a prediction may cover");
 
-static int fetch_chunks(const struct dsv4_config *c)
-{
-    return 2 * (c->moe_inter / DSV4_CUDA_TILE_ROWS) + c->dim / DSV4_CUDA_TILE_ROWS;
-}
-
-/* The decode expert kernels' tiles in chunks (f may be NULL); false when the masks cannot hold them. */
+/* The decode expert kernels' tiles in chunks into f's tile fields; false when the masks cannot hold them. */
 static bool fetch_tiles(const struct dsv4_config *c, struct dsv4_cuda_fetch *f)
 {
     int up_rows, down_rows;
@@ -522,12 +517,10 @@ static bool fetch_tiles(const struct dsv4_config *c, struct dsv4_cuda_fetch *f)
         c->dim % down_rows || c->moe_inter / up_rows > DSV4_CUDA_FETCH_TILES_MAX ||
         c->dim / down_rows > DSV4_CUDA_FETCH_TILES_MAX)
         return false;
-    if (f) {
-        f->up_tile_blocks = up_rows / DSV4_CUDA_TILE_ROWS;
-        f->down_tile_blocks = down_rows / DSV4_CUDA_TILE_ROWS;
-        f->up_tiles = c->moe_inter / up_rows;
-        f->down_tiles = c->dim / down_rows;
-    }
+    f->up_tile_blocks = up_rows / DSV4_CUDA_TILE_ROWS;
+    f->down_tile_blocks = down_rows / DSV4_CUDA_TILE_ROWS;
+    f->up_tiles = c->moe_inter / up_rows;
+    f->down_tiles = c->dim / down_rows;
     return true;
 }
 
@@ -542,6 +535,7 @@ static size_t fetch_plan_bytes(const struct walker *wk, const struct dsv4_backen
     const struct dsv4_config *c = wk->cfg;
     struct dsv4_cuda_switches sw;
     const size_t slots = DSV4_CUDA_FETCH_SETS * DSV4_CUDA_FETCH_SLOTS;
+    struct dsv4_cuda_fetch tiles = {};     /* the tile fields only: an expert's chunk count */
     *why = NULL;
     if (dsv4_cuda_switches_read(&sw) < 0 || !sw.expert_fetch)
         *why = "DSV4_CUDA_EXPERT_FETCH=0";
@@ -553,14 +547,14 @@ static size_t fetch_plan_bytes(const struct walker *wk, const struct dsv4_backen
         *why = "more layers than the fetch tags hold";
     else if (c->n_experts > 0xffff)
         *why = "more experts a layer than the slot keys hold";
-    else if (!fetch_tiles(c, NULL))
+    else if (!fetch_tiles(c, &tiles))
         *why = "more expert tiles than the fetch masks hold";
     else if (wk->e1 - wk->e0 != c->n_experts)
         *why = "the routed experts are split across devices (a step runs every rank's rows on them)";
     if (*why)
         return 0;
     wk->dev->fetch.ahead = sw.expert_fetch;
-    return slots * (expert + align_up(sizeof(uint32_t) * (size_t)fetch_chunks(c))) +
+    return slots * (expert + align_up(sizeof(uint32_t) * (size_t)dsv4_cuda_fetch_chunks(&tiles))) +
            align_up(slots * sizeof(struct dsv4_cuda_fetch_slot)) + align_up(slots * sizeof(struct dsv4_cuda_fetch_job)) +
            align_up((size_t)c->n_layers * c->n_experts) + align_up(DSV4_CUDA_FETCH_WORDS * sizeof(unsigned long long)) +
            align_up(sizeof(float) * DSV4_CUDA_FETCH_AHEAD_MAX * DSV4_CUDA_FETCH_ROWS_MAX * (size_t)c->n_experts) +
