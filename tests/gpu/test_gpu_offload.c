@@ -24,6 +24,7 @@
 #include <cmocka.h>
 
 #include "tests/gpu/gpu_test.h"
+#include "tests/unit/st_writer.h"
 
 #define MAX_CTX 256
 #define BATCH 64                /* the largest decode bucket */
@@ -304,13 +305,14 @@ static void test_hot_placement(void **state)
     free(eb);
 }
 
-/* default-fp8's config with experts twice as wide (moe_inter 256: a multiple of 128, so fp8 numerics run
- * them on the tensor-core kernels in k-tile blocks, which fetching ahead needs) and synthetic weights,
- * written into dir (a mkdtemp template). */
-static void write_synthetic(char *dir)
+/* A fresh directory (the caller frees its name and removes it with stw_rmdir) holding default-fp8's
+ * config with experts twice as wide (moe_inter 256: a multiple of 128, so fp8 numerics run them on
+ * the tensor-core kernels in k-tile blocks, which fetching ahead needs) and synthetic weights. */
+static char *write_synthetic(void)
 {
     char path[1024], cfg[8192];
-    assert_non_null(mkdtemp(dir));
+    char *dir = stw_tempdir();
+    assert_non_null(dir);
     snprintf(path, sizeof(path), "%s/models/default-fp8/config.json", DSV4_SRCDIR);
     FILE *f = fopen(path, "r");
     assert_non_null(f);
@@ -320,24 +322,9 @@ static void write_synthetic(char *dir)
     char *at = strstr(cfg, "\"moe_inter_dim\": 96,");
     assert_non_null(at);
     memcpy(at, "\"moe_inter_dim\":256,", strlen("\"moe_inter_dim\":256,"));
-    snprintf(path, sizeof(path), "%s/config.json", dir);
-    assert_non_null(f = fopen(path, "w"));
-    assert_int_equal(fwrite(cfg, 1, n, f), n);
-    fclose(f);
-    snprintf(path, sizeof(path), "%s/synthetic.json", dir);
-    assert_non_null(f = fopen(path, "w"));
-    fputs("{\"seed\": 7}\n", f);
-    fclose(f);
-}
-
-static void remove_synthetic(const char *dir)
-{
-    char path[1024];
-    snprintf(path, sizeof(path), "%s/config.json", dir);
-    unlink(path);
-    snprintf(path, sizeof(path), "%s/synthetic.json", dir);
-    unlink(path);
-    rmdir(dir);
+    assert_int_equal(stw_write_text(dir, "config.json", cfg), 0);
+    assert_int_equal(stw_write_text(dir, "synthetic.json", "{\"seed\": 7}\n"), 0);
+    return dir;
 }
 
 /* `steps` decode steps of slots 0 .. rows - 1 through both backends from random tokens on, then each
@@ -374,14 +361,13 @@ static void test_fetch_ahead(void **state)
 {
     const int share = 50;
     static const char *const ahead[] = { "1", NULL };      /* NULL: the default */
-    char dir[] = "/tmp/dsv4-test-fetch-XXXXXX";
     struct dsv4_weights *w = NULL;
     struct dsv4_backend *a = NULL, *b = NULL;
     const struct dsv4_backend_opts ob = host_opts(DSV4_NUMERICS_FP8, share, NULL);
     struct dsv4_backend_stats sa, sb;
     struct traffic t;
 
-    write_synthetic(dir);
+    char *dir = write_synthetic();
     DSV4_OK(dsv4_weights_load(dir, &w));
     const struct dsv4_config *c = &w->cfg;
     assert_int_equal(c->moe_inter, 256);
@@ -418,7 +404,8 @@ static void test_fetch_ahead(void **state)
     dsv4_backend_destroy(b);
 
     dsv4_weights_free(w);
-    remove_synthetic(dir);
+    stw_rmdir(dir);
+    free(dir);
 }
 
 static void test_off_with_share_refused(void **state)
