@@ -19,8 +19,8 @@
 
 /* threads = 0 takes the online CPUs, up to this many. */
 #define DSV4_HOST_THREADS_MAX 64
-/* The one device the CUDA backend runs on today: the first listed in gpus, else this one (the routed
- * experts are not yet split across the listed GPUs, doc/MULTIGPU.md). */
+/* The device the CUDA backend runs on with gpus = all (only listed GPUs split the routed experts,
+ * doc/MULTIGPU.md). */
 #define DSV4_HOST_CUDA_DEVICE 0
 
 struct dsv4_host {

@@ -43,8 +43,8 @@ static const struct opt opts[] = {
     PATHOPT("listen", listen, "PATH", "listen on this Unix socket instead of socket activation"),
     INTOPT("threads", threads, 0, 1024, "CPU backend and sampler threads (0 = the online CPUs)"),
     { "gpus", OPT_GPUS, F(gpus), 0, 0, 0, "N,...|all",
-      "CUDA devices by ordinal, up to " DSV4_STR(DSV4_EP_MAX_GPUS) " (default all visible); only the first runs "
-      "the model until expert parallelism is built" },
+      "CUDA devices by ordinal, up to " DSV4_STR(DSV4_EP_MAX_GPUS) " (default all visible: device 0 runs the "
+      "model); two or more split the routed experts across them" },
     INTOPT("max_batch", max_batch, 1, 1024, "sequence slots (requests decoded together)"),
     INTOPT("max_context", max_context, 16, 1 << 20, "tokens per slot (prompt + generated)"),
     { "prefix_cache", OPT_SIZE, F(prefix_cache), 0, 0, (int64_t)1 << 40, "BYTES",

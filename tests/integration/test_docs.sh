@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: MIT
 # The documentation says what the binary does: the config path dsv4d(8) names is the one dsv4d reads
 # (the configured sysconfdir), `--config ""` renders with its quotes, allow_groups is described the
-# same way in the man page and the installed config file, and a --listen directory that does not
-# exist is exit status 2, as dsv4d(8) says. TAP output.
+# same way in the man page and the installed config file, gpus in those and --help, and a --listen
+# directory that does not exist is exit status 2, as dsv4d(8) says. TAP output.
 top_srcdir=${top_srcdir:-$(cd "$(dirname "$0")/../.." && pwd)}
 top_builddir=${top_builddir:-.}
 n=0; fail=0
@@ -25,6 +25,11 @@ else
 fi
 grep -q "^#allow_groups .*supplementary" "$conf"; ok $? "dsv4d.conf: allow_groups takes supplementary groups too"
 tr "\n" " " <"$man8" | grep -q -E "allow.-groups.{1,200}primary or supplementary group is listed"; ok $? "dsv4d(8) says the same"
+"$top_builddir/dsv4d" --help | grep -q -E -- "--gpus .*two or more split the routed experts across them"
+ok $? "dsv4d --help: two or more gpus split the routed experts"
+tr "\n" " " <"$man8" | grep -q "With two or more listed, each layer's routed experts are split across them"
+ok $? "dsv4d(8) says the same"
+grep -q "^#gpus .*two or more split the experts" "$conf"; ok $? "so does dsv4d.conf"
 
 tmp=$(mktemp -d /tmp/dsv4d-docs.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
