@@ -241,10 +241,11 @@ static int parse_gpus(struct dsv4_settings *s, const char *v, const char *where)
             return dsv4_error_set(-EINVAL, "%s: gpus = '%s': expected all or device ordinals like 0,1", where, v);
         errno = 0;
         long x = strtol(p, &end, 10);
-        if (errno || end == p)
+        if (end == p)
             return dsv4_error_set(-EINVAL, "%s: gpus = '%s': expected all or device ordinals like 0,1", where, v);
-        if (x < 0 || x > DSV4_SETTINGS_GPU_ORDINAL_MAX)
-            return dsv4_error_set(-ERANGE, "%s: gpus: device %ld outside [0, %d]", where, x,
+        /* named as written: one past long's range is out of range too, not malformed */
+        if (errno == ERANGE || x < 0 || x > DSV4_SETTINGS_GPU_ORDINAL_MAX)
+            return dsv4_error_set(-ERANGE, "%s: gpus: device %.*s outside [0, %d]", where, (int)(end - p), p,
                                   DSV4_SETTINGS_GPU_ORDINAL_MAX);
         for (int i = 0; i < n; i++)
             if (gpus[i] == (int)x)

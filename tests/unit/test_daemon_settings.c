@@ -223,6 +223,8 @@ static void test_bad_lines(void **state)
         { "gpus = 0,1,0\n", -EINVAL, "gpus: device 0 listed twice" },
         { "gpus = -1\n", -ERANGE, "gpus: device -1 outside [0, 255]" },
         { "gpus = 0,256\n", -ERANGE, "gpus: device 256 outside [0, 255]" },
+        { "gpus = 0,99999999999999999999\n", -ERANGE, "gpus: device 99999999999999999999 outside [0, 255]" },
+        { "gpus = -99999999999999999999\n", -ERANGE, "gpus: device -99999999999999999999 outside [0, 255]" },
         { "gpus = 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16\n", -E2BIG, "gpus: more than 16 devices" },
         { "gpus = 0,,1\n", -EINVAL, "gpus = '0,,1': expected all or device ordinals" },
         { "gpus = 0,1,\n", -EINVAL, "expected all or device ordinals" },
