@@ -523,6 +523,16 @@ int dsv4_settings_validate(const struct dsv4_settings *s)
                               "max_queued + 2 x max_batch", s->max_queued, s->max_batch, DSV4_SCHED_REQUESTS_MAX);
     if (s->expert_host_share > 0 && s->expert_offload != DSV4_EXPERT_OFFLOAD_ON)
         return dsv4_error_set(-EINVAL, "expert_host_share = %d needs expert_offload = on", s->expert_host_share);
+    /* The slots are dealt out over the listed GPUs, each holding a group of them (doc/MULTIGPU.md);
+     * refused here rather than by the CUDA backend once the weights have loaded. */
+    if (s->n_gpus > s->max_batch) {
+        char list[DSV4_EP_MAX_GPUS * 4 + 1];
+        size_t len = 0;
+        for (int i = 0; i < s->n_gpus; i++)
+            len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%d", i ? "," : "", s->gpus[i]);
+        return dsv4_error_set(-EINVAL, "max_batch = %d with gpus = %s: each listed GPU holds a group of the slots, "
+                              "so max_batch must be at least %d", s->max_batch, list, s->n_gpus);
+    }
     return 0;
 }
 

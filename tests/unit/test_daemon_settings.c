@@ -280,6 +280,18 @@ static void test_files_and_validation(void **state)
     assert_non_null(strstr(dsv4_error_message(), "expert_host_share = 20 needs expert_offload = on"));
     s.expert_offload = DSV4_EXPERT_OFFLOAD_ON;
     assert_int_equal(dsv4_settings_validate(&s), 0);
+    /* Each listed GPU owns a group of the slots: fewer slots than GPUs is refused before the weights
+     * load, not by the CUDA backend after. */
+    s.max_batch = 2;
+    s.n_gpus = 3;
+    s.gpus[0] = 0;
+    s.gpus[1] = 1;
+    s.gpus[2] = 2;
+    assert_int_equal(dsv4_settings_validate(&s), -EINVAL);
+    assert_non_null(strstr(dsv4_error_message(), "max_batch = 2 with gpus = 0,1,2"));
+    s.max_batch = 3;
+    assert_int_equal(dsv4_settings_validate(&s), 0);
+    s.n_gpus = 0;
     /* The engine holds the queued requests besides a running and a finishing one a slot: a queue it
      * cannot hold is refused, not cut short with an error naming no setting. */
     s.max_batch = 8;
