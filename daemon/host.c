@@ -62,7 +62,7 @@ static void set_phase(struct dsv4_host *h, enum dsv4_host_phase p)
 }
 
 /* --backend: cpu and cuda are what they say; auto takes the GPU when there is a usable one and says
- * so when there is not. */
+ * so when there is not (with gpus = all: listed GPUs must be there). */
 static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *opts)
 {
     const struct dsv4_settings *cfg = h->cfg;
@@ -79,6 +79,9 @@ static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *o
         }
         if (cfg->backend == DSV4_BACKEND_CUDA || r != -ENODEV)
             return dsv4_error_prefix(r, "CUDA backend: ");
+        /* GPUs named in gpus are asked for: serving on the CPU instead would only hide a wrong list */
+        if (opts->n_gpus > 0)
+            return dsv4_error_prefix(r, "gpus lists devices, so backend = auto does not fall back to the CPU: ");
         /* The CUDA backend's -ENODEV message says "no usable GPU: why" itself. */
         snprintf(h->backend_note, sizeof(h->backend_note), "auto: %s; using the CPU backend", dsv4_error_message());
 #else
