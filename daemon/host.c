@@ -261,6 +261,9 @@ static int boot(struct dsv4_host *h)
     else if (h->weights->n_mtp == 0)
         dsv4_log_notice("speculative decoding: off: the checkpoint has no MTP block (spec_tokens %d asked)",
                         cfg->spec_tokens);
+    else if (cfg->n_gpus > 1 && strcmp(h->backend_name, "cuda") == 0)
+        dsv4_log_notice("speculative decoding: off: not yet built for the routed experts split across GPUs "
+                        "(gpus lists %d; spec_tokens %d asked)", cfg->n_gpus, cfg->spec_tokens);
     else
         dsv4_log_notice("speculative decoding: off: the %s backend cannot draft and verify (spec_tokens %d asked)",
                         h->backend_name, cfg->spec_tokens);
