@@ -206,13 +206,27 @@ static void drop_node(struct dsv4_prefix_cache *c, int32_t i)
     c->st.nodes_evicted++;
 }
 
+/* The boundary record to evict next: cold ones first, oldest first. When a node is wanted, the first
+ * in that order whose node goes with it (a leaf no request holds): no other eviction frees a node.
+ * Only a pool without block records (block_pages 0) runs out of nodes while pages are free; there
+ * evicting an inner record would lose it for nothing, and the scan past such records is the price. */
+static int32_t pick_victim(const struct dsv4_prefix_cache *c, bool want_node)
+{
+    static const int order[N_LISTS] = { LIST_COLD, LIST_HOT };
+    for (int k = 0; k < N_LISTS; k++)
+        for (int32_t i = c->lists[order[k]].tail; i >= 0; i = c->nodes[i].prev)
+            if (!want_node || (c->nodes[i].children == 0 && c->nodes[i].refs == 0))
+                return i;
+    return -1;
+}
+
 /* Evict until `pages` pages (and a node, when `node`) are free; -ENOSPC when that cannot be done.
  * Only boundary records are evicted: a leaf without one (and without references) goes with it,
  * and so do the ancestors that this leaves useless. */
 static int make_room(struct dsv4_prefix_cache *c, int pages, bool node)
 {
     while (c->n_free_pages < pages || (node && c->n_free_nodes == 0)) {
-        int32_t victim = c->lists[LIST_COLD].tail >= 0 ? c->lists[LIST_COLD].tail : c->lists[LIST_HOT].tail;
+        int32_t victim = pick_victim(c, node && c->n_free_nodes == 0);
         if (victim < 0)
             return -ENOSPC;
         drop_boundary(c, victim);

@@ -16,11 +16,13 @@
  *
  * Eviction, when a snapshot needs pages or a node and none are free, takes boundary records: cold
  * ones first, oldest first (those of prefill boundaries a request only passed through), then the
- * least recently used hot one. A boundary record is hot when it ends a request's prompt, marks where
- * a prompt left the cached chain, was written while decoding, or served a hit. A node left with no
- * boundary record, no children and no references (nothing can be restored from it or below it)
- * goes at once, and so do the ancestors this leaves in that state: a chain's entries live as long
- * as some boundary record below them or a request holding them.
+ * least recently used hot one; when what is missing is a node (a pool without block records can
+ * run out of nodes while pages are free), only those whose node goes with them. A boundary record
+ * is hot when it ends a request's prompt, marks where a prompt left the cached chain, was written
+ * while decoding, or served a hit. A node left with no boundary record, no children and no
+ * references (nothing can be restored from it or below it) goes at once, and so do the ancestors
+ * this leaves in that state: a chain's entries live as long as some boundary record below them or
+ * a request holding them.
  *
  * Memory: the backend's pool pages and host tables sized at create; nothing is allocated later.
  * Threads: one (the engine thread). */

@@ -3,8 +3,9 @@
  * finds (longest prefix with a boundary record, partial matches, the same block under different
  * parents), that every page a lookup lists holds what was saved for that prefix (also after pages
  * were evicted and reused), references (a held chain is never evicted; ENOSPC when everything is
- * held), the eviction order (cold boundary records first, then least recently used), failed saves,
- * and the page and node counts against a walk of what is reachable. */
+ * held), the eviction order (cold boundary records first, then least recently used; in a pool
+ * without block records, only those that free a node when a node is missing), failed saves, and
+ * the page and node counts against a walk of what is reachable. */
 #include "build-config.h"
 
 #include <errno.h>
@@ -348,6 +349,74 @@ static void test_prune(void **state)
     dsv4_prefix_cache_destroy(c);
 }
 
+/* A model without compressed layers has no block records (block_pages 0): a node holds no page, so
+ * every node can be taken while pages are free. Evicting a boundary record then makes room for a
+ * node only where it frees one (a leaf no request holds); the others are kept rather than lost for
+ * nothing. */
+static int save_window(void *ctx, const int32_t *blk, const int32_t *bnd)
+{
+    struct pool *p = ctx;
+    p->calls++;
+    assert_null(blk);
+    p->page[bnd[0]][0] = 'w';
+    p->page[bnd[0]][1] = p->depth;
+    p->page[bnd[0]][2] = prefix_hash(p->prefix, p->depth);
+    return 0;
+}
+
+static void test_no_block_pages(void **state)
+{
+    (void)state;
+    struct pool p = { 0 };
+    struct dsv4_prefix_geom g = { .block = B, .page_bytes = 8, .n_pages = 4, .block_pages = 0, .boundary_pages = 1 };
+    struct dsv4_prefix_cache *c;
+    struct dsv4_prefix_stats st;
+    struct dsv4_prefix_hit h;
+    int32_t t[5 * B], u[B], at = DSV4_PREFIX_ROOT, node;
+    tokens(t, 5 * B, 10);
+    tokens(u, B, 11);
+    assert_int_equal(dsv4_prefix_cache_create(&g, CTX, &c), 0);
+
+    /* 4 blocks take every node (and page); the chain's end is held, so nothing can make a node */
+    p.prefix = t;
+    for (int d = 0; d < 4; d++) {
+        p.depth = d + 1;
+        assert_int_equal(dsv4_prefix_cache_extend(c, at, t + d * B, d == 3, save_window, &p, &node), 0);
+        dsv4_prefix_cache_release(c, at);
+        at = node;
+    }
+    p.depth = 5;
+    assert_int_equal(dsv4_prefix_cache_extend(c, at, t + 4 * B, true, save_window, &p, &node), -ENOSPC);
+    dsv4_prefix_cache_get_stats(c, &st);
+    assert_int_equal(st.boundaries_evicted, 0);
+    assert_int_equal(st.boundaries, 4);
+    dsv4_prefix_cache_release(c, at);
+    dsv4_prefix_cache_lookup(c, t, 5 * B, &h);
+    assert_int_equal(h.n_blocks, 4);
+    assert_int_equal(p.page[h.boundary_pages[0]][2], prefix_hash(t, 4));
+    dsv4_prefix_cache_release(c, h.node);
+
+    /* another prompt's block: the leaf goes (its node is the one freed), the older records above it stay */
+    p.prefix = u;
+    p.depth = 1;
+    assert_int_equal(dsv4_prefix_cache_extend(c, DSV4_PREFIX_ROOT, u, true, save_window, &p, &node), 0);
+    dsv4_prefix_cache_release(c, node);
+    dsv4_prefix_cache_get_stats(c, &st);
+    assert_int_equal(st.boundaries_evicted, 1);
+    assert_int_equal(st.nodes_evicted, 1);
+    assert_int_equal(st.nodes, 4);
+    assert_int_equal(st.pages_used, st.boundaries);
+    dsv4_prefix_cache_lookup(c, t, 5 * B, &h);
+    assert_int_equal(h.n_blocks, 3);
+    assert_int_equal(p.page[h.boundary_pages[0]][2], prefix_hash(t, 3));
+    dsv4_prefix_cache_release(c, h.node);
+    dsv4_prefix_cache_lookup(c, u, B + 1, &h);
+    assert_int_equal(h.n_blocks, 1);
+    assert_int_equal(p.page[h.boundary_pages[0]][2], prefix_hash(u, 1));
+    dsv4_prefix_cache_release(c, h.node);
+    dsv4_prefix_cache_destroy(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -356,6 +425,7 @@ int main(void)
         cmocka_unit_test(test_eviction),
         cmocka_unit_test(test_failures),
         cmocka_unit_test(test_prune),
+        cmocka_unit_test(test_no_block_pages),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
