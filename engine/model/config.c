@@ -749,6 +749,6 @@ int dsv4_config_prefix_block(const struct dsv4_config *c)
             block = block / gcd64(block, c->compress_ratio[i]) * c->compress_ratio[i];
     if (block > DSV4_PREFIX_BLOCK_MAX)
         return dsv4_error_set(-ERANGE, "prefix cache: the window %d and the compress ratios need blocks of more "
-                              "than %d tokens", c->window, DSV4_PREFIX_BLOCK_MAX);
+                              "than %d tokens (set the pool to 0)", c->window, DSV4_PREFIX_BLOCK_MAX);
     return (int)block;
 }

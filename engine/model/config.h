@@ -76,7 +76,7 @@ static inline int dsv4_config_nope_dim(const struct dsv4_config *c) { return c->
 #define DSV4_PREFIX_BLOCK_MAX 4096      /* tokens per prefix-cache block */
 /* Tokens per prefix-cache block (engine/backend.h): the least common multiple of the window and
  * every layer's compress ratio (Flash: 128). Returns it, or -ERANGE with a message when it exceeds
- * DSV4_PREFIX_BLOCK_MAX. */
+ * DSV4_PREFIX_BLOCK_MAX (such a model runs only without a prefix pool). */
 int dsv4_config_prefix_block(const struct dsv4_config *c);
 
 #endif

@@ -421,6 +421,23 @@ static void test_model_name_utf8(void **state)
     free(dir);
 }
 
+/* The prefix-cache block is the least common multiple of the window and the compress ratios; past
+ * DSV4_PREFIX_BLOCK_MAX the refusal says how to boot anyway (the cache is on by default). */
+static void test_prefix_block(void **state)
+{
+    struct dsv4_config c;
+
+    (void)state;
+    parse_ok(tiny_json, &c);
+    assert_int_equal(dsv4_config_prefix_block(&c), 8);
+    parse_ok("{\"model_type\": \"deepseek_v4\"}", &c);
+    assert_int_equal(dsv4_config_prefix_block(&c), 128);
+    parse_ok("{\"model_type\": \"deepseek_v4\", \"sliding_window\": 4097}", &c);
+    assert_int_equal(dsv4_config_prefix_block(&c), -ERANGE);
+    assert_non_null(strstr(dsv4_error_message(), "window 4097"));
+    assert_non_null(strstr(dsv4_error_message(), "set the pool to 0"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -433,6 +450,7 @@ int main(void)
         cmocka_unit_test(test_official),
         cmocka_unit_test(test_load_dir),
         cmocka_unit_test(test_model_name_utf8),
+        cmocka_unit_test(test_prefix_block),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
