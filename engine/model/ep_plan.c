@@ -28,13 +28,14 @@ int dsv4_ep_slots(int max_batch, int n_ranks, int rank)
     return max_batch / n_ranks + (rank < max_batch % n_ranks);
 }
 
-/* GPU `rank` of n: everything but the free bytes. The caches hold one spare slot beyond the owned
- * ones: the padding rows of a bucket write there. */
+/* GPU `rank` of n: everything but the free bytes. Every rank reserves the slots of the largest
+ * group (ceil(max_batch / n): the ranks run alike, kernels/ep_backend.cu) and one spare beyond them:
+ * the padding rows of a bucket write there. */
 static struct dsv4_ep_gpu_plan gpu_need(const struct dsv4_ep_plan_req *r, int n, int rank)
 {
     struct dsv4_ep_gpu_plan g = {0};
     dsv4_ep_shard(r->n_experts, n, rank, &g.e0, &g.e1);
-    g.slots = dsv4_ep_slots(r->max_batch, n, rank);
+    g.slots = dsv4_ep_slots(r->max_batch, n, 0);
     g.dense = r->dense_bytes;
     for (int l = 0; l < r->n_layers; l++)
         g.experts += r->expert_bytes[l] * (uint64_t)(g.e1 - g.e0);
@@ -56,8 +57,9 @@ static int check_req(const struct dsv4_ep_plan_req *r)
     if (r->n_gpus > r->n_experts)
         return dsv4_error_set(-EINVAL, "expert parallelism over %d GPUs: the model has %d experts a layer",
                               r->n_gpus, r->n_experts);
-    if (r->max_batch < 1)
-        return dsv4_error_set(-EINVAL, "expert parallelism: max_batch %d", r->max_batch);
+    if (r->max_batch < r->n_gpus)
+        return dsv4_error_set(-EINVAL, "expert parallelism over %d GPUs: max_batch %d (each GPU holds a group of "
+                              "the slots)", r->n_gpus, r->max_batch);
     /* Every sum below stays under 2^63: a layer's experts, the slots, each term, then their total. */
     const uint64_t cap = UINT64_C(1) << 56;
     if (r->dense_bytes > cap || r->slot_bytes > cap / ((uint64_t)r->max_batch + 1) || r->gpu_fixed_bytes > cap ||
@@ -72,7 +74,7 @@ static int check_req(const struct dsv4_ep_plan_req *r)
 
 static int fewest_gpus(const struct dsv4_ep_plan_req *r, uint64_t least_free)
 {
-    for (int n = 1; n <= DSV4_EP_MAX_GPUS && n <= r->n_experts; n++) {
+    for (int n = 1; n <= DSV4_EP_MAX_GPUS && n <= r->n_experts && n <= r->max_batch; n++) {
         bool ok = true;
         for (int g = 0; g < n && ok; g++)
             ok = gpu_need(r, n, g).need <= least_free;

@@ -38,7 +38,7 @@ struct dsv4_ep_plan_req {
 
 struct dsv4_ep_gpu_plan {
     int e0, e1;                 /* routed experts [e0, e1) of every layer */
-    int slots;
+    int slots;                  /* the slots its caches hold: the largest group's, as every rank reserves */
     uint64_t dense, experts, caches, fixed, margin;
     uint64_t need;              /* the sum of the five above */
     uint64_t free;
@@ -50,7 +50,7 @@ struct dsv4_ep_plan {
     int short_gpu;              /* the GPU short by the most, -1 when everything fits */
     uint64_t short_bytes;
     /* The fewest GPUs (each as free as the least free of these) the model fits on, or 0 when none up
-     * to DSV4_EP_MAX_GPUS and n_experts would do: what the refusal suggests. */
+     * to DSV4_EP_MAX_GPUS, n_experts and max_batch would do: what the refusal suggests. */
     int min_gpus;
     struct dsv4_ep_gpu_plan gpu[DSV4_EP_MAX_GPUS];
 };

@@ -85,19 +85,20 @@ static struct dsv4_ep_plan_req request(const struct shape *s, int n_gpus, uint64
 
 static void check_consistent(const struct dsv4_ep_plan_req *r, const struct dsv4_ep_plan *p)
 {
-    int slots = 0, next = 0;
+    /* every rank reserves the largest group's slots, as the backend's ranks do */
+    const int reserve = (r->max_batch + p->n_gpus - 1) / p->n_gpus;
+    int next = 0;
     for (int g = 0; g < p->n_gpus; g++) {
         const struct dsv4_ep_gpu_plan *q = &p->gpu[g];
         assert_int_equal(q->e0, next);
         next = q->e1;
-        slots += q->slots;
+        assert_int_equal(q->slots, reserve);
         assert_true(q->experts == r->expert_bytes[0] * (uint64_t)(q->e1 - q->e0) * (uint64_t)r->n_layers);
         assert_true(q->caches == r->slot_bytes * (uint64_t)(q->slots + 1));
         assert_true(q->need == q->dense + q->experts + q->caches + q->fixed + q->margin);
         assert_true(q->dense == r->dense_bytes);
     }
     assert_int_equal(next, r->n_experts);
-    assert_int_equal(slots, r->max_batch);
 }
 
 static void test_flash(void **state)
@@ -173,6 +174,13 @@ static void test_pro(void **state)
     printf("# %s\n", dsv4_error_message());
     assert_non_null(strstr(dsv4_error_message(), "8 GPUs with 139.00 GiB free each would hold it"));
     check_consistent(&r, &p);
+
+    /* 4 slots: no more than 4 GPUs can take part, and 4 do not hold it, so no count is named */
+    r = request(&PRO, 4, eb, fb, 4, 512 * MIB);
+    assert_int_equal(dsv4_ep_plan_make(&r, &p), -ENOMEM);
+    assert_int_equal(p.min_gpus, 0);
+    assert_null(strstr(dsv4_error_message(), "would hold it"));
+    check_consistent(&r, &p);
 }
 
 static void test_bad_requests(void **state)
@@ -193,6 +201,9 @@ static void test_bad_requests(void **state)
     r.n_experts = 256;
     r.max_batch = 0;
     assert_int_equal(dsv4_ep_plan_make(&r, &p), -EINVAL);
+    r.max_batch = 1;                                /* a GPU without slots: refused */
+    assert_int_equal(dsv4_ep_plan_make(&r, &p), -EINVAL);
+    assert_non_null(strstr(dsv4_error_message(), "each GPU holds a group of the slots"));
     r.max_batch = 64;
     eb[5] = UINT64_C(1) << 60;
     assert_int_equal(dsv4_ep_plan_make(&r, &p), -EINVAL);
