@@ -545,12 +545,19 @@ int dsv4_render_chat(const json_t *messages, const json_t *tools, const struct d
                 goto out;
             }
         }
-        R.msgs[R.n++] = (struct msg){.role = ROLE_SYSTEM, .tools = tools};
     }
+    /* The tools section follows the text of a first system message (DeepSeek's example conversation
+     * with tools); without one it is a system message of its own ahead of the conversation. */
+    const json_t *role0 = json_object_get(json_array_get(messages, 0), "role");
+    bool lead_system = json_is_string(role0) && strcmp(json_string_value(role0), "system") == 0;
+    if (has_tools && !lead_system)
+        R.msgs[R.n++] = (struct msg){.role = ROLE_SYSTEM, .tools = tools};
     for (size_t i = 0; i < n_in && r == 0; i++)
         r = add_message(&R, i, json_array_get(messages, i));
     if (r)
         goto out;
+    if (has_tools && lead_system)
+        R.msgs[0].tools = tools;
     if ((r = sort_tool_results(&R)))
         goto out;
     bool drop = !has_tools;

@@ -6,8 +6,9 @@
  * forged. Concatenated, the parts are exactly the string DeepSeek's published encoder
  * (encoding_dsv4.py, encode_messages) produces, BOS included:
  *
- *   - `tools` become a first system message holding only them, rendered as the "## Tools" section
- *     with each function schema as one line of JSON;
+ *   - `tools` are rendered as the "## Tools" section, each function schema as one line of JSON,
+ *     after a blank line that follows the text of a first system message, or as a system message
+ *     of their own ahead of a conversation that does not begin with one;
  *   - `tool` messages become <tool_result>...</tool_result> blocks of a user turn, in the order of the
  *     calls of the last assistant turn that made calls; a user message right after joins that turn;
  *     blocks are joined by a blank line;

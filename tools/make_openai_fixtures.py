@@ -8,8 +8,9 @@ tests/unit/test_openai_format.c.
     tools/make_openai_fixtures.py --encoding PATH/encoding_dsv4.py [--out tests/fixtures/openai/dsml.json]
 
 The script is DeepSeek's (shipped with the V4 checkpoints as encoding/encoding_dsv4.py); it is imported
-from the given path, not kept in this repository. Tools are given to it the way an OpenAI-compatible
-server hands them over: a system message holding only `tools`, inserted first."""
+from the given path, not kept in this repository. Tools are given to it as DeepSeek's own example
+conversation with tools carries them: in the `tools` of the first message when that is a system
+message, else in a system message holding only them, inserted first."""
 
 import argparse
 import copy
@@ -141,7 +142,9 @@ def main():
     encode = []
     for case in ENCODE_CASES:
         msgs = copy.deepcopy(case["messages"])
-        if case.get("tools"):
+        if case.get("tools") and msgs[0]["role"] == "system":
+            msgs[0]["tools"] = case["tools"]
+        elif case.get("tools"):
             msgs.insert(0, {"role": "system", "tools": case["tools"]})
         effort = case.get("reasoning_effort")
         prompt = enc.encode_messages(msgs, thinking_mode="thinking" if case.get("thinking") else "chat",

@@ -139,6 +139,56 @@ static void test_render_literal(void **state)
     }
 }
 
+/* With a system message first, the tools section follows its text after a blank line, as in
+ * DeepSeek's own example conversation with tools; without one, the section is a system message of
+ * its own ahead of the conversation. */
+static void test_render_tools_after_system(void **state)
+{
+    static const char tools_text[] = "[{\"type\": \"function\", \"function\": {\"name\": \"now\", \"parameters\": {}}}]";
+    static const char *const head = "<｜begin▁of▁sentence｜>Be brief.\n\n## Tools\n\n";
+    static const char *const tail = "You MUST strictly follow the above defined tool name and parameter schemas to "
+                                    "invoke tool calls.\n<｜User｜>Hi<｜Assistant｜></think>";
+    json_t *tools = json_loads(tools_text, 0, NULL);
+    json_t *msgs = json_loads("[{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": \"user\", "
+                              "\"content\": \"Hi\"}]", 0, NULL);
+    struct dsv4_render_opts opts = {0};
+    struct dsv4_parts parts = {0};
+    char err[256];
+    const char **ptrs;
+    size_t *lens;
+    assert_non_null(tools);
+    assert_non_null(msgs);
+    assert_int_equal(dsv4_render_chat(msgs, tools, &opts, &parts, err, sizeof(err)), 0);
+    if (parts.text.len < strlen(head) + strlen(tail) || memcmp(parts.text.p, head, strlen(head)) != 0 ||
+        strcmp(parts.text.p + parts.text.len - strlen(tail), tail) != 0)
+        fail_msg("got %s", parts.text.p);
+    assert_non_null(strstr(parts.text.p, "\n\n{\"name\": \"now\", \"parameters\": {}}\n\n"));
+    /* The system text stays literal: BOS, then the text, then the section's template. */
+    assert_int_equal(dsv4_parts_export(&parts, &ptrs, &lens), 0);
+    assert_true(parts.n >= 3);
+    assert_int_equal(lens[1], strlen("Be brief."));
+    assert_memory_equal(ptrs[1], "Be brief.", lens[1]);
+    free(ptrs);
+    free(lens);
+    dsv4_parts_free(&parts);
+    json_decref(msgs);
+
+    /* A conversation that does not open with a system message: the section comes first, and a later
+     * system message is written where it stands. */
+    msgs = json_loads("[{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"system\", \"content\": \"S\"}]", 0,
+                      NULL);
+    assert_non_null(msgs);
+    memset(&parts, 0, sizeof(parts));
+    assert_int_equal(dsv4_render_chat(msgs, tools, &opts, &parts, err, sizeof(err)), 0);
+    assert_int_equal(memcmp(parts.text.p, "<｜begin▁of▁sentence｜>\n\n## Tools\n\n",
+                            strlen("<｜begin▁of▁sentence｜>\n\n## Tools\n\n")), 0);
+    assert_non_null(strstr(parts.text.p, "invoke tool calls.\n<｜User｜>Hi"));
+    assert_int_equal(strcmp(parts.text.p + parts.text.len - strlen("<｜User｜>HiS"), "<｜User｜>HiS"), 0);
+    dsv4_parts_free(&parts);
+    json_decref(msgs);
+    json_decref(tools);
+}
+
 struct collected {
     struct dsv4_buf reasoning, content;
     json_t *calls;        /* [{name, arguments}] */
@@ -354,6 +404,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_render),
         cmocka_unit_test(test_render_literal),
+        cmocka_unit_test(test_render_tools_after_system),
         cmocka_unit_test(test_parse),
         cmocka_unit_test(test_parse_stream_and_malformed),
         cmocka_unit_test(test_pyjson),
