@@ -37,8 +37,12 @@ static int decode_frame(const uint8_t *payload, size_t len, const struct dsv4_pr
 
 static void same_generate(const struct dsv4_proto_generate *a, const struct dsv4_proto_generate *b)
 {
+    /* add_bos means something for text prompts only and thinking for messages (doc/PROTOCOL.md): the
+     * encoder sends each only with the prompts it goes with (thinking also with tokens), so elsewhere
+     * it comes back as the default */
+    const bool text = a->prompt_kind == DSV4_PROTO_PROMPT_TEXT || a->prompt_kind == DSV4_PROTO_PROMPT_PARTS;
     if (a->prompt_kind != b->prompt_kind || a->prompt_len != b->prompt_len || a->n_messages != b->n_messages ||
-        a->n_tokens != b->n_tokens || a->add_bos != b->add_bos || a->thinking != b->thinking ||
+        a->n_tokens != b->n_tokens || (text && a->add_bos != b->add_bos) || (!text && a->thinking != b->thinking) ||
         a->stream != b->stream || a->sampling.n_stop != b->sampling.n_stop ||
         a->sampling.n_stop_token_ids != b->sampling.n_stop_token_ids ||
         a->sampling.max_tokens != b->sampling.max_tokens || a->sampling.has_seed != b->sampling.has_seed ||
