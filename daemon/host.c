@@ -106,11 +106,9 @@ static int create_backend(struct dsv4_host *h, const struct dsv4_backend_opts *o
 /* What `gpus` got: one device, or the routed experts split across the listed ones (doc/MULTIGPU.md). */
 static void log_gpus(const struct dsv4_host *h, const struct dsv4_backend_opts *opts)
 {
-    char list[DSV4_EP_MAX_GPUS * 5 + 1] = "";
-    size_t len = 0;
+    char list[DSV4_SETTINGS_GPUS_TEXT_MAX];
 
-    for (int i = 0; i < opts->n_gpus; i++)
-        len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%d", i ? "," : "", opts->gpus[i]);
+    dsv4_settings_gpus_text(opts->gpus, opts->n_gpus, list);
     if (strcmp(h->backend_name, "cuda") != 0) {
         if (opts->n_gpus > 0)
             dsv4_log_notice("gpus = %s: no effect on the %s backend", list, h->backend_name);

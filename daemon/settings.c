@@ -526,14 +526,24 @@ int dsv4_settings_validate(const struct dsv4_settings *s)
     /* The slots are dealt out over the listed GPUs, each holding a group of them (doc/MULTIGPU.md);
      * refused here rather than by the CUDA backend once the weights have loaded. */
     if (s->n_gpus > s->max_batch) {
-        char list[DSV4_EP_MAX_GPUS * 4 + 1];
-        size_t len = 0;
-        for (int i = 0; i < s->n_gpus; i++)
-            len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%d", i ? "," : "", s->gpus[i]);
+        char list[DSV4_SETTINGS_GPUS_TEXT_MAX];
+        dsv4_settings_gpus_text(s->gpus, s->n_gpus, list);
         return dsv4_error_set(-EINVAL, "max_batch = %d with gpus = %s: each listed GPU holds a group of the slots, "
                               "so max_batch must be at least %d", s->max_batch, list, s->n_gpus);
     }
     return 0;
+}
+
+void dsv4_settings_gpus_text(const int *gpus, int n, char out[DSV4_SETTINGS_GPUS_TEXT_MAX])
+{
+    size_t len = 0;
+    out[0] = '\0';
+    for (int i = 0; i < n && i < DSV4_EP_MAX_GPUS; i++) {
+        const int w = snprintf(out + len, DSV4_SETTINGS_GPUS_TEXT_MAX - len, "%s%d", i ? "," : "", gpus[i]);
+        if (w < 0 || (size_t)w >= DSV4_SETTINGS_GPUS_TEXT_MAX - len)
+            break;      /* an ordinal past DSV4_SETTINGS_GPU_ORDINAL_MAX: parse_gpus refuses those */
+        len += (size_t)w;
+    }
 }
 
 static void print_ids(FILE *f, const char *key, const uint32_t *ids, int n)

@@ -18,6 +18,8 @@
 #define DSV4_SETTINGS_ALLOW_MAX 64          /* entries in allow_users / allow_groups */
 #define DSV4_SETTINGS_LINE_MAX 8192         /* one line of the config file */
 #define DSV4_SETTINGS_GPU_ORDINAL_MAX 255   /* the highest CUDA device ordinal `gpus` may name */
+/* "0,1,...": up to DSV4_EP_MAX_GPUS ordinals of at most 3 digits, a comma between, and the NUL */
+#define DSV4_SETTINGS_GPUS_TEXT_MAX (DSV4_EP_MAX_GPUS * 4)
 
 enum dsv4_backend_choice { DSV4_BACKEND_AUTO, DSV4_BACKEND_CPU, DSV4_BACKEND_CUDA };
 enum dsv4_numerics_choice { DSV4_NUMERICS_CHOICE_AUTO, DSV4_NUMERICS_CHOICE_EXACT, DSV4_NUMERICS_CHOICE_FP8 };
@@ -79,6 +81,8 @@ int dsv4_settings_from_args(struct dsv4_settings *s, int argc, char **argv, cons
 
 /* Cross-field checks after everything is applied (e.g. a model directory is given). */
 int dsv4_settings_validate(const struct dsv4_settings *s);
+/* gpus[0, n) as `gpus` is written ("0,1"; "" for none), for messages and the log. */
+void dsv4_settings_gpus_text(const int *gpus, int n, char out[DSV4_SETTINGS_GPUS_TEXT_MAX]);
 
 /* The effective prompt-token limit. */
 int dsv4_settings_prompt_limit(const struct dsv4_settings *s);
