@@ -68,10 +68,11 @@ static int f_sample(struct dsv4_backend *b, int n, const struct dsv4_backend_sam
     return f->faulted ? fault(f) : f->inner->ops->sample(f->inner, n, req, out, rc, msgs);
 }
 
-static int f_prefix_save(struct dsv4_backend *b, int slot, const int32_t *block_pages, const int32_t *boundary_pages)
+static int f_prefix_save(struct dsv4_backend *b, int slot, int block, const int32_t *block_pages,
+                         const int32_t *boundary_pages)
 {
     struct fault_impl *f = b->impl;
-    return f->faulted ? fault(f) : f->inner->ops->prefix_save(f->inner, slot, block_pages, boundary_pages);
+    return f->faulted ? fault(f) : f->inner->ops->prefix_save(f->inner, slot, block, block_pages, boundary_pages);
 }
 
 static int f_prefix_load(struct dsv4_backend *b, int slot, int n_blocks, const int32_t *block_pages,

@@ -124,15 +124,19 @@ struct dsv4_backend_ops {
     /* Prefix cache (NULL, or prefix.n_pages 0: no pool). Page arrays name pool pages, each record's
      * pages in record order.
      * prefix_save: copy slot's state at its position P (a positive multiple of prefix.block) into
-     * the pool: block P / block - 1's entries into block_pages, the window and compressor state at
-     * P into boundary_pages; either may be NULL (not wanted). The slot is unchanged.
+     * the pool: block `block`'s entries (0 <= block < P / prefix.block: the compressed entries of a
+     * block stay in the slot after it, so a chunk that passed several boundaries saves each) into
+     * block_pages, and the window and compressor state at P into boundary_pages, which only the
+     * last block (P / prefix.block - 1) may ask for; either may be NULL (not wanted). The slot is
+     * unchanged.
      * prefix_load: the slot is at position 0; give it the state after n_blocks blocks: block i's
      * entries from block_pages + i * prefix.block_pages, the window and compressor state from
      * boundary_pages. Its position becomes n_blocks * block, and the tokens[n_blocks * block] that
      * led there are marked seen in its penalty history when the backend keeps one (as prefill
      * does). The MTP block's state is not part of a snapshot: it starts over (its drafts resume one
      * token after the load; what is generated does not depend on drafts, only how fast). */
-    int (*prefix_save)(struct dsv4_backend *b, int slot, const int32_t *block_pages, const int32_t *boundary_pages);
+    int (*prefix_save)(struct dsv4_backend *b, int slot, int block, const int32_t *block_pages,
+                       const int32_t *boundary_pages);
     int (*prefix_load)(struct dsv4_backend *b, int slot, int n_blocks, const int32_t *block_pages,
                        const int32_t *boundary_pages, const int32_t *tokens);
     /* Optional: tokens routed to each expert since create, counts[n_layers * n_experts] (layer-major;

@@ -382,7 +382,7 @@ static int check(const struct dsv4_cuda_prefix *p, int slot, const char *op)
     return 0;
 }
 
-extern "C" int dsv4_cuda_prefix_save(struct dsv4_cuda_prefix *p, int slot, const int32_t *block_pages,
+extern "C" int dsv4_cuda_prefix_save(struct dsv4_cuda_prefix *p, int slot, int block, const int32_t *block_pages,
                                      const int32_t *boundary_pages)
 {
     struct seg segs[DSV4_MAX_LAYERS * PREFIX_SEGS_PER_LAYER];
@@ -393,9 +393,12 @@ extern "C" int dsv4_cuda_prefix_save(struct dsv4_cuda_prefix *p, int slot, const
     if (P <= 0 || P % p->sh.block)
         return dsv4_error_set(-EINVAL, "cuda prefix save: position %lld is not a block boundary (%d tokens)",
                               (long long)P, p->sh.block);
+    const int64_t last = P / p->sh.block - 1;
+    if (block < 0 || block > last || (boundary_pages && block != last))
+        return dsv4_error_set(-EINVAL, "cuda prefix save: block %d at position %lld (blocks 0..%lld; a boundary only "
+                              "with the last)", block, (long long)P, (long long)last);
     if (block_pages && p->g.block_pages &&
-        (rc = lay_record(p, p->g.page_bytes, slot, block_pages, segs, block_segs(&p->sh, P / p->sh.block - 1, segs),
-                         true)) < 0)
+        (rc = lay_record(p, p->g.page_bytes, slot, block_pages, segs, block_segs(&p->sh, block, segs), true)) < 0)
         return rc;
     if (boundary_pages &&
         (rc = lay_record(p, p->g.page_bytes, slot, boundary_pages, segs, boundary_segs(&p->sh, P, segs), true)) < 0)

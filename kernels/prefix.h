@@ -38,7 +38,7 @@ int dsv4_cuda_prefix_create(struct dsv4_cuda_dev *dev, const struct dsv4_config 
 void dsv4_cuda_prefix_free(struct dsv4_cuda_prefix *p);    /* accepts NULL; the arena keeps the memory */
 
 /* engine/backend.h's prefix_save and prefix_load, on the device's stream. */
-int dsv4_cuda_prefix_save(struct dsv4_cuda_prefix *p, int slot, const int32_t *block_pages,
+int dsv4_cuda_prefix_save(struct dsv4_cuda_prefix *p, int slot, int block, const int32_t *block_pages,
                           const int32_t *boundary_pages);
 int dsv4_cuda_prefix_load(struct dsv4_cuda_prefix *p, int slot, int n_blocks, const int32_t *block_pages,
                           const int32_t *boundary_pages, const int32_t *tokens);

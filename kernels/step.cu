@@ -1384,9 +1384,10 @@ static void op_destroy(struct dsv4_backend *b)
     free(cb);
 }
 
-static int op_prefix_save(struct dsv4_backend *b, int slot, const int32_t *block_pages, const int32_t *boundary_pages)
+static int op_prefix_save(struct dsv4_backend *b, int slot, int block, const int32_t *block_pages,
+                          const int32_t *boundary_pages)
 {
-    return dsv4_cuda_prefix_save(impl(b)->prefix, slot, block_pages, boundary_pages);
+    return dsv4_cuda_prefix_save(impl(b)->prefix, slot, block, block_pages, boundary_pages);
 }
 
 /* The MTP block's state is not part of a snapshot: it resumes at the load point (engine/backend.h),

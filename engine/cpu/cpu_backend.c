@@ -152,7 +152,7 @@ static int64_t cpu_slot_position(const struct dsv4_backend *b, int slot)
     return rc < 0 ? rc : impl_of(b)->slots[slot]->pos;
 }
 
-static int cpu_prefix_save(struct dsv4_backend *b, int slot, const int32_t *block_pages,
+static int cpu_prefix_save(struct dsv4_backend *b, int slot, int block, const int32_t *block_pages,
                            const int32_t *boundary_pages)
 {
     int rc = check_slot(b, slot);
@@ -160,7 +160,7 @@ static int cpu_prefix_save(struct dsv4_backend *b, int slot, const int32_t *bloc
         return rc;
     if (!impl_of(b)->prefix_pool)
         return dsv4_error_set(-ENODEV, "prefix save: the backend has no prefix pool");
-    return dsv4_cpu_prefix_save(b->weights, impl_of(b)->slots[slot], impl_of(b)->prefix_pool, &b->prefix,
+    return dsv4_cpu_prefix_save(b->weights, impl_of(b)->slots[slot], impl_of(b)->prefix_pool, &b->prefix, block,
                                 block_pages, boundary_pages);
 }
 

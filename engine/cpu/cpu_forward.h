@@ -89,12 +89,14 @@ int dsv4_cpu_forward(const struct dsv4_weights *w, enum dsv4_numerics num, struc
 
 /* Prefix-cache records of a sequence (engine/cpu/cpu_prefix.c; engine/backend.h says what they hold).
  * geom: the record layout for s's shapes and a pool of pool_bytes (0: n_pages 0), or -errno when
- * the pool cannot hold one snapshot. save: s's state at its position (a block boundary) into the
- * pages given (either list may be NULL). load: s (at position 0) continues after n_blocks blocks. */
+ * the pool cannot hold one snapshot. save: block `block`'s entries and s's boundary state at its
+ * position (a block boundary; only with block the last) into the pages given (either list may be
+ * NULL). load: s (at position 0) continues after n_blocks blocks. */
 int dsv4_cpu_prefix_geom(const struct dsv4_weights *w, const struct dsv4_cpu_seq *s, int64_t pool_bytes,
                          struct dsv4_prefix_geom *ret);
 int dsv4_cpu_prefix_save(const struct dsv4_weights *w, const struct dsv4_cpu_seq *s, uint8_t *pool,
-                         const struct dsv4_prefix_geom *g, const int32_t *block_pages, const int32_t *boundary_pages);
+                         const struct dsv4_prefix_geom *g, int block, const int32_t *block_pages,
+                         const int32_t *boundary_pages);
 int dsv4_cpu_prefix_load(const struct dsv4_weights *w, struct dsv4_cpu_seq *s, uint8_t *pool,
                          const struct dsv4_prefix_geom *g, int n_blocks, const int32_t *block_pages,
                          const int32_t *boundary_pages);

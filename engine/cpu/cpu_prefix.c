@@ -150,15 +150,19 @@ int dsv4_cpu_prefix_geom(const struct dsv4_weights *w, const struct dsv4_cpu_seq
 }
 
 int dsv4_cpu_prefix_save(const struct dsv4_weights *w, const struct dsv4_cpu_seq *s, uint8_t *pool,
-                         const struct dsv4_prefix_geom *g, const int32_t *block_pages, const int32_t *boundary_pages)
+                         const struct dsv4_prefix_geom *g, int block, const int32_t *block_pages,
+                         const int32_t *boundary_pages)
 {
     struct seg segs[DSV4_MAX_LAYERS * CPU_PREFIX_SEGS_PER_LAYER];
     if (s->pos <= 0 || s->pos % g->block)
         return dsv4_error_set(-EINVAL, "prefix save: position %lld is not a block boundary (%d tokens)",
                               (long long)s->pos, g->block);
+    const int64_t last = s->pos / g->block - 1;
+    if (block < 0 || block > last || (boundary_pages && block != last))
+        return dsv4_error_set(-EINVAL, "prefix save: block %d at position %lld (blocks 0..%lld; a boundary only with "
+                              "the last)", block, (long long)s->pos, (long long)last);
     if (block_pages && g->block_pages)
-        copy_record(pool, g->page_bytes, block_pages, segs, block_segs(w, s, g->block, s->pos / g->block - 1, segs),
-                    true);
+        copy_record(pool, g->page_bytes, block_pages, segs, block_segs(w, s, g->block, block, segs), true);
     if (boundary_pages)
         copy_record(pool, g->page_bytes, boundary_pages, segs, boundary_segs(w, s, segs), true);
     return 0;

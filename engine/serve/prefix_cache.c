@@ -358,8 +358,8 @@ static bool add_boundary(struct dsv4_prefix_cache *c, int32_t i, bool hot, dsv4_
     return true;
 }
 
-int dsv4_prefix_cache_extend(struct dsv4_prefix_cache *c, int32_t parent, const int32_t *block_tokens, bool hot,
-                             dsv4_prefix_save_fn save, void *ctx, int32_t *ret_node)
+int dsv4_prefix_cache_extend(struct dsv4_prefix_cache *c, int32_t parent, const int32_t *block_tokens, bool boundary,
+                             bool hot, dsv4_prefix_save_fn save, void *ctx, int32_t *ret_node)
 {
     const uint64_t h = block_hash(hash_of(c, parent), block_tokens, c->g.block);
     const int depth = parent == DSV4_PREFIX_ROOT ? 1 : c->nodes[parent].depth + 1;
@@ -373,9 +373,9 @@ int dsv4_prefix_cache_extend(struct dsv4_prefix_cache *c, int32_t parent, const 
         /* another request wrote this block: its entries serve this chain as they are */
         c->nodes[i].refs++;     /* held while room is made, so i itself stays */
         if (c->nodes[i].bnd_page >= 0) {
-            if (hot)
+            if (boundary && hot)
                 place_boundary(c, i, true, true);
-        } else if (!add_boundary(c, i, hot, save, ctx, &rc) && rc < 0) {
+        } else if (boundary && !add_boundary(c, i, hot, save, ctx, &rc) && rc < 0) {
             dsv4_prefix_cache_release(c, i);
             return rc;
         }
@@ -383,12 +383,12 @@ int dsv4_prefix_cache_extend(struct dsv4_prefix_cache *c, int32_t parent, const 
         return 0;
     }
 
-    bool with_boundary = make_room(c, c->g.block_pages + c->g.boundary_pages, true) == 0;
+    bool with_boundary = boundary && make_room(c, c->g.block_pages + c->g.boundary_pages, true) == 0;
     if (!with_boundary && make_room(c, c->g.block_pages, true) < 0) {
         c->st.saves_skipped++;
         return -ENOSPC;
     }
-    if (!with_boundary)
+    if (boundary && !with_boundary)
         c->st.saves_skipped++;
     int32_t blk = pages_alloc(c, c->g.block_pages, c->save_blk);
     int32_t bnd = with_boundary ? pages_alloc(c, c->g.boundary_pages, c->save_bnd) : -1;

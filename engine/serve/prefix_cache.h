@@ -74,11 +74,13 @@ void dsv4_prefix_cache_lookup(struct dsv4_prefix_cache *c, const int32_t *tokens
 /* The slot that continues the chain at `parent` (the caller's reference, or ROOT) has just appended
  * block_tokens[block]: make or find the child node, call save() for the records it lacks, and return
  * it in *ret_node with a reference for the caller (the parent's is still the caller's to release).
- * hot: the boundary record is worth keeping (see eviction above). A boundary record that finds no
- * room is left out (the node still continues the chain). Returns 0; -ENOSPC when no node fits
- * (nothing changed); or save()'s error (nothing changed). */
-int dsv4_prefix_cache_extend(struct dsv4_prefix_cache *c, int32_t parent, const int32_t *block_tokens, bool hot,
-                             dsv4_prefix_save_fn save, void *ctx, int32_t *ret_node);
+ * boundary: the slot stands at the block's end, so the node may get a boundary record; false for a
+ * block the slot has already gone past (a prefill chunk longer than a block saves every block it
+ * passed, and the state at its end only). hot: that boundary record is worth keeping (see eviction
+ * above). A boundary record that finds no room is left out (the node still continues the chain).
+ * Returns 0; -ENOSPC when no node fits (nothing changed); or save()'s error (nothing changed). */
+int dsv4_prefix_cache_extend(struct dsv4_prefix_cache *c, int32_t parent, const int32_t *block_tokens, bool boundary,
+                             bool hot, dsv4_prefix_save_fn save, void *ctx, int32_t *ret_node);
 
 /* Drop the caller's reference on node (ROOT: nothing). */
 void dsv4_prefix_cache_release(struct dsv4_prefix_cache *c, int32_t node);

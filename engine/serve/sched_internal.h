@@ -62,7 +62,7 @@ struct sched_req {
     bool fresh;                     /* got its first token this step: no decode this step */
     bool done;                      /* finished this step, published at the step's end */
     bool cache_looked;              /* the prefix cache was consulted (at the first prefill) */
-    bool caching;                   /* the slot's state is snapshotted at its next block boundary */
+    bool caching;                   /* the blocks the slot completes join its chain in the prefix cache */
     int32_t cache_node;             /* the prefix-cache node the slot continues (held), or ROOT */
     int cache_match;                /* prompt blocks found in the cache: where the request leaves it */
     int32_t pending;
@@ -213,8 +213,14 @@ void sched_sample_decode_rows(struct dsv4_sched *s, int n);
 /* Before q's first prefill: restore the longest cached prefix of its prompt (0, or the backend's error
  * with q finished). */
 int sched_prefix_restore(struct dsv4_sched *s, struct sched_req *q);
-/* q's slot is at a block boundary: snapshot it into the cache (hot: keep it longer). */
-void sched_prefix_snapshot(struct dsv4_sched *s, struct sched_req *q, bool hot);
+/* Whether the slot's state at block boundary `boundary` is worth keeping longer: the prompt's last
+ * boundary, where the prompt leaves the cached chain, or any point while generating. */
+bool sched_prefix_hot(const struct dsv4_sched *s, const struct sched_req *q, int64_t boundary);
+/* q's slot went from position `from` to q->position: each block completed on the way joins q's chain
+ * in the cache (the backend saves its entries), and the last one also the slot's state when
+ * q->position is its end. When the cache has no room, or a copy fails (the slot itself is
+ * unchanged), q stops caching and runs on. */
+void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q, int64_t from);
 
 /* sched_spec.c (engine thread) */
 /* The decode of the step's n rows with drafts, verify and accept. */

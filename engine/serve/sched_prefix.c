@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* The scheduler's use of the prefix cache (engine/serve/sched_internal.h): restore a request's longest
- * cached prefix before its first prefill, snapshot its slot at block boundaries. */
+ * cached prefix before its first prefill, save each block its slot completes and the slot's state
+ * where a step leaves it on a block boundary. */
 #include "build-config.h"
 
 #include <stdint.h>
@@ -10,6 +11,7 @@
 struct save_ctx {
     struct dsv4_sched *s;
     int slot;
+    int block;                  /* the block whose entries are saved */
 };
 
 static int save_slot(void *ctx, const int32_t *block_pages, const int32_t *boundary_pages)
@@ -17,7 +19,7 @@ static int save_slot(void *ctx, const int32_t *block_pages, const int32_t *bound
     const struct save_ctx *x = ctx;
     struct dsv4_backend *b = x->s->backend;
     const uint64_t t0 = sched_now_ns();
-    const int r = b->ops->prefix_save(b, x->slot, block_pages, boundary_pages);
+    const int r = b->ops->prefix_save(b, x->slot, x->block, block_pages, boundary_pages);
     sched_backend_time(x->s, t0);
     return r;
 }
@@ -54,11 +56,11 @@ int sched_prefix_restore(struct dsv4_sched *s, struct sched_req *q)
     return 0;
 }
 
-/* The tokens of the block that ends at q's position: prompt, then the generated tokens fed since. */
-static const int32_t *fed_block(struct dsv4_sched *s, const struct sched_req *q)
+/* The tokens of q's block k: prompt, then the generated tokens fed since. */
+static const int32_t *seq_block(struct dsv4_sched *s, const struct sched_req *q, int64_t k)
 {
-    const int64_t start = q->position - s->block;
-    if (q->position <= q->n_prompt)
+    const int64_t start = k * s->block;
+    if (start + s->block <= q->n_prompt)
         return q->prompt + start;
     const int32_t *gen = s->outs[q->out].tokens;
     for (int i = 0; i < s->block; i++)
@@ -66,17 +68,23 @@ static const int32_t *fed_block(struct dsv4_sched *s, const struct sched_req *q)
     return s->block_tokens;
 }
 
-/* q's slot has reached a block boundary: its state becomes (or meets) the next node of its chain.
- * When the cache has no room, or the copy fails (the slot itself is unchanged), q stops snapshotting
- * and runs on. */
-void sched_prefix_snapshot(struct dsv4_sched *s, struct sched_req *q, bool hot)
+bool sched_prefix_hot(const struct dsv4_sched *s, const struct sched_req *q, int64_t boundary)
 {
-    struct save_ctx ctx = { s, q->slot };
-    int32_t node;
-    int r = dsv4_prefix_cache_extend(s->prefix, q->cache_node, fed_block(s, q), hot, save_slot, &ctx, &node);
-    if (sched_backend_fatal(s, r, "saving a prefix"))
-        return;
-    dsv4_prefix_cache_release(s->prefix, q->cache_node);
-    q->cache_node = r == 0 ? node : DSV4_PREFIX_ROOT;
-    q->caching = r == 0;
+    return boundary + s->block > q->n_prompt || boundary / s->block == q->cache_match;
+}
+
+void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q, int64_t from)
+{
+    for (int64_t k = from / s->block; q->caching && (k + 1) * s->block <= q->position; k++) {
+        const int64_t end = (k + 1) * s->block;
+        struct save_ctx ctx = { s, q->slot, (int)k };
+        int32_t node;
+        int r = dsv4_prefix_cache_extend(s->prefix, q->cache_node, seq_block(s, q, k), end == q->position,
+                                         sched_prefix_hot(s, q, end), save_slot, &ctx, &node);
+        if (sched_backend_fatal(s, r, "saving a prefix"))
+            return;
+        dsv4_prefix_cache_release(s->prefix, q->cache_node);
+        q->cache_node = r == 0 ? node : DSV4_PREFIX_ROOT;
+        q->caching = r == 0;
+    }
 }

@@ -135,6 +135,25 @@ static void note_prefill_rate(struct dsv4_sched *s, int tokens, uint64_t ns)
                               ? s->prefill_ns_per_token + SCHED_RATE_WEIGHT * (per - s->prefill_ns_per_token) : per;
 }
 
+/* A prefill chunk of q while its blocks join the prefix cache: its end is where the slot's state can
+ * be saved, so the chunk ends at the first boundary worth keeping that it would pass (the prompt's
+ * last, or where the prompt leaves the cached chain), else at the last boundary it reaches; one that
+ * reaches none runs whole. The blocks passed on the way are saved all the same. */
+static int cached_chunk(const struct dsv4_sched *s, const struct sched_req *q, int chunk)
+{
+    const int64_t B = s->block, p = q->position, hot[2] = { (int64_t)q->cache_match * B, q->n_prompt / B * B };
+    int64_t end = p + chunk;
+    bool cut = false;
+    for (int i = 0; i < 2; i++)
+        if (hot[i] > p && hot[i] < end) {
+            end = hot[i];
+            cut = true;
+        }
+    if (!cut && end / B * B > p)
+        end = end / B * B;
+    return (int)(end - p);
+}
+
 int dsv4_sched_step(struct dsv4_sched *s)
 {
     uint64_t t0 = sched_now_ns();
@@ -168,12 +187,11 @@ int dsv4_sched_step(struct dsv4_sched *s)
                 break;
             continue;
         }
-        /* chunks end on block boundaries while the slot's state is being snapshotted */
         for (;;) {
             int left = q->n_prompt - q->n_prefilled;
             int chunk = left < budget ? left : budget;
-            if (q->caching && chunk > s->block - (int)(q->position % s->block))
-                chunk = s->block - (int)(q->position % s->block);
+            if (q->caching)
+                chunk = cached_chunk(s, q, chunk);
             bool last = chunk == left;
             float *lg = last && !s->device_sampling ? s->logits : NULL;
             const uint64_t tp = sched_now_ns();
@@ -193,10 +211,8 @@ int dsv4_sched_step(struct dsv4_sched *s)
             q->position += chunk;
             budget -= chunk;
             prefill_tokens += chunk;
-            /* hot: the prompt's last boundary, or where the prompt leaves the cached chain */
-            if (q->caching && q->position % s->block == 0)
-                sched_prefix_snapshot(s, q, q->position + s->block > q->n_prompt ||
-                                          q->position / s->block == q->cache_match);
+            if (q->caching)
+                sched_prefix_advance(s, q, q->position - chunk);
             if (s->fatal)
                 break;
             if (last) {
@@ -253,7 +269,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
                 continue;   /* ended by a fatal backend error earlier in this loop */
             q->position++;
             if (q->caching && q->position % s->block == 0)
-                sched_prefix_snapshot(s, q, true);
+                sched_prefix_advance(s, q, q->position - 1);
             if (q->done)
                 continue;
             if (s->row_rc[k] < 0)

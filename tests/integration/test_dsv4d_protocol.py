@@ -120,7 +120,9 @@ try:
 
     # The prefix cache (on by default; tiny_c's blocks are 16 tokens): a prompt that shares 4 blocks
     # with an earlier one restores them, reports them as cached_tokens, and answers what dsv4-run
-    # answers cold; seeded sampling is unchanged by the restore.
+    # answers cold; seeded sampling is unchanged by the restore. The earlier prompt prefilled past
+    # block 3 in one chunk, so a prompt leaving it there restores nothing the first time (the state
+    # at 48 tokens was never held) and its own 64 the second.
     shared = [BOS] + [(i * 29 + 17) % 250 + 3 for i in range(66)]
     first, second = shared + [5, 6, 7], shared[:64] + [8, 9]
     err1, r1 = greedy(c, first, 8)
@@ -136,13 +138,13 @@ try:
     err2, b_cached = c.call("generate", p)
     err3, b_again = c.call("generate", p)
     t.ok(err1 is None and err2 is None and err3 is None and a["usage"]["cached_tokens"] == 64
-         and b_cached["usage"]["cached_tokens"] == 48 and b_again["usage"]["cached_tokens"] == 64
+         and b_cached["usage"]["cached_tokens"] == 0 and b_again["usage"]["cached_tokens"] == 64
          and b_cached["tokens"] == b_again["tokens"],
          "seeded answers do not depend on how much of the prompt was cached",
          (err1, err2, err3, a and a["usage"], b_cached and b_cached["usage"], b_again and b_again["usage"]))
     err, st = c.call("stats")
     t.ok(err is None and st["prefix_cache_bytes"] > 0 and 0 < st["prefix_cache_used_bytes"] <= st["prefix_cache_bytes"]
-         and st["prefix_cache_hits"] >= 3 and st["prefix_cache_hit_tokens"] >= 64 + 64 + 48 + 64
+         and st["prefix_cache_hits"] >= 3 and st["prefix_cache_hit_tokens"] >= 64 + 64 + 64
          and st["prefix_cache_lookups"] >= st["prefix_cache_hits"] and st["prefix_cache_tokens"] >= 64
          and st["prefix_cache_snapshots"] > 0, "stats count the prefix cache's pool, lookups and hits", st)
 

@@ -64,10 +64,12 @@ typedef int (*prefix_create_fn)(const struct dsv4_weights *w, const struct dsv4_
 
 /* One sequence of 4.5 blocks on a backend made by create (bo: its options, max_context set here)
  * without a pool, then on one with pool_bytes: snapshotted at every block boundary (pages taken from
- * the top of the pool down, so a record's pages are never adjacent in order), the source continued,
- * and each snapshot restored into slot 1 and continued (prefill of the rest, then 3 decode steps):
- * every logit bit-identical to the cold run's; a save off a boundary and a load into a busy slot
- * refused. check (or NULL) sees the pooled backend before it is destroyed. */
+ * the top of the pool down, so a record's pages are never adjacent in order), and once more at the
+ * last with every block's entries saved there (as a prefill chunk past several boundaries saves
+ * them), the source continued, and each snapshot restored into slot 1 and continued (prefill of the
+ * rest, then 3 decode steps): every logit bit-identical to the cold run's; a save off a boundary, of
+ * a block not yet reached, of a boundary with an earlier block, and a load into a busy slot refused.
+ * check (or NULL) sees the pooled backend before it is destroyed. */
 static inline void prefix_backend_case(struct dsv4_weights *w, const char *name, struct dsv4_backend_opts bo,
                                        int64_t pool_bytes, prefix_create_fn create,
                                        void (*check)(struct dsv4_backend *b))
@@ -96,7 +98,7 @@ static inline void prefix_backend_case(struct dsv4_weights *w, const char *name,
     PREFIX_OK(create(w, &bo, &b));
     const struct dsv4_prefix_geom *g = &b->prefix;
     assert_int_equal(g->block, B);
-    assert_true(g->n_pages >= blocks * (g->block_pages + g->boundary_pages));
+    assert_true(g->n_pages >= blocks * (2 * g->block_pages + g->boundary_pages) + g->boundary_pages);
     printf("# %s, %s numerics: blocks of %d tokens, pages of %lld bytes, a block's entries %d page(s), a boundary "
            "%d\n", name, num, B, (long long)g->page_bytes, g->block_pages, g->boundary_pages);
     int32_t blk[16], bnd[16][64];
@@ -108,24 +110,38 @@ static inline void prefix_backend_case(struct dsv4_weights *w, const char *name,
         next_page -= g->block_pages;
         for (int j = 0; j < g->boundary_pages; j++)
             bnd[k][j] = next_page--;
-        PREFIX_OK(b->ops->prefix_save(b, 0, g->block_pages ? &blk[k] : NULL, bnd[k]));
+        PREFIX_OK(b->ops->prefix_save(b, 0, k, g->block_pages ? &blk[k] : NULL, bnd[k]));
     }
-    assert_int_equal(b->ops->prefix_save(b, 1, blk, bnd[0]), -EINVAL);    /* slot 1 is at 0 */
+    assert_int_equal(b->ops->prefix_save(b, 1, 0, blk, bnd[0]), -EINVAL);     /* slot 1 is at 0 */
+    assert_int_equal(b->ops->prefix_save(b, 0, blocks, blk, NULL), -EINVAL);  /* not reached yet */
+    assert_int_equal(b->ops->prefix_save(b, 0, 0, blk, bnd[0]), -EINVAL);     /* a boundary is the last block's */
+    /* every block's entries again, now that the slot has gone past them, and the state at the end */
+    int32_t late_blk[16], late_bnd[64];
+    for (int k = 0; k < blocks; k++) {
+        late_blk[k] = next_page;
+        next_page -= g->block_pages;
+        PREFIX_OK(b->ops->prefix_save(b, 0, k, g->block_pages ? &late_blk[k] : NULL, NULL));
+    }
+    for (int j = 0; j < g->boundary_pages; j++)
+        late_bnd[j] = next_page--;
+    PREFIX_OK(b->ops->prefix_save(b, 0, blocks - 1, NULL, late_bnd));
 
     /* the source continues as if nothing was copied */
     prefix_run_rest(b, 0, t, blocks * B, n, dec, warm);
     assert_memory_equal(warm, cold + (size_t)blocks * B * V, sizeof(float) * (size_t)(n - blocks * B + dec) * V);
 
-    for (int k = 1; k <= blocks; k++) {
+    for (int r = 1; r <= blocks + 1; r++) {
+        const bool late = r > blocks;       /* the late saves, restored whole */
+        const int k = late ? blocks : r;
         b->ops->slot_reset(b, 1);
-        PREFIX_OK(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t));
+        PREFIX_OK(b->ops->prefix_load(b, 1, k, late ? late_blk : blk, late ? late_bnd : bnd[k - 1], t));
         assert_int_equal(b->ops->slot_position(b, 1), k * B);
         assert_int_equal(b->ops->prefix_load(b, 1, k, blk, bnd[k - 1], t), -EBUSY);
         prefix_run_rest(b, 1, t, k * B, n, dec, warm);
         const size_t rows = (size_t)(n - k * B + dec);
         if (memcmp(warm, cold + (size_t)k * B * V, sizeof(float) * rows * V) != 0)
-            fail_msg("%s (%s numerics): restored after %d blocks of %d, the logits differ from cold", name, num, k,
-                     B);
+            fail_msg("%s (%s numerics): restored after %d blocks of %d%s, the logits differ from cold", name, num, k,
+                     B, late ? " (saved after the slot went past them)" : "");
     }
     if (check)
         check(b);

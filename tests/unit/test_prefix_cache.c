@@ -3,7 +3,7 @@
  * finds (longest prefix with a boundary record, partial matches, the same block under different
  * parents), that every page a lookup lists holds what was saved for that prefix (also after pages
  * were evicted and reused), references (a held chain is never evicted; ENOSPC when everything is
- * held), the eviction order (cold boundary records first, then least recently used; in a pool
+ * held), blocks a chunk passed (their entries without the slot's state), the eviction order (cold boundary records first, then least recently used; in a pool
  * without block records, only those that free a node when a node is missing), failed saves, and
  * the page and node counts against a walk of what is reachable. */
 #include "build-config.h"
@@ -79,7 +79,7 @@ static int32_t chain(struct dsv4_prefix_cache *c, struct pool *p, const int32_t 
         int32_t next;
         p->prefix = t;
         p->depth = d + 1;
-        int r = dsv4_prefix_cache_extend(c, at, t + d * B, hot || d == to - 1, save, p, &next);
+        int r = dsv4_prefix_cache_extend(c, at, t + d * B, true, hot || d == to - 1, save, p, &next);
         dsv4_prefix_cache_release(c, at);
         if (r < 0)
             return DSV4_PREFIX_ROOT;
@@ -301,7 +301,7 @@ static void test_failures(void **state)
     p.fail = 1;
     p.prefix = t;
     p.depth = 1;
-    assert_int_equal(dsv4_prefix_cache_extend(c, DSV4_PREFIX_ROOT, t, true, save, &p, &node), -EIO);
+    assert_int_equal(dsv4_prefix_cache_extend(c, DSV4_PREFIX_ROOT, t, true, true, save, &p, &node), -EIO);
     assert_int_equal(node, DSV4_PREFIX_ROOT);
     dsv4_prefix_cache_get_stats(c, &st);
     assert_int_equal(st.pages_used, 0);
@@ -381,12 +381,12 @@ static void test_no_block_pages(void **state)
     p.prefix = t;
     for (int d = 0; d < 4; d++) {
         p.depth = d + 1;
-        assert_int_equal(dsv4_prefix_cache_extend(c, at, t + d * B, d == 3, save_window, &p, &node), 0);
+        assert_int_equal(dsv4_prefix_cache_extend(c, at, t + d * B, true, d == 3, save_window, &p, &node), 0);
         dsv4_prefix_cache_release(c, at);
         at = node;
     }
     p.depth = 5;
-    assert_int_equal(dsv4_prefix_cache_extend(c, at, t + 4 * B, true, save_window, &p, &node), -ENOSPC);
+    assert_int_equal(dsv4_prefix_cache_extend(c, at, t + 4 * B, true, true, save_window, &p, &node), -ENOSPC);
     dsv4_prefix_cache_get_stats(c, &st);
     assert_int_equal(st.boundaries_evicted, 0);
     assert_int_equal(st.boundaries, 4);
@@ -399,7 +399,7 @@ static void test_no_block_pages(void **state)
     /* another prompt's block: the leaf goes (its node is the one freed), the older records above it stay */
     p.prefix = u;
     p.depth = 1;
-    assert_int_equal(dsv4_prefix_cache_extend(c, DSV4_PREFIX_ROOT, u, true, save_window, &p, &node), 0);
+    assert_int_equal(dsv4_prefix_cache_extend(c, DSV4_PREFIX_ROOT, u, true, true, save_window, &p, &node), 0);
     dsv4_prefix_cache_release(c, node);
     dsv4_prefix_cache_get_stats(c, &st);
     assert_int_equal(st.boundaries_evicted, 1);
@@ -417,10 +417,74 @@ static void test_no_block_pages(void **state)
     dsv4_prefix_cache_destroy(c);
 }
 
+/* A prefill chunk that passes several boundaries saves each block it passed without the slot's
+ * state (boundary false) and the state at its end only: the passed blocks serve a longer hit
+ * through them but are no place to resume, and leaving their boundary records out is no skip. */
+static void test_passed_blocks(void **state)
+{
+    (void)state;
+    struct pool p = { 0 };
+    struct dsv4_prefix_cache *c = make(MAX_PAGES);
+    struct dsv4_prefix_hit h;
+    struct dsv4_prefix_stats st;
+    int32_t t[5 * B];
+    tokens(t, 5 * B, 5);
+
+    int32_t at = DSV4_PREFIX_ROOT, next;
+    p.prefix = t;
+    for (int d = 0; d < 4; d++) {
+        p.depth = d + 1;
+        assert_int_equal(dsv4_prefix_cache_extend(c, at, t + d * B, d == 3, d == 3, save, &p, &next), 0);
+        if (d < 3)
+            assert_null(p.last_bnd);    /* passed: the block's entries only */
+        else
+            assert_non_null(p.last_bnd);
+        assert_non_null(p.last_blk);
+        dsv4_prefix_cache_release(c, at);
+        at = next;
+    }
+    dsv4_prefix_cache_release(c, at);
+    dsv4_prefix_cache_get_stats(c, &st);
+    assert_int_equal(st.nodes, 4);
+    assert_int_equal(st.boundaries, 1);
+    assert_int_equal(st.saves_skipped, 0);
+
+    /* 3 blocks then other tokens: found in the index, but no state to resume from before block 4 */
+    int32_t u[5 * B];
+    memcpy(u, t, sizeof(u));
+    u[3 * B] += 1;
+    dsv4_prefix_cache_lookup(c, u, 5 * B, &h);
+    assert_int_equal(h.node, DSV4_PREFIX_ROOT);
+    assert_int_equal(h.matched_blocks, 3);
+    /* the whole chain: restored from block 4's state with every block's entries */
+    dsv4_prefix_cache_lookup(c, t, 5 * B, &h);
+    assert_int_not_equal(h.node, DSV4_PREFIX_ROOT);
+    assert_int_equal(h.n_blocks, 4);
+    check_hit(&p, t, &h);
+    dsv4_prefix_cache_release(c, h.node);
+
+    /* a later request stopping at block 2 gives that passed node its state */
+    p.depth = 1;
+    assert_int_equal(dsv4_prefix_cache_extend(c, DSV4_PREFIX_ROOT, t, false, false, save, &p, &at), 0);
+    p.depth = 2;
+    assert_int_equal(dsv4_prefix_cache_extend(c, at, t + B, true, true, save, &p, &next), 0);
+    dsv4_prefix_cache_release(c, at);
+    dsv4_prefix_cache_release(c, next);
+    dsv4_prefix_cache_lookup(c, u, 5 * B, &h);
+    assert_int_equal(h.n_blocks, 2);
+    check_hit(&p, t, &h);
+    dsv4_prefix_cache_release(c, h.node);
+    dsv4_prefix_cache_get_stats(c, &st);
+    assert_int_equal(st.nodes, 4);
+    assert_int_equal(st.boundaries, 2);
+    dsv4_prefix_cache_destroy(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_lookup),
+        cmocka_unit_test(test_passed_blocks),
         cmocka_unit_test(test_partial_and_continue),
         cmocka_unit_test(test_eviction),
         cmocka_unit_test(test_failures),
