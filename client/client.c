@@ -927,6 +927,8 @@ int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret)
     ret->generated_tokens_total = st.generated_tokens_total;
     ret->prefill_tokens_per_s = st.prefill_tokens_per_s;
     ret->decode_tokens_per_s = st.decode_tokens_per_s;
+    ret->prefill_tokens_total = st.prefill_tokens_total;
+    ret->prefill_chunks_total = st.prefill_chunks_total;
     ret->device_arena_bytes = st.device_arena_bytes;
     ret->device_arena_used = st.device_arena_used;
     ret->heap_allocated = st.heap_allocated;

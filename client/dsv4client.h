@@ -245,6 +245,9 @@ struct dsv4_client_stats {
     uint64_t requests_total, requests_failed, requests_cancelled;
     uint64_t prompt_tokens_total, generated_tokens_total;
     double prefill_tokens_per_s, decode_tokens_per_s;
+    /* prompt tokens run through the model (restored from the prefix cache: not), and the backend
+     * calls that ran them: their ratio is the mean prefill chunk */
+    uint64_t prefill_tokens_total, prefill_chunks_total;
     uint64_t device_arena_bytes, device_arena_used;
     uint64_t heap_allocated, heap_active, heap_resident, heap_mapped;
     uint64_t device_allocs_after_boot, graph_captures_after_boot;

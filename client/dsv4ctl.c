@@ -528,6 +528,8 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         { "generated_tokens_total", 0, s.generated_tokens_total, false },
         { "prefill_tokens_per_s", s.prefill_tokens_per_s, 0, true },
         { "decode_tokens_per_s", s.decode_tokens_per_s, 0, true },
+        { "prefill_tokens_total", 0, s.prefill_tokens_total, false },
+        { "prefill_chunks_total", 0, s.prefill_chunks_total, false },
         { "device_arena_bytes", 0, s.device_arena_bytes, false },
         { "device_arena_used", 0, s.device_arena_used, false },
         { "heap_allocated", 0, s.heap_allocated, false },

@@ -813,6 +813,8 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
         st.slots_busy = (uint32_t)ss.slots_in_use;
         st.queue_depth += (uint32_t)ss.queued;
         st.prefill_tokens_per_s = ss.busy_s > 0 ? (double)ss.prefill_tokens / ss.busy_s : 0;
+        st.prefill_tokens_total = ss.prefill_tokens;
+        st.prefill_chunks_total = ss.prefill_chunks;
         st.decode_tokens_per_s = ss.tokens_per_s;
         st.device_arena_bytes = ss.backend.bytes_reserved;
         st.device_arena_used = ss.backend.bytes_reserved;

@@ -179,6 +179,11 @@ void oai_run_metrics(struct dsv4_oai_job *j)
         metric(&b, "dsv4d_prefill_tokens_per_second", "gauge",
                "prompt tokens prefilled since start over the engine's busy seconds (not a recent rate)",
                st.prefill_tokens_per_s);
+        stat_metric(&b, &st, "prefill_tokens_total", "dsv4d_prefill_tokens_total", "counter",
+                    "prompt tokens run through the model (not those restored from the prefix cache)",
+                    (double)st.prefill_tokens_total);
+        stat_metric(&b, &st, "prefill_chunks_total", "dsv4d_prefill_chunks_total", "counter",
+                    "prefill calls that ran them (tokens over chunks: the mean chunk)", (double)st.prefill_chunks_total);
         metric(&b, "dsv4d_decode_tokens_per_second", "gauge",
                "tokens generated since start over the engine's busy seconds (for a recent rate: "
                "rate(dsv4d_generated_tokens_total))", st.decode_tokens_per_s);

@@ -841,6 +841,8 @@ static const struct stat_field stat_fields[] = {
     STAT(prompt_tokens_total, STAT_U64),
     STAT(generated_tokens_total, STAT_U64),
     STAT(prefill_tokens_per_s, STAT_F64),
+    STAT(prefill_tokens_total, STAT_U64),
+    STAT(prefill_chunks_total, STAT_U64),
     STAT(decode_tokens_per_s, STAT_F64),
     STAT(device_arena_bytes, STAT_U64),
     STAT(device_arena_used, STAT_U64),

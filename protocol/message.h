@@ -419,6 +419,8 @@ struct dsv4_proto_stats {
     uint64_t prompt_tokens_total;
     uint64_t generated_tokens_total;
     double prefill_tokens_per_s;   /* since start, over engine_busy_s (doc/PROTOCOL.md) */
+    uint64_t prefill_tokens_total; /* prompt tokens run through the model (restored ones are not) */
+    uint64_t prefill_chunks_total; /* the backend calls that ran them */
     double decode_tokens_per_s;
     uint64_t device_arena_bytes;
     uint64_t device_arena_used;

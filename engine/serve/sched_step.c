@@ -174,7 +174,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
      * are ours to read: submit never touches it. */
     struct dsv4_backend *b = s->backend;
     int budget = step_prefill_budget(s, n_running);
-    int prefill_tokens = 0;
+    int prefill_tokens = 0, prefill_chunks = 0;
     int r_restore;
     for (int k = 0; k < n_running; k++)
         s->reqs[s->running[k]].fresh = false;
@@ -211,6 +211,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
             q->position += chunk;
             budget -= chunk;
             prefill_tokens += chunk;
+            prefill_chunks++;
             if (q->caching)
                 sched_prefix_advance(s, q, q->position - chunk);
             if (s->fatal)
@@ -299,6 +300,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
     if (worked) {
         s->st.steps++;
         s->st.prefill_tokens += (uint64_t)prefill_tokens;
+        s->st.prefill_chunks += (uint64_t)prefill_chunks;
         if (n > 0) {
             s->st.decode_steps++;
             s->st.batch_hist[batch_bucket(n)]++;

@@ -194,6 +194,7 @@ struct dsv4_sched_stats {
     uint64_t steps;                 /* steps that did work */
     uint64_t decode_steps;
     uint64_t prefill_tokens, generated_tokens;
+    uint64_t prefill_chunks;         /* backend prefill calls: prefill_tokens / prefill_chunks is their mean length */
     uint64_t submitted, rejected, finished[DSV4_FINISH_ERROR + 1];
     uint64_t batch_hist[DSV4_SCHED_BATCH_BUCKETS];  /* decode batch sizes, see BATCH_BUCKETS */
     double busy_s;                  /* time spent inside steps that did work */

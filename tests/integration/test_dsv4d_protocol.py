@@ -329,7 +329,8 @@ os.kill(os.getpid(), signal.SIGKILL)
          "the scheduler allocated nothing after boot", (boot_st["sched_allocations"], st))
     t.ok(err is None and st["slots_total"] == 4 and st["requests_total"] >= 40 and st["requests_cancelled"] >= 2
          and st["generated_tokens_total"] > 0 and st["connections"] >= 1 and st["backend"] == "cpu"
-         and st["device_allocs_after_boot"] == 0 and st["uptime_s"] > 0, "stats", st)
+         and st["device_allocs_after_boot"] == 0 and st["uptime_s"] > 0
+         and 0 < st["prefill_chunks_total"] <= st["prefill_tokens_total"], "stats", st)
     c.close()
     t.eq(d.stop(), 0, "dsv4d exits 0")
 finally:

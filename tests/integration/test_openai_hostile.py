@@ -86,6 +86,7 @@ REPLY = ("Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_
 STATS = {"uptime_s": 12.5, "backend": "cpu", "slots_total": 4, "slots_busy": 1, "queue_depth": 0, "connections": 2,
          "requests_total": 7, "requests_failed": 0, "requests_cancelled": 1, "prompt_tokens_total": 90,
          "generated_tokens_total": 60, "prefill_tokens_per_s": 300.0, "decode_tokens_per_s": 100.0,
+         "prefill_tokens_total": 84, "prefill_chunks_total": 3,
          "device_arena_bytes": 4096, "device_arena_used": 4096, "heap_allocated": 1024, "heap_active": 1024,
          "heap_resident": 2048, "heap_mapped": 4096, "device_allocs_after_boot": 0, "graph_captures_after_boot": 0,
          "eager_steps": 0, "kernels": ["cpu reference fp32"], "steps": 30, "decode_steps": 20,
@@ -99,6 +100,7 @@ STATS = {"uptime_s": 12.5, "backend": "cpu", "slots_total": 4, "slots_busy": 1, 
 OPTIONAL_SERIES = {"dsv4d_device_arena_used_bytes": 4096, "dsv4d_heap_active_bytes": 1024,
                    "dsv4d_heap_mapped_bytes": 4096, "dsv4d_sched_allocations_after_boot": 0,
                    "dsv4d_sched_allocations_total": 37, "dsv4d_eager_steps_total": 0,
+                   "dsv4d_prefill_tokens_total": 84, "dsv4d_prefill_chunks_total": 3,
                    "dsv4d_prefix_cache_bytes": 1 << 20, "dsv4d_prefix_cache_used_bytes": 65536,
                    "dsv4d_prefix_cache_tokens": 512, "dsv4d_prefix_cache_snapshots": 8,
                    "dsv4d_prefix_cache_lookups_total": 6, "dsv4d_prefix_cache_hits_total": 4,
@@ -481,7 +483,8 @@ try:
                       "dsv4d_spec_accepted_drafts_count": 10},
          "/metrics: the allocation, prefix-cache, speculation and heap stats, as dsv4d's stats say",
          (problems, body))
-    for key in ["device_arena_used", "heap_active", "heap_mapped", "eager_steps"] + \
+    for key in ["device_arena_used", "heap_active", "heap_mapped", "eager_steps", "prefill_tokens_total",
+                "prefill_chunks_total"] + \
             [k for k in STATS if k.startswith(("sched_", "prefix_cache_", "spec_"))]:
         del fake.stats[key]
     status, _, body = http(fake_front, "GET", "/metrics")

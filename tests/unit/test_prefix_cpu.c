@@ -189,6 +189,11 @@ static void hits_case(const char *name)
     /* one prefill chunk to T's last boundary: its 5 blocks, the state at the end only */
     assert_int_equal(st.prefix.blocks_saved, 5);
     assert_int_equal(st.prefix.boundaries_saved, 1);
+    /* in two backend calls (a block a call before), where the scheduler without a pool takes one */
+    assert_true(nt <= 512);
+    assert_true(st.prefill_tokens == (uint64_t)nt && st.prefill_chunks == 2);
+    dsv4_sched_get_stats(p.cold.s, &st);
+    assert_true(st.prefill_tokens == (uint64_t)nt && st.prefill_chunks == 1);
     uint64_t hit_tokens = 0;
     int requests = 1;
     for (int k = 1; k <= 5; k++)

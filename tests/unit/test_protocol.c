@@ -621,6 +621,8 @@ static void test_small_methods(void **state)
         st.generated_tokens_total = rnd();
         st.prefill_tokens_per_s = rnd_float(0, 1e5f);
         st.decode_tokens_per_s = rnd_float(0, 1e4f);
+        st.prefill_tokens_total = rnd();
+        st.prefill_chunks_total = rnd();
         st.device_arena_bytes = rnd();
         st.device_arena_used = rnd();
         st.heap_allocated = rnd();
@@ -677,6 +679,8 @@ static void test_small_methods(void **state)
         assert_true(gs.generated_tokens_total == st.generated_tokens_total);
         assert_true(gs.prefill_tokens_per_s == st.prefill_tokens_per_s);
         assert_true(gs.decode_tokens_per_s == st.decode_tokens_per_s);
+        assert_true(gs.prefill_tokens_total == st.prefill_tokens_total);
+        assert_true(gs.prefill_chunks_total == st.prefill_chunks_total);
         assert_true(gs.device_arena_bytes == st.device_arena_bytes);
         assert_true(gs.device_arena_used == st.device_arena_used);
         assert_true(gs.heap_allocated == st.heap_allocated);
