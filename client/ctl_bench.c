@@ -17,17 +17,23 @@
 #define PROGRESS_PERIOD_MS 250
 #define MIN_REQUESTS 8
 #define REQUESTS_PER_CLIENT 4
+/* Prompt keys: a level's request i is keyed by (level, i), its admitted prompt by (level,
+ * ADMIT_KEY), the shared prefix by SHARED_KEY alone; requests stay below 2^20 (the limit). */
+#define ADMIT_KEY (1ull << 32)
+#define SHARED_KEY (1ull << 33)
 
 /* One request's measurements. */
 struct sample {
     double ttft_ms;             /* send to first token, queueing included (what a user waits) */
     double tpot_ms;             /* (last token - first token) / (tokens - 1); NAN below 2 tokens */
     uint32_t tokens;
+    uint32_t cached;            /* prompt tokens the server restored from its prefix cache */
     bool ok;                    /* finished by stop or length */
 };
 
 struct level {
     const struct ctl_bench_opts *o;
+    int index;                  /* in o->levels */
     int concurrency;
     int32_t lo, hi;             /* prompt ids are drawn from [lo, hi) */
     uint32_t total;
@@ -60,7 +66,7 @@ static double now_ms(void)
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
-/* splitmix64: the request index keys its prompt, so a level's prompts are the same on every run */
+/* splitmix64: the run's seed, the level and the request index key a prompt (random_prompt) */
 static uint64_t mix64(uint64_t x)
 {
     x += 0x9e3779b97f4a7c15ull;
@@ -94,9 +100,12 @@ static void note_failure(struct level *lv, const char *fmt, ...)
     pthread_mutex_unlock(&lv->lock);
 }
 
-/* prompt[n]: ids from the level's [lo, hi), a function of key alone (the same on every run). */
-static void random_prompt(const struct level *lv, uint64_t key, int32_t *prompt, uint32_t n)
+/* prompt[n]: ids from the level's [lo, hi), a function of the run's seed and what (a request
+ * index, ADMIT_KEY, SHARED_KEY) alone. No two levels or runs share a prompt unless asked to
+ * (shared_prefix): a server with a prefix cache would otherwise restore the later ones. */
+static void random_prompt(const struct level *lv, uint64_t what, int32_t *prompt, uint32_t n)
 {
+    uint64_t key = mix64(lv->o->seed ^ mix64(what == SHARED_KEY ? what : what ^ (uint64_t)lv->index << 40));
     for (uint32_t k = 0; k < n; k++) {
         key = mix64(key);
         prompt[k] = lv->lo + (int32_t)(key % (uint64_t)(lv->hi - lv->lo));
@@ -182,7 +191,8 @@ static void *worker(void *arg)
             }
             connected = true;
         }
-        random_prompt(lv, o->seed ^ mix64(i), prompt, o->prompt_tokens);
+        random_prompt(lv, SHARED_KEY, prompt, o->shared_prefix);
+        random_prompt(lv, i, prompt + o->shared_prefix, o->prompt_tokens - o->shared_prefix);
         struct dsv4_client_generate_params p = o->gp;
         p.tokens = prompt;
         p.n_tokens = o->prompt_tokens;
@@ -203,6 +213,7 @@ static void *worker(void *arg)
                 note_failure(lv, "request %u: finished %s%s%s", i, dsv4_client_finish_name(res.finish_reason),
                              res.error_message ? ": " : "", res.error_message ? res.error_message : "");
             sm->tokens = st.n;
+            sm->cached = res.cached_tokens;
             sm->ttft_ms = st.n ? st.first - st.t0 : NAN;
             if (st.n > 1)
                 sm->tpot_ms = (st.last - st.first) / (st.n - 1);
@@ -250,7 +261,7 @@ static void *admit_worker(void *arg)
     else if (connect_client(c, o) < 0)
         snprintf(lv->admit_error, sizeof(lv->admit_error), "connect: %s", dsv4_client_error_message(c));
     else {
-        random_prompt(lv, o->seed ^ mix64(0xad317ull), prompt, o->admit_tokens);
+        random_prompt(lv, ADMIT_KEY, prompt, o->admit_tokens);
         struct dsv4_client_generate_params p = o->gp;
         p.tokens = prompt;
         p.n_tokens = o->admit_tokens;
@@ -308,6 +319,7 @@ struct level_report {
     int concurrency;
     uint32_t requests, failed;
     uint64_t tokens;
+    double cached_mean;         /* prompt tokens restored a finished request, NaN: none finished */
     double wall_s, ttft_med, ttft_p99, tpot_med, tpot_p99, out_tok_s, req_s;
     /* the server's engine over the level (its steps, those that decoded), ms a step (NaN: no figure):
      * in the backend (prefill included), the step's host work, and between steps while requests ran */
@@ -338,9 +350,13 @@ static void summarize(const struct level *lv, int concurrency, double wall_ms, c
     r->failed = atomic_load(&lv->failed);
     /* the tokens of the requests that finished, as requests/s, TTFT and TPOT count them: what a failed
      * one streamed before it failed served no one (lv->tokens, which has them, is the progress line's) */
+    uint64_t cached = 0;
     for (uint32_t i = 0; i < lv->total; i++)
-        if (lv->samples[i].ok)
+        if (lv->samples[i].ok) {
             r->tokens += lv->samples[i].tokens;
+            cached += lv->samples[i].cached;
+        }
+    r->cached_mean = r->requests > r->failed ? (double)cached / (r->requests - r->failed) : NAN;
     r->wall_s = wall_ms / 1e3;
     r->out_tok_s = r->wall_s > 0 ? (double)r->tokens / r->wall_s : 0.0;
     r->req_s = r->wall_s > 0 ? (double)(r->requests - r->failed) / r->wall_s : 0.0;
@@ -394,6 +410,9 @@ static void print_report(FILE *out, const struct ctl_bench_opts *o, const struct
                                                 "engine_backend_ms", num_or_null(r->eng_backend_ms), "engine_host_ms",
                                                 num_or_null(r->eng_host_ms), "engine_gap_ms",
                                                 num_or_null(r->eng_gap_ms)));
+        if (j)
+            json_object_update_new(j, json_pack("{s:I, s:o}", "shared_prefix", (json_int_t)o->shared_prefix,
+                                                "cached_tokens_mean", num_or_null(r->cached_mean)));
         if (j && o->admit_tokens)
             json_object_update_new(j, json_pack("{s:I, s:o, s:o, s:o, s:o, s:I}", "admit_tokens",
                                                 (json_int_t)o->admit_tokens, "admit_ttft_ms",
@@ -414,6 +433,9 @@ static void print_report(FILE *out, const struct ctl_bench_opts *o, const struct
         fprintf(out, "# engine: %llu steps (%llu decoding); a step: %.3f ms in the backend (prefill included), "
                      "%.3f ms host work, %.3f ms until the next\n", (unsigned long long)r->eng_steps,
                 (unsigned long long)r->eng_decode_steps, r->eng_backend_ms, r->eng_host_ms, r->eng_gap_ms);
+    if (o->shared_prefix)
+        fprintf(out, "# cached: %.1f of each prompt's %u tokens restored from the prefix cache (mean over the finished "
+                     "requests; %u shared)\n", r->cached_mean, o->prompt_tokens, o->shared_prefix);
     if (o->admit_tokens && r->admit_error)
         fprintf(out, "# admit: no figure: %s\n", r->admit_error);
     else if (o->admit_tokens)
@@ -431,13 +453,14 @@ static void progress_line(FILE *f, int concurrency, const struct level *lv, doub
     fflush(f);
 }
 
-static int run_level(const struct ctl_bench_opts *o, int concurrency, int32_t lo, int32_t hi, FILE *out,
+static int run_level(const struct ctl_bench_opts *o, int index, int32_t lo, int32_t hi, FILE *out,
                      FILE *progress, bool *any_failed, char *err, size_t err_len)
 {
+    const int concurrency = o->levels[index];
     uint32_t total = o->requests ? o->requests : (uint32_t)concurrency * REQUESTS_PER_CLIENT;
     if (total < MIN_REQUESTS && !o->requests)
         total = MIN_REQUESTS;
-    struct level lv = { .o = o, .concurrency = concurrency, .lo = lo, .hi = hi, .total = total };
+    struct level lv = { .o = o, .index = index, .concurrency = concurrency, .lo = lo, .hi = hi, .total = total };
     pthread_t *th = calloc((size_t)concurrency, sizeof(*th)), admit;
     bool admitting = false;
     lv.samples = calloc(total, sizeof(*lv.samples));
@@ -521,6 +544,10 @@ int ctl_bench_run(const struct ctl_bench_opts *o, FILE *out, FILE *progress, cha
     if (hi <= lo) {
         set_err(err, err_len, "bench: the model's vocabulary (%d ids) is too small for random prompts", V);
         rc = -EINVAL;
+    } else if (o->shared_prefix >= o->prompt_tokens) {
+        set_err(err, err_len, "bench: --shared-prefix %u must be below --prompt-tokens %u (each prompt needs ids of "
+                "its own)", o->shared_prefix, o->prompt_tokens);
+        rc = -EINVAL;
     } else if (info->max_context && need > info->max_context) {
         set_err(err, err_len, "bench: --prompt-tokens %u plus --max-tokens %u exceed the server's context of %u tokens",
                 o->prompt_tokens, o->gp.max_tokens, info->max_context);
@@ -540,10 +567,10 @@ int ctl_bench_run(const struct ctl_bench_opts *o, FILE *out, FILE *progress, cha
         return rc;
     }
     if (!o->json) {
-        fprintf(out, "# %s, model %s, backend %s, max_batch %u: prompt %u random token ids, max_tokens %u, "
-                     "temperature %g\n",
-                info->server, info->model_name, info->backend, info->max_batch, o->prompt_tokens, o->gp.max_tokens,
-                (double)o->gp.temperature);
+        fprintf(out, "# %s, model %s, backend %s, max_batch %u: prompt %u random token ids (the first %u the same "
+                     "in every prompt), max_tokens %u, temperature %g\n",
+                info->server, info->model_name, info->backend, info->max_batch, o->prompt_tokens, o->shared_prefix,
+                o->gp.max_tokens, (double)o->gp.temperature);
         fprintf(out, "# ttft: send to first token (queueing included); tpot: per request, (last - first token) / "
                      "(tokens - 1); median and p99 over requests\n");
         if (o->admit_tokens)
@@ -557,7 +584,7 @@ int ctl_bench_run(const struct ctl_bench_opts *o, FILE *out, FILE *progress, cha
     dsv4_client_close(c);
     bool any_failed = false;
     for (int i = 0; i < o->n_levels; i++)
-        if ((rc = run_level(o, o->levels[i], lo, hi, out, progress, &any_failed, err, err_len)) < 0)
+        if ((rc = run_level(o, i, lo, hi, out, progress, &any_failed, err, err_len)) < 0)
             return rc;
     if (any_failed) {
         set_err(err, err_len, "bench: some requests failed (counted above)");

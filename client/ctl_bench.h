@@ -7,7 +7,9 @@
  * With admit_tokens, once every stream of a level has its first token, one more connection sends a
  * prompt of that many tokens (max_tokens 1): the report adds its time to first token and the token
  * gaps the running streams saw while it was prefilled (what a long prompt arriving costs the users
- * already being served). */
+ * already being served). With shared_prefix, every prompt of a run starts with the same ids (a
+ * system prompt, the prefix cache's case) and the report adds the tokens the server restored
+ * rather than prefilled. */
 #ifndef DSV4_CLIENT_CTL_BENCH_H
 #define DSV4_CLIENT_CTL_BENCH_H
 
@@ -31,8 +33,11 @@ struct ctl_bench_opts {
     int n_levels;
     uint32_t prompt_tokens;
     uint32_t requests;          /* per level; 0: 4 x C, at least 8 */
-    uint64_t seed;              /* prompt ids and sampling seeds derive from it and the request index */
+    uint64_t seed;              /* prompt ids and sampling seeds derive from it, the level and the request
+                                 * index: a fresh one for each run keeps a prefix cache from serving
+                                 * one run's prompts to the next */
     uint32_t admit_tokens;      /* 0: none; else the prompt admitted beside each level's streams */
+    uint32_t shared_prefix;     /* the first ids every prompt shares; below prompt_tokens */
     bool json;                  /* one JSON object a level on out instead of the table */
     /* sampling: every field but the prompt, which each request fills in */
     struct dsv4_client_generate_params gp;

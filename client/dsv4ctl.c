@@ -16,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "client/ctl_bench.h"
@@ -78,6 +80,8 @@ static void usage(FILE *f)
         "      --requests N        requests per level (default 4 per connection, at least 8)\n"
         "      --admit-tokens N    once a level's streams decode, admit an N-token prompt beside them and\n"
         "                        report its TTFT and the streams' token gaps meanwhile\n"
+        "      --shared-prefix N   the first N ids of every prompt are the same (a system prompt): the\n"
+        "                        report adds the tokens the prefix cache restored (N < prompt tokens)\n"
         "\n"
         "Common options:\n"
         "  -s, --socket PATH     daemon socket (default $DSV4_SOCKET, then %s)\n"
@@ -694,6 +698,12 @@ static int cmd_bench(const struct options *o)
         b.prompt_tokens = 128;
     if (b.gp.max_tokens == 0)
         b.gp.max_tokens = 128;
+    /* fresh prompts for each run (ctl_bench.h); the clock when the kernel has no entropy to give */
+    if (getrandom(&b.seed, sizeof(b.seed), GRND_NONBLOCK) != (ssize_t)sizeof(b.seed)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        b.seed = ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^ (uint64_t)getpid() << 32;
+    }
     int rc = ctl_bench_run(&b, stdout, isatty(STDERR_FILENO) ? stderr : NULL, err, sizeof(err));
     if (rc < 0)
         fprintf(stderr, "%s: %s\n", prog, err);
@@ -705,7 +715,7 @@ static int cmd_bench(const struct options *o)
 enum {
     OPT_TOKENS = 256, OPT_CHAT, OPT_SYSTEM, OPT_THINK, OPT_NO_BOS, OPT_TEMPERATURE, OPT_TOP_P, OPT_TOP_K, OPT_MIN_P,
     OPT_PRESENCE, OPT_FREQUENCY, OPT_REPETITION, OPT_SEED, OPT_STOP, OPT_STOP_IDS, OPT_LOGPROBS, OPT_STREAM,
-    OPT_NO_STREAM, OPT_CONCURRENCY, OPT_PROMPT_TOKENS, OPT_REQUESTS, OPT_ADMIT_TOKENS,
+    OPT_NO_STREAM, OPT_CONCURRENCY, OPT_PROMPT_TOKENS, OPT_REQUESTS, OPT_ADMIT_TOKENS, OPT_SHARED_PREFIX,
 };
 
 static const struct option long_options[] = {
@@ -737,6 +747,7 @@ static const struct option long_options[] = {
     { "concurrency", required_argument, NULL, OPT_CONCURRENCY },
     { "prompt-tokens", required_argument, NULL, OPT_PROMPT_TOKENS },
     { "admit-tokens", required_argument, NULL, OPT_ADMIT_TOKENS },
+    { "shared-prefix", required_argument, NULL, OPT_SHARED_PREFIX },
     { "requests", required_argument, NULL, OPT_REQUESTS },
     { 0, 0, 0, 0 },
 };
@@ -810,6 +821,9 @@ static void parse_options(struct options *o, int argc, char **argv)
             break;
         case OPT_ADMIT_TOKENS:
             o->bench.admit_tokens = (uint32_t)parse_int("--admit-tokens", optarg, 1, CTL_BENCH_MAX_PROMPT);
+            break;
+        case OPT_SHARED_PREFIX:
+            o->bench.shared_prefix = (uint32_t)parse_int("--shared-prefix", optarg, 0, CTL_BENCH_MAX_PROMPT - 1);
             break;
         default: fprintf(stderr, "Try '%s --help'.\n", prog); exit(EXIT_USAGE);
         }

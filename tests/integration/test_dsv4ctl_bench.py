@@ -102,6 +102,31 @@ try:
         t.ok(lv["engine_steps"] >= lv["engine_decode_steps"] >= 5 and lv["engine_backend_ms"] > 0 and
              lv["engine_host_ms"] >= 0 and lv["engine_gap_ms"] >= 0,
              name + "the engine's steps over the level and where a step's time went", lv)
+        t.ok(lv["shared_prefix"] == 0 and lv["cached_tokens_mean"] == 0,
+             name + "prompts of random ids share no block: nothing restored", lv)
+
+    # the same command again: new prompts, so the prefix cache has none of them (it kept the last run's)
+    r = ctl("bench", "--concurrency", "1", "--prompt-tokens", "20", "--max-tokens", "6", "--requests", "6",
+            "--temperature", "0", "--json", env=sock)
+    lv = json.loads(r.stdout) if r.returncode == 0 else {}
+    t.ok(lv.get("failed") == 0 and lv.get("cached_tokens_mean") == 0,
+         "bench run again: its prompts are new, nothing restored", (r.stdout, r.stderr))
+
+    # prompts that share their first 64 ids (4 blocks of the fixture's 16): after the first requests
+    # have left their state there, the later ones restore it; never more than the shared part
+    r = ctl("bench", "--prompt-tokens", "100", "--shared-prefix", "64", "--max-tokens", "4", "--requests", "6",
+            "--temperature", "0", "--json", env=sock)
+    lv = json.loads(r.stdout) if r.returncode == 0 else {}
+    t.ok(lv.get("shared_prefix") == 64 and lv.get("failed") == 0 and 0 < lv.get("cached_tokens_mean", 0) <= 64,
+         "bench --shared-prefix: the prefix cache restores part of the shared ids", (r.stdout, r.stderr))
+    r = ctl("bench", "--prompt-tokens", "100", "--shared-prefix", "64", "--max-tokens", "4", "--requests", "2",
+            "--temperature", "0", env=sock)
+    t.ok(r.returncode == 0 and any(l.startswith("# cached: ") and "(mean over the finished requests; 64 shared)" in l
+                                   for l in r.stdout.splitlines()),
+         "bench table: the cached line under the level", (r.stdout, r.stderr))
+    r = ctl("bench", "--prompt-tokens", "20", "--shared-prefix", "20", env=sock)
+    t.ok(r.returncode == 2 and "--shared-prefix 20 must be below --prompt-tokens 20" in r.stderr,
+         "a shared prefix as long as the prompt is refused before sending", (r.returncode, r.stderr))
 
     r = ctl("bench", "--concurrency", "2", "--prompt-tokens", "8", "--max-tokens", "3", "--temperature", "0",
             env=sock)
