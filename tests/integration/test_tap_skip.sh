@@ -20,6 +20,12 @@ case $out in
 "1..0 # SKIP python3 module msgpack not installed"*) echo "ok 4 - the integration harness skips without msgpack" ;;
 *) echo "not ok 4 - the integration harness without msgpack"; echo "$out" | sed 's/^/# /' ;;
 esac
+# The OpenAI front's harness imports the integration harness first, which skips without msgpack:
+# the openai case is then out of reach.
+if ! python3 -c 'import msgpack' 2>/dev/null; then
+    echo "ok 5 # SKIP python3 module msgpack not installed: the OpenAI front's harness skips for it first"
+    exit 0
+fi
 out=$(cd "$top_srcdir/tests/integration" && python3 -c 'import sys; sys.modules["openai"] = None; sys.path.insert(0, "."); import openai_harness' 2>&1)
 case $out in
 "1..0 # SKIP python3 module openai not installed"*) echo "ok 5 - the OpenAI front's harness skips without openai" ;;
