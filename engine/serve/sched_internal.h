@@ -214,7 +214,8 @@ void sched_sample_decode_rows(struct dsv4_sched *s, int n);
  * with q finished). */
 int sched_prefix_restore(struct dsv4_sched *s, struct sched_req *q);
 /* Whether the slot's state at block boundary `boundary` is worth keeping longer: the prompt's last
- * boundary, where the prompt leaves the cached chain, or any point while generating. */
+ * boundary short of its last token (where the same prompt again resumes) and any after it, where
+ * the prompt leaves the cached chain, or any point while generating. */
 bool sched_prefix_hot(const struct dsv4_sched *s, const struct sched_req *q, int64_t boundary);
 /* q's slot went from position `from` to q->position: each block completed on the way joins q's chain
  * in the cache (the backend saves its entries), and the last one also the slot's state when

@@ -70,7 +70,7 @@ static const int32_t *seq_block(struct dsv4_sched *s, const struct sched_req *q,
 
 bool sched_prefix_hot(const struct dsv4_sched *s, const struct sched_req *q, int64_t boundary)
 {
-    return boundary + s->block > q->n_prompt || boundary / s->block == q->cache_match;
+    return boundary + s->block >= q->n_prompt || boundary / s->block == q->cache_match;
 }
 
 void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q, int64_t from)

@@ -137,11 +137,13 @@ static void note_prefill_rate(struct dsv4_sched *s, int tokens, uint64_t ns)
 
 /* A prefill chunk of q while its blocks join the prefix cache: its end is where the slot's state can
  * be saved, so the chunk ends at the first boundary worth keeping that it would pass (the prompt's
- * last, or where the prompt leaves the cached chain), else at the last boundary it reaches; one that
- * reaches none runs whole. The blocks passed on the way are saved all the same. */
+ * last short of its last token, where the same prompt again resumes, or where the prompt leaves the
+ * cached chain), else at the last boundary it reaches; one that reaches none runs whole. The blocks
+ * passed on the way are saved all the same. */
 static int cached_chunk(const struct dsv4_sched *s, const struct sched_req *q, int chunk)
 {
-    const int64_t B = s->block, p = q->position, hot[2] = { (int64_t)q->cache_match * B, q->n_prompt / B * B };
+    const int64_t B = s->block, p = q->position;
+    const int64_t hot[2] = { (int64_t)q->cache_match * B, (int64_t)(q->n_prompt - 1) / B * B };
     int64_t end = p + chunk;
     bool cut = false;
     for (int i = 0; i < 2; i++)

@@ -304,6 +304,38 @@ static void test_hit_on_running_source(void **state)
     pair_close(&p);
 }
 
+/* The same prompt twice, one token under, exactly at and one token over 3 blocks: the second run
+ * restores the prompt's last boundary short of its last token, as a lookup asks (2 B, 2 B, 3 B);
+ * a prompt of whole blocks also keeps the state at its end, for a longer prompt that continues it. */
+static void test_same_prompt_again(void **state)
+{
+    (void)state;
+    struct pair p;
+    struct dsv4_sampling sp[2];
+    struct answer a;
+    char what[96];
+    samplings(sp);
+    pair_open(&p, "tiny_a", 1, 0, POOL_BYTES, 512);
+    const int B = p.B;
+    int32_t t[4 * 16 + 1];
+    assert_true(3 * B + 1 <= 4 * 16 + 1);
+    for (int d = -1; d <= 1; d++) {
+        const int n = 3 * B + d;
+        prefix_tokens(t, n, p.V, 20 + d);
+        for (int run = 0; run < 2; run++) {
+            snprintf(what, sizeof(what), "a prompt of 3 blocks %+d tokens, run %d", d, run);
+            both(&p, t, n, &sp[run], &a, what);
+            if (a.cached_tokens != (run ? (n - 1) / B * B : 0))
+                fail_msg("%s: %d tokens restored, not %d", what, a.cached_tokens, run ? (n - 1) / B * B : 0);
+        }
+    }
+    /* the whole 3 blocks and a turn after them */
+    prefix_tokens(t, 3 * B + 1, p.V, 20);
+    both(&p, t, 3 * B + 1, &sp[0], &a, "a longer prompt through the whole blocks");
+    assert_int_equal(a.cached_tokens, 3 * B);
+    pair_close(&p);
+}
+
 /* A pool of a few snapshots under many prompts: evictions happen, hits continue on what is left,
  * every answer stays the cold one, and the counts add up. */
 static void test_eviction(void **state)
@@ -361,6 +393,7 @@ int main(void)
         cmocka_unit_test(test_pool_too_small),
         cmocka_unit_test(test_hits_at_every_boundary),
         cmocka_unit_test(test_hit_on_running_source),
+        cmocka_unit_test(test_same_prompt_again),
         cmocka_unit_test(test_eviction),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
