@@ -192,6 +192,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
         for (;;) {
             int left = q->n_prompt - q->n_prefilled;
             int chunk = left < budget ? left : budget;
+            const int asked = chunk;
             if (q->caching)
                 chunk = cached_chunk(s, q, chunk);
             bool last = chunk == left;
@@ -235,6 +236,12 @@ int dsv4_sched_step(struct dsv4_sched *s)
                 break;
             }
             if (budget == 0)
+                break;
+            /* The cache ended the chunk at a block boundary and less than a block of budget is left:
+             * a call of those few rows would cost nearly a whole chunk's weight reads, so q goes on
+             * from the boundary next step (a budget that is no multiple of the block, as
+             * decode_stall_ms makes, would otherwise add one such call every step). */
+            if (chunk < asked && budget < s->block)
                 break;
         }
     }

@@ -336,6 +336,37 @@ static void test_same_prompt_again(void **state)
     pair_close(&p);
 }
 
+/* A step budget of 2.5 blocks (as decode_stall_ms makes: no multiple of the block): with the cache
+ * on, each step prefills the 2 blocks up to its last boundary and leaves the half block to the next
+ * step rather than a call of its own, so a prompt of 10 blocks and 3 tokens takes 6 calls (5 of 2
+ * blocks, the 3 tokens), where a call for each step's half block made it 7. The answer is the cold one. */
+static void test_budget_past_a_boundary(void **state)
+{
+    (void)state;
+    struct pair p;
+    struct dsv4_sampling sp[2];
+    struct answer a;
+    struct dsv4_sched_stats st;
+    samplings(sp);
+    struct dsv4_weights *w = load("tiny_a");
+    const int B = dsv4_config_prefix_block(&w->cfg);
+    dsv4_weights_free(w);
+    const int n = 10 * B + 3;
+    pair_open(&p, "tiny_a", 1, 12 * B, POOL_BYTES, 2 * B + B / 2);
+    int32_t t[MAX_PROMPT];
+    assert_true(n <= MAX_PROMPT && B >= 4);
+    prefix_tokens(t, n, p.V, 7);
+    both(&p, t, n, &sp[0], &a, "a 10-block prompt under a budget of 2.5 blocks");
+    assert_int_equal(a.cached_tokens, 0);
+    dsv4_sched_get_stats(p.warm.s, &st);
+    assert_true(st.prefill_tokens == (uint64_t)n);
+    if (st.prefill_chunks != 6)
+        fail_msg("%llu prefill calls, not 6", (unsigned long long)st.prefill_chunks);
+    dsv4_sched_get_stats(p.cold.s, &st);
+    assert_true(st.prefill_chunks == (uint64_t)((n + 2 * B + B / 2 - 1) / (2 * B + B / 2)));
+    pair_close(&p);
+}
+
 /* A pool of a few snapshots under many prompts: evictions happen, hits continue on what is left,
  * every answer stays the cold one, and the counts add up. */
 static void test_eviction(void **state)
@@ -394,6 +425,7 @@ int main(void)
         cmocka_unit_test(test_hits_at_every_boundary),
         cmocka_unit_test(test_hit_on_running_source),
         cmocka_unit_test(test_same_prompt_again),
+        cmocka_unit_test(test_budget_past_a_boundary),
         cmocka_unit_test(test_eviction),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
