@@ -15,7 +15,8 @@ tests_integration_test_fixtures_LDADD = $(TEST_ENGINE_LIBS)
 
 # The MTP block against tools/mkfixtures_mtp.py's PyTorch oracle (tests/fixtures/*_mtp/), and speculative
 # rows taken back bitwise (draft, verify, accept on the CPU sequence).
-EXTRA_DIST += tools/mkfixtures_mtp.py
+# tools/mtp_block.py is that oracle's MTP block (tools/train_default.py trains models/default's with it).
+EXTRA_DIST += tools/mkfixtures_mtp.py tools/mtp_block.py
 check_PROGRAMS += tests/integration/test_spec_cpu
 TESTS += tests/integration/test_spec_cpu
 tests_integration_test_spec_cpu_SOURCES = tests/integration/test_spec_cpu.c \

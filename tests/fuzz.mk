@@ -15,7 +15,8 @@ FUZZ_INCLUDES = base/utf8.h protocol/frame.h protocol/validate.h protocol/messag
 	engine/text/tokenizer.h engine/text/tok_internal.h engine/text/chat.h engine/error.h engine/model/config.h \
 	engine/model/safetensors.h openai/render.h openai/reply.h openai/buf.h openai/pyjson.h
 EXTRA_DIST += tests/fuzz/fuzz_protocol.c tests/fuzz/fuzz_tokenizer.c tests/fuzz/fuzz_chat.c \
-	tests/fuzz/fuzz_config.c tests/fuzz/fuzz_safetensors.c tests/fuzz/fuzz_openai.c tests/fuzz/corpus
+	tests/fuzz/fuzz_config.c tests/fuzz/fuzz_safetensors.c tests/fuzz/fuzz_openai.c tests/fuzz/corpus \
+	tests/fuzz/README.md
 TESTS += tests/fuzz/run_fuzz.sh
 dist_noinst_SCRIPTS += tests/fuzz/run_fuzz.sh
 

@@ -4,6 +4,8 @@ bin_PROGRAMS += dsv4-run
 dsv4_run_SOURCES = tools/dsv4-run.c tools/run.h
 dsv4_run_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS) $(ONIG_CFLAGS)
 dsv4_run_LDADD = libdsv4engine.la
+# The README's first command (build, serve models/default, ask it), and speculation measured through dsv4d.
+dist_noinst_SCRIPTS += tools/serve-default.sh tools/measure-spec.sh
 # Step latency with a long prompt arriving while others decode (CPU backend); not installed.
 noinst_PROGRAMS += dsv4-sched-bench
 dsv4_sched_bench_SOURCES = tools/dsv4-sched-bench.c
