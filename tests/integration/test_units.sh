@@ -66,5 +66,11 @@ if [ -x "$builddir/dsv4-openai" ]; then
 fi
 grep -q '^g dsv4 ' "$srcdir/units/sysusers.d/dsv4d.conf" && grep -q '^u dsv4d ' "$srcdir/units/sysusers.d/dsv4d.conf"
 ok $? "sysusers.d creates the dsv4d user and the dsv4 group"
+# ProtectSystem=strict leaves the service no writable path but those it declares: routing_stats
+# (dsv4d(8)) needs one that outlives a restart, the state directory, which is the dsv4d user's home.
+grep -q "^StateDirectory=dsv4d$" "$tmp/dsv4d.service"; ok $? "dsv4d.service sets StateDirectory=dsv4d"
+home=$(sed -n 's/^u dsv4d - "[^"]*" \([^ ]*\).*/\1/p' "$srcdir/units/sysusers.d/dsv4d.conf")
+[ "$home" = /var/lib/dsv4d ]; ok $? "  the dsv4d user's home, $home"
+grep -q "^#.*routing_stats = /var/lib/dsv4d/" "$builddir/units/dsv4d.conf"; ok $? "  where dsv4d.conf says routing_stats goes"
 echo "1..$n"
 exit $fail
