@@ -3,7 +3,8 @@
 # The documentation says what the binary does: the config path dsv4d(8) names is the one dsv4d reads
 # (the configured sysconfdir), `--config ""` renders with its quotes, allow_groups is described the
 # same way in the man page and the installed config file, gpus in those and --help, and a --listen
-# directory that does not exist is exit status 2, as dsv4d(8) says. TAP output.
+# directory that does not exist or a routing_stats file that cannot be created is exit status 2, as
+# dsv4d(8) says. TAP output.
 top_srcdir=${top_srcdir:-$(cd "$(dirname "$0")/../.." && pwd)}
 top_builddir=${top_builddir:-.}
 n=0; fail=0
@@ -40,5 +41,22 @@ rc=$?
 grep -q "directory does not exist" "$tmp/log"; ok $? "  and the log says so"
 tr '\n' ' ' <"$man8" | grep -q "tokenizer or .B \\\\-\\\\-listen directory that does not exist"
 ok $? "dsv4d(8) lists it under exit status 2"
+# routing_stats where its file cannot be created is a setting to fix as well (systemd would restart an exit
+# status 1 every RestartSec= for ever): a "directory" that is a file, and one not writable (not as root).
+: >"$tmp/file"
+"$top_builddir/dsv4d" --config "" --model "$top_srcdir/models/default" --listen "$tmp/dsv4d.sock" \
+    --routing-stats "$tmp/file/routing.json" >"$tmp/log" 2>&1
+rc=$?
+[ $rc = 2 ]; ok $? "routing_stats in a directory that is a file: exit status 2 (got $rc)"
+grep -q "routing_stats: .*Not a directory" "$tmp/log"; ok $? "  and the log says why"
+if [ "$(id -u)" != 0 ]; then
+    mkdir "$tmp/ro" && chmod 0555 "$tmp/ro"
+    "$top_builddir/dsv4d" --config "" --model "$top_srcdir/models/default" --listen "$tmp/dsv4d.sock" \
+        --routing-stats "$tmp/ro/routing.json" >"$tmp/log" 2>&1
+    rc=$?
+    [ $rc = 2 ]; ok $? "routing_stats in a directory not writable: exit status 2 (got $rc)"
+else
+    echo "ok $((n = n + 1)) # SKIP routing_stats in a directory not writable: root writes anywhere"
+fi
 echo "1..$n"
 exit $fail
