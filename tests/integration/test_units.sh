@@ -72,5 +72,21 @@ grep -q "^StateDirectory=dsv4d$" "$tmp/dsv4d.service"; ok $? "dsv4d.service sets
 home=$(sed -n 's/^u dsv4d - "[^"]*" \([^ ]*\).*/\1/p' "$srcdir/units/sysusers.d/dsv4d.conf")
 [ "$home" = /var/lib/dsv4d ]; ok $? "  the dsv4d user's home, $home"
 grep -q "^#.*routing_stats = /var/lib/dsv4d/" "$builddir/units/dsv4d.conf"; ok $? "  where dsv4d.conf says routing_stats goes"
+
+# make install keeps an installed dsv4d.conf that differs from the shipped one (the operator's edits:
+# the model above all) and puts the shipped one beside it; make uninstall leaves the edited one.
+path=$("$builddir/dsv4d" --help | sed -n 's/.*(default \([^;]*\); "" for none).*/\1/p')
+dest=$tmp/dest
+conf=$dest$path
+run_make() { env -u MAKEFLAGS -u MFLAGS make -s -C "$builddir" "$@" DESTDIR="$dest" >"$tmp/make.log" 2>&1; }
+run_make install && cmp -s "$conf" "$builddir/units/dsv4d.conf"
+ok $? "make install puts dsv4d.conf at $path"
+echo "model = /srv/models/DeepSeek-V4-Flash" >>"$conf"
+cp "$conf" "$tmp/edited.conf"
+run_make install
+cmp -s "$conf" "$tmp/edited.conf"; ok $? "  and keeps it, edited, when installing again"
+cmp -s "$conf.new" "$builddir/units/dsv4d.conf"; ok $? "  with the shipped one beside it as dsv4d.conf.new"
+run_make uninstall
+cmp -s "$conf" "$tmp/edited.conf" && [ ! -e "$conf.new" ]; ok $? "make uninstall leaves the edited dsv4d.conf only"
 echo "1..$n"
 exit $fail
