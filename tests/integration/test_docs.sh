@@ -4,7 +4,7 @@
 # (the configured sysconfdir), `--config ""` renders with its quotes, allow_groups is described the
 # same way in the man page and the installed config file, gpus in those and --help, and a --listen
 # directory that does not exist or a routing_stats file that cannot be created is exit status 2, as
-# dsv4d(8) says. TAP output.
+# dsv4d(8) says; every option each program's --help lists is in its man page. TAP output.
 top_srcdir=${top_srcdir:-$(cd "$(dirname "$0")/../.." && pwd)}
 top_builddir=${top_builddir:-.}
 n=0; fail=0
@@ -31,6 +31,18 @@ ok $? "dsv4d --help: two or more gpus split the routed experts"
 tr "\n" " " <"$man8" | grep -q "With two or more listed, each layer's routed experts are split across them"
 ok $? "dsv4d(8) says the same"
 grep -q "^#gpus .*two or more split the experts" "$conf"; ok $? "so does dsv4d.conf"
+# Every option a program's --help lists is in its man page (dsv4-openai's when it was built).
+options_in_man() {
+    [ -x "$top_builddir/$1" ] || return 0
+    missing=
+    for o in $("$top_builddir/$1" --help | grep -o -E -- '(^|[ ,])--[a-z0-9][a-z0-9-]*' | sed 's/^[ ,]*//' | sort -u); do
+        sed 's/\\-/-/g' "$2" | grep -q -E -- "$o([^a-z0-9-]|\$)" || missing="$missing $o"
+    done
+    [ -z "$missing" ]; ok $? "$(basename "$2") has every option $1 --help lists (missing:${missing:- none})"
+}
+options_in_man dsv4d "$man8"
+options_in_man dsv4ctl "$top_srcdir/doc/dsv4ctl.1"
+options_in_man dsv4-openai "$top_srcdir/doc/dsv4-openai.8"
 
 tmp=$(mktemp -d /tmp/dsv4d-docs.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
