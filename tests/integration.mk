@@ -16,7 +16,8 @@ TESTS += $(DSV4D_INTEGRATION_TESTS)
 EXTRA_DIST += $(DSV4D_INTEGRATION_TESTS) tests/integration/dsv4d_harness.py
 # They run the programs under test from the build tree (make check builds them first: dsv4d,
 # dsv4-run and dsv4ctl are in all, the checker in check_PROGRAMS). test_units.sh runs
-# `systemd-analyze verify` and `systemd-analyze security --offline=true` on units/ as CI does.
+# `systemd-analyze verify` and `systemd-analyze security --offline=true` on units/ as CI does, and
+# make install and uninstall into a DESTDIR of its own.
 
 # libdsv4client's checks against a live daemon; test_dsv4d_client.py starts the daemon and runs it.
 check_PROGRAMS += tests/integration/dsv4d_client_check
