@@ -363,7 +363,7 @@ int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_tokenizer
         close(h->boot_fd);
         free(h);
         dsv4_error_prefix(r, "routing_stats: ");
-        return r == -ENOTDIR || r == -EACCES || r == -EPERM || r == -EROFS || r == -ENAMETOOLONG || r == -ELOOP
+        return r == -ENOENT || r == -ENOTDIR || r == -EACCES || r == -EPERM || r == -EROFS || r == -ENAMETOOLONG || r == -ELOOP
                ? -EINVAL : r;
     }
     atomic_store(&h->phase, DSV4_HOST_LOADING_WEIGHTS);

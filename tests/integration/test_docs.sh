@@ -54,13 +54,18 @@ grep -q "directory does not exist" "$tmp/log"; ok $? "  and the log says so"
 tr '\n' ' ' <"$man8" | grep -q "tokenizer or .B \\\\-\\\\-listen directory that does not exist"
 ok $? "dsv4d(8) lists it under exit status 2"
 # routing_stats where its file cannot be created is a setting to fix as well (systemd would restart an exit
-# status 1 every RestartSec= for ever): a "directory" that is a file, and one not writable (not as root).
+# status 1 every RestartSec= for ever): a "directory" that is a file, one that does not exist, and one not
+# writable (not as root).
 : >"$tmp/file"
 "$top_builddir/dsv4d" --config "" --model "$top_srcdir/models/default" --listen "$tmp/dsv4d.sock" \
     --routing-stats "$tmp/file/routing.json" >"$tmp/log" 2>&1
 rc=$?
 [ $rc = 2 ]; ok $? "routing_stats in a directory that is a file: exit status 2 (got $rc)"
 grep -q "routing_stats: .*Not a directory" "$tmp/log"; ok $? "  and the log says why"
+"$top_builddir/dsv4d" --config "" --model "$top_srcdir/models/default" --listen "$tmp/dsv4d.sock" \
+    --routing-stats "$tmp/none/routing.json" >"$tmp/log" 2>&1
+rc=$?
+[ $rc = 2 ]; ok $? "routing_stats in a directory that does not exist: exit status 2 (got $rc)"
 if [ "$(id -u)" != 0 ]; then
     mkdir "$tmp/ro" && chmod 0555 "$tmp/ro"
     "$top_builddir/dsv4d" --config "" --model "$top_srcdir/models/default" --listen "$tmp/dsv4d.sock" \
