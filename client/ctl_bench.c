@@ -149,6 +149,8 @@ struct engine_mark {
     bool ok;
     uint64_t steps, decode_steps;
     double busy_s, backend_s, gap_s;
+    bool prefill;               /* the server sends the prefill counters */
+    uint64_t prefill_tokens, prefill_chunks;
 };
 
 static struct engine_mark engine_mark(const struct ctl_bench_opts *o)
@@ -158,7 +160,8 @@ static struct engine_mark engine_mark(const struct ctl_bench_opts *o)
     struct dsv4_client_stats *st = malloc(sizeof(*st));
     if (c && st && connect_client(c, o) == 0 && dsv4_client_stats(c, st) == 0)
         m = (struct engine_mark){ true, st->steps, st->decode_steps, st->engine_busy_s, st->engine_backend_s,
-                                  st->engine_gap_s };
+                                  st->engine_gap_s, dsv4_client_stats_has(st, "prefill_chunks_total"),
+                                  st->prefill_tokens_total, st->prefill_chunks_total };
     free(st);
     dsv4_client_close(c);
     return m;
@@ -325,6 +328,9 @@ struct level_report {
      * in the backend (prefill included), the step's host work, and between steps while requests ran */
     double eng_backend_ms, eng_host_ms, eng_gap_ms;
     uint64_t eng_steps, eng_decode_steps;
+    /* the prompt tokens the engine ran over the level and its prefill calls (NaN mean: no figure) */
+    uint64_t eng_prefill_tokens, eng_prefill_chunks;
+    double eng_prefill_mean;
     /* admit_tokens */
     double admit_ttft, gap_med, gap_p99, gap_max;
     uint32_t n_gaps;
@@ -336,7 +342,12 @@ static void summarize(const struct level *lv, int concurrency, double wall_ms, c
 {
     double *v = malloc(sizeof(double) * (lv->total ? lv->total : 1));
     memset(r, 0, sizeof(*r));
-    r->eng_backend_ms = r->eng_host_ms = r->eng_gap_ms = NAN;
+    r->eng_backend_ms = r->eng_host_ms = r->eng_gap_ms = r->eng_prefill_mean = NAN;
+    if (e0->ok && e1->ok && e0->prefill && e1->prefill && e1->prefill_chunks > e0->prefill_chunks) {
+        r->eng_prefill_tokens = e1->prefill_tokens - e0->prefill_tokens;
+        r->eng_prefill_chunks = e1->prefill_chunks - e0->prefill_chunks;
+        r->eng_prefill_mean = (double)r->eng_prefill_tokens / (double)r->eng_prefill_chunks;
+    }
     if (e0->ok && e1->ok && e1->steps > e0->steps && e1->busy_s > e0->busy_s) {
         const double n = (double)(e1->steps - e0->steps);
         r->eng_steps = e1->steps - e0->steps;
@@ -411,6 +422,11 @@ static void print_report(FILE *out, const struct ctl_bench_opts *o, const struct
                                                 num_or_null(r->eng_host_ms), "engine_gap_ms",
                                                 num_or_null(r->eng_gap_ms)));
         if (j)
+            json_object_update_new(j, json_pack("{s:I, s:I, s:o}", "engine_prefill_tokens",
+                                                (json_int_t)r->eng_prefill_tokens, "engine_prefill_chunks",
+                                                (json_int_t)r->eng_prefill_chunks, "engine_prefill_chunk_mean",
+                                                num_or_null(r->eng_prefill_mean)));
+        if (j)
             json_object_update_new(j, json_pack("{s:I, s:o}", "shared_prefix", (json_int_t)o->shared_prefix,
                                                 "cached_tokens_mean", num_or_null(r->cached_mean)));
         if (j && o->admit_tokens)
@@ -433,6 +449,10 @@ static void print_report(FILE *out, const struct ctl_bench_opts *o, const struct
         fprintf(out, "# engine: %llu steps (%llu decoding); a step: %.3f ms in the backend (prefill included), "
                      "%.3f ms host work, %.3f ms until the next\n", (unsigned long long)r->eng_steps,
                 (unsigned long long)r->eng_decode_steps, r->eng_backend_ms, r->eng_host_ms, r->eng_gap_ms);
+    if (isfinite(r->eng_prefill_mean))
+        fprintf(out, "# prefill: %llu prompt tokens in %llu calls, %.1f a call\n",
+                (unsigned long long)r->eng_prefill_tokens, (unsigned long long)r->eng_prefill_chunks,
+                r->eng_prefill_mean);
     if (o->shared_prefix)
         fprintf(out, "# cached: %.1f of each prompt's %u tokens restored from the prefix cache (mean over the finished "
                      "requests; %u shared)\n", r->cached_mean, o->prompt_tokens, o->shared_prefix);

@@ -102,6 +102,9 @@ try:
         t.ok(lv["engine_steps"] >= lv["engine_decode_steps"] >= 5 and lv["engine_backend_ms"] > 0 and
              lv["engine_host_ms"] >= 0 and lv["engine_gap_ms"] >= 0,
              name + "the engine's steps over the level and where a step's time went", lv)
+        t.ok(lv["engine_prefill_tokens"] >= 6 * 20 and 1 <= lv["engine_prefill_chunks"] <= lv["engine_prefill_tokens"]
+             and lv["engine_prefill_chunk_mean"] == lv["engine_prefill_tokens"] / lv["engine_prefill_chunks"],
+             name + "the prompt tokens the engine ran over the level, its prefill calls and their mean", lv)
         t.ok(lv["shared_prefix"] == 0 and lv["cached_tokens_mean"] == 0,
              name + "prompts of random ids share no block: nothing restored", lv)
 
@@ -136,6 +139,8 @@ try:
          (r.stdout, r.stderr))
     t.ok(any(l.startswith("# engine: ") and "ms host work" in l for l in r.stdout.splitlines()),
          "bench table: the engine line under the level", r.stdout)
+    t.ok(any(l.startswith("# prefill: ") and " calls, " in l for l in r.stdout.splitlines()),
+         "bench table: the prefill line under the level", r.stdout)
 
     # a 150-token prompt admitted beside 2 streams that run to max_tokens (the endless model)
     r = ctl("bench", "--concurrency", "2", "--prompt-tokens", "8", "--max-tokens", "200", "--requests", "2",
