@@ -340,6 +340,25 @@ static void *engine_thread(void *arg)
     return NULL;
 }
 
+int dsv4_host_check_placement(const struct dsv4_settings *cfg, const struct dsv4_config *model)
+{
+    if (!cfg->expert_placement[0])
+        return 0;
+    char stats_model[sizeof(model->model_name)];
+    uint64_t *counts = calloc((size_t)model->n_layers * (size_t)model->n_experts, sizeof(*counts));
+    if (!counts)
+        return dsv4_error_set(-ENOMEM, "expert_placement: counts of %d x %d experts", model->n_layers,
+                              model->n_experts);
+    int r = dsv4_routing_stats_read_model(cfg->expert_placement, model->n_layers, model->n_experts, counts,
+                                          stats_model, sizeof(stats_model));
+    free(counts);
+    if (r < 0) {
+        dsv4_error_prefix(r, "expert_placement: ");
+        return r == -ENOMEM ? r : -EINVAL;
+    }
+    return 0;
+}
+
 int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_tokenizer *tok, struct dsv4_host **ret)
 {
     struct dsv4_host *h = calloc(1, sizeof(*h));

@@ -66,6 +66,17 @@ grep -q "routing_stats: .*Not a directory" "$tmp/log"; ok $? "  and the log says
     --routing-stats "$tmp/none/routing.json" >"$tmp/log" 2>&1
 rc=$?
 [ $rc = 2 ]; ok $? "routing_stats in a directory that does not exist: exit status 2 (got $rc)"
+# an expert_placement file that is missing or not routing statistics of the model's shape: a setting to fix,
+# refused before the weights load (systemd would reload them every RestartSec= for ever)
+for f in missing.json bad.json; do
+    [ $f = bad.json ] && echo '{"format": "nonsense"}' >"$tmp/$f"
+    "$top_builddir/dsv4d" --config "" --model "$top_srcdir/models/default" --listen "$tmp/dsv4d.sock" \
+        --expert-placement "$tmp/$f" >"$tmp/log" 2>&1
+    rc=$?
+    [ $rc = 2 ]; ok $? "expert_placement $f: exit status 2 (got $rc)"
+    grep -q "expert_placement: routing statistics $tmp/$f" "$tmp/log" && ! grep -q "loading weights\|weights loaded" "$tmp/log"
+    ok $? "  the log says why, before any weight is loaded"
+done
 if [ "$(id -u)" != 0 ]; then
     mkdir "$tmp/ro" && chmod 0555 "$tmp/ro"
     "$top_builddir/dsv4d" --config "" --model "$top_srcdir/models/default" --listen "$tmp/dsv4d.sock" \

@@ -425,9 +425,11 @@ with tempfile.TemporaryDirectory(prefix="dsv4d-test-") as tmp:
         json.dump(data, f)
     write_tokenizer(os.path.join(tmp, "tokenizer.json"))
     out = run_dsv4d(tmp, os.path.join(tmp, "s.sock"), "--expert-placement", other)
-    t.ok(out.returncode == 1 and "expert_placement" in out.stderr and
-         "of %d layers x %d experts; the model has %d x %d" % (L, E + 1, L, E) in out.stderr,
-         "a routing statistics file of another shape is refused at boot (exit 1), with both shapes",
+    t.ok(out.returncode == 2 and "expert_placement" in out.stderr and
+         "of %d layers x %d experts; the model has %d x %d" % (L, E + 1, L, E) in out.stderr
+         and "loading weights" not in out.stderr,
+         "a routing statistics file of another shape is refused before the weights load (exit 2: a setting to "
+         "fix), with both shapes",
          (out.returncode, out.stderr))
     # routing_stats is written at stop or on SIGUSR1, maybe days later: where no file can be created,
     # dsv4d refuses to boot, as for any path it must write, instead of finding out then.
