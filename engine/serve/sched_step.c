@@ -240,8 +240,10 @@ int dsv4_sched_step(struct dsv4_sched *s)
             /* The cache ended the chunk at a block boundary and less than a block of budget is left:
              * a call of those few rows would cost nearly a whole chunk's weight reads, so q goes on
              * from the boundary next step (a budget that is no multiple of the block, as
-             * decode_stall_ms makes, would otherwise add one such call every step). */
-            if (chunk < asked && budget < s->block)
+             * decode_stall_ms makes, would otherwise add one such call every step). Not when the rest
+             * of the prompt fits what is left: its calls are the same now or next step, and waiting
+             * would only hold its first token back a step. */
+            if (chunk < asked && budget < s->block && left - chunk > budget)
                 break;
         }
     }

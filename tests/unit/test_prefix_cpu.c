@@ -367,6 +367,49 @@ static void test_budget_past_a_boundary(void **state)
     pair_close(&p);
 }
 
+/* A prompt that fits the step's budget gets its first token in that step with the cache on too: its
+ * chunk ends at its last boundary short of its last token, and the few tokens after it are a call of
+ * their own in this step or the next, so they run at once though less than a block of the budget is
+ * left (3 blocks and 3 tokens under a budget of 3.5 blocks: 2 calls, one step). The same where the
+ * chunk ends where the prompt leaves the cached chain, short of its last boundary. */
+static void test_prompt_within_budget(void **state)
+{
+    (void)state;
+    struct pair p;
+    struct dsv4_sampling sp[2];
+    struct answer a[2];
+    struct dsv4_sched_stats st;
+    samplings(sp);
+    pair_open(&p, "tiny_a", 1, 0, POOL_BYTES, 3 * 16 + 8);
+    const int B = p.B, n = 3 * B + 3;
+    int32_t t[3 * 16 + 3], u[3 * 16 + 3];
+    assert_int_equal(B, 16);
+    prefix_tokens(t, n, p.V, 30);
+    prefix_tokens(u, n, p.V, 31);
+    memcpy(u, t, sizeof(int32_t) * (size_t)B);
+    /* t once, then u, which leaves t's chain after its first block (restored: nothing, t's prefill
+     * stood at none of t's inner boundaries), so its chunk ends there and again at its last boundary */
+    const int32_t *prompts[2] = { t, u };
+    for (int r = 0; r < 2; r++) {
+        struct env *e[2] = { &p.cold, &p.warm };
+        for (int w = 0; w < 2; w++) {
+            dsv4_sched_get_stats(e[w]->s, &st);
+            const uint64_t chunks = st.prefill_chunks;
+            submit(e[w], prompts[r], n, &sp[0], &a[w]);
+            assert_int_equal(dsv4_sched_step(e[w]->s), 1);
+            collect(e[w]->s);
+            dsv4_sched_get_stats(e[w]->s, &st);
+            if (a[w].n != 1)
+                fail_msg("prompt %d, %s: %d tokens after the first step (%llu prefill calls), not 1", r,
+                         w ? "with the cache" : "without", a[w].n, (unsigned long long)(st.prefill_chunks - chunks));
+            run_until(e[w], &a[w], 1);
+        }
+        answer_expect_same(&a[1], &a[0], r ? "a prompt leaving the cached chain" : "a prompt within the budget");
+        assert_int_equal(a[1].cached_tokens, 0);
+    }
+    pair_close(&p);
+}
+
 /* A pool of a few snapshots under many prompts: evictions happen, hits continue on what is left,
  * every answer stays the cold one, and the counts add up. */
 static void test_eviction(void **state)
@@ -426,6 +469,7 @@ int main(void)
         cmocka_unit_test(test_hit_on_running_source),
         cmocka_unit_test(test_same_prompt_again),
         cmocka_unit_test(test_budget_past_a_boundary),
+        cmocka_unit_test(test_prompt_within_budget),
         cmocka_unit_test(test_eviction),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
