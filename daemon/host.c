@@ -377,13 +377,14 @@ int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_tokenizer
     }
     /* Written at stop or on SIGUSR1, maybe days from now: a path where it cannot be is refused at once,
      * as a bad setting (-EINVAL: exit status 2) when the path itself is at fault, since a directory that
-     * is missing, is a file or is not writable stays so however often systemd restarts dsv4d. */
+     * is missing, is a file or is not writable, or a path that is a directory, stays so however often
+     * systemd restarts dsv4d. */
     if (cfg->routing_stats[0] && (r = dsv4_routing_stats_check(cfg->routing_stats)) < 0) {
         close(h->boot_fd);
         free(h);
         dsv4_error_prefix(r, "routing_stats: ");
-        return r == -ENOENT || r == -ENOTDIR || r == -EACCES || r == -EPERM || r == -EROFS || r == -ENAMETOOLONG || r == -ELOOP
-               ? -EINVAL : r;
+        return r == -ENOENT || r == -ENOTDIR || r == -EACCES || r == -EPERM || r == -EROFS || r == -ENAMETOOLONG ||
+               r == -ELOOP || r == -EISDIR ? -EINVAL : r;
     }
     atomic_store(&h->phase, DSV4_HOST_LOADING_WEIGHTS);
     r = pthread_create(&h->thread, NULL, engine_thread, h);

@@ -200,6 +200,10 @@ static int create_beside(const char *path, char tmp[PATH_MAX])
 int dsv4_routing_stats_check(const char *path)
 {
     char tmp[PATH_MAX];
+    struct stat sb;
+    /* the temporary file is made beside a directory as well, but cannot be renamed over it */
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode))
+        return dsv4_error_set(-EISDIR, "routing statistics %s: a directory, not a file (name a file in it)", path);
     int fd = create_beside(path, tmp);
     if (fd < 0)
         return fd;

@@ -82,8 +82,9 @@ void dsv4_placement_layers_text(const uint16_t *gpu, const uint16_t *host, int l
 int dsv4_routing_stats_write(const char *path, const char *model, int n_layers, int n_experts,
                              const uint64_t *counts);
 /* Whether write can create its file: makes and removes the temporary file it would, beside path, so
- * a missing directory, one without write permission or a read-only file system is found when the
- * path is configured rather than when the statistics are due. 0, or -errno with a message. */
+ * a missing directory, one without write permission, a read-only file system or a path that is a
+ * directory (-EISDIR) is found when the path is configured rather than when the statistics are due.
+ * 0, or -errno with a message. */
 int dsv4_routing_stats_check(const char *path);
 int dsv4_routing_stats_read(const char *path, int n_layers, int n_experts, uint64_t *counts);
 /* As read, and the model the file names into ret_model (cut to model_size; "" when it names none): the

@@ -66,6 +66,14 @@ grep -q "routing_stats: .*Not a directory" "$tmp/log"; ok $? "  and the log says
     --routing-stats "$tmp/none/routing.json" >"$tmp/log" 2>&1
 rc=$?
 [ $rc = 2 ]; ok $? "routing_stats in a directory that does not exist: exit status 2 (got $rc)"
+# a directory (the state directory named rather than a file in it): the file cannot be renamed over it at
+# stop, so that is found at boot too (a timeout, since a dsv4d that takes it serves until stopped)
+mkdir "$tmp/dir"
+timeout 120 "$top_builddir/dsv4d" --config "" --model "$top_srcdir/models/default" --listen "$tmp/dsv4d.sock" \
+    --routing-stats "$tmp/dir" >"$tmp/log" 2>&1
+rc=$?
+[ $rc = 2 ]; ok $? "routing_stats naming a directory: exit status 2 (got $rc)"
+grep -q "routing_stats: .*a directory, not a file" "$tmp/log"; ok $? "  and the log says why"
 # an expert_placement file that is missing or not routing statistics of the model's shape: a setting to fix,
 # refused before the weights load (systemd would reload them every RestartSec= for ever)
 for f in missing.json bad.json; do

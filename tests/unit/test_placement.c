@@ -359,6 +359,27 @@ static void test_stats_write_fails(void **state)
     assert_int_equal(access(path, F_OK), -1);
 }
 
+/* The check at boot finds what the write at stop would fail on: a path that is a directory (the
+ * state directory named instead of a file in it) cannot be renamed over, so it is refused with the
+ * path, and no temporary file is left beside it; a regular file there, or none yet, is fine. */
+static void test_stats_check(void **state)
+{
+    char path[256], want[300];
+    const uint64_t counts[2] = { 1, 2 };
+
+    tmp_path(path, sizeof(path));
+    assert_int_equal(dsv4_routing_stats_check(path), 0);
+    unlink(path);
+    assert_int_equal(dsv4_routing_stats_check(path), 0);
+    assert_int_equal(access(path, F_OK), -1);
+    assert_int_equal(mkdir(path, 0700), 0);
+    assert_int_equal(dsv4_routing_stats_write(path, "m", 1, 2, counts), -EISDIR);
+    assert_int_equal(dsv4_routing_stats_check(path), -EISDIR);
+    snprintf(want, sizeof(want), "routing statistics %s: a directory, not a file (name a file in it)", path);
+    assert_string_equal(dsv4_error_message(), want);
+    assert_int_equal(rmdir(path), 0);
+}
+
 /* The file feeds the plan: what was written is what gets placed hottest-first. */
 static void test_file_to_plan(void **state)
 {
@@ -411,6 +432,7 @@ int main(void)
         cmocka_unit_test(test_stats_file_unreadable),
         cmocka_unit_test(test_stats_file_limits),
         cmocka_unit_test(test_stats_write_fails),
+        cmocka_unit_test(test_stats_check),
         cmocka_unit_test(test_file_to_plan),
         cmocka_unit_test(test_layers_text),
     };
