@@ -21,7 +21,8 @@ units/dsv4d.service units/dsv4d.conf:
 
 # dsv4d.conf is the operator's once installed (README: edit it): make install puts the shipped one there
 # only when none is or it is unchanged, and otherwise beside it as dsv4d.conf.new, so an upgrade keeps
-# the model and settings chosen; make uninstall removes it only while it is the shipped one.
+# the model and settings chosen; make uninstall removes it only while it is the shipped one (made again
+# for the comparison when make clean has removed it).
 install-data-local: units/dsv4d.conf
 	@$(MKDIR_P) '$(DESTDIR)$(dsv4dconfdir)'
 	@conf='$(DESTDIR)$(dsv4dconfdir)/dsv4d.conf'; \
@@ -32,7 +33,7 @@ install-data-local: units/dsv4d.conf
 	  echo " $(INSTALL_DATA) units/dsv4d.conf '$$conf'"; \
 	  $(INSTALL_DATA) units/dsv4d.conf "$$conf"; \
 	fi
-uninstall-local:
+uninstall-local: units/dsv4d.conf
 	@conf='$(DESTDIR)$(dsv4dconfdir)/dsv4d.conf'; \
 	rm -f "$$conf.new"; \
 	if cmp -s units/dsv4d.conf "$$conf"; then \

@@ -88,5 +88,16 @@ cmp -s "$conf" "$tmp/edited.conf"; ok $? "  and keeps it, edited, when installin
 cmp -s "$conf.new" "$builddir/units/dsv4d.conf"; ok $? "  with the shipped one beside it as dsv4d.conf.new"
 run_make uninstall
 cmp -s "$conf" "$tmp/edited.conf" && [ ! -e "$conf.new" ]; ok $? "make uninstall leaves the edited dsv4d.conf only"
+# make clean removes the generated units/dsv4d.conf (CLEANFILES) that uninstall compares with: from such a
+# tree (a copy of the build tree's makefile and configuration, without it) uninstall still removes an
+# installed dsv4d.conf that is the shipped one, rather than keep it as edited.
+rm -f "$conf"
+run_make install
+mkdir "$tmp/clean" && cp -p "$builddir/Makefile" "$builddir/config.status" "$builddir/libtool" "$tmp/clean/"
+abs_srcdir=$(cd "$srcdir" && pwd)
+env -u MAKEFLAGS -u MFLAGS make -s -C "$tmp/clean" uninstall DESTDIR="$dest" srcdir="$abs_srcdir" \
+    top_srcdir="$abs_srcdir" VPATH="$abs_srcdir" >"$tmp/make.log" 2>&1
+[ ! -e "$conf" ] && ! grep -q "keeping the edited" "$tmp/make.log"
+ok $? "make uninstall after make clean removes the shipped dsv4d.conf"
 echo "1..$n"
 exit $fail
