@@ -453,9 +453,11 @@ static void print_report(FILE *out, const struct ctl_bench_opts *o, const struct
         fprintf(out, "# prefill: %llu prompt tokens in %llu calls, %.1f a call\n",
                 (unsigned long long)r->eng_prefill_tokens, (unsigned long long)r->eng_prefill_chunks,
                 r->eng_prefill_mean);
-    if (o->shared_prefix)
+    if (o->shared_prefix && isfinite(r->cached_mean))
         fprintf(out, "# cached: %.1f of each prompt's %u tokens restored from the prefix cache (mean over the finished "
                      "requests; %u shared)\n", r->cached_mean, o->prompt_tokens, o->shared_prefix);
+    else if (o->shared_prefix)
+        fprintf(out, "# cached: no figure: no request finished (%u shared)\n", o->shared_prefix);
     if (o->admit_tokens && r->admit_error)
         fprintf(out, "# admit: no figure: %s\n", r->admit_error);
     else if (o->admit_tokens)

@@ -127,6 +127,12 @@ try:
     t.ok(r.returncode == 0 and any(l.startswith("# cached: ") and "(mean over the finished requests; 64 shared)" in l
                                    for l in r.stdout.splitlines()),
          "bench table: the cached line under the level", (r.stdout, r.stderr))
+    # every request refused (min_p outside [0, 1]): no figure for the tokens restored, as JSON's null, not "nan"
+    r = ctl("bench", "--prompt-tokens", "20", "--shared-prefix", "16", "--max-tokens", "4", "--requests", "2",
+            "--min-p", "2", env=sock)
+    t.ok(r.returncode == 1 and "# cached: no figure: no request finished (16 shared)" in r.stdout
+         and "nan of each" not in r.stdout,
+         "bench table: with every request failed, the cached line says there is no figure", (r.stdout, r.stderr))
     r = ctl("bench", "--prompt-tokens", "20", "--shared-prefix", "20", env=sock)
     t.ok(r.returncode == 2 and "--shared-prefix 20 must be below --prompt-tokens 20" in r.stderr,
          "a shared prefix as long as the prompt is refused before sending", (r.returncode, r.stderr))
