@@ -53,10 +53,14 @@
  * keeps an engine/serve/prefix_cache.h index over it. A request's first prefill restores the longest
  * cached prefix of its prompt that ends on a block boundary, short of the last prompt token (whose
  * logits prefill must make), and prefills only the rest: result.cached_tokens says how many prompt
- * tokens that skipped. Prefill chunks then end on block boundaries, and at each boundary (while
- * prefilling and while decoding) the slot's state is snapshotted into the cache, unless another
- * request already did. The logits, tokens and penalty history of a restored request are exactly
- * those of a cold one: the same state continues with the same arithmetic.
+ * tokens that skipped. Prefill chunks then run whole (the step's budget) and every block a chunk
+ * completes joins the request's chain in the cache (its compressed entries stay in the slot); the
+ * slot's state (window and compressors) is kept only where the slot stands: at a chunk's end, and
+ * at every boundary while decoding. A chunk ends early at the boundaries worth keeping: the prompt's
+ * last short of its last token (where the same prompt again resumes) and where the prompt leaves the
+ * cached chain; else at the last boundary it reaches. A request resumes only where some slot's state
+ * was kept. The logits, tokens and penalty history of a restored request are exactly those of a cold
+ * one: the same state continues with the same arithmetic.
  *
  * Speculative decoding. When the backend speculates (backend->spec_tokens > 0 with its draft, verify
  * and accept ops, and the host samples), step (3) drafts up to spec_tokens tokens per generating
