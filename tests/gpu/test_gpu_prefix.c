@@ -137,9 +137,14 @@ static void sched_case(const char *name, int64_t pool, bool evict)
                 snprintf(what, sizeof(what), "%s, %d tokens of a %d-token prompt, %s", name, c, nt,
                          s ? "seeded" : "greedy");
                 both(&cold_env, &warm_env, u, c + tail, &sp[s], &a, what);
+                /* as test_prefix_cpu's hits: T's first prefill kept the state at its last boundary
+                 * only, so the state at c = k B is the first request's to leave there */
                 int want = c / B < 5 ? c / B * B : 5 * B, own = (c + tail - 1) / B * B;
+                if (c % B == 0 && c / B < 5)
+                    want -= B;
+                const int again = c % B == 0 && c / B < 5 ? c : want;
                 if (!evict)
-                    assert_int_equal(a.cached_tokens, s == 0 ? want : (own > want ? own : want));
+                    assert_int_equal(a.cached_tokens, s == 0 ? want : (own > again ? own : again));
             }
         }
     struct dsv4_sched_stats st;
