@@ -65,6 +65,7 @@ struct sched_req {
     bool caching;                   /* the blocks the slot completes join its chain in the prefix cache */
     int32_t cache_node;             /* the prefix-cache node the slot continues (held), or ROOT */
     int cache_match;                /* prompt blocks found in the cache: where the request leaves it */
+    int cache_blocks;               /* blocks of the slot's sequence in its chain (the next to join) */
     int32_t pending;
     size_t emitted;                 /* text bytes already streamed */
     int n_raw;                      /* incomplete UTF-8 sequence awaiting more bytes */
@@ -217,11 +218,12 @@ int sched_prefix_restore(struct dsv4_sched *s, struct sched_req *q);
  * boundary short of its last token (where the same prompt again resumes) and any after it, where
  * the prompt leaves the cached chain, or any point while generating. */
 bool sched_prefix_hot(const struct dsv4_sched *s, const struct sched_req *q, int64_t boundary);
-/* q's slot went from position `from` to q->position: each block completed on the way joins q's chain
- * in the cache (the backend saves its entries), and the last one also the slot's state when
- * q->position is its end. When the cache has no room, or a copy fails (the slot itself is
- * unchanged), q stops caching and runs on. */
-void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q, int64_t from);
+/* q's slot moved on. When it stands on a block boundary, every block completed since the last that
+ * joined q's chain joins it now (the backend saves their entries: they stay in the slot), the last
+ * one with the slot's state there; mid-block the backends save nothing, so those blocks wait for the
+ * next boundary the slot stands on (at the latest the prompt's last, where a chunk ends). When the
+ * cache has no room, or a copy fails (the slot itself is unchanged), q stops caching and runs on. */
+void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q);
 
 /* sched_spec.c (engine thread) */
 /* The decode of the step's n rows with drafts, verify and accept. */

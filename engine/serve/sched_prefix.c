@@ -52,6 +52,7 @@ int sched_prefix_restore(struct dsv4_sched *s, struct sched_req *q)
         seen[q->prompt[i] / 8] |= (uint8_t)(1u << (q->prompt[i] % 8));
     q->n_prefilled = n;
     q->position = n;
+    q->cache_blocks = hit.n_blocks;
     q->result.cached_tokens = n;
     return 0;
 }
@@ -73,9 +74,11 @@ bool sched_prefix_hot(const struct dsv4_sched *s, const struct sched_req *q, int
     return boundary + s->block >= q->n_prompt || boundary / s->block == q->cache_match;
 }
 
-void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q, int64_t from)
+void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q)
 {
-    for (int64_t k = from / s->block; q->caching && (k + 1) * s->block <= q->position; k++) {
+    if (q->position % s->block)
+        return;
+    for (int64_t k = q->cache_blocks; q->caching && (k + 1) * s->block <= q->position; k++) {
         const int64_t end = (k + 1) * s->block;
         struct save_ctx ctx = { s, q->slot, (int)k };
         int32_t node;
@@ -86,5 +89,6 @@ void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q, int64_t fro
         dsv4_prefix_cache_release(s->prefix, q->cache_node);
         q->cache_node = r == 0 ? node : DSV4_PREFIX_ROOT;
         q->caching = r == 0;
+        q->cache_blocks = (int)k + 1;
     }
 }

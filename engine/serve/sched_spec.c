@@ -89,7 +89,7 @@ void sched_spec_decode(struct dsv4_sched *s, int n)
                 }
                 q->position += keep;
                 if (q->caching && q->position % s->block == 0)
-                    sched_prefix_advance(s, q, q->position - 1);
+                    sched_prefix_advance(s, q);
                 if (!q->done)
                     sched_take_token(s, q, &smp);
                 break;

@@ -135,24 +135,19 @@ static void note_prefill_rate(struct dsv4_sched *s, int tokens, uint64_t ns)
                               ? s->prefill_ns_per_token + SCHED_RATE_WEIGHT * (per - s->prefill_ns_per_token) : per;
 }
 
-/* A prefill chunk of q while its blocks join the prefix cache: its end is where the slot's state can
- * be saved, so the chunk ends at the first boundary worth keeping that it would pass (the prompt's
+/* A prefill chunk of q while its blocks join the prefix cache: the slot's state can be kept only where
+ * a chunk ends, so the chunk ends at the first boundary worth keeping that it would pass (the prompt's
  * last short of its last token, where the same prompt again resumes, or where the prompt leaves the
- * cached chain), else at the last boundary it reaches; one that reaches none runs whole. The blocks
- * passed on the way are saved all the same. */
+ * cached chain); else it runs whole, and the blocks it completes join the cache where the slot next
+ * stands on a boundary (sched_prefix_advance). */
 static int cached_chunk(const struct dsv4_sched *s, const struct sched_req *q, int chunk)
 {
     const int64_t B = s->block, p = q->position;
     const int64_t hot[2] = { (int64_t)q->cache_match * B, (int64_t)(q->n_prompt - 1) / B * B };
     int64_t end = p + chunk;
-    bool cut = false;
     for (int i = 0; i < 2; i++)
-        if (hot[i] > p && hot[i] < end) {
+        if (hot[i] > p && hot[i] < end)
             end = hot[i];
-            cut = true;
-        }
-    if (!cut && end / B * B > p)
-        end = end / B * B;
     return (int)(end - p);
 }
 
@@ -216,7 +211,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
             prefill_tokens += chunk;
             prefill_chunks++;
             if (q->caching)
-                sched_prefix_advance(s, q, q->position - chunk);
+                sched_prefix_advance(s, q);
             if (s->fatal)
                 break;
             if (last) {
@@ -237,12 +232,10 @@ int dsv4_sched_step(struct dsv4_sched *s)
             }
             if (budget == 0)
                 break;
-            /* The cache ended the chunk at a block boundary and less than a block of budget is left:
-             * a call of those few rows would cost nearly a whole chunk's weight reads, so q goes on
-             * from the boundary next step (a budget that is no multiple of the block, as
-             * decode_stall_ms makes, would otherwise add one such call every step). Not when the rest
-             * of the prompt fits what is left: its calls are the same now or next step, and waiting
-             * would only hold its first token back a step. */
+            /* The cache ended the chunk at a boundary worth keeping and less than a block of budget is
+             * left: a call of those few rows would cost nearly a whole chunk's weight reads, so q goes
+             * on from the boundary next step. Not when the rest of the prompt fits what is left: its
+             * calls are the same now or next step, and waiting would only hold its first token back. */
             if (chunk < asked && budget < s->block && left - chunk > budget)
                 break;
         }
@@ -281,7 +274,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
                 continue;   /* ended by a fatal backend error earlier in this loop */
             q->position++;
             if (q->caching && q->position % s->block == 0)
-                sched_prefix_advance(s, q, q->position - 1);
+                sched_prefix_advance(s, q);
             if (q->done)
                 continue;
             if (s->row_rc[k] < 0)

@@ -53,13 +53,13 @@
  * keeps an engine/serve/prefix_cache.h index over it. A request's first prefill restores the longest
  * cached prefix of its prompt that ends on a block boundary, short of the last prompt token (whose
  * logits prefill must make), and prefills only the rest: result.cached_tokens says how many prompt
- * tokens that skipped. Prefill chunks then run whole (the step's budget) and every block a chunk
- * completes joins the request's chain in the cache (its compressed entries stay in the slot); the
- * slot's state (window and compressors) is kept only where the slot stands: at a chunk's end, and
- * at every boundary while decoding. A chunk ends early at the boundaries worth keeping: the prompt's
- * last short of its last token (where the same prompt again resumes) and where the prompt leaves the
- * cached chain; else at the last boundary it reaches. A request resumes only where some slot's state
- * was kept. The logits, tokens and penalty history of a restored request are exactly those of a cold
+ * tokens that skipped. Prefill chunks then run whole (the step's budget) and every block the slot
+ * completes joins the request's chain in the cache (its compressed entries stay in the slot) once
+ * the slot stands on a block boundary; the slot's state (window and compressors) is kept only there:
+ * at a chunk's end on a boundary, and at every boundary while decoding. A chunk ends early at the
+ * boundaries worth keeping: the prompt's last short of its last token (where the same prompt again
+ * resumes) and where the prompt leaves the cached chain. A request resumes only where some slot's
+ * state was kept. The logits, tokens and penalty history of a restored request are exactly those of a cold
  * one: the same state continues with the same arithmetic.
  *
  * Speculative decoding. When the backend speculates (backend->spec_tokens > 0 with its draft, verify

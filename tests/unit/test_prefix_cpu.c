@@ -336,35 +336,45 @@ static void test_same_prompt_again(void **state)
     pair_close(&p);
 }
 
-/* A step budget of 2.5 blocks (as decode_stall_ms makes: no multiple of the block): with the cache
- * on, each step prefills the 2 blocks up to its last boundary and leaves the half block to the next
- * step rather than a call of its own, so a prompt of 10 blocks and 3 tokens takes 6 calls (5 of 2
- * blocks, the 3 tokens), where a call for each step's half block made it 7. The answer is the cold one. */
+/* Step budgets that are no multiple of the block (as decode_stall_ms makes), 2.5 blocks and 0.7 of
+ * one: with the cache on a prompt of 10 blocks and 3 tokens prefills in the calls it takes without
+ * a pool, and one more where a chunk ends at the prompt's last boundary; the blocks completed in
+ * the middle of a chunk join the cache where the slot next stands on a boundary, so the same prompt
+ * again restores all 10. The answers are the cold ones. */
 static void test_budget_past_a_boundary(void **state)
 {
     (void)state;
-    struct pair p;
     struct dsv4_sampling sp[2];
     struct answer a;
     struct dsv4_sched_stats st;
+    char what[96];
     samplings(sp);
     struct dsv4_weights *w = load("tiny_a");
-    const int B = dsv4_config_prefix_block(&w->cfg);
+    const int B = dsv4_config_prefix_block(&w->cfg), V = w->cfg.vocab_size;
     dsv4_weights_free(w);
-    const int n = 10 * B + 3;
-    pair_open(&p, "tiny_a", 1, 12 * B, POOL_BYTES, 2 * B + B / 2);
+    const int n = 10 * B + 3, budgets[2] = { 2 * B + B / 2, B * 7 / 10 };
     int32_t t[MAX_PROMPT];
     assert_true(n <= MAX_PROMPT && B >= 4);
-    prefix_tokens(t, n, p.V, 7);
-    both(&p, t, n, &sp[0], &a, "a 10-block prompt under a budget of 2.5 blocks");
-    assert_int_equal(a.cached_tokens, 0);
-    dsv4_sched_get_stats(p.warm.s, &st);
-    assert_true(st.prefill_tokens == (uint64_t)n);
-    if (st.prefill_chunks != 6)
-        fail_msg("%llu prefill calls, not 6", (unsigned long long)st.prefill_chunks);
-    dsv4_sched_get_stats(p.cold.s, &st);
-    assert_true(st.prefill_chunks == (uint64_t)((n + 2 * B + B / 2 - 1) / (2 * B + B / 2)));
-    pair_close(&p);
+    prefix_tokens(t, n, V, 7);
+    for (int i = 0; i < 2; i++) {
+        struct pair p;
+        pair_open(&p, "tiny_a", 1, 12 * B, POOL_BYTES, budgets[i]);
+        snprintf(what, sizeof(what), "a 10-block prompt under a budget of %d tokens (blocks of %d)", budgets[i], B);
+        both(&p, t, n, &sp[0], &a, what);
+        assert_int_equal(a.cached_tokens, 0);
+        dsv4_sched_get_stats(p.cold.s, &st);
+        const uint64_t cold = st.prefill_chunks;
+        assert_true(cold == (uint64_t)((n + budgets[i] - 1) / budgets[i]));
+        dsv4_sched_get_stats(p.warm.s, &st);
+        assert_true(st.prefill_tokens == (uint64_t)n);
+        if (st.prefill_chunks < cold || st.prefill_chunks > cold + 1)
+            fail_msg("%s: %llu prefill calls, %llu without a pool", what, (unsigned long long)st.prefill_chunks,
+                     (unsigned long long)cold);
+        assert_int_equal(st.prefix.blocks_saved, 10);
+        both(&p, t, n, &sp[1], &a, what);
+        assert_int_equal(a.cached_tokens, 10 * B);
+        pair_close(&p);
+    }
 }
 
 /* A prompt that fits the step's budget gets its first token in that step with the cache on too: its
