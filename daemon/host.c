@@ -180,22 +180,7 @@ static int boot(struct dsv4_host *h)
     h->numerics = opts.numerics == DSV4_NUMERICS_FP8 ? "fp8" : "exact";
     opts.expert_offload = cfg->expert_offload;
     opts.expert_host_share = cfg->expert_host_share;
-    if (cfg->expert_placement[0]) {
-        const struct dsv4_config *mc = &h->weights->cfg;
-        h->expert_counts = calloc((size_t)mc->n_layers * (size_t)mc->n_experts, sizeof(*h->expert_counts));
-        if (!h->expert_counts)
-            return dsv4_error_set(-ENOMEM, "expert_placement: counts of %d x %d experts", mc->n_layers,
-                                  mc->n_experts);
-        char stats_model[sizeof(mc->model_name)];
-        r = dsv4_routing_stats_read_model(cfg->expert_placement, mc->n_layers, mc->n_experts, h->expert_counts,
-                                          stats_model, sizeof(stats_model));
-        if (r < 0)
-            return dsv4_error_prefix(r, "expert_placement: ");
-        if (strcmp(stats_model, mc->model_name) != 0)
-            dsv4_log_notice("expert_placement %s: routing statistics of model \"%s\", serving \"%s\"; used, as "
-                            "their shapes agree", cfg->expert_placement, stats_model, mc->model_name);
-        opts.expert_counts = h->expert_counts;
-    }
+    opts.expert_counts = h->expert_counts;     /* read at the start (read_placement) */
 
     opts.n_gpus = cfg->n_gpus;
     memcpy(opts.gpus, cfg->gpus, sizeof(opts.gpus));
@@ -340,26 +325,31 @@ static void *engine_thread(void *arg)
     return NULL;
 }
 
-int dsv4_host_check_placement(const struct dsv4_settings *cfg, const struct dsv4_config *model)
+/* expert_placement's routing statistics into h->expert_counts, against the model's shape: read before
+ * the weights load, so that a file missing, unreadable or of another shape is a setting to fix
+ * (-EINVAL: exit status 2) found at once, not after the load (exit 1, which systemd would retry). */
+static int read_placement(struct dsv4_host *h, const struct dsv4_config *model)
 {
-    if (!cfg->expert_placement[0])
-        return 0;
+    const char *path = h->cfg->expert_placement;
     char stats_model[sizeof(model->model_name)];
-    uint64_t *counts = calloc((size_t)model->n_layers * (size_t)model->n_experts, sizeof(*counts));
-    if (!counts)
+    h->expert_counts = calloc((size_t)model->n_layers * (size_t)model->n_experts, sizeof(*h->expert_counts));
+    if (!h->expert_counts)
         return dsv4_error_set(-ENOMEM, "expert_placement: counts of %d x %d experts", model->n_layers,
                               model->n_experts);
-    int r = dsv4_routing_stats_read_model(cfg->expert_placement, model->n_layers, model->n_experts, counts,
-                                          stats_model, sizeof(stats_model));
-    free(counts);
+    int r = dsv4_routing_stats_read_model(path, model->n_layers, model->n_experts, h->expert_counts, stats_model,
+                                          sizeof(stats_model));
     if (r < 0) {
         dsv4_error_prefix(r, "expert_placement: ");
         return r == -ENOMEM ? r : -EINVAL;
     }
+    if (strcmp(stats_model, model->model_name) != 0)
+        dsv4_log_notice("expert_placement %s: routing statistics of model \"%s\", serving \"%s\"; used, as their "
+                        "shapes agree", path, stats_model, model->model_name);
     return 0;
 }
 
-int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_tokenizer *tok, struct dsv4_host **ret)
+int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_config *model,
+                    const struct dsv4_tokenizer *tok, struct dsv4_host **ret)
 {
     struct dsv4_host *h = calloc(1, sizeof(*h));
     int r;
@@ -385,6 +375,12 @@ int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_tokenizer
         dsv4_error_prefix(r, "routing_stats: ");
         return r == -ENOENT || r == -ENOTDIR || r == -EACCES || r == -EPERM || r == -EROFS || r == -ENAMETOOLONG ||
                r == -ELOOP || r == -EISDIR ? -EINVAL : r;
+    }
+    if (cfg->expert_placement[0] && (r = read_placement(h, model)) < 0) {
+        close(h->boot_fd);
+        free(h->expert_counts);
+        free(h);
+        return r;
     }
     atomic_store(&h->phase, DSV4_HOST_LOADING_WEIGHTS);
     r = pthread_create(&h->thread, NULL, engine_thread, h);

@@ -22,12 +22,12 @@ enum dsv4_host_phase {
 
 struct dsv4_host;
 
-/* Start the engine thread; it boots in the background. tok is borrowed (it must outlive the host). */
-int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_tokenizer *tok, struct dsv4_host **ret);
-/* Before the start: cfg's expert_placement file (if any) read as routing statistics of the model's
- * shape (model: its config.json). A file missing, unreadable or of another shape is -EINVAL with the
- * reason (a setting to fix: exit status 2), found now rather than after the weights have loaded. */
-int dsv4_host_check_placement(const struct dsv4_settings *cfg, const struct dsv4_config *model);
+/* Start the engine thread; it boots in the background. tok is borrowed (it must outlive the host).
+ * model: the model's config.json, against whose shape cfg's expert_placement file is read here,
+ * before the weights load: a file missing, unreadable or of another shape is -EINVAL with the
+ * reason (a setting to fix: exit status 2), as is a routing_stats path where no file can be made. */
+int dsv4_host_start(const struct dsv4_settings *cfg, const struct dsv4_config *model,
+                    const struct dsv4_tokenizer *tok, struct dsv4_host **ret);
 
 /* An eventfd, readable once boot has finished (phase RUNNING or FAILED), and again if the step loop
  * fails later (phase FAILED). */

@@ -445,9 +445,6 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
     r = dsv4_config_load(cfg->model, &s->model);
     if (r < 0)
         return dsv4_error_prefix(r, "model %s: ", cfg->model);
-    r = dsv4_host_check_placement(cfg, &s->model);
-    if (r < 0)
-        return r;
     r = load_tokenizer(s);
     if (r < 0)
         return r;
@@ -466,7 +463,7 @@ int dsv4_server_init(struct dsv4_server *s, const struct dsv4_settings *cfg)
     if (r < 0)
         return r;
 
-    r = dsv4_host_start(cfg, d->tok, &s->host);
+    r = dsv4_host_start(cfg, &s->model, d->tok, &s->host);
     if (r < 0)
         return r;
     d->host = s->host;
