@@ -420,6 +420,11 @@ int dsv4_prefix_cache_extend(struct dsv4_prefix_cache *c, int32_t parent, const 
     return 0;
 }
 
+int dsv4_prefix_cache_blocks(const struct dsv4_prefix_cache *c, int32_t node)
+{
+    return node == DSV4_PREFIX_ROOT ? 0 : c->nodes[node].depth;
+}
+
 void dsv4_prefix_cache_release(struct dsv4_prefix_cache *c, int32_t node)
 {
     if (node == DSV4_PREFIX_ROOT)

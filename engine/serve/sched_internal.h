@@ -65,7 +65,6 @@ struct sched_req {
     bool caching;                   /* the blocks the slot completes join its chain in the prefix cache */
     int32_t cache_node;             /* the prefix-cache node the slot continues (held), or ROOT */
     int cache_match;                /* prompt blocks found in the cache: where the request leaves it */
-    int cache_blocks;               /* blocks of the slot's sequence in its chain (the next to join) */
     int32_t pending;
     size_t emitted;                 /* text bytes already streamed */
     int n_raw;                      /* incomplete UTF-8 sequence awaiting more bytes */

@@ -52,7 +52,6 @@ int sched_prefix_restore(struct dsv4_sched *s, struct sched_req *q)
         seen[q->prompt[i] / 8] |= (uint8_t)(1u << (q->prompt[i] % 8));
     q->n_prefilled = n;
     q->position = n;
-    q->cache_blocks = hit.n_blocks;
     q->result.cached_tokens = n;
     return 0;
 }
@@ -78,8 +77,10 @@ void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q)
 {
     if (q->position % s->block)
         return;
-    for (int64_t k = q->cache_blocks; q->caching && (k + 1) * s->block <= q->position; k++) {
+    for (int64_t k = dsv4_prefix_cache_blocks(s->prefix, q->cache_node); q->caching; k++) {
         const int64_t end = (k + 1) * s->block;
+        if (end > q->position)
+            break;
         struct save_ctx ctx = { s, q->slot, (int)k };
         int32_t node;
         int r = dsv4_prefix_cache_extend(s->prefix, q->cache_node, seq_block(s, q, k), end == q->position,
@@ -89,6 +90,5 @@ void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q)
         dsv4_prefix_cache_release(s->prefix, q->cache_node);
         q->cache_node = r == 0 ? node : DSV4_PREFIX_ROOT;
         q->caching = r == 0;
-        q->cache_blocks = (int)k + 1;
     }
 }

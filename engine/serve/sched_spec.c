@@ -88,7 +88,7 @@ void sched_spec_decode(struct dsv4_sched *s, int n)
                     break;
                 }
                 q->position += keep;
-                if (q->caching && q->position % s->block == 0)
+                if (q->caching)
                     sched_prefix_advance(s, q);
                 if (!q->done)
                     sched_take_token(s, q, &smp);

@@ -142,13 +142,11 @@ static void note_prefill_rate(struct dsv4_sched *s, int tokens, uint64_t ns)
  * stands on a boundary (sched_prefix_advance). */
 static int cached_chunk(const struct dsv4_sched *s, const struct sched_req *q, int chunk)
 {
-    const int64_t B = s->block, p = q->position;
-    const int64_t hot[2] = { (int64_t)q->cache_match * B, (int64_t)(q->n_prompt - 1) / B * B };
-    int64_t end = p + chunk;
-    for (int i = 0; i < 2; i++)
-        if (hot[i] > p && hot[i] < end)
-            end = hot[i];
-    return (int)(end - p);
+    const int64_t p = q->position;
+    for (int64_t b = (p / s->block + 1) * s->block; b < p + chunk; b += s->block)
+        if (sched_prefix_hot(s, q, b))
+            return (int)(b - p);
+    return chunk;
 }
 
 int dsv4_sched_step(struct dsv4_sched *s)
@@ -273,7 +271,7 @@ int dsv4_sched_step(struct dsv4_sched *s)
             if (q->done)
                 continue;   /* ended by a fatal backend error earlier in this loop */
             q->position++;
-            if (q->caching && q->position % s->block == 0)
+            if (q->caching)
                 sched_prefix_advance(s, q);
             if (q->done)
                 continue;
