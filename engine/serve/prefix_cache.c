@@ -420,6 +420,13 @@ int dsv4_prefix_cache_extend(struct dsv4_prefix_cache *c, int32_t parent, const 
     return 0;
 }
 
+int dsv4_prefix_cache_chain_max(const struct dsv4_prefix_cache *c)
+{
+    /* without block records a chain is bound by the nodes, one a block */
+    const int64_t fit = c->g.block_pages ? (c->g.n_pages - c->g.boundary_pages) / c->g.block_pages : c->max_nodes;
+    return fit < c->max_blocks ? (int)fit : c->max_blocks;
+}
+
 int dsv4_prefix_cache_blocks(const struct dsv4_prefix_cache *c, int32_t node)
 {
     return node == DSV4_PREFIX_ROOT ? 0 : c->nodes[node].depth;

@@ -82,6 +82,10 @@ void dsv4_prefix_cache_lookup(struct dsv4_prefix_cache *c, const int32_t *tokens
 int dsv4_prefix_cache_extend(struct dsv4_prefix_cache *c, int32_t parent, const int32_t *block_tokens, bool boundary,
                              bool hot, dsv4_prefix_save_fn save, void *ctx, int32_t *ret_node);
 
+/* The most blocks one chain can hold with the state at its end: deeper blocks could only be restored
+ * from a boundary record that no longer fits beside them. */
+int dsv4_prefix_cache_chain_max(const struct dsv4_prefix_cache *c);
+
 /* The blocks of node's chain (ROOT: 0): the index of the block that extends it. */
 int dsv4_prefix_cache_blocks(const struct dsv4_prefix_cache *c, int32_t node);
 

@@ -76,6 +76,7 @@ struct dsv4_sched {
     struct dsv4_backend *backend;
     struct dsv4_prefix_cache *prefix;   /* NULL when the backend has no prefix pool */
     int block;                      /* its tokens per block */
+    int chain_max;                  /* the most blocks a chain holds (dsv4_prefix_cache_chain_max) */
     int32_t *block_tokens;          /* [block] a decode snapshot's tokens */
     const struct dsv4_tokenizer *tok;
     struct dsv4_sched_detok detok;
@@ -215,13 +216,15 @@ void sched_sample_decode_rows(struct dsv4_sched *s, int n);
 int sched_prefix_restore(struct dsv4_sched *s, struct sched_req *q);
 /* Whether the slot's state at block boundary `boundary` is worth keeping longer: the prompt's last
  * boundary short of its last token (where the same prompt again resumes) and any after it, where
- * the prompt leaves the cached chain, or any point while generating. */
+ * the prompt leaves the cached chain, the deepest boundary a chain can reach in the pool, or any
+ * point while generating. */
 bool sched_prefix_hot(const struct dsv4_sched *s, const struct sched_req *q, int64_t boundary);
 /* q's slot moved on. When it stands on a block boundary, every block completed since the last that
  * joined q's chain joins it now (the backend saves their entries: they stay in the slot), the last
  * one with the slot's state there; mid-block the backends save nothing, so those blocks wait for the
- * next boundary the slot stands on (at the latest the prompt's last, where a chunk ends). When the
- * cache has no room, or a copy fails (the slot itself is unchanged), q stops caching and runs on. */
+ * next boundary the slot stands on (at the latest the prompt's last, where a chunk ends). At the
+ * pool's chain_max blocks, when the cache has no room, or when a copy fails (the slot itself is
+ * unchanged), q stops caching and runs on. */
 void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q);
 
 /* sched_spec.c (engine thread) */

@@ -70,7 +70,8 @@ static const int32_t *seq_block(struct dsv4_sched *s, const struct sched_req *q,
 
 bool sched_prefix_hot(const struct dsv4_sched *s, const struct sched_req *q, int64_t boundary)
 {
-    return boundary + s->block >= q->n_prompt || boundary / s->block == q->cache_match;
+    const int64_t k = boundary / s->block;
+    return boundary + s->block >= q->n_prompt || k == q->cache_match || k == s->chain_max;
 }
 
 void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q)
@@ -81,6 +82,11 @@ void sched_prefix_advance(struct dsv4_sched *s, struct sched_req *q)
         const int64_t end = (k + 1) * s->block;
         if (end > q->position)
             break;
+        /* a deeper block would evict the others for a chain that no boundary record could end */
+        if (k == s->chain_max) {
+            q->caching = false;
+            break;
+        }
         struct save_ctx ctx = { s, q->slot, (int)k };
         int32_t node;
         int r = dsv4_prefix_cache_extend(s->prefix, q->cache_node, seq_block(s, q, k), end == q->position,

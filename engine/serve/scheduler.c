@@ -243,6 +243,7 @@ int dsv4_sched_create(struct dsv4_backend *b, const struct dsv4_tokenizer *tok,
         s->st.prefix_cache = true;
         s->allocations += s->st.prefix.allocations;
         s->block = b->prefix.block;
+        s->chain_max = dsv4_prefix_cache_chain_max(s->prefix);
         s->block_tokens = sched_alloc(s, (size_t)s->block, sizeof(int32_t));
         if (!s->block_tokens) {
             r = dsv4_error_set(-ENOMEM, "scheduler: out of memory");

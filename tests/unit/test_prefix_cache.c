@@ -376,6 +376,7 @@ static void test_no_block_pages(void **state)
     tokens(t, 5 * B, 10);
     tokens(u, B, 11);
     assert_int_equal(dsv4_prefix_cache_create(&g, CTX, &c), 0);
+    assert_int_equal(dsv4_prefix_cache_chain_max(c), 4);     /* a node a block */
 
     /* 4 blocks take every node (and page); the chain's end is held, so nothing can make a node */
     p.prefix = t;
@@ -429,6 +430,11 @@ static void test_passed_blocks(void **state)
     struct dsv4_prefix_stats st;
     int32_t t[5 * B];
     tokens(t, 5 * B, 5);
+    /* a chain's depth: max_context's 16 blocks here; 9 pages hold 7 blocks and a boundary record */
+    assert_int_equal(dsv4_prefix_cache_chain_max(c), CTX / B);
+    struct dsv4_prefix_cache *small = make(9);
+    assert_int_equal(dsv4_prefix_cache_chain_max(small), 7);
+    dsv4_prefix_cache_destroy(small);
 
     int32_t at = DSV4_PREFIX_ROOT, next;
     p.prefix = t;

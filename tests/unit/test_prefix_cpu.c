@@ -470,6 +470,44 @@ static void test_eviction(void **state)
     pair_close(&p);
 }
 
+/* A prompt longer than the pool can hold: its chain stops at the deepest block the pool holds with
+ * the state there (a chunk ends at that boundary to keep it), instead of evicting everything else for
+ * blocks that nothing could restore. The same prompt again restores those blocks; the answers are the
+ * cold ones. */
+static void test_prompt_past_the_pool(void **state)
+{
+    (void)state;
+    struct dsv4_weights *w = load("tiny_a");
+    struct dsv4_backend_opts bo = { .max_batch = 1, .max_context = 128, .threads = 1,
+                                    .prefix_pool_bytes = POOL_BYTES };
+    struct dsv4_backend *probe;
+    assert_int_equal(dsv4_backend_cpu_create(w, &bo, &probe), 0);
+    const struct dsv4_prefix_geom g = probe->prefix;
+    dsv4_backend_destroy(probe);
+    dsv4_weights_free(w);
+    assert_true(g.block_pages > 0);
+
+    struct pair p;
+    struct dsv4_sampling sp[2];
+    struct answer a;
+    samplings(sp);
+    /* room for a chain of 4 blocks and the state at its end */
+    pair_open(&p, "tiny_a", 1, 12 * 16, (4 * g.block_pages + g.boundary_pages) * g.page_bytes, 512);
+    const int B = p.B, n = 10 * B + 3;
+    int32_t t[10 * 16 + 3];
+    assert_int_equal(B, 16);
+    prefix_tokens(t, n, p.V, 40);
+    both(&p, t, n, &sp[0], &a, "a prompt of 10 blocks in a pool of 4");
+    assert_int_equal(a.cached_tokens, 0);
+    struct dsv4_sched_stats st;
+    dsv4_sched_get_stats(p.warm.s, &st);
+    assert_int_equal(st.prefix.blocks_saved, 4);
+    assert_int_equal(st.prefix.boundaries_saved, 1);
+    both(&p, t, n, &sp[1], &a, "the same prompt again");
+    assert_int_equal(a.cached_tokens, 4 * B);
+    pair_close(&p);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -481,6 +519,7 @@ int main(void)
         cmocka_unit_test(test_budget_past_a_boundary),
         cmocka_unit_test(test_prompt_within_budget),
         cmocka_unit_test(test_eviction),
+        cmocka_unit_test(test_prompt_past_the_pool),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
