@@ -12,11 +12,11 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "engine/error.h"
 #include "engine/serve/prefix_cache.h"
 
-#define HASH_SEED 0x243f6a8885a308d3ull         /* the root's hash */
 #define HASH_MUL 0x9e3779b97f4a7c15ull
 
 enum { LIST_HOT, LIST_COLD, N_LISTS };
@@ -38,6 +38,7 @@ struct list {
 
 struct dsv4_prefix_cache {
     struct dsv4_prefix_geom g;
+    uint64_t root_hash;             /* drawn at create: clients who send the tokens cannot aim at one bucket */
     int max_blocks;                 /* max_context / block */
     int32_t max_nodes;
     struct node *nodes;
@@ -138,7 +139,7 @@ static uint64_t block_hash(uint64_t h, const int32_t *t, int n)
 
 static uint64_t hash_of(const struct dsv4_prefix_cache *c, int32_t i)
 {
-    return i == DSV4_PREFIX_ROOT ? HASH_SEED : c->nodes[i].hash;
+    return i == DSV4_PREFIX_ROOT ? c->root_hash : c->nodes[i].hash;
 }
 
 static const int32_t *tokens_of(const struct dsv4_prefix_cache *c, int32_t i)
@@ -252,6 +253,11 @@ int dsv4_prefix_cache_create(const struct dsv4_prefix_geom *g, int max_context, 
     if (!c)
         return dsv4_error_set(-ENOMEM, "prefix cache: out of memory");
     c->g = *g;
+    if (getrandom(&c->root_hash, sizeof(c->root_hash), 0) != sizeof(c->root_hash)) {
+        const int e = errno;
+        free(c);
+        return dsv4_error_set(-EIO, "prefix cache: drawing the hash seed: %s", strerror(e));
+    }
     c->max_blocks = max_context / g->block;
     c->max_nodes = g->n_pages;      /* a node holds a page, except in models without compressed layers */
     uint64_t nb = 1;

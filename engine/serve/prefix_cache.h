@@ -5,7 +5,8 @@
  *
  * Index. A node stands for one block of tokens following its parent's (the root is the empty
  * prefix). Nodes are found through a hash of (parent, block tokens) and then compared on both, so a
- * hit is exact whatever the hash does. Each node owns its block record: the compressed entries its
+ * hit is exact whatever the hash does; the hash starts from a seed drawn at create, so prompts
+ * cannot be chosen to pile their blocks into one bucket. Each node owns its block record: the compressed entries its
  * tokens produced, shared by every longer prefix through it rather than copied per prefix. It may
  * also own a boundary record (window and compressor state after its last token), which a
  * continuation from exactly that point needs.
