@@ -41,8 +41,9 @@ options_in_man() {
     [ -z "$missing" ]; ok $? "$(basename "$2") has every option $1 --help lists (missing:${missing:- none})"
 }
 options_in_man dsv4d "$man8"
-options_in_man dsv4ctl "$top_srcdir/doc/dsv4ctl.1"
-options_in_man dsv4-openai "$top_srcdir/doc/dsv4-openai.8"
+options_in_man dsv4ctl "$top_builddir/doc/dsv4ctl.1"
+options_in_man dsv4-run "$top_builddir/doc/dsv4-run.1"
+options_in_man dsv4-openai "$top_builddir/doc/dsv4-openai.8"
 
 tmp=$(mktemp -d /tmp/dsv4d-docs.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
