@@ -24,7 +24,13 @@
  * another thread is inside dsv4_client_generate*() on the same handle (it must not race with
  * dsv4_client_close(): stop calling it before closing). Different handles are
  * independent. The library keeps no global state and installs no signal handlers; it writes with
- * MSG_NOSIGNAL, so a closed server never raises SIGPIPE. Strings in and out are UTF-8. */
+ * MSG_NOSIGNAL, so a closed server never raises SIGPIPE. Strings in and out are UTF-8.
+ *
+ * Compatibility: the caller allocates every struct this header defines, so a field added to one (always
+ * at its end) changes the ABI as a changed signature does. Each such change raises DSV4_CLIENT_ABI, the
+ * N of the library's soname libdsv4client.so.N, so a program built against an older header keeps
+ * loading the library it was built for. Stats keys a server leaves out read as 0 and are told apart
+ * with dsv4_client_stats_has; the protocol version is negotiated by dsv4_client_hello. */
 #ifndef DSV4CLIENT_H
 #define DSV4CLIENT_H
 
@@ -35,6 +41,9 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* The ABI this header describes (above): libdsv4client.so.1. */
+#define DSV4_CLIENT_ABI 1
 
 /* Where dsv4_client_connect(c, NULL, ...) looks when $DSV4_SOCKET is unset or empty. */
 #define DSV4_CLIENT_DEFAULT_SOCKET "/run/dsv4d/dsv4d.sock"
