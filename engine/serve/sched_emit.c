@@ -45,6 +45,32 @@ static int utf8_append(char *text, size_t cap, size_t *len, const unsigned char 
     return 0;
 }
 
+const double dsv4_sched_latency_bounds_s[DSV4_SCHED_LATENCY_BOUNDS] = {
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80,
+};
+
+static void latency_observe(struct dsv4_sched_latency *h, double v)
+{
+    int i = 0;
+    while (i < DSV4_SCHED_LATENCY_BOUNDS && v > dsv4_sched_latency_bounds_s[i])
+        i++;
+    h->buckets[i]++;
+    h->count++;
+    h->sum_s += v;
+}
+
+/* Under the lock, once for each request that got a slot, as it leaves it (scheduler.h, stats). */
+static void latency_observe_request(struct dsv4_sched *s, const struct dsv4_sched_result *res)
+{
+    const struct dsv4_sched_timings *tm = &res->timings;
+    latency_observe(&s->st.queue, tm->queue_s);
+    if (tm->first_token_ns)
+        latency_observe(&s->st.ttft, (double)(tm->first_token_ns - tm->submit_ns) * 1e-9);
+    if (res->completion_tokens >= 2)
+        latency_observe(&s->st.tpot, tm->decode_s / (res->completion_tokens - 1));
+    latency_observe(&s->st.e2e, (double)(tm->finish_ns - tm->submit_ns) * 1e-9);
+}
+
 /* ---- engine-thread side ---- */
 
 struct dsv4_sched_event *sched_stage_event(struct dsv4_sched *s, enum dsv4_sched_event_type type,
@@ -106,6 +132,7 @@ void sched_unlink_finished(struct dsv4_sched *s)
         q->slot = -1;
         s->st.finished[q->result.finish]++;
         s->st.unreleased++;
+        latency_observe_request(s, &q->result);
     }
     s->n_running = w;
 }

@@ -96,6 +96,9 @@
 #define DSV4_SCHED_BATCH_BUCKETS 9          /* decode batch sizes 1, 2, 3-4, 5-8, ..., 129+ */
 #define DSV4_SCHED_REQUESTS_MAX 65536       /* max_requests ceiling */
 #define DSV4_SCHED_SAMPLER_THREADS_MAX 1024
+/* The latency histograms' finite bucket bounds (dsv4_sched_latency_bounds_s); one more bucket holds
+ * what lies above the last. */
+#define DSV4_SCHED_LATENCY_BOUNDS 19
 
 struct dsv4_tokenizer;
 struct dsv4_sched;
@@ -194,6 +197,19 @@ struct dsv4_sched_event {
     const struct dsv4_sched_result *result;
 };
 
+/* Upper bounds in seconds, increasing, of the latency histograms' buckets (1 ms to 80 s), shared by
+ * all four. */
+extern const double dsv4_sched_latency_bounds_s[DSV4_SCHED_LATENCY_BOUNDS];
+
+/* One latency histogram: buckets[i] counts the observations v with bounds[i - 1] < v <= bounds[i]
+ * (not cumulative), buckets[DSV4_SCHED_LATENCY_BOUNDS] those above the last bound; count is their
+ * sum, sum_s the seconds observed. */
+struct dsv4_sched_latency {
+    uint64_t count;
+    double sum_s;
+    uint64_t buckets[DSV4_SCHED_LATENCY_BOUNDS + 1];
+};
+
 struct dsv4_sched_stats {
     uint64_t steps;                 /* steps that did work */
     uint64_t decode_steps;
@@ -220,6 +236,12 @@ struct dsv4_sched_stats {
     uint64_t spec_accept_hist[DSV4_SPEC_TOKENS_MAX + 1];
     bool prefix_cache;              /* the backend has a prefix pool; then `prefix` is its index's */
     struct dsv4_prefix_stats prefix;
+    /* Latency, from the result's timings, of each request that got a slot, observed once as it leaves
+     * the slot, whatever its finish (a request that ends while still queued, cancelled, drained or
+     * failed, is in none): queue, submit -> admitted; ttft, submit -> first token (those that
+     * generated one); tpot, its mean time per token after the first, decode_s / (completion_tokens - 1)
+     * (those that generated two or more); e2e, submit -> finish. */
+    struct dsv4_sched_latency queue, ttft, tpot, e2e;
 };
 
 /* Create over a backend (borrowed, must outlive the scheduler) and a tokenizer (borrowed; may be

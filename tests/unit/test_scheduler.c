@@ -6,6 +6,7 @@
 #include "build-config.h"
 
 #include <errno.h>
+#include <math.h>
 #include <poll.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -864,6 +865,108 @@ static void test_engine_time(void **state)
     env_close(&e);
 }
 
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* h holds exactly the observations v[0..n): each in the bucket its bounds say, their seconds summed. */
+static void expect_latency(const struct dsv4_sched_latency *h, const double *v, int n, const char *what)
+{
+    uint64_t want[DSV4_SCHED_LATENCY_BOUNDS + 1] = { 0 }, total = 0;
+    double sum = 0;
+    for (int k = 0; k < n; k++) {
+        int i = 0;
+        while (i < DSV4_SCHED_LATENCY_BOUNDS && v[k] > dsv4_sched_latency_bounds_s[i])
+            i++;
+        want[i]++;
+        sum += v[k];
+    }
+    if (h->count != (uint64_t)n)
+        fail_msg("%s: count %llu, expected %d", what, (unsigned long long)h->count, n);
+    for (int i = 0; i <= DSV4_SCHED_LATENCY_BOUNDS; i++) {
+        if (h->buckets[i] != want[i])
+            fail_msg("%s: bucket %d holds %llu, expected %llu", what, i, (unsigned long long)h->buckets[i],
+                     (unsigned long long)want[i]);
+        total += h->buckets[i];
+    }
+    assert_int_equal(total, h->count);
+    assert_true(fabs(h->sum_s - sum) <= 1e-9 * (1 + sum));
+}
+
+/* The latency histograms (stats queue, ttft, tpot, e2e) observe each request that got a slot once, as
+ * it leaves it: a 1-token request is in ttft but not tpot, one cancelled in prefill in queue and e2e
+ * only, one cancelled after tokens in all four, one cancelled while queued in none; each observation
+ * is its result's timings, in the bucket the shared bounds say, and no sum exceeds count times the
+ * wall time around the run. */
+static void test_latency_hist(void **state)
+{
+    const struct fake_backend_opts fo = { VOCAB, EOS, -100.0f, 6.0f, 0, false, false, 20, 0 };
+    static int32_t prompt[300];
+    static struct outcome o[5];
+    struct dsv4_sched_stats st;
+    struct env e;
+    uint64_t seed = 12;
+    (void)state;
+    for (int i = 1; i < DSV4_SCHED_LATENCY_BOUNDS; i++)
+        assert_true(dsv4_sched_latency_bounds_s[i] > dsv4_sched_latency_bounds_s[i - 1]);
+    env_open(&e, &fo, 2, 512, 16, 8);
+    random_prompt(&seed, prompt, 300);
+    const double t0 = now_s();
+    struct dsv4_sched_request rq = make_request(prompt, 10, 1, 0);     /* one token */
+    submit(&e, &rq, &o[0]);
+    rq = make_request(prompt, 12, 5, 1);                                /* five */
+    submit(&e, &rq, &o[1]);
+    run_all(&e, o, 2);
+    assert_int_equal(o[0].res.completion_tokens, 1);
+    assert_int_equal(o[1].res.completion_tokens, 5);
+    rq = make_request(prompt, 10, 400, 2);                              /* cancelled after tokens */
+    submit(&e, &rq, &o[2]);
+    rq = make_request(prompt, 300, 50, 0);                              /* cancelled in prefill */
+    submit(&e, &rq, &o[3]);
+    rq = make_request(prompt, 10, 400, 3);                              /* cancelled while queued */
+    submit(&e, &rq, &o[4]);
+    for (int i = 0; i < 5; i++)
+        step(e.s);
+    assert_true(o[2].n_tokens >= 3);
+    assert_int_equal(o[3].n_tokens, 0);
+    for (int i = 2; i < 5; i++)
+        assert_int_equal(dsv4_sched_cancel(e.s, o[i].id), 0);
+    run_all(&e, o, 5);
+    const double wall = now_s() - t0;
+    dsv4_sched_get_stats(e.s, &st);
+    assert_int_equal(st.finished[DSV4_FINISH_CANCELLED], 3);
+    assert_int_equal(o[4].res.timings.admit_ns, 0);
+
+    double queue[5], ttft[5], tpot[5], e2e[5];
+    int nq = 0, nt = 0, np = 0, ne = 0;
+    for (int i = 0; i < 4; i++) {
+        const struct dsv4_sched_timings *tm = &o[i].res.timings;
+        queue[nq++] = tm->queue_s;
+        if (tm->first_token_ns)
+            ttft[nt++] = (double)(tm->first_token_ns - tm->submit_ns) * 1e-9;
+        if (o[i].res.completion_tokens >= 2)
+            tpot[np++] = tm->decode_s / (o[i].res.completion_tokens - 1);
+        e2e[ne++] = (double)(tm->finish_ns - tm->submit_ns) * 1e-9;
+    }
+    assert_int_equal(nt, 3);
+    assert_int_equal(np, 2);
+    expect_latency(&st.queue, queue, nq, "queue");
+    expect_latency(&st.ttft, ttft, nt, "ttft");
+    expect_latency(&st.tpot, tpot, np, "tpot");
+    expect_latency(&st.e2e, e2e, ne, "e2e");
+    const struct dsv4_sched_latency *h[] = { &st.queue, &st.ttft, &st.tpot, &st.e2e };
+    for (int k = 0; k < 4; k++) {
+        assert_true(h[k]->sum_s > 0);
+        assert_true(h[k]->sum_s <= (double)h[k]->count * wall);
+    }
+    /* every e2e is at least its queue and ttft */
+    assert_true(st.e2e.sum_s >= st.queue.sum_s && st.e2e.sum_s >= st.ttft.sum_s);
+    env_close(&e);
+}
+
 /* decode_stall_ms: while streams decode, a step prefills what the measured rate fits in the bound
  * (the fake sleeps 100 us a prefilled token, so 20 ms fit at most 200 tokens, fewer when the step's
  * own overhead shows in the rate); with nothing decoding, the whole budget. */
@@ -1557,6 +1660,7 @@ int main(void)
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_run_between),
         cmocka_unit_test(test_engine_time),
+        cmocka_unit_test(test_latency_hist),
         cmocka_unit_test(test_random_workload),
         cmocka_unit_test(test_random_workload_device_sampling),
         cmocka_unit_test(test_reported_seed),
