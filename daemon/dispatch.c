@@ -18,6 +18,7 @@
 /* The stats reply copies the scheduler's histogram: same bucket layout (1, 2, 3-4, ..., open last). */
 _Static_assert(DSV4_SCHED_BATCH_BUCKETS <= DSV4_PROTO_MAX_BATCH_BUCKETS, "batch_size_hist has too few buckets");
 _Static_assert(DSV4_SPEC_TOKENS_MAX + 1 <= DSV4_PROTO_MAX_SPEC_BUCKETS, "spec_accept_hist has too few buckets");
+_Static_assert(DSV4_SCHED_LATENCY_BOUNDS <= DSV4_PROTO_MAX_LATENCY_BOUNDS, "latency_bounds_s has too few entries");
 /* A token event's alternatives are copied into the protocol's fixed arrays. */
 _Static_assert(DSV4_SAMPLER_LOGPROBS_MAX <= DSV4_PROTO_MAX_LOGPROBS, "top_logprobs has too few entries");
 
@@ -782,6 +783,17 @@ out:
     dsv4_proto_tokens_clear(&req);
 }
 
+/* One of the scheduler's latency histograms into the stats reply (same buckets). */
+static void stats_latency(const struct dsv4_sched_latency *h, struct dsv4_proto_latency *ret, uint64_t *ret_count,
+                          double *ret_sum_s)
+{
+    ret->n = DSV4_SCHED_LATENCY_BOUNDS + 1;
+    for (uint32_t i = 0; i < ret->n; i++)
+        ret->buckets[i] = h->buckets[i];
+    *ret_count = h->count;
+    *ret_sum_s = h->sum_s;
+}
+
 static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
 {
     struct dsv4_proto_error err = { 0 };
@@ -836,6 +848,13 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
         st.engine_busy_s = ss.busy_s;
         st.engine_backend_s = ss.backend_s;
         st.engine_gap_s = ss.gap_s;
+        st.n_latency_bounds = DSV4_SCHED_LATENCY_BOUNDS;
+        for (uint32_t i = 0; i < DSV4_SCHED_LATENCY_BOUNDS; i++)
+            st.latency_bounds_s[i] = dsv4_sched_latency_bounds_s[i];
+        stats_latency(&ss.queue, &st.queue_hist, &st.queue_count, &st.queue_sum_s);
+        stats_latency(&ss.ttft, &st.ttft_hist, &st.ttft_count, &st.ttft_sum_s);
+        stats_latency(&ss.tpot, &st.tpot_hist, &st.tpot_count, &st.tpot_sum_s);
+        stats_latency(&ss.e2e, &st.e2e_hist, &st.e2e_count, &st.e2e_sum_s);
         st.sched_allocations = ss.allocations;
         st.sched_allocations_after_boot = ss.allocations - d->boot_sched_allocations;
         if (ss.prefix_cache) {

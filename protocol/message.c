@@ -4,6 +4,7 @@
 #include "build-config.h"
 
 #include <errno.h>
+#include <float.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -872,10 +873,33 @@ static const struct stat_field stat_fields[] = {
     STAT(engine_busy_s, STAT_F64),
     STAT(engine_backend_s, STAT_F64),
     STAT(engine_gap_s, STAT_F64),
+    STAT(queue_count, STAT_U64),
+    STAT(queue_sum_s, STAT_F64),
+    STAT(ttft_count, STAT_U64),
+    STAT(ttft_sum_s, STAT_F64),
+    STAT(tpot_count, STAT_U64),
+    STAT(tpot_sum_s, STAT_F64),
+    STAT(e2e_count, STAT_U64),
+    STAT(e2e_sum_s, STAT_F64),
 };
 
-/* dsv4_proto_stats.present holds a bit per entry */
-_Static_assert(ARRAY_SIZE(stat_fields) <= 64, "stat_fields outgrew dsv4_proto_stats.present");
+/* The array keys dsv4_proto_stats_has answers for; their present bits follow stat_fields'. */
+static const char *const stat_arrays[] = {
+    "batch_size_hist", "spec_accept_hist", "latency_bounds_s", "queue_hist", "ttft_hist", "tpot_hist", "e2e_hist",
+};
+
+/* dsv4_proto_stats.present holds a bit per entry of both */
+_Static_assert(ARRAY_SIZE(stat_fields) + ARRAY_SIZE(stat_arrays) <= 64, "stats keys outgrew dsv4_proto_stats.present");
+
+/* The latency histograms: each one's buckets and the count they must add up to. */
+struct latency_field {
+    const char *name, *count_name;
+    size_t hist, count;
+};
+#define LATENCY(h) { #h "_hist", #h "_count", offsetof(struct dsv4_proto_stats, h##_hist), \
+                     offsetof(struct dsv4_proto_stats, h##_count) }
+static const struct latency_field latency_fields[] = { LATENCY(queue), LATENCY(ttft), LATENCY(tpot), LATENCY(e2e) };
+#undef LATENCY
 
 /* An optional array of uint64 under key, at most max entries, into out[*n]. */
 static int read_u64_array(const msgpack_object *map, const char *key, const char *ctx, uint32_t max, uint64_t *out,
@@ -899,6 +923,62 @@ static int read_u64_array(const msgpack_object *map, const char *key, const char
 }
 #undef STAT
 
+/* latency_bounds_s (at most DSV4_PROTO_MAX_LATENCY_BOUNDS increasing positive seconds), then each
+ * histogram: present, it has one bucket more than the bounds (none without bounds), and its buckets
+ * add up to its count when that was sent. A hostile server cannot make a reader index past the
+ * bounds or print a histogram that contradicts its count. */
+static int read_latency(const msgpack_object *map, const char *ctx, struct dsv4_proto_stats *st,
+                        struct dsv4_proto_error *err)
+{
+    const msgpack_object *k = dsv4_wire_get(map, "latency_bounds_s");
+    if (k) {
+        if (k->type != MSGPACK_OBJECT_ARRAY)
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_WRONG_TYPE, "%s: latency_bounds_s must be an array", ctx);
+        if (k->via.array.size > DSV4_PROTO_MAX_LATENCY_BOUNDS)
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: %u latency_bounds_s entries, above the "
+                                        "limit %u", ctx, k->via.array.size, DSV4_PROTO_MAX_LATENCY_BOUNDS);
+        for (uint32_t i = 0; i < k->via.array.size; i++) {
+            double v;
+            int rc = dsv4_wire_read_num(&k->via.array.ptr[i], ctx, "latency_bounds_s", 0, DBL_MAX,
+                                        DSV4_PROTO_E_BAD_VALUE, &v, err);
+            if (rc)
+                return rc;
+            const double prev = i ? st->latency_bounds_s[i - 1] : 0;
+            if (v <= prev)
+                return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: latency_bounds_s[%u] is %g, must be "
+                                            "above %g (the bounds increase from 0)", ctx, i, v, prev);
+            st->latency_bounds_s[i] = v;
+        }
+        st->n_latency_bounds = k->via.array.size;
+    }
+    const uint32_t want = st->n_latency_bounds ? st->n_latency_bounds + 1 : 0;
+    for (size_t f = 0; f < ARRAY_SIZE(latency_fields); f++) {
+        const struct latency_field *lf = &latency_fields[f];
+        struct dsv4_proto_latency *h = (struct dsv4_proto_latency *)((char *)st + lf->hist);
+        int rc = read_u64_array(map, lf->name, ctx, DSV4_PROTO_MAX_LATENCY_BOUNDS + 1, h->buckets, &h->n, err);
+        if (rc)
+            return rc;
+        if (dsv4_wire_get(map, lf->name) && h->n != want)
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: %s has %u buckets, expected %u (one more "
+                                        "than the %u latency_bounds_s)", ctx, lf->name, h->n, want,
+                                        st->n_latency_bounds);
+        if (!h->n || !dsv4_wire_get(map, lf->count_name))
+            continue;
+        uint64_t total = 0;
+        bool over = false;
+        for (uint32_t i = 0; i < h->n && !over; i++) {
+            over = h->buckets[i] > UINT64_MAX - total;
+            total += over ? 0 : h->buckets[i];
+        }
+        const uint64_t count = *(const uint64_t *)((const char *)st + lf->count);
+        if (over || total != count)
+            return dsv4_proto_error_set(err, DSV4_PROTO_E_BAD_VALUE, "%s: %s buckets add up to %s%llu, %s is %llu",
+                                        ctx, lf->name, over ? "more than " : "", (unsigned long long)total,
+                                        lf->count_name, (unsigned long long)count);
+    }
+    return 0;
+}
+
 int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_stats *st)
 {
     struct dsv4_wire_enc e;
@@ -906,8 +986,10 @@ int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, c
     uint32_t nk = st->n_kernels < DSV4_PROTO_MAX_KERNELS ? st->n_kernels : DSV4_PROTO_MAX_KERNELS;
     uint32_t nb = st->n_batch_hist < DSV4_PROTO_MAX_BATCH_BUCKETS ? st->n_batch_hist : DSV4_PROTO_MAX_BATCH_BUCKETS;
     uint32_t ns = st->n_spec_hist < DSV4_PROTO_MAX_SPEC_BUCKETS ? st->n_spec_hist : DSV4_PROTO_MAX_SPEC_BUCKETS;
+    uint32_t nl = st->n_latency_bounds < DSV4_PROTO_MAX_LATENCY_BOUNDS ? st->n_latency_bounds
+                                                                       : DSV4_PROTO_MAX_LATENCY_BOUNDS;
     dsv4_proto_begin_response(&e, out, msgid);
-    msgpack_pack_map(pk, ARRAY_SIZE(stat_fields) + 4);
+    msgpack_pack_map(pk, ARRAY_SIZE(stat_fields) + 5 + ARRAY_SIZE(latency_fields));
     for (size_t i = 0; i < ARRAY_SIZE(stat_fields); i++) {
         const void *p = (const char *)st + stat_fields[i].offset;
         switch (stat_fields[i].type) {
@@ -929,6 +1011,19 @@ int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, c
     msgpack_pack_array(pk, ns);
     for (uint32_t i = 0; i < ns; i++)
         msgpack_pack_uint64(pk, st->spec_hist[i]);
+    dsv4_wire_key(pk, "latency_bounds_s");
+    msgpack_pack_array(pk, nl);
+    for (uint32_t i = 0; i < nl; i++)
+        msgpack_pack_double(pk, st->latency_bounds_s[i]);
+    for (size_t f = 0; f < ARRAY_SIZE(latency_fields); f++) {
+        const struct dsv4_proto_latency *h =
+            (const struct dsv4_proto_latency *)((const char *)st + latency_fields[f].hist);
+        const uint32_t n = h->n < DSV4_PROTO_MAX_LATENCY_BOUNDS + 1 ? h->n : DSV4_PROTO_MAX_LATENCY_BOUNDS + 1;
+        dsv4_wire_key(pk, latency_fields[f].name);
+        msgpack_pack_array(pk, n);
+        for (uint32_t i = 0; i < n; i++)
+            msgpack_pack_uint64(pk, h->buckets[i]);
+    }
     return dsv4_wire_end(&e);
 }
 
@@ -973,6 +1068,11 @@ int dsv4_proto_decode_stats_result(const struct dsv4_proto_message *msg, struct 
     if (rc == 0)
         rc = read_u64_array(map, "spec_accept_hist", ctx, DSV4_PROTO_MAX_SPEC_BUCKETS, st->spec_hist,
                             &st->n_spec_hist, err);
+    if (rc == 0)
+        rc = read_latency(map, ctx, st, err);
+    for (size_t i = 0; rc == 0 && i < ARRAY_SIZE(stat_arrays); i++)
+        if (dsv4_wire_get(map, stat_arrays[i]))
+            st->present |= 1ull << (ARRAY_SIZE(stat_fields) + i);
     if (rc)
         dsv4_proto_stats_clear(st);
     return rc;
@@ -993,6 +1093,9 @@ bool dsv4_proto_stats_has(const struct dsv4_proto_stats *st, const char *key)
     for (size_t i = 0; i < ARRAY_SIZE(stat_fields); i++)
         if (strcmp(stat_fields[i].name, key) == 0)
             return st->present >> i & 1;
+    for (size_t i = 0; i < ARRAY_SIZE(stat_arrays); i++)
+        if (strcmp(stat_arrays[i], key) == 0)
+            return st->present >> (ARRAY_SIZE(stat_fields) + i) & 1;
     return false;
 }
 

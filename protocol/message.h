@@ -404,6 +404,17 @@ int dsv4_proto_decode_empty_params(const struct dsv4_proto_message *msg, struct 
  * the last bucket also everything larger. 32 buckets reach far beyond any slot count. */
 #define DSV4_PROTO_MAX_BATCH_BUCKETS 32u
 #define DSV4_PROTO_MAX_SPEC_BUCKETS 16u     /* spec_accept_hist: accepted drafts 0..15 */
+/* Latency histograms: latency_bounds_s holds at most this many finite bucket bounds; each histogram
+ * has one bucket more, for what lies above the last. */
+#define DSV4_PROTO_MAX_LATENCY_BOUNDS 63u
+
+/* One latency histogram's buckets (wire: an array of uint): buckets[i] counts the requests whose
+ * seconds v have latency_bounds_s[i - 1] < v <= latency_bounds_s[i], not cumulative; the last bucket,
+ * v above every bound. n is n_latency_bounds + 1, or 0 (none sent). */
+struct dsv4_proto_latency {
+    uint32_t n;
+    uint64_t buckets[DSV4_PROTO_MAX_LATENCY_BOUNDS + 1];
+};
 
 /* A flat map, one key per field (names as below). */
 struct dsv4_proto_stats {
@@ -454,17 +465,26 @@ struct dsv4_proto_stats {
     double engine_busy_s;          /* seconds inside engine steps that did work */
     double engine_backend_s;       /* of those, inside backend calls (the rest: the steps' host work) */
     double engine_gap_s;           /* between a step that left requests running and the next one */
+    /* Latency histograms of the requests that got a slot (doc/PROTOCOL.md): wire "latency_bounds_s",
+     * increasing positive seconds, and "queue_hist", "ttft_hist", "tpot_hist", "e2e_hist"; each with
+     * its count (the sum of its buckets) and its seconds summed. */
+    uint32_t n_latency_bounds;
+    double latency_bounds_s[DSV4_PROTO_MAX_LATENCY_BOUNDS];
+    struct dsv4_proto_latency queue_hist, ttft_hist, tpot_hist, e2e_hist;
+    uint64_t queue_count, ttft_count, tpot_count, e2e_count;
+    double queue_sum_s, ttft_sum_s, tpot_sum_s, e2e_sum_s;
     uint32_t n_kernels;
     char *kernels[DSV4_PROTO_MAX_KERNELS];   /* kernel variants in use */
-    uint64_t present;              /* decoded: which scalar keys the map held (dsv4_proto_stats_has) */
+    uint64_t present;              /* decoded: which numeric keys the map held (dsv4_proto_stats_has) */
 };
 
 int dsv4_proto_encode_stats_result(struct dsv4_proto_buf *out, uint32_t msgid, const struct dsv4_proto_stats *st);
 int dsv4_proto_decode_stats_result(const struct dsv4_proto_message *msg, struct dsv4_proto_stats *st,
                                    struct dsv4_proto_error *err);
 void dsv4_proto_stats_clear(struct dsv4_proto_stats *st);
-/* Whether a decoded stats result held the scalar key (one of the struct's numeric fields, by its wire
- * name): a server older than the key leaves it out, and it reads 0 then, which is not the same. */
+/* Whether a decoded stats result held the numeric key (one of the struct's numeric fields or
+ * histograms, by its wire name): a server older than the key leaves it out, and it reads 0 then,
+ * which is not the same. */
 bool dsv4_proto_stats_has(const struct dsv4_proto_stats *st, const char *key);
 
 enum dsv4_proto_health_status {

@@ -308,6 +308,26 @@ os.kill(os.getpid(), signal.SIGKILL)
     t.ok(all(tm["decode_ms"] > 0 and abs(tm["decode_tokens_per_s"] - (n_tok - 1) * 1000.0 / tm["decode_ms"])
              <= 1e-9 * tm["decode_tokens_per_s"] for tm in tms),
          "each result's decode_tokens_per_s is (completion_tokens - 1) / decode_ms", tms)
+    # Latency histograms: each of the requests is observed once in each (it got a slot and made 9
+    # tokens); tpot is its decode_ms / (completion_tokens - 1); the engine's clock starts at its submit,
+    # after the result's (acceptance), so its queue and e2e are at most the result's queue_ms and total_ms.
+    bounds = st1.get("latency_bounds_s", [])
+    t.ok(len(bounds) == 19 and all(a < b for a, b in zip(bounds, bounds[1:])) and bounds[0] == 0.001
+         and bounds[-1] == 80, "latency_bounds_s: 1 ms to 80 s, increasing", bounds)
+    for h in ("queue", "ttft", "tpot", "e2e"):
+        b0, b1 = st0["%s_hist" % h], st1["%s_hist" % h]
+        t.ok(len(b0) == len(b1) == len(bounds) + 1 and sum(b1) == st1["%s_count" % h]
+             and st1["%s_count" % h] - st0["%s_count" % h] == n_req
+             and all(y >= x for x, y in zip(b0, b1)),
+             "%s_hist: one bucket more than the bounds, sums to %s_count, which grew by one a request" % (h, h),
+             (b0, b1, st0["%s_count" % h], st1["%s_count" % h]))
+    d_sum = {h: st1["%s_sum_s" % h] - st0["%s_sum_s" % h] for h in ("queue", "ttft", "tpot", "e2e")}
+    tpot_want = sum(tm["decode_ms"] / 1000.0 / (n_tok - 1) for tm in tms)
+    t.ok(abs(d_sum["tpot"] - tpot_want) <= 1e-6 * tpot_want, "tpot_sum_s grew by each decode_ms / (n - 1)",
+         (d_sum, tms))
+    t.ok(0 < d_sum["queue"] <= sum(tm["queue_ms"] for tm in tms) / 1000.0
+         and 0 < d_sum["ttft"] < d_sum["e2e"] <= sum(tm["total_ms"] for tm in tms) / 1000.0,
+         "queue_sum_s and e2e_sum_s within the results' queue_ms and total_ms; ttft below e2e", (d_sum, tms))
 
     # Four requests pipelined on one connection share decode steps: batch sizes above 1 are counted.
     mids = [c.request("generate", {"tokens": tokens_bin(p), "max_tokens": 200, "temperature": 0.0})

@@ -657,6 +657,20 @@ static void test_small_methods(void **state)
         st.engine_busy_s = rnd_float(0, 1e6f);
         st.engine_backend_s = rnd_float(0, 1e6f);
         st.engine_gap_s = rnd_float(0, 1e3f);
+        st.n_latency_bounds = rnd_below(DSV4_PROTO_MAX_LATENCY_BOUNDS + 1);
+        for (uint32_t i = 0; i < st.n_latency_bounds; i++)
+            st.latency_bounds_s[i] = (i ? st.latency_bounds_s[i - 1] : 0) + rnd_float(1e-4f, 10.0f);
+        struct dsv4_proto_latency *lat[] = { &st.queue_hist, &st.ttft_hist, &st.tpot_hist, &st.e2e_hist };
+        uint64_t *lat_count[] = { &st.queue_count, &st.ttft_count, &st.tpot_count, &st.e2e_count };
+        double *lat_sum[] = { &st.queue_sum_s, &st.ttft_sum_s, &st.tpot_sum_s, &st.e2e_sum_s };
+        for (int h = 0; h < 4; h++) {
+            lat[h]->n = st.n_latency_bounds ? st.n_latency_bounds + 1 : 0;
+            for (uint32_t i = 0; i < lat[h]->n; i++) {
+                lat[h]->buckets[i] = rnd_below(1u << 20);
+                *lat_count[h] += lat[h]->buckets[i];
+            }
+            *lat_sum[h] = rnd_float(0, 1e6f);
+        }
         st.n_kernels = rnd_below(DSV4_PROTO_MAX_KERNELS + 1);
         for (uint32_t i = 0; i < st.n_kernels; i++)
             st.kernels[i] = rnd_utf8(20, NULL);
@@ -666,6 +680,9 @@ static void test_small_methods(void **state)
         assert_int_equal(dsv4_proto_decode_stats_result(&msg, &gs, &err), 0);
         assert_true(dsv4_proto_stats_has(&gs, "uptime_s") && dsv4_proto_stats_has(&gs, "engine_gap_s")
                     && dsv4_proto_stats_has(&gs, "prefix_cache_hits"));
+        assert_true(dsv4_proto_stats_has(&gs, "latency_bounds_s") && dsv4_proto_stats_has(&gs, "ttft_hist")
+                    && dsv4_proto_stats_has(&gs, "e2e_count") && dsv4_proto_stats_has(&gs, "tpot_sum_s")
+                    && dsv4_proto_stats_has(&gs, "batch_size_hist"));
         assert_true(gs.uptime_s == st.uptime_s);
         assert_string_equal(gs.backend, st.backend);
         assert_int_equal(gs.slots_total, st.slots_total);
@@ -715,6 +732,19 @@ static void test_small_methods(void **state)
         assert_true(gs.engine_busy_s == st.engine_busy_s);
         assert_true(gs.engine_backend_s == st.engine_backend_s);
         assert_true(gs.engine_gap_s == st.engine_gap_s);
+        assert_int_equal(gs.n_latency_bounds, st.n_latency_bounds);
+        for (uint32_t i = 0; i < st.n_latency_bounds; i++)
+            assert_true(gs.latency_bounds_s[i] == st.latency_bounds_s[i]);
+        const struct dsv4_proto_latency *glat[] = { &gs.queue_hist, &gs.ttft_hist, &gs.tpot_hist, &gs.e2e_hist };
+        const uint64_t glat_count[] = { gs.queue_count, gs.ttft_count, gs.tpot_count, gs.e2e_count };
+        const double glat_sum[] = { gs.queue_sum_s, gs.ttft_sum_s, gs.tpot_sum_s, gs.e2e_sum_s };
+        for (int h = 0; h < 4; h++) {
+            assert_int_equal(glat[h]->n, lat[h]->n);
+            for (uint32_t i = 0; i < lat[h]->n; i++)
+                assert_true(glat[h]->buckets[i] == lat[h]->buckets[i]);
+            assert_true(glat_count[h] == *lat_count[h]);
+            assert_true(glat_sum[h] == *lat_sum[h]);
+        }
         assert_int_equal(gs.n_kernels, st.n_kernels);
         for (uint32_t i = 0; i < st.n_kernels; i++)
             assert_string_equal(gs.kernels[i], st.kernels[i]);
@@ -936,6 +966,9 @@ static void test_stats_compat(void **state)
         assert_false(dsv4_proto_stats_has(&gs, "sched_allocations_after_boot"));
         assert_false(dsv4_proto_stats_has(&gs, "prefix_cache_hits"));
         assert_false(dsv4_proto_stats_has(&gs, "no_such_key"));
+        assert_false(dsv4_proto_stats_has(&gs, "latency_bounds_s") || dsv4_proto_stats_has(&gs, "ttft_hist")
+                     || dsv4_proto_stats_has(&gs, "ttft_count") || dsv4_proto_stats_has(&gs, "batch_size_hist"));
+        assert_true(gs.n_latency_bounds == 0 && gs.ttft_hist.n == 0 && gs.e2e_hist.n == 0);
         dsv4_proto_stats_clear(&gs);
         dsv4_proto_message_clear(&msg);
 
@@ -957,6 +990,93 @@ static void test_stats_compat(void **state)
     dsv4_proto_buf_clear(&buf);
 }
 
+/* A stats map of requests_total, then latency_bounds_s of nb bounds (from 1 ms, each twice the last;
+ * the one at `bad_bound`, when below nb, no larger than the one before it), then ttft_hist of nh
+ * buckets and ttft_count: the buckets' sum plus count_off. nb or nh UINT32_MAX: the key left out. */
+static void pack_stats_latency(struct dsv4_proto_buf *buf, uint32_t msgid, uint32_t nb, uint32_t bad_bound,
+                               uint32_t nh, uint64_t count_off)
+{
+    struct dsv4_wire_enc e;
+    uint64_t total = 0;
+    dsv4_proto_buf_reset(buf);
+    dsv4_proto_begin_response(&e, buf, msgid);
+    msgpack_pack_map(&e.pk, 1 + (nb != UINT32_MAX) + 2 * (nh != UINT32_MAX));
+    dsv4_wire_key(&e.pk, "requests_total");
+    msgpack_pack_uint64(&e.pk, 1);
+    if (nb != UINT32_MAX) {
+        double v = 0.001;
+        dsv4_wire_key(&e.pk, "latency_bounds_s");
+        msgpack_pack_array(&e.pk, nb);
+        for (uint32_t i = 0; i < nb; i++, v *= 2)
+            msgpack_pack_double(&e.pk, i == bad_bound ? v / (2 + rnd_below(3)) : v);
+    }
+    if (nh != UINT32_MAX) {
+        dsv4_wire_key(&e.pk, "ttft_hist");
+        msgpack_pack_array(&e.pk, nh);
+        for (uint32_t i = 0; i < nh; i++) {
+            uint64_t c = rnd_below(1000);
+            total += c;
+            msgpack_pack_uint64(&e.pk, c);
+        }
+        dsv4_wire_key(&e.pk, "ttft_count");
+        msgpack_pack_uint64(&e.pk, total + count_off);
+    }
+    assert_int_equal(dsv4_wire_end(&e), 0);
+}
+
+/* A hostile server's latency histograms are refused as malformed, naming the key: more bounds than
+ * DSV4_PROTO_MAX_LATENCY_BOUNDS, bounds that do not increase, a histogram whose length is not the
+ * bounds' plus one (or that comes without bounds), buckets that do not add up to the count; a
+ * well-formed one decodes. */
+static void test_stats_latency_hostile(void **state)
+{
+    struct dsv4_proto_limits cl;
+    struct dsv4_proto_buf buf = { 0 };
+    struct dsv4_proto_message msg;
+    struct dsv4_proto_stats gs;
+    struct dsv4_proto_error err;
+    (void)state;
+    client_limits(&cl);
+    for (int r = 0; r < ROUNDS; r++) {
+        const uint32_t msgid = (uint32_t)rnd();
+        const uint32_t nb = 1 + rnd_below(DSV4_PROTO_MAX_LATENCY_BOUNDS);
+        const uint32_t nb2 = 2 + rnd_below(DSV4_PROTO_MAX_LATENCY_BOUNDS - 1);    /* room for a bad one */
+        const struct {
+            uint32_t nb, bad_bound, nh;
+            uint64_t count_off;
+            const char *names;
+        } cases[] = {
+            { nb, UINT32_MAX, nb + 1, 0, NULL },
+            { DSV4_PROTO_MAX_LATENCY_BOUNDS + 1 + rnd_below(8), UINT32_MAX, UINT32_MAX, 0, "latency_bounds_s" },
+            { nb2, 1 + rnd_below(nb2 - 1), UINT32_MAX, 0, "latency_bounds_s" },
+            { nb, UINT32_MAX, nb + 2 + rnd_below(8), 0, "ttft_hist" },
+            { nb, UINT32_MAX, rnd_below(nb + 1), 0, "ttft_hist" },
+            { UINT32_MAX, UINT32_MAX, 1 + rnd_below(DSV4_PROTO_MAX_LATENCY_BOUNDS + 1), 0, "ttft_hist" },
+            { nb, UINT32_MAX, nb + 1, 1 + rnd_below(1000), "ttft_count" },
+        };
+        for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+            pack_stats_latency(&buf, msgid, cases[c].nb, cases[c].bad_bound, cases[c].nh, cases[c].count_off);
+            decode_frame(&buf, &cl, &msg);
+            int rc = dsv4_proto_decode_stats_result(&msg, &gs, &err);
+            if (!cases[c].names) {
+                assert_int_equal(rc, 0);
+                assert_int_equal(gs.n_latency_bounds, nb);
+                assert_int_equal(gs.ttft_hist.n, nb + 1);
+                assert_int_equal(gs.e2e_hist.n, 0);
+                assert_true(dsv4_proto_stats_has(&gs, "ttft_hist") && !dsv4_proto_stats_has(&gs, "e2e_hist"));
+                dsv4_proto_stats_clear(&gs);
+            } else {
+                if (rc != -EBADMSG || err.code != DSV4_PROTO_E_BAD_VALUE || !strstr(err.message, cases[c].names))
+                    fail_msg("case %zu: %d, code %d: %s", c, rc, err.code, err.message);
+                assert_int_equal(gs.n_latency_bounds, 0);
+                assert_int_equal(gs.ttft_hist.n, 0);
+            }
+            dsv4_proto_message_clear(&msg);
+        }
+    }
+    dsv4_proto_buf_clear(&buf);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -966,6 +1086,7 @@ int main(void)
         cmocka_unit_test(test_token_and_result),
         cmocka_unit_test(test_small_methods),
         cmocka_unit_test(test_stats_compat),
+        cmocka_unit_test(test_stats_latency_hostile),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_reader_chunks),
         cmocka_unit_test(test_buf_slow_reader),
