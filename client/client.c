@@ -898,6 +898,19 @@ int dsv4_client_detokenize(struct dsv4_client *c, const int32_t *tokens, size_t 
 
 /* ---- stats, health ---- */
 
+_Static_assert(DSV4_CLIENT_MAX_LATENCY_BUCKETS == DSV4_PROTO_MAX_LATENCY_BOUNDS + 1,
+               "dsv4_client_latency holds the protocol's histograms whole");
+
+static void copy_latency(const struct dsv4_proto_latency *h, uint64_t count, double sum_s,
+                         struct dsv4_client_latency *ret)
+{
+    ret->n_buckets = h->n;
+    for (size_t i = 0; i < h->n; i++)
+        ret->buckets[i] = h->buckets[i];
+    ret->count = count;
+    ret->sum_s = sum_s;
+}
+
 int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret)
 {
     struct dsv4_proto_message resp;
@@ -967,6 +980,13 @@ int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret)
     ret->engine_backend_s = st.engine_backend_s;
     ret->engine_gap_s = st.engine_gap_s;
     ret->present = st.present;
+    ret->n_latency_bounds = st.n_latency_bounds;
+    for (size_t i = 0; i < st.n_latency_bounds; i++)
+        ret->latency_bounds_s[i] = st.latency_bounds_s[i];
+    copy_latency(&st.queue_hist, st.queue_count, st.queue_sum_s, &ret->queue);
+    copy_latency(&st.ttft_hist, st.ttft_count, st.ttft_sum_s, &ret->ttft);
+    copy_latency(&st.tpot_hist, st.tpot_count, st.tpot_sum_s, &ret->tpot);
+    copy_latency(&st.e2e_hist, st.e2e_count, st.e2e_sum_s, &ret->e2e);
     dsv4_proto_stats_clear(&st);
     return 0;
 }

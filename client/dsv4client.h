@@ -42,8 +42,8 @@
 extern "C" {
 #endif
 
-/* The ABI this header describes (above): libdsv4client.so.1. */
-#define DSV4_CLIENT_ABI 1
+/* The ABI this header describes (above): libdsv4client.so.2. */
+#define DSV4_CLIENT_ABI 2
 
 /* Where dsv4_client_connect(c, NULL, ...) looks when $DSV4_SOCKET is unset or empty. */
 #define DSV4_CLIENT_DEFAULT_SOCKET "/run/dsv4d/dsv4d.sock"
@@ -246,6 +246,18 @@ int dsv4_client_detokenize(struct dsv4_client *c, const int32_t *tokens, size_t 
  * the server sends also counts everything larger. */
 #define DSV4_CLIENT_MAX_BATCH_BUCKETS 32
 #define DSV4_CLIENT_MAX_SPEC_BUCKETS 16
+/* Latency histogram buckets: the server's bucket bounds (at most 63) and one more above them. */
+#define DSV4_CLIENT_MAX_LATENCY_BUCKETS 64
+
+/* One latency histogram (doc/PROTOCOL.md, stats): buckets[i] counts the requests whose seconds v have
+ * latency_bounds_s[i - 1] < v <= latency_bounds_s[i], per bucket (not cumulative); the last bucket,
+ * those above every bound. */
+struct dsv4_client_latency {
+    size_t n_buckets;               /* n_latency_bounds + 1; 0 from a server older than the histograms */
+    uint64_t buckets[DSV4_CLIENT_MAX_LATENCY_BUCKETS];
+    uint64_t count;                 /* requests observed: the buckets' sum */
+    double sum_s;                   /* their seconds; sum_s / count is the mean */
+};
 
 struct dsv4_client_stats {
     double uptime_s;
@@ -285,11 +297,19 @@ struct dsv4_client_stats {
      * left requests running and the next (the loop's own time). 0 from a server that predates them. */
     double engine_busy_s, engine_backend_s, engine_gap_s;
     uint64_t present;                        /* which keys the server sent: read it through dsv4_client_stats_has */
+    /* Latency of each generate request that got a slot, observed as it finishes (doc/PROTOCOL.md says
+     * which): queue, submitted -> admitted into a slot; ttft, submitted -> first token; tpot, its mean
+     * time per token after the first; e2e, submitted -> finished. Bucket bounds in seconds, shared by
+     * the four; none (n_latency_bounds 0) from a server older than them. */
+    size_t n_latency_bounds;
+    double latency_bounds_s[DSV4_CLIENT_MAX_LATENCY_BUCKETS - 1];
+    struct dsv4_client_latency queue, ttft, tpot, e2e;
 };
 
 int dsv4_client_stats(struct dsv4_client *c, struct dsv4_client_stats *ret);
-/* Whether the server sent the numeric stats key (its name in doc/PROTOCOL.md, e.g. "prefix_cache_hits"):
- * a server older than the key leaves it out and the field reads 0, which is not a count of 0. */
+/* Whether the server sent the numeric stats key or histogram (its name in doc/PROTOCOL.md, e.g.
+ * "prefix_cache_hits", "ttft_hist"): a server older than the key leaves it out and the field reads 0,
+ * which is not a count of 0. */
 bool dsv4_client_stats_has(const struct dsv4_client_stats *st, const char *key);
 
 enum dsv4_client_health_status {

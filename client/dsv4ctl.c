@@ -513,6 +513,30 @@ static void batch_bucket_label(size_t i, bool last, char *buf, size_t cap)
         snprintf(buf, cap, "batch_size_hist %llu-%llu", lo, hi);
 }
 
+/* The latency histograms, in the order doc/PROTOCOL.md lists them. */
+struct latency_row {
+    const char *name;
+    const struct dsv4_client_latency *h;
+};
+
+/* The q-th quantile (per mille) of h, estimated as the upper bound of the bucket holding that rank:
+ * the smallest bound at or below which at least ceil(q * count) requests lie. Written to buf as a
+ * number, or ">B" when the rank lies above the last bound B. h->count > 0. */
+static void latency_quantile(const struct dsv4_client_stats *s, const struct dsv4_client_latency *h, unsigned q,
+                             char *buf, size_t cap)
+{
+    /* ceil(count * q / 1000) without overflow */
+    const uint64_t rank = h->count / 1000 * q + (h->count % 1000 * q + 999) / 1000;
+    uint64_t below = 0;
+    size_t i = 0;
+    while (i + 1 < h->n_buckets && (below += h->buckets[i]) < rank)
+        i++;
+    if (i < s->n_latency_bounds)
+        snprintf(buf, cap, "%g", s->latency_bounds_s[i]);
+    else
+        snprintf(buf, cap, ">%g", s->latency_bounds_s[s->n_latency_bounds - 1]);
+}
+
 static int cmd_stats(struct dsv4_client *c, const struct options *o)
 {
     struct dsv4_client_stats s;
@@ -563,6 +587,9 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         { "engine_backend_s", s.engine_backend_s, 0, true },
         { "engine_gap_s", s.engine_gap_s, 0, true },
     };
+    const struct latency_row lat[] = {
+        { "queue", &s.queue }, { "ttft", &s.ttft }, { "tpot", &s.tpot }, { "e2e", &s.e2e },
+    };
     if (o->json) {
         json_t *j = json_object();
         json_object_set_new(j, "backend", json_string(s.backend));
@@ -582,6 +609,28 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         for (size_t i = 0; i < s.n_spec_hist; i++)
             json_array_append_new(sh, json_integer((json_int_t)s.spec_hist[i]));
         json_object_set_new(j, "spec_accept_hist", sh);
+        if (dsv4_client_stats_has(&s, "latency_bounds_s")) {
+            json_t *b = json_array();
+            for (size_t i = 0; i < s.n_latency_bounds; i++)
+                json_array_append_new(b, json_number(s.latency_bounds_s[i]));
+            json_object_set_new(j, "latency_bounds_s", b);
+        }
+        for (size_t l = 0; l < sizeof(lat) / sizeof(lat[0]); l++) {
+            char key[32];
+            snprintf(key, sizeof(key), "%s_count", lat[l].name);
+            if (dsv4_client_stats_has(&s, key))
+                json_object_set_new(j, key, json_integer((json_int_t)lat[l].h->count));
+            snprintf(key, sizeof(key), "%s_sum_s", lat[l].name);
+            if (dsv4_client_stats_has(&s, key))
+                json_object_set_new(j, key, json_number(lat[l].h->sum_s));
+            snprintf(key, sizeof(key), "%s_hist", lat[l].name);
+            if (!dsv4_client_stats_has(&s, key))
+                continue;
+            json_t *a = json_array();
+            for (size_t i = 0; i < lat[l].h->n_buckets; i++)
+                json_array_append_new(a, json_integer((json_int_t)lat[l].h->buckets[i]));
+            json_object_set_new(j, key, a);
+        }
         print_json(j);
         return EXIT_OK;
     }
@@ -605,6 +654,22 @@ static int cmd_stats(struct dsv4_client *c, const struct options *o)
         char label[64];
         snprintf(label, sizeof(label), "verifies accepting %zu draft%s", i, i == 1 ? "" : "s");
         printf("%-28s %llu\n", label, (unsigned long long)s.spec_hist[i]);
+    }
+    for (size_t l = 0; l < sizeof(lat) / sizeof(lat[0]); l++) {
+        const struct dsv4_client_latency *h = lat[l].h;
+        char label[32], p50[32], p90[32], p99[32];
+        if (!h->n_buckets)
+            continue;
+        snprintf(label, sizeof(label), "%s_s", lat[l].name);
+        if (!h->count) {
+            printf("%-28s count 0\n", label);
+            continue;
+        }
+        latency_quantile(&s, h, 500, p50, sizeof(p50));
+        latency_quantile(&s, h, 900, p90, sizeof(p90));
+        latency_quantile(&s, h, 990, p99, sizeof(p99));
+        printf("%-28s count %llu mean %.6g p50 %s p90 %s p99 %s\n", label, (unsigned long long)h->count,
+               h->sum_s / (double)h->count, p50, p90, p99);
     }
     return EXIT_OK;
 }

@@ -43,7 +43,9 @@
     F(sched_allocations_after_boot) F(prefix_cache_bytes) F(prefix_cache_used_bytes) F(prefix_cache_tokens) \
     F(prefix_cache_snapshots) F(prefix_cache_lookups) F(prefix_cache_hits) F(prefix_cache_hit_tokens) \
     F(prefix_cache_evictions) F(spec_tokens) F(spec_verifies) F(spec_drafted) F(spec_accepted) \
-    F(n_spec_hist) F(spec_hist) F(engine_busy_s) F(engine_backend_s) F(engine_gap_s) F(present)
+    F(n_spec_hist) F(spec_hist) F(engine_busy_s) F(engine_backend_s) F(engine_gap_s) F(present) \
+    F(n_latency_bounds) F(latency_bounds_s) F(queue) F(ttft) F(tpot) F(e2e)
+#define FIELDS_LATENCY(F) F(n_buckets) F(buckets) F(count) F(sum_s)
 #define FIELDS_HEALTH(F) F(status) F(reason)
 
 struct layout {
@@ -64,6 +66,16 @@ static const struct layout recorded[] = {
     { 1, "token", 32, 0xbd4adcc1d921f3a9ull },
     { 1, "stats", 17248, 0xd491506abac59ed6ull },
     { 1, "health", 260, 0xe889471f5263da4aull },
+    /* ABI 2: the latency histograms appended to stats (struct dsv4_client_latency) */
+    { 2, "info", 104, 0xc669c0f610d1dc7dull },
+    { 2, "message", 16, 0xc1a4e45df7abd7adull },
+    { 2, "generate_params", 168, 0x5cdc98a0c237e2a8ull },
+    { 2, "logprob", 176, 0xf461ea0284fe7951ull },
+    { 2, "result", 112, 0xdad9166646980c51ull },
+    { 2, "token", 32, 0xbd4adcc1d921f3a9ull },
+    { 2, "stats", 19904, 0x2a2be756538f4b49ull },
+    { 2, "health", 260, 0xe889471f5263da4aull },
+    { 2, "latency", 536, 0x6c56746fc7ca19c7ull },
 };
 
 static uint64_t fold(uint64_t h, size_t v)
@@ -128,6 +140,9 @@ static void test_layouts(void **state)
 #undef T
 #define T struct dsv4_client_health
     MEASURE("health", FIELDS_HEALTH);
+#undef T
+#define T struct dsv4_client_latency
+    MEASURE("latency", FIELDS_LATENCY);
 #undef T
 }
 

@@ -208,9 +208,16 @@ static void serve_connection(int fd)
                 older_stats(&out, msg.msgid);
                 break;
             }
+            /* latency: ttft's ranks 5, 9 and 10 of 10 lie in buckets 1, 2 and above the bounds; no tpot yet */
             struct dsv4_proto_stats st = { .backend = "cpu", .slots_total = 4, .slots_busy = 1,
                                            .decode_tokens_per_s = srv.sc == SC_INFINITE ? INFINITY : 12.5,
-                                           .n_kernels = 1, .kernels = { "gemv" } };
+                                           .n_kernels = 1, .kernels = { "gemv" },
+                                           .n_latency_bounds = 3, .latency_bounds_s = { 0.01, 0.1, 1 },
+                                           .queue_hist = { 4, { 4, 0, 0, 0 } }, .queue_count = 4,
+                                           .queue_sum_s = 0.02,
+                                           .ttft_hist = { 4, { 2, 5, 2, 1 } }, .ttft_count = 10, .ttft_sum_s = 3,
+                                           .tpot_hist = { 4, { 0 } },
+                                           .e2e_hist = { 4, { 0, 0, 3, 1 } }, .e2e_count = 4, .e2e_sum_s = 5.5 };
             dsv4_proto_encode_stats_result(&out, msg.msgid, &st);
             break;
         }
@@ -633,6 +640,45 @@ static void test_stats_older_server(void **state)
     assert_int_equal(json_integer_value(json_object_get(j, "slots_total")), 4);
     assert_null(json_object_get(j, "prefix_cache_hits"));
     assert_null(json_object_get(j, "spec_accepted"));
+    assert_null(json_object_get(j, "latency_bounds_s"));
+    assert_null(json_object_get(j, "ttft_hist"));
+    assert_null(json_object_get(j, "ttft_count"));
+    json_decref(j);
+    RUN(&r, NULL, "stats");
+    assert_null(strstr(r.out, "ttft_s"));
+}
+
+/* The latency histograms: the table gives each one's count, mean and the p50/p90/p99 estimated as the
+ * upper bound of the bucket holding that rank (">B" above the last bound B), only the count of an
+ * empty one; --json carries the raw per-bucket arrays, the bounds, counts and sums. */
+static void test_stats_latency(void **state)
+{
+    static struct run r;
+    json_error_t je;
+    (void)state;
+    srv.sc = SC_ECHO;
+    RUN(&r, NULL, "stats");
+    expect(&r, 0);
+    if (!strstr(r.out, "queue_s                      count 4 mean 0.005 p50 0.01 p90 0.01 p99 0.01\n")
+        || !strstr(r.out, "ttft_s                       count 10 mean 0.3 p50 0.1 p90 1 p99 >1\n")
+        || !strstr(r.out, "tpot_s                       count 0\n")
+        || !strstr(r.out, "e2e_s                        count 4 mean 1.375 p50 1 p90 >1 p99 >1\n"))
+        fail_msg("latency lines: '%s'", r.out);
+    RUN(&r, NULL, "stats", "--json");
+    expect(&r, 0);
+    json_t *j = json_loads(r.out, 0, &je);
+    assert_non_null(j);
+    json_t *b = json_object_get(j, "latency_bounds_s"), *t = json_object_get(j, "ttft_hist");
+    assert_int_equal(json_array_size(b), 3);
+    assert_true(json_real_value(json_array_get(b, 1)) == 0.1);
+    assert_int_equal(json_array_size(t), 4);
+    const json_int_t want[] = { 2, 5, 2, 1 };
+    for (size_t i = 0; i < 4; i++)
+        assert_int_equal(json_integer_value(json_array_get(t, i)), want[i]);
+    assert_int_equal(json_array_size(json_object_get(j, "tpot_hist")), 4);
+    assert_int_equal(json_integer_value(json_object_get(j, "ttft_count")), 10);
+    assert_true(json_real_value(json_object_get(j, "e2e_sum_s")) == 5.5);
+    assert_int_equal(json_integer_value(json_object_get(j, "tpot_count")), 0);
     json_decref(j);
 }
 
@@ -726,6 +772,7 @@ int main(void)
         cmocka_unit_test(test_bench_failed_requests),
         cmocka_unit_test(test_json_infinite_numbers),
         cmocka_unit_test(test_stats_older_server),
+        cmocka_unit_test(test_stats_latency),
     };
     signal(SIGPIPE, SIG_IGN);
     return cmocka_run_group_tests(tests, setup, teardown);
