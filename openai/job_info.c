@@ -132,6 +132,36 @@ static void spec_histogram(struct dsv4_buf *b, const struct dsv4_client_stats *s
                     "dsv4d_spec_accepted_drafts_count %" PRIu64 "\n", cum, sum, cum);
 }
 
+/* A bucket bound as a label value: the shortest of 15 or 17 significant digits that reads back as v, so
+ * distinct bounds never share a label. */
+static void le_value(char *buf, size_t cap, double v)
+{
+    snprintf(buf, cap, "%.15g", v);
+    if (strtod(buf, NULL) != v)
+        snprintf(buf, cap, "%.17g", v);
+}
+
+/* One of dsv4d's latency histograms, cumulative as Prometheus counts buckets (dsv4d sends them per bucket);
+ * none from a dsv4d older than them. */
+static void latency_histogram(struct dsv4_buf *b, const struct dsv4_client_stats *st,
+                              const struct dsv4_client_latency *h, const char *name, const char *help)
+{
+    if (h->n_buckets == 0)
+        return;
+    dsv4_buf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (size_t i = 0; i < h->n_buckets; i++) {
+        char le[32];
+        cum += h->buckets[i];
+        if (i < st->n_latency_bounds)
+            le_value(le, sizeof(le), st->latency_bounds_s[i]);
+        else
+            snprintf(le, sizeof(le), "+Inf");
+        dsv4_buf_printf(b, "%s_bucket{le=\"%s\"} %" PRIu64 "\n", name, le, cum);
+    }
+    dsv4_buf_printf(b, "%s_sum %.17g\n%s_count %" PRIu64 "\n", name, h->sum_s, name, cum);
+}
+
 /* Prometheus text exposition of dsv4d's stats and this front's own counters. */
 void oai_run_metrics(struct dsv4_oai_job *j)
 {
@@ -255,6 +285,14 @@ void oai_run_metrics(struct dsv4_oai_job *j)
         dsv4_buf_printf(&b, "dsv4d_decode_batch_size_bucket{le=\"+Inf\"} %" PRIu64 "\n"
                         "dsv4d_decode_batch_size_count %" PRIu64 "\n", st.decode_steps, st.decode_steps);
         spec_histogram(&b, &st);
+        latency_histogram(&b, &st, &st.ttft, "dsv4d_time_to_first_token_seconds",
+                          "time from a request's submission to the engine to its first token");
+        latency_histogram(&b, &st, &st.tpot, "dsv4d_time_per_output_token_seconds",
+                          "a request's mean time per output token after the first (requests of two tokens or more)");
+        latency_histogram(&b, &st, &st.queue, "dsv4d_request_queue_seconds",
+                          "time from a request's submission to the engine to its admission into a slot");
+        latency_histogram(&b, &st, &st.e2e, "dsv4d_request_e2e_seconds",
+                          "time from a request's submission to the engine to its finish");
     }
     static const char *const route_names[] = {"chat_completions", "completions", "models", "models_retrieve", "health",
                                               "metrics"};

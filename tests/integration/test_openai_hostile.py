@@ -94,7 +94,32 @@ STATS = {"uptime_s": 12.5, "backend": "cpu", "slots_total": 4, "slots_busy": 1, 
          "sched_allocations": 37, "sched_allocations_after_boot": 0, "prefix_cache_bytes": 1 << 20,
          "prefix_cache_used_bytes": 65536, "prefix_cache_tokens": 512, "prefix_cache_snapshots": 8,
          "prefix_cache_lookups": 6, "prefix_cache_hits": 4, "prefix_cache_hit_tokens": 256, "prefix_cache_evictions": 2,
-         "spec_tokens": 2, "spec_verifies": 10, "spec_drafted": 20, "spec_accepted": 13, "spec_accept_hist": [2, 3, 5]}
+         "spec_tokens": 2, "spec_verifies": 10, "spec_drafted": 20, "spec_accepted": 13, "spec_accept_hist": [2, 3, 5],
+         "latency_bounds_s": [0.001, 0.0025, 0.1], "queue_hist": [3, 1, 0, 0], "queue_count": 4, "queue_sum_s": 0.004,
+         "ttft_hist": [0, 1, 2, 1], "ttft_count": 4, "ttft_sum_s": 0.625, "tpot_hist": [2, 1, 0, 0], "tpot_count": 3,
+         "tpot_sum_s": 0.003, "e2e_hist": [0, 0, 1, 3], "e2e_count": 4, "e2e_sum_s": 2.5}
+# dsv4d's latency histograms (sent per bucket) as /metrics shows them: cumulative buckets by le, _sum, _count.
+LATENCY_SERIES = {
+    "dsv4d_request_queue_seconds": {"0.001": 3, "0.0025": 4, "0.1": 4, "+Inf": 4, "_sum": 0.004, "_count": 4},
+    "dsv4d_time_to_first_token_seconds": {"0.001": 0, "0.0025": 1, "0.1": 3, "+Inf": 4, "_sum": 0.625, "_count": 4},
+    "dsv4d_time_per_output_token_seconds": {"0.001": 2, "0.0025": 3, "0.1": 3, "+Inf": 3, "_sum": 0.003, "_count": 3},
+    "dsv4d_request_e2e_seconds": {"0.001": 0, "0.0025": 0, "0.1": 1, "+Inf": 4, "_sum": 2.5, "_count": 4},
+}
+LATENCY_KEYS = ["latency_bounds_s"] + ["%s_%s" % (h, k) for h in ("queue", "ttft", "tpot", "e2e")
+                                      for k in ("hist", "count", "sum_s")]
+
+
+def latency_series(types, samples):
+    """{family: {le or _sum/_count: value}} of the latency histograms in exposition()'s samples, and whether each
+    is typed histogram."""
+    got = {}
+    for (name, labels), v in samples.items():
+        for fam in LATENCY_SERIES:
+            if name == fam + "_bucket":
+                got.setdefault(fam, {})[dict(labels)["le"]] = v
+            elif name in (fam + "_sum", fam + "_count"):
+                got.setdefault(fam, {})[name[len(fam):]] = v
+    return got, all(types.get(fam) == "histogram" for fam in got)
 # The /metrics series of the stats keys a version 1 dsv4d may leave out (doc/PROTOCOL.md, section 7), and the
 # scripted values they show.
 OPTIONAL_SERIES = {"dsv4d_device_arena_used_bytes": 4096, "dsv4d_heap_active_bytes": 1024,
@@ -483,14 +508,26 @@ try:
                       "dsv4d_spec_accepted_drafts_count": 10},
          "/metrics: the allocation, prefix-cache, speculation and heap stats, as dsv4d's stats say",
          (problems, body))
+    lat, typed = latency_series(types, samples)
+    t.ok(lat == LATENCY_SERIES and typed and "# HELP dsv4d_time_to_first_token_seconds " in body.decode(),
+         "/metrics: dsv4d's latency histograms, cumulative by le with +Inf, _sum and _count, typed histogram",
+         (lat, body))
+    fake.stats["ttft_hist"] = [1] * 5
+    status, _, body = http(fake_front, "GET", "/metrics")
+    problems, _, samples = exposition(body.decode())
+    t.ok(status == 200 and not problems and sample(samples, "dsv4d_up") == 0 and not latency_series({}, samples)[0],
+         "/metrics of a dsv4d whose histogram does not match its bounds: refused as malformed (dsv4d_up 0)",
+         (problems, body))
+    fake.stats = dict(STATS)
     for key in ["device_arena_used", "heap_active", "heap_mapped", "eager_steps", "prefill_tokens_total",
                 "prefill_chunks_total"] + \
-            [k for k in STATS if k.startswith(("sched_", "prefix_cache_", "spec_"))]:
+            [k for k in STATS if k.startswith(("sched_", "prefix_cache_", "spec_"))] + LATENCY_KEYS:
         del fake.stats[key]
     status, _, body = http(fake_front, "GET", "/metrics")
     problems, _, samples = exposition(body.decode())
     t.ok(status == 200 and not problems and sample(samples, "dsv4d_slots") == 4
-         and not [k for k in samples if k[0] in OPTIONAL_SERIES or k[0].startswith("dsv4d_spec_")],
+         and not [k for k in samples if k[0] in OPTIONAL_SERIES or k[0].startswith("dsv4d_spec_")]
+         and not latency_series({}, samples)[0],
          "/metrics of a dsv4d that predates a stats key: that key's series is left out, not shown as 0",
          (problems, body))
     fake.stats = dict(STATS)
