@@ -333,6 +333,20 @@ static void test_killed_client(void **state)
     assert_true(st.n_batch_hist > 0 && st.decode_steps > 0 && hist_sum == st.decode_steps);
     assert_true(st.steps >= st.decode_steps);
     assert_true(st.sched_allocations > 0 && st.sched_allocations_after_boot == 0);
+    /* So do the latency histograms: the shared bounds, each histogram one bucket longer, summing to its
+     * count; every request that got a slot (the killed one's, cancelled after a token, too) is in queue
+     * and e2e, those with a token in ttft, those with two in tpot. */
+    assert_true(dsv4_client_stats_has(&st, "ttft_hist") && dsv4_client_stats_has(&st, "e2e_sum_s"));
+    assert_int_equal(st.n_latency_bounds, 19);
+    const struct dsv4_client_latency *lat[] = { &st.queue, &st.ttft, &st.tpot, &st.e2e };
+    for (size_t k = 0; k < 4; k++) {
+        uint64_t sum = 0;
+        assert_int_equal(lat[k]->n_buckets, st.n_latency_bounds + 1);
+        for (size_t i = 0; i < lat[k]->n_buckets; i++)
+            sum += lat[k]->buckets[i];
+        assert_true(sum == lat[k]->count && lat[k]->count > 0 && lat[k]->sum_s > 0);
+    }
+    assert_true(st.queue.count == st.e2e.count && st.e2e.count >= st.ttft.count && st.ttft.count >= st.tpot.count);
     dsv4_client_close(c);
 }
 

@@ -67,6 +67,16 @@ try:
     r = ctl("stats", "--json", env=sock)
     st = json.loads(r.stdout) if r.returncode == 0 else {}
     t.ok(st.get("backend") == "cpu" and st.get("slots_total") == 4, "dsv4ctl stats --json", (r.stdout, r.stderr))
+    t.ok(len(st.get("latency_bounds_s", [])) == 19
+         and all(len(st.get(h + "_hist", [])) == 20 and sum(st[h + "_hist"]) == st.get(h + "_count", -1) > 0
+                 for h in ("queue", "ttft", "tpot", "e2e")),
+         "dsv4ctl stats --json: the latency histograms' bounds, buckets and counts", st)
+    r = ctl("stats", env=sock)
+    lines = {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines() if ln.split()}
+    t.ok(r.returncode == 0 and all(lines.get(h + "_s", [""])[:2] == ["count", str(st[h + "_count"])]
+                                   and lines[h + "_s"][4:10:2] == ["p50", "p90", "p99"]
+                                   for h in ("queue", "ttft", "tpot", "e2e")),
+         "dsv4ctl stats: each latency histogram's count, mean and percentiles", r.stdout)
     r = ctl("generate", "--tokens", ",".join(["9"] * 4096), "--max-tokens", "2", env=sock)
     t.ok(r.returncode == 1 and "301" in r.stderr or "prompt_too_long" in r.stderr,
          "dsv4ctl reports a server error with its code and exit status 1", (r.returncode, r.stderr))
