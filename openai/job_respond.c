@@ -9,7 +9,9 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "base/utf8.h"
 #include "openai/job_internal.h"
 
 char *dsv4_oai_error_json(const char *type, const char *param, const char *code, const char *fmt, ...)
@@ -19,6 +21,9 @@ char *dsv4_oai_error_json(const char *type, const char *param, const char *code,
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
+    /* A message that quotes the client's text may have been cut (here or in a buffer before) inside a
+     * character, and JSON strings are whole UTF-8: the message ends before it. */
+    msg[dsv4_utf8_valid_prefix(msg, strlen(msg))] = 0;
     json_t *o = json_pack("{s:{s:s,s:s,s:s?,s:s?}}", "error", "message", msg, "type", type, "param", param, "code",
                           code);
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;

@@ -303,6 +303,21 @@ try:
         if not (status == 400 and (err.get("param") or "").split(".")[0] == field):
             bad_fields.append((field, status, err))
     t.ok(not bad_fields, "a wrong type in each of %d fields: 400 naming the field" % len(wrong), bad_fields)
+    # A refusal that quotes the value: cut to the message's room (512 bytes) whichever byte of a character
+    # that falls on.
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    bad_fields = []
+    for pad in ("", "x"):
+        long_value = pad + "\u00e9" * 400
+        quoted = {"reasoning_effort": long_value, "tool_choice": long_value,
+                  "messages": [{"role": long_value, "content": "x"}]}
+        for field, value in quoted.items():
+            status, _, out = http(front, "POST", "/v1/chat/completions", dict(base, tools=[tool], **{field: value}))
+            err = json.loads(out).get("error", {}) if out.startswith(b"{") else {}
+            if not (status == 400 and err.get("param") == field and long_value[:50] in err.get("message", "")):
+                bad_fields.append((field, len(pad), status, out[:200]))
+    t.ok(not bad_fields, "a refusal quoting a long non-ASCII value: 400 naming the field, not a 500 without a body",
+         bad_fields)
     bad_msgs = [[{"role": 5, "content": "x"}], [{"role": "user", "content": {"a": 1}}], [7], [{"content": "x"}],
                 [{"role": "assistant", "content": "x", "tool_calls": "f"}], [{"role": "tool", "content": "x",
                                                                                 "tool_call_id": 3}],
