@@ -5,7 +5,9 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
+#include "base/utf8.h"
 #include "protocol/codes.h"
 
 struct code_entry {
@@ -89,6 +91,9 @@ int (dsv4_proto_error_set)(struct dsv4_proto_error *err, int code, const char *f
         va_start(ap, fmt);
         vsnprintf(err->message, sizeof(err->message), fmt, ap);
         va_end(ap);
+        /* The message goes out as a msgpack str (UTF-8). A name it quotes (cut to a few bytes) or a
+         * message it holds may have been cut inside a character: it ends before that character. */
+        err->message[dsv4_utf8_valid_prefix(err->message, strlen(err->message))] = 0;
     }
     return code == DSV4_PROTO_E_OUT_OF_MEMORY ? -ENOMEM : -EBADMSG;
 }

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/utf8.h"
 #include "protocol/frame.h"
 #include "protocol/message.h"
 #include "protocol/validate.h"
@@ -24,10 +25,18 @@ static const struct dsv4_proto_model_limits model = {
     .vocab_size = 1024, .max_context = 4096, .max_prompt_tokens = 4095, .max_tokens = 4096,
 };
 
+/* A rejection's message is what dsv4d answers, a msgpack str: UTF-8 however the names it quotes were cut. */
+static void message_utf8(const struct dsv4_proto_error *err)
+{
+    if (!dsv4_utf8_valid(err->message, strlen(err->message)))
+        abort();
+}
+
 static int decode_frame(const uint8_t *payload, size_t len, const struct dsv4_proto_limits *lim,
                         struct dsv4_proto_message *msg, struct dsv4_proto_error *err)
 {
     int r = dsv4_proto_message_decode(payload, len, lim, msg, err);
+    message_utf8(err);
     /* The validator accepted it: msgpack-c must have unpacked it. */
     if (r < 0 && dsv4_proto_validate(payload, len, lim, NULL, NULL) == 0 &&
         !strcmp(err->message, "msgpack could not unpack the frame"))
@@ -134,6 +143,7 @@ static void decode_request(const struct dsv4_proto_message *msg, const struct ds
         (void)dsv4_proto_decode_empty_params(msg, &err);
         break;
     }
+    message_utf8(&err);
 }
 
 /* The client's side: a response is read by the decoder of the method the client asked for, so any

@@ -18,6 +18,7 @@
 #include <cmocka.h>
 #include <msgpack.h>
 
+#include "base/utf8.h"
 #include "protocol/message.h"
 
 /* ---- allocation counter ---- */
@@ -80,6 +81,13 @@ static const struct dsv4_proto_model_limits model = {
 };
 
 /* Decode one payload and the typed request; returns the protocol code (0 when accepted). */
+/* An error's message goes back to the client as a msgpack str, which the protocol says is UTF-8. */
+static void assert_message_utf8(const struct dsv4_proto_error *err)
+{
+    if (!dsv4_utf8_valid(err->message, strlen(err->message)))
+        fail_msg("error %d: the message is not valid UTF-8: %s", err->code, err->message);
+}
+
 static int serve(const uint8_t *p, size_t len, const struct dsv4_proto_limits *lim, bool *fatal_before_alloc)
 {
     struct dsv4_proto_message msg;
@@ -93,6 +101,7 @@ static int serve(const uint8_t *p, size_t len, const struct dsv4_proto_limits *l
         assert_int_equal(rc, -EBADMSG);
         assert_true(err.code != 0);
         assert_true(err.message[0] != '\0');
+        assert_message_utf8(&err);
         /* only fatal codes may lack a msgid to answer */
         if (!dsv4_proto_code_is_fatal(err.code))
             assert_true(msg.has_msgid);
@@ -147,6 +156,7 @@ static int serve(const uint8_t *p, size_t len, const struct dsv4_proto_limits *l
     dsv4_proto_message_clear(&msg);
     if (rc) {
         assert_true(err.message[0] != '\0');
+        assert_message_utf8(&err);
         assert_false(dsv4_proto_code_is_fatal(err.code));
         return err.code;
     }
@@ -291,6 +301,12 @@ static void b_logprobs_99(msgpack_packer *pk) { generate_prompt(pk, 1); key(pk, 
 static void b_temp_string(msgpack_packer *pk) { generate_prompt(pk, 1); key(pk, "temperature"); str(pk, "hot", 3); }
 static void b_stream_int(msgpack_packer *pk) { generate_prompt(pk, 1); key(pk, "stream"); msgpack_pack_uint8(pk, 1); }
 static void b_unknown_field(msgpack_packer *pk) { generate_prompt(pk, 1); key(pk, "temprature"); msgpack_pack_double(pk, 0.5); }
+/* Names the error quotes, cut to their first 64 bytes: here inside the 32nd of its two-byte characters. */
+#define NAME_CUT_MIDCHAR "x\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9" \
+    "\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9" \
+    "\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9"
+static void b_unknown_field_utf8(msgpack_packer *pk) { generate_prompt(pk, 1); key(pk, NAME_CUT_MIDCHAR); msgpack_pack_double(pk, 0.5); }
+static void b_unknown_method_utf8(msgpack_packer *pk) { request(pk, NAME_CUT_MIDCHAR, 0); }
 static void b_dup_field(msgpack_packer *pk) { generate_prompt(pk, 1); key(pk, "prompt"); str(pk, "again", 5); }
 static void b_int_key(msgpack_packer *pk) { generate_prompt(pk, 1); msgpack_pack_uint8(pk, 7); msgpack_pack_uint8(pk, 7); }
 static void b_many_stop(msgpack_packer *pk)
@@ -495,6 +511,8 @@ static const struct hostile cases[] = {
     { "temperature as string", NULL, b_temp_string, DSV4_PROTO_E_WRONG_TYPE },
     { "stream as integer", NULL, b_stream_int, DSV4_PROTO_E_WRONG_TYPE },
     { "misspelt field", NULL, b_unknown_field, DSV4_PROTO_E_UNKNOWN_FIELD },
+    { "unknown field of 73 bytes, cut inside a character", NULL, b_unknown_field_utf8, DSV4_PROTO_E_UNKNOWN_FIELD },
+    { "unknown method of 73 bytes, cut inside a character", NULL, b_unknown_method_utf8, DSV4_PROTO_E_UNKNOWN_METHOD },
     { "prompt twice", NULL, b_dup_field, DSV4_PROTO_E_DUPLICATE_FIELD },
     { "integer map key", NULL, b_int_key, DSV4_PROTO_E_WRONG_TYPE },
     { "role god", NULL, b_bad_role, DSV4_PROTO_E_BAD_ROLE },
