@@ -267,6 +267,10 @@ static int hf_rope(const struct parser *p, struct dsv4_config *c, double prf, bo
         r = get_num(p, p->root, "compress_rope_theta", 160000.0, 1.0, 1e12, &compress_theta);
     if (r < 0)
         return r;
+    /* a base of 1 makes every frequency 1 and YaRN's ramp NaN; the nested dicts default to these */
+    if (!(rope_theta > 1.0) || !(compress_theta > 1.0))
+        return dsv4_error_set(-EINVAL, "%s: field %s must be a number > 1", p->name,
+                              rope_theta > 1.0 ? "compress_rope_theta" : "rope_theta");
     main_d = json_object_get(rp, "main");
     comp_d = json_object_get(rp, "compress");
     if (json_is_object(main_d) && json_is_object(comp_d)) {

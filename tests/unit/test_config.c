@@ -297,6 +297,12 @@ static void test_transformers_refusals(void **state)
                    -ENOTSUP, "attention_factor");
     expect_refused(HF "\"rope_parameters\": {\"main\": {\"rope_type\": \"default\"}, \"compress\": "
                    "{\"rope_type\": \"default\"}}}", -ENOTSUP, "partial_rotary_factor");
+    /* a base of 1 (above) refused here too, also where the nested dicts take it from the top level */
+    expect_refused(HF "\"rope_theta\": 1.0, \"rope_parameters\": {\"main\": {\"rope_type\": \"default\","
+                   " \"partial_rotary_factor\": 0.125}, \"compress\": {\"rope_type\": \"default\","
+                   " \"partial_rotary_factor\": 0.125, \"rope_theta\": 160000}}}", -EINVAL, "rope_theta");
+    expect_refused(HF "\"rope_theta\": 1}", -EINVAL, "rope_theta");
+    expect_refused(HF "\"compress_rope_theta\": 1}", -EINVAL, "compress_rope_theta");
     expect_refused("{\"model_type\": \"deepseek_v3\"}", -ENOTSUP, "model_type");
     expect_refused("{\"hidden_size\": 64}", -EINVAL, "model_type");
     expect_refused("{\"model_type\": \"deepseek_v4\", \"vocab_size\": 3", -EINVAL, "corrupt JSON");
