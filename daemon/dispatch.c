@@ -783,15 +783,16 @@ out:
     dsv4_proto_tokens_clear(&req);
 }
 
-/* One of the scheduler's latency histograms into the stats reply (same buckets). */
-static void stats_latency(const struct dsv4_sched_latency *h, struct dsv4_proto_latency *ret, uint64_t *ret_count,
-                          double *ret_sum_s)
+/* One of the scheduler's latency histograms into the stats reply (same buckets), less the warm-up's
+ * observations (base). */
+static void stats_latency(const struct dsv4_sched_latency *h, const struct dsv4_sched_latency *base,
+                          struct dsv4_proto_latency *ret, uint64_t *ret_count, double *ret_sum_s)
 {
     ret->n = DSV4_SCHED_LATENCY_BOUNDS + 1;
     for (uint32_t i = 0; i < ret->n; i++)
-        ret->buckets[i] = h->buckets[i];
-    *ret_count = h->count;
-    *ret_sum_s = h->sum_s;
+        ret->buckets[i] = h->buckets[i] - base->buckets[i];
+    *ret_count = h->count - base->count;
+    *ret_sum_s = h->sum_s - base->sum_s;
 }
 
 static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct dsv4_proto_message *msg)
@@ -851,10 +852,10 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
         st.n_latency_bounds = DSV4_SCHED_LATENCY_BOUNDS;
         for (uint32_t i = 0; i < DSV4_SCHED_LATENCY_BOUNDS; i++)
             st.latency_bounds_s[i] = dsv4_sched_latency_bounds_s[i];
-        stats_latency(&ss.queue, &st.queue_hist, &st.queue_count, &st.queue_sum_s);
-        stats_latency(&ss.ttft, &st.ttft_hist, &st.ttft_count, &st.ttft_sum_s);
-        stats_latency(&ss.tpot, &st.tpot_hist, &st.tpot_count, &st.tpot_sum_s);
-        stats_latency(&ss.e2e, &st.e2e_hist, &st.e2e_count, &st.e2e_sum_s);
+        stats_latency(&ss.queue, &d->warmup_latency[0], &st.queue_hist, &st.queue_count, &st.queue_sum_s);
+        stats_latency(&ss.ttft, &d->warmup_latency[1], &st.ttft_hist, &st.ttft_count, &st.ttft_sum_s);
+        stats_latency(&ss.tpot, &d->warmup_latency[2], &st.tpot_hist, &st.tpot_count, &st.tpot_sum_s);
+        stats_latency(&ss.e2e, &d->warmup_latency[3], &st.e2e_hist, &st.e2e_count, &st.e2e_sum_s);
         st.sched_allocations = ss.allocations;
         st.sched_allocations_after_boot = ss.allocations - d->boot_sched_allocations;
         if (ss.prefix_cache) {
@@ -1011,7 +1012,8 @@ static void on_finish(struct dsv4_dispatch *d, struct dsv4_request *req, const s
     struct dsv4_conn *c = req->conn;
     struct dsv4_proto_generate_result out = { 0 };
 
-    d->counters.generated_tokens_total += (uint64_t)res->completion_tokens;
+    if (!req->warmup)
+        d->counters.generated_tokens_total += (uint64_t)res->completion_tokens;
     if (res->finish == DSV4_FINISH_CANCELLED)
         d->counters.requests_cancelled++;
     else if (res->finish == DSV4_FINISH_ERROR)
@@ -1025,6 +1027,13 @@ static void on_finish(struct dsv4_dispatch *d, struct dsv4_request *req, const s
 
     if (req->warmup) {
         char what[DSV4_SCHED_ERROR_MAX + 128];
+        struct dsv4_sched_stats ss;
+        /* the scheduler observed the warm-up before its result came out (both under its lock) */
+        dsv4_sched_get_stats(d->sched, &ss);
+        d->warmup_latency[0] = ss.queue;
+        d->warmup_latency[1] = ss.ttft;
+        d->warmup_latency[2] = ss.tpot;
+        d->warmup_latency[3] = ss.e2e;
         bool ok = res->finish != DSV4_FINISH_ERROR && res->finish != DSV4_FINISH_CANCELLED && res->n_tokens > 0;
         if (ok)
             snprintf(what, sizeof(what), "warm-up generated %d tokens in %.3f s", res->n_tokens,

@@ -92,6 +92,9 @@ struct dsv4_dispatch {
     struct dsv4_sched *sched;
     uint64_t boot_device_allocs, boot_graph_captures;  /* backend counters when boot ended */
     uint64_t boot_sched_allocations;        /* the scheduler's allocation counter when boot ended */
+    /* The scheduler's latency histograms once the warm-up had finished: the warm-up is no client's
+     * request, so stats report what came after (queue, ttft, tpot, e2e). */
+    struct dsv4_sched_latency warmup_latency[4];
 
     struct dsv4_request *requests;          /* every live request */
     int n_requests;

@@ -54,6 +54,13 @@ try:
     err, boot_st = c.call("stats")
     t.ok(err is None and boot_st["sched_allocations"] > 0 and boot_st["sched_allocations_after_boot"] == 0,
          "stats right after boot: the scheduler's allocations are counted, none after boot", (err, boot_st))
+    # The boot's warm-up generation is no client's request: it is in no request count, no generated
+    # token count and no latency histogram.
+    t.ok(err is None and boot_st["requests_total"] == 0 and boot_st["prompt_tokens_total"] == 0
+         and boot_st["generated_tokens_total"] == 0
+         and all(boot_st["%s_count" % h] == 0 and sum(boot_st["%s_hist" % h]) == 0 and boot_st["%s_sum_s" % h] == 0
+                 for h in ("queue", "ttft", "tpot", "e2e")),
+         "stats right after boot: the warm-up is counted nowhere", (err, boot_st))
     err, hello = c.call("hello", {"protocol": 2, "client": "python msgpack"})
     t.ok(err is None and hello["protocol"] == 2 and hello["server"].startswith("dsv4d ")
          and hello["model"]["vocab_size"] == FIXTURE_VOCAB and hello["max_batch"] == 4 and hello["backend"] == "cpu"
