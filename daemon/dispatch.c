@@ -852,10 +852,10 @@ static void do_stats(struct dsv4_dispatch *d, struct dsv4_conn *c, const struct 
         st.n_latency_bounds = DSV4_SCHED_LATENCY_BOUNDS;
         for (uint32_t i = 0; i < DSV4_SCHED_LATENCY_BOUNDS; i++)
             st.latency_bounds_s[i] = dsv4_sched_latency_bounds_s[i];
-        stats_latency(&ss.queue, &d->warmup_latency[0], &st.queue_hist, &st.queue_count, &st.queue_sum_s);
-        stats_latency(&ss.ttft, &d->warmup_latency[1], &st.ttft_hist, &st.ttft_count, &st.ttft_sum_s);
-        stats_latency(&ss.tpot, &d->warmup_latency[2], &st.tpot_hist, &st.tpot_count, &st.tpot_sum_s);
-        stats_latency(&ss.e2e, &d->warmup_latency[3], &st.e2e_hist, &st.e2e_count, &st.e2e_sum_s);
+        stats_latency(&ss.queue, &d->warmup_latency.queue, &st.queue_hist, &st.queue_count, &st.queue_sum_s);
+        stats_latency(&ss.ttft, &d->warmup_latency.ttft, &st.ttft_hist, &st.ttft_count, &st.ttft_sum_s);
+        stats_latency(&ss.tpot, &d->warmup_latency.tpot, &st.tpot_hist, &st.tpot_count, &st.tpot_sum_s);
+        stats_latency(&ss.e2e, &d->warmup_latency.e2e, &st.e2e_hist, &st.e2e_count, &st.e2e_sum_s);
         st.sched_allocations = ss.allocations;
         st.sched_allocations_after_boot = ss.allocations - d->boot_sched_allocations;
         if (ss.prefix_cache) {
@@ -1030,10 +1030,10 @@ static void on_finish(struct dsv4_dispatch *d, struct dsv4_request *req, const s
         struct dsv4_sched_stats ss;
         /* the scheduler observed the warm-up before its result came out (both under its lock) */
         dsv4_sched_get_stats(d->sched, &ss);
-        d->warmup_latency[0] = ss.queue;
-        d->warmup_latency[1] = ss.ttft;
-        d->warmup_latency[2] = ss.tpot;
-        d->warmup_latency[3] = ss.e2e;
+        d->warmup_latency.queue = ss.queue;
+        d->warmup_latency.ttft = ss.ttft;
+        d->warmup_latency.tpot = ss.tpot;
+        d->warmup_latency.e2e = ss.e2e;
         bool ok = res->finish != DSV4_FINISH_ERROR && res->finish != DSV4_FINISH_CANCELLED && res->n_tokens > 0;
         if (ok)
             snprintf(what, sizeof(what), "warm-up generated %d tokens in %.3f s", res->n_tokens,

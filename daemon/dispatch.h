@@ -94,7 +94,9 @@ struct dsv4_dispatch {
     uint64_t boot_sched_allocations;        /* the scheduler's allocation counter when boot ended */
     /* The scheduler's latency histograms once the warm-up had finished: the warm-up is no client's
      * request, so stats report what came after (queue, ttft, tpot, e2e). */
-    struct dsv4_sched_latency warmup_latency[4];
+    struct {
+        struct dsv4_sched_latency queue, ttft, tpot, e2e;
+    } warmup_latency;
 
     struct dsv4_request *requests;          /* every live request */
     int n_requests;

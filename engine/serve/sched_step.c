@@ -136,9 +136,9 @@ static void note_prefill_rate(struct dsv4_sched *s, int tokens, uint64_t ns)
 }
 
 /* A prefill chunk of q while its blocks join the prefix cache: the slot's state can be kept only where
- * a chunk ends, so the chunk ends at the first boundary worth keeping that it would pass (the prompt's
- * last short of its last token, where the same prompt again resumes, or where the prompt leaves the
- * cached chain); else it runs whole, and the blocks it completes join the cache where the slot next
+ * a chunk ends, so the chunk ends at the first boundary worth keeping that it would pass
+ * (sched_prefix_hot: the prompt's last short of its last token, where the same prompt again resumes,
+ * where the prompt leaves the cached chain, or the deepest the pool can hold); else it runs whole, and the blocks it completes join the cache where the slot next
  * stands on a boundary (sched_prefix_advance). */
 static int cached_chunk(const struct dsv4_sched *s, const struct sched_req *q, int chunk)
 {

@@ -58,7 +58,8 @@
  * the slot stands on a block boundary; the slot's state (window and compressors) is kept only there:
  * at a chunk's end on a boundary, and at every boundary while decoding. A chunk ends early at the
  * boundaries worth keeping: the prompt's last short of its last token (where the same prompt again
- * resumes) and where the prompt leaves the cached chain. A request resumes only where some slot's
+ * resumes), where the prompt leaves the cached chain, and the deepest block a chain can hold in the
+ * pool with the state after it, where caching stops. A request resumes only where some slot's
  * state was kept. The logits, tokens and penalty history of a restored request are exactly those of a cold
  * one: the same state continues with the same arithmetic.
  *

@@ -420,11 +420,10 @@ static void test_prompt_within_budget(void **state)
     pair_close(&p);
 }
 
-/* A pool of a few snapshots under many prompts: evictions happen, hits continue on what is left,
- * every answer stays the cold one, and the counts add up. */
-static void test_eviction(void **state)
+/* tiny_a's prefix pool geometry (pages of a block record and of a boundary record), to size pools by
+ * the snapshots they hold. */
+static struct dsv4_prefix_geom tiny_a_geom(void)
 {
-    (void)state;
     struct dsv4_weights *w = load("tiny_a");
     struct dsv4_backend_opts bo = { .max_batch = 1, .max_context = 128, .threads = 1,
                                     .prefix_pool_bytes = POOL_BYTES };
@@ -433,6 +432,15 @@ static void test_eviction(void **state)
     const struct dsv4_prefix_geom g = probe->prefix;
     dsv4_backend_destroy(probe);
     dsv4_weights_free(w);
+    return g;
+}
+
+/* A pool of a few snapshots under many prompts: evictions happen, hits continue on what is left,
+ * every answer stays the cold one, and the counts add up. */
+static void test_eviction(void **state)
+{
+    (void)state;
+    const struct dsv4_prefix_geom g = tiny_a_geom();
 
     struct pair p;
     struct dsv4_sampling sp[2];
@@ -477,14 +485,7 @@ static void test_eviction(void **state)
 static void test_prompt_past_the_pool(void **state)
 {
     (void)state;
-    struct dsv4_weights *w = load("tiny_a");
-    struct dsv4_backend_opts bo = { .max_batch = 1, .max_context = 128, .threads = 1,
-                                    .prefix_pool_bytes = POOL_BYTES };
-    struct dsv4_backend *probe;
-    assert_int_equal(dsv4_backend_cpu_create(w, &bo, &probe), 0);
-    const struct dsv4_prefix_geom g = probe->prefix;
-    dsv4_backend_destroy(probe);
-    dsv4_weights_free(w);
+    const struct dsv4_prefix_geom g = tiny_a_geom();
     assert_true(g.block_pages > 0);
 
     struct pair p;
